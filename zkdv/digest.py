@@ -1,0 +1,121 @@
+"""Commitments of arrays and of whole states and batches (DESIGN §4).
+
+A leaf digest is ``BLAKE3(np.asarray(x).tobytes())``. A state digest is the
+BLAKE3 of the deterministic CBOR of ``[(keypath, dtype, shape, pieces)]``; a
+batch digest is the same with each leaf's rows (leading axis) folded into an
+RFC 9162 Merkle tree, so single rows can later be opened with a proof.
+
+Example::
+
+  leaf = LeafLayout(path="['w']", dtype="float32", shape=(2,))
+  d = state_digest([leaf], [[whole_piece(leaf, leaf_digest(np.zeros(2, np.float32)))]])
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import blake3
+import cbor2
+import ml_dtypes
+import numpy as np
+
+from zkdv import merkle
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """Where a leaf sits and what its bytes are.
+
+  ``dtype`` and ``shape`` describe the stored bytes; for a PRNG key leaf they
+  are those of its key data, and ``key_impl`` names the key implementation.
+  """
+
+  path: str
+  dtype: str
+  shape: tuple[int, ...]
+  key_impl: str | None = None
+
+  def to_record(self) -> dict:
+    record = {"path": self.path, "dtype": self.dtype, "shape": list(self.shape)}
+    if self.key_impl is not None:
+      record["key_impl"] = self.key_impl
+    return record
+
+  @classmethod
+  def from_record(cls, record: dict) -> "LeafLayout":
+    return cls(path=record["path"], dtype=record["dtype"],
+               shape=tuple(record["shape"]), key_impl=record.get("key_impl"))
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
+
+  @property
+  def rows(self) -> int:
+    """Rows for the batch Merkle tree: the leading axis of the logical array."""
+    logical_ndim = len(self.shape) - (1 if self.key_impl else 0)
+    return self.shape[0] if logical_ndim >= 1 else 1
+
+
+def numpy_dtype(name: str) -> np.dtype:
+  """The numpy dtype named ``name``, including ml_dtypes' (bfloat16, fp8, int4)."""
+  try:
+    return np.dtype(name)
+  except TypeError:
+    pass
+  dtype = getattr(ml_dtypes, name, None)
+  if dtype is None:
+    raise TypeError(f"unknown dtype {name!r}.")
+  return np.dtype(dtype)
+
+
+def byte_view(array: np.ndarray) -> np.ndarray:
+  """The array's bytes in C order as a flat uint8 view (a copy only if needed)."""
+  array = np.ascontiguousarray(array)
+  return array.reshape(-1).view(np.uint8)
+
+
+def leaf_digest(array: np.ndarray) -> bytes:
+  return blake3.blake3(byte_view(array), max_threads=blake3.blake3.AUTO).digest()
+
+
+def whole_piece(layout: LeafLayout, digest: bytes) -> list:
+  """The single piece of an unsharded leaf: its full index and digest."""
+  return [[[0, n] for n in layout.shape], digest]
+
+
+def row_leaf_hashes(layout: LeafLayout, array: np.ndarray) -> list[bytes]:
+  data = byte_view(array)
+  rows = layout.rows
+  if rows == 0:
+    return []
+  width = data.size // rows
+  return [merkle.leaf_hash(data[i * width:(i + 1) * width]) for i in range(rows)]
+
+
+def _table_digest(entries: list) -> bytes:
+  return blake3.blake3(cbor2.dumps(entries, canonical=True)).digest()
+
+
+def state_digest(layouts: Sequence[LeafLayout], pieces: Sequence[list]) -> bytes:
+  """Digest of a state from its layout and each leaf's pieces."""
+  return _table_digest([[l.path, l.dtype, list(l.shape), p]
+                        for l, p in zip(layouts, pieces, strict=True)])
+
+
+def batch_digest(layouts: Sequence[LeafLayout], row_roots: Sequence[bytes]) -> bytes:
+  """Digest of the batch evidence from each leaf's row Merkle root."""
+  return _table_digest([[l.path, l.dtype, list(l.shape), l.rows, r]
+                        for l, r in zip(layouts, row_roots, strict=True)])
+
+
+def digest_state_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]):
+  """(state digest, per-leaf digests) of unsharded host arrays."""
+  leaf_digests = [leaf_digest(a) for a in arrays]
+  pieces = [[whole_piece(l, d)] for l, d in zip(layouts, leaf_digests, strict=True)]
+  return state_digest(layouts, pieces), leaf_digests
+
+
+def digest_batch_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]) -> bytes:
+  roots = [merkle.root(row_leaf_hashes(l, a)) for l, a in zip(layouts, arrays, strict=True)]
+  return batch_digest(layouts, roots)

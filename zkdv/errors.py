@@ -1,0 +1,97 @@
+"""Typed errors of ZKDV. Each message says what happened and what to do.
+
+Example::
+
+  try:
+    proof.finish()
+  except zkdv.errors.NoTranscriptUpdateError as e:
+    print(e)  # ... Decorate the function containing apply_gradients() with proof.jit.
+"""
+
+
+class ZKDVError(Exception):
+  """Base class of every error ZKDV raises on purpose."""
+
+
+class NoTranscriptUpdateError(ZKDVError):
+  """No optimizer update reached the transcript."""
+
+  FIX = ("Decorate the function containing apply_gradients() with proof.jit "
+         "(not jax.jit).")
+
+  def __init__(self, detail: str):
+    super().__init__(f"No transcript update: {detail} {self.FIX}")
+
+
+class ProofIdentityError(ZKDVError):
+  """A state was created with a different proof object."""
+
+  def __init__(self, detail: str):
+    super().__init__(
+        f"Proof identity error: {detail} Use the exact proof instance returned "
+        "for this experiment when you create the TrainState "
+        "(TrainState.create(proof=proof, ...)).")
+
+
+class AttestedProgramAlreadyRegisteredError(ZKDVError):
+  """A manual proof.attest function and the TrainState integration were mixed."""
+
+  def __init__(self, detail: str):
+    super().__init__(
+        f"Attested program already registered: {detail} Remove the manual "
+        "proof.attest function when using the TrainState integration.")
+
+
+class StaticArgumentError(ZKDVError):
+  """Static arguments changed after the first attested call."""
+
+  def __init__(self, detail: str):
+    super().__init__(
+        f"Static argument error: {detail} Automatic attestation fixes static "
+        "arguments on the first training invocation. Keep their values "
+        "unchanged for that compiled step, or make the value a supported "
+        "dynamic input.")
+
+
+class ExportError(ZKDVError):
+  """The update program could not be exported with jax.export."""
+
+  def __init__(self, detail: str):
+    super().__init__(
+        f"Export failure: {detail} Pass randomness explicitly as a dynamic "
+        "argument, and give TrainState.create(attest_apply_fn=...) a "
+        "deterministic, exportable implementation of apply_fn if the model "
+        "uses a custom kernel.")
+
+
+class ReplayError(ZKDVError):
+  """A sampled update check did not reproduce the committed post-state."""
+
+  def __init__(self, detail: str):
+    super().__init__(
+        f"Replay failure: {detail} Pass randomness explicitly and use "
+        "attest_apply_fn only for a deterministic, equivalent implementation.")
+
+
+class UnsupportedUpdateError(ZKDVError):
+  """The update sits where ZKDV cannot attest it (e.g. inside a loop)."""
+
+
+class StepInputError(ZKDVError, ValueError):
+  """A training step was called with inputs its program cannot take."""
+
+
+class ProofStateError(ZKDVError, RuntimeError):
+  """The proof is used out of order (not started, already finished)."""
+
+
+class CommitmentError(ZKDVError, RuntimeError):
+  """Committing or checking a step failed in the background."""
+
+
+class TranscriptFormatError(ZKDVError, ValueError):
+  """A transcript file or blob is malformed."""
+
+
+class StepOutputError(ZKDVError, TypeError):
+  """A training step did not return the state it updated."""

@@ -1,0 +1,1 @@
+"""The jaxpr machinery: the update marker, finding updates, update programs."""

@@ -1,0 +1,52 @@
+"""Moving leaves between JAX and the host bytes that commitments cover.
+
+A PRNG key leaf is committed as its key data (``jax.random.key_data``); its
+layout names the key implementation so it can be rebuilt for replay.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zkdv.digest import LeafLayout
+
+
+def is_key(x) -> bool:
+  return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def as_array(x) -> jax.Array:
+  """``x`` as a jax.Array (Python scalars and numpy arrays are converted)."""
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def layout_of(path: str, x: jax.Array) -> LeafLayout:
+  if is_key(x):
+    data = jax.eval_shape(jax.random.key_data, x)
+    return LeafLayout(path, str(data.dtype), tuple(data.shape),
+                      key_impl=str(jax.random.key_impl(x)))
+  return LeafLayout(path, str(x.dtype), tuple(x.shape))
+
+
+def host_view(x: jax.Array) -> np.ndarray:
+  """The leaf's bytes on the host, without a copy where JAX allows one.
+
+  A DLPack view does not pin the array afterwards, so donating it later works
+  once the view is gone (while it lives, JAX copies instead of donating).
+  """
+  if is_key(x):
+    x = jax.random.key_data(x)
+  try:
+    return np.from_dlpack(x)
+  except (RuntimeError, TypeError, BufferError, ValueError, jax.errors.JaxRuntimeError):
+    return np.asarray(x)
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+  return np.array(host_view(x), copy=True)
+
+
+def from_host(array: np.ndarray, layout: LeafLayout) -> jax.Array:
+  if layout.key_impl is not None:
+    return jax.random.wrap_key_data(jnp.asarray(array), impl=layout.key_impl)
+  return jnp.asarray(array)

@@ -1,0 +1,354 @@
+"""The ZKDV driver: one proof, its transcript and its compiled steps.
+
+Example::
+
+  proof = zkdv.jax.ZKDV("my-run", zkdv.ZKDVConfig())
+  proof.start(rolling_window=4, probe_ratio=0.01)
+
+  @proof.jit(donate_argnums=(0,))
+  def train_step(state, batch):
+    ...
+    return state.apply_gradients(grads=grads)
+
+  for batch in batches:
+    state = train_step(state, batch)
+  proof.finish()
+"""
+
+import dataclasses
+import datetime
+import logging
+import os
+import pathlib
+import re
+import threading
+
+import jax
+import jaxlib
+
+from zkdv import __version__
+from zkdv import config as config_lib
+from zkdv import digest
+from zkdv import errors
+from zkdv import overlap as overlap_lib
+from zkdv import sampling
+from zkdv import transcript
+from zkdv.jax import arrays
+from zkdv.jax import replay
+from zkdv.jax.pipeline import CommitPipeline
+from zkdv.jax.step import ProofFunction
+
+logger = logging.getLogger("zkdv")
+
+
+def _default_folder(name: str) -> pathlib.Path:
+  slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "proof"
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  return pathlib.Path.cwd() / "zkdv-proofs" / f"{slug}-{stamp}-{os.urandom(3).hex()}"
+
+
+class ZKDV:
+  """A verifiable training run: ``start``, ``jit``/``attest``, ``finish``.
+
+  Attributes:
+    name: the proof's name, written into the root record.
+    config: its ``zkdv.ZKDVConfig``.
+    path: the transcript folder (set by ``start``).
+    steps: the number of steps recorded so far.
+    checks: how many update and state checks ran.
+    discontinuities: steps whose pre-state was not the previous post-state.
+  """
+
+  def __init__(self, name: str, config: config_lib.ZKDVConfig | None = None):
+    if not isinstance(name, str) or not name:
+      raise ValueError(f"a proof needs a non-empty name, got {name!r}.")
+    config = config_lib.ZKDVConfig() if config is None else config
+    if not isinstance(config, config_lib.ZKDVConfig):
+      raise TypeError(f"config must be a zkdv.ZKDVConfig, got {type(config).__name__}.")
+    self.name = name
+    self.config = config
+    self.path: pathlib.Path | None = None
+    self.steps = 0
+    self.checks = {"update": 0, "state": 0}
+    self.discontinuities: list[int] = []
+    self.failed_checks: list[dict] = []
+    self._writer: transcript.TranscriptWriter | None = None
+    self._pipeline: CommitPipeline | None = None
+    self._seed = b""
+    self._finished = False
+    self._finish_error: errors.ZKDVError | None = None
+    self._registered: dict[str, ProofFunction] = {}
+    self._written_programs: set[bytes] = set()
+    self._last_post_leaves: list | None = None
+    self._last_post: tuple | None = None  # (digest, leaf digests, layouts, params mask)
+    self._lock = threading.Lock()
+
+  def __repr__(self):
+    return f"ZKDV({self.name!r})"
+
+  # -- lifecycle -------------------------------------------------------------
+
+  def start(self, rolling_window: int = 4, probe_ratio: float = 0.0) -> "ZKDV":
+    """Opens the transcript and writes its root record.
+
+    Args:
+      rolling_window: at most this many steps may be in flight whose records
+        are not yet durable (bounds the buffer generations ZKDV keeps).
+      probe_ratio: the fraction of each batch's rows opened as data probes.
+    """
+    if self._writer is not None:
+      raise errors.ProofStateError(f"{self!r} is already started; start() runs once.")
+    if isinstance(rolling_window, bool) or not isinstance(rolling_window, int) or rolling_window < 1:
+      raise ValueError(f"rolling_window must be an int >= 1, got {rolling_window!r}.")
+    if isinstance(probe_ratio, bool) or not isinstance(probe_ratio, (int, float)) or not 0 <= probe_ratio <= 1:
+      raise ValueError(f"probe_ratio must be a number in [0, 1], got {probe_ratio!r}.")
+    folder = (pathlib.Path(self.config.output_dir) if self.config.output_dir
+              else _default_folder(self.name))
+    self._writer = transcript.TranscriptWriter(folder)
+    self.path = folder
+    self._seed = sampling.new_seed()
+    devices = jax.devices()
+    self._writer.append({
+        "type": "root",
+        "format_version": transcript.FORMAT_VERSION,
+        "prover": transcript.PROVER,
+        "name": self.name,
+        "versions": {"zkdv": __version__, "jax": jax.__version__,
+                     "jaxlib": jaxlib.__version__},
+        "platform": devices[0].platform,
+        "device_kinds": sorted({d.device_kind for d in devices}),
+        "config": self.config.to_record(),
+        "start": {"rolling_window": rolling_window, "probe_ratio": float(probe_ratio)},
+        "seed_commitment": sampling.seed_commitment(self._seed),
+    }, durable=True)
+    self._pipeline = CommitPipeline(rolling_window)
+    logger.info("ZKDV proof %r: transcript at %s", self.name, folder)
+    return self
+
+  def finish(self) -> pathlib.Path:
+    """Waits for every commitment and check, writes ``final``; idempotent.
+
+    Returns the transcript folder. Raises the first background failure, a
+    failed check, or NoTranscriptUpdateError when no step was recorded; the
+    ``final`` record is written in every case.
+    """
+    if self._finished:
+      if self._finish_error is not None:
+        raise self._finish_error
+      return self.path
+    self._require_running()
+    self._pipeline.drain()
+    self._pipeline.close()
+    error = None
+    try:
+      self._pipeline.raise_if_failed()
+    except errors.ZKDVError as e:
+      error = e
+    if error is None and self.failed_checks:
+      first = self.failed_checks[0]
+      error = errors.ReplayError(
+          f"{len(self.failed_checks)} sampled check(s) did not reproduce the "
+          f"committed state; first at step {first['step']}, leaves "
+          f"{first['mismatched_leaves']}.")
+    if error is None and self.steps == 0:
+      error = errors.NoTranscriptUpdateError(
+          f"proof {self.name!r} finished without recording any update: the "
+          "training step still uses jax.jit.")
+    self._write_final(clean=error is None)
+    self._writer.close()
+    self._finished = True
+    self._finish_error = error
+    logger.info("ZKDV proof %r: %d steps, %d update and %d state checks at %s",
+                self.name, self.steps, self.checks["update"],
+                self.checks["state"], self.path)
+    if error is not None:
+      raise error
+    return self.path
+
+  def __enter__(self) -> "ZKDV":
+    if self._writer is None:
+      self.start()
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    if exc_type is None:
+      self.finish()
+    elif not self._finished and self._writer is not None:
+      try:
+        self.finish()
+      except errors.ZKDVError:
+        pass  # the exception already propagating says more
+
+  # -- compiling steps -------------------------------------------------------
+
+  def jit(self, fun=None, /, **jit_options):
+    """``jax.jit`` for a step that calls ``state.apply_gradients``.
+
+    Usable as ``@proof.jit`` or ``@proof.jit(donate_argnums=(0,), ...)`` with
+    every ``jax.jit`` option.
+    """
+    if fun is None:
+      return lambda f: ProofFunction(self, f, jit_options)
+    return ProofFunction(self, fun, jit_options)
+
+  def attest(self, fun=None, /, *, state_argnum: int = 0, **jit_options):
+    """Registers a manual update function for a loop without TrainState.
+
+    ``fun(state, *batch)`` must return the new state (or a tuple whose first
+    element is it); argument ``state_argnum`` is the state, every other
+    dynamic argument is batch evidence.
+    """
+    if fun is None:
+      return lambda f: self.attest(f, state_argnum=state_argnum, **jit_options)
+    return ProofFunction(self, fun, jit_options, state_argnum=state_argnum)
+
+  # -- internals used by ProofFunction and the pipeline ----------------------
+
+  def _require_running(self) -> None:
+    if self._writer is None:
+      raise errors.ProofStateError(
+          f"{self!r} is not started: call proof.start() before the first step.")
+    if self._finished:
+      raise errors.ProofStateError(
+          f"{self!r} is finished; start a new proof to record more steps.")
+
+  def _register(self, fn: ProofFunction) -> None:
+    kind = "manual" if fn.manual else "trainstate"
+    other = self._registered.get("trainstate" if fn.manual else "manual")
+    if other is not None:
+      raise errors.AttestedProgramAlreadyRegisteredError(
+          f"{fn.__name__} ({'proof.attest' if fn.manual else 'TrainState'}) "
+          f"meets {other.__name__} ({'TrainState' if fn.manual else 'proof.attest'}) "
+          "on the same proof.")
+    if fn.manual and self._registered.get("manual") not in (None, fn):
+      raise errors.AttestedProgramAlreadyRegisteredError(
+          f"{self._registered['manual'].__name__} is already registered with "
+          "proof.attest; a proof attests one manual update function.")
+    self._registered.setdefault(kind, fn)
+
+  def _run_step(self, program, leaves: list) -> list:
+    """Dispatches one step and queues its commitment and checks."""
+    pipeline = self._pipeline
+    pipeline.raise_if_failed()
+    if program.program_id not in self._written_programs:
+      self._written_programs.add(program.program_id)
+      pipeline.submit(lambda job: self._write_program(program))
+    with self._lock:
+      index = self.steps
+      self.steps += 1
+    policy = self.config.sampling_policy
+    update_check = sampling.is_sampled(self._seed, "update", index,
+                                       policy.update_check_probability)
+    state_check = sampling.is_sampled(self._seed, "state", index,
+                                      policy.state_check_probability)
+    state = [leaves[i] for i in program.state_indices]
+    batch = [leaves[i] for i in program.batch_indices]
+    pre_digest = None
+    continuous = (self._last_post_leaves is not None and len(state) == len(self._last_post_leaves)
+                  and all(a is b for a, b in zip(state, self._last_post_leaves)))
+    donated_state = any(program.donated[i] for i in program.state_indices)
+    donated_batch = any(program.donated[i] for i in program.batch_indices)
+    if not continuous and donated_state:
+      pre_digest = digest.digest_state_arrays(
+          program.state_layouts, [arrays.host_view(x) for x in state])[0]
+    batch_digest = None
+    if donated_batch:
+      batch_digest = digest.digest_batch_arrays(
+          program.batch_layouts, [arrays.host_view(x) for x in batch])
+    opened = None
+    if update_check:
+      opened = [arrays.host_copy(x) for x in leaves]
+    pipeline.reserve()
+    if any(program.donated) and pipeline.last_job is not None:
+      pipeline.last_job.views_ready.wait()  # no donation of a buffer being hashed
+    outs = program.executable(*leaves)
+    post = [outs[i] for i in program.post_indices]
+    job = pipeline.submit(
+        lambda job: self._commit_step(
+            job, program, index, post, None if continuous else (pre_digest, state),
+            batch_digest if batch_digest is not None else batch, opened, update_check,
+            state_check),
+        holds_slot=True)
+    self._last_post_leaves = post
+    overlap = program.overlap or overlap_lib.UNCHECKED
+    if overlap is overlap_lib.NEVER or (
+        overlap is overlap_lib.UNCHECKED and (update_check or state_check)):
+      job.done.wait()
+    pipeline.raise_if_failed()
+    return outs
+
+  def _write_program(self, program) -> None:
+    self._writer.put_blob(program.blob)
+    self._writer.append(program.record)
+
+  def _commit_step(self, job, program, index, post, pre, batch, opened,
+                   update_check, state_check) -> None:
+    """Runs on the commit thread: hash, write the step record, run checks."""
+    post_views = [arrays.host_view(x) for x in post]
+    job.views_ready.set()
+    post_digest, post_leaf_digests = digest.digest_state_arrays(
+        program.state_layouts, post_views)
+    if pre is None:
+      pre_digest = self._last_post[0]
+    elif pre[0] is not None:
+      pre_digest = pre[0]
+    else:
+      pre_digest = digest.digest_state_arrays(
+          program.state_layouts, [arrays.host_view(x) for x in pre[1]])[0]
+    if self._last_post is not None and pre_digest != self._last_post[0]:
+      self.discontinuities.append(index)
+      logger.warning("ZKDV proof %r: step %d does not start from the state step "
+                     "%d returned (changed outside proof.jit).", self.name, index,
+                     index - 1)
+    batch_digest = batch if isinstance(batch, bytes) else digest.digest_batch_arrays(
+        program.batch_layouts, [arrays.host_view(x) for x in batch])
+    self._writer.append({
+        "type": "step", "index": index, "program": program.program_id,
+        "pre_state": pre_digest, "batch": batch_digest,
+        "post_state": post_digest, "probes": [],
+    })
+    self._last_post = (post_digest, post_leaf_digests, program.state_layouts,
+                       program.params_mask)
+    if update_check:
+      self._update_check(program, index, opened, post_views)
+    if state_check:
+      self._state_check(program, index, post_views)
+
+  def _update_check(self, program, index, opened, post_views) -> None:
+    layouts = {i: l for i, l in zip(program.state_indices, program.state_layouts)}
+    layouts.update(zip(program.batch_indices, program.batch_layouts))
+    inputs = [arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)]
+    outs = program.replay(*inputs)
+    replayed = [arrays.host_view(outs[i]) for i in program.post_indices]
+    result = replay.compare(program.state_layouts, replayed, post_views,
+                                      exact=program.exact, tolerance=self.config.tolerance)
+    blobs = [self._writer.put_blob(digest.byte_view(a)) for a in opened]
+    self._writer.append({
+        "type": "check", "step": index, "kind": "update",
+        "pre_state_blobs": [blobs[i] for i in program.state_indices],
+        "batch_blobs": [blobs[i] for i in program.batch_indices],
+        "result": result,
+    }, durable=True)
+    self.checks["update"] += 1
+    if not result["equal"]:
+      self.failed_checks.append({"step": index, **result})
+
+  def _state_check(self, program, index, post_views) -> None:
+    blobs = [self._writer.put_blob(digest.byte_view(a)) for a in post_views]
+    self._writer.append({"type": "check", "step": index, "kind": "state",
+                         "post_state_blobs": blobs}, durable=True)
+    self.checks["state"] += 1
+
+  def _write_final(self, clean: bool) -> None:
+    final = {"type": "final", "steps": self.steps, "seed": self._seed,
+             "status": "clean" if clean else "aborted",
+             "discontinuities": list(self.discontinuities)}
+    if self._last_post is not None:
+      post_digest, leaf_digests, layouts, params_mask = self._last_post
+      final["final_state"] = post_digest
+      params = [(dataclasses.replace(l, path=l.path[len(".params"):]), d)
+                for l, d, m in zip(layouts, leaf_digests, params_mask) if m]
+      final["final_params"] = digest.state_digest(
+          [l for l, _ in params], [[digest.whole_piece(l, d)] for l, d in params])
+    self._writer.append(final, durable=True)
+

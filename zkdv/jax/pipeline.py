@@ -1,0 +1,81 @@
+"""The commitment pipeline: one worker thread, a bounded window of steps.
+
+Jobs (program records, step commitments, checks) run in submission order, so
+records are written in order. ``reserve()`` blocks while ``window`` steps are
+in flight, which bounds the buffer generations ZKDV keeps alive. A failure is
+kept and raised on the training thread at the next ``raise_if_failed()``.
+
+Example::
+
+  pipeline = CommitPipeline(window=4)
+  pipeline.reserve()
+  job = pipeline.submit(lambda job: job.views_ready.set())
+  job.done.wait()
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+
+from zkdv import errors
+
+
+class Job:
+  """A unit of background work and the events the training thread waits on."""
+
+  def __init__(self, work: Callable[["Job"], None], holds_slot: bool):
+    self.work = work
+    self.holds_slot = holds_slot
+    self.views_ready = threading.Event()
+    self.done = threading.Event()
+
+
+class CommitPipeline:
+
+  def __init__(self, window: int):
+    self._slots = threading.BoundedSemaphore(window)
+    self._queue: queue.Queue[Job | None] = queue.Queue()
+    self._error: BaseException | None = None
+    self.last_job: Job | None = None
+    self._thread = threading.Thread(target=self._run, name="zkdv-commit", daemon=True)
+    self._thread.start()
+
+  def reserve(self) -> None:
+    """Blocks until a step may be dispatched (fewer than ``window`` in flight)."""
+    self._slots.acquire()
+
+  def submit(self, work: Callable[[Job], None], *, holds_slot: bool = False) -> Job:
+    job = Job(work, holds_slot)
+    self.last_job = job
+    self._queue.put(job)
+    return job
+
+  def raise_if_failed(self) -> None:
+    if self._error is not None:
+      if isinstance(self._error, errors.ZKDVError):
+        raise self._error
+      raise errors.CommitmentError(
+          f"committing a step failed in the background: {self._error!r}. The "
+          "transcript holds every record written before it.") from self._error
+
+  def drain(self) -> None:
+    """Waits until every submitted job has run."""
+    if self.last_job is not None:
+      self.last_job.done.wait()
+
+  def close(self) -> None:
+    self._queue.put(None)
+    self._thread.join()
+
+  def _run(self) -> None:
+    while (job := self._queue.get()) is not None:
+      try:
+        if self._error is None:
+          job.work(job)
+      except BaseException as e:  # kept and raised on the training thread
+        self._error = e
+      finally:
+        job.views_ready.set()
+        job.done.set()
+        if job.holds_slot:
+          self._slots.release()

@@ -1,0 +1,69 @@
+"""Compiling and comparing exported update programs.
+
+Production and replay compile the *same* serialized program through
+``compile_program``, so on one platform their results are bitwise equal.
+
+Example::
+
+  run = compile_program(jax.export.deserialize(blob))
+  outputs = run(*inputs)
+"""
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from zkdv.config import Tolerance
+from zkdv.digest import LeafLayout, byte_view
+
+
+def compile_program(exported: jax.export.Exported, *, donate_argnums=(),
+                    compiler_options=None, **jit_options):
+  """A jitted callable running ``exported`` (flat arguments, flat results)."""
+  def run(*args):
+    return exported.call(*args)
+  run.__name__ = f"zkdv_update_{exported.fun_name}"
+  return jax.jit(run, donate_argnums=tuple(donate_argnums),
+                 compiler_options=compiler_options, **jit_options)
+
+
+def _ordered_int(a: np.ndarray) -> np.ndarray:
+  """Maps floats to integers whose order is the floats' order (for ulps)."""
+  bits = a.view(np.dtype(f"i{a.dtype.itemsize}")).astype(np.int64)
+  magnitude_mask = (1 << (8 * a.dtype.itemsize - 1)) - 1
+  return np.where(bits < 0, -(bits & magnitude_mask), bits)
+
+
+def compare(layouts: Sequence[LeafLayout], actual: Sequence[np.ndarray],
+            expected: Sequence[np.ndarray], *, exact: bool,
+            tolerance: Tolerance) -> dict:
+  """The check result: equality, mismatching leaves and max abs/rel/ulp error."""
+  mismatched, max_abs, max_rel, max_ulp = [], 0.0, 0.0, 0
+  for layout, a, e in zip(layouts, actual, expected, strict=True):
+    a, e = np.asarray(a), np.asarray(e)
+    same_bytes = (a.dtype == e.dtype and a.shape == e.shape
+                  and np.array_equal(byte_view(a), byte_view(e)))
+    within = same_bytes
+    if not same_bytes and a.shape == e.shape and a.dtype == e.dtype:
+      af, ef = a.astype(np.float64), e.astype(np.float64)
+      abs_err = np.abs(af - ef)
+      with np.errstate(divide="ignore", invalid="ignore"):
+        rel_err = np.where(ef != 0, abs_err / np.abs(ef), abs_err)
+      max_abs = max(max_abs, float(np.nanmax(abs_err, initial=0.0)))
+      max_rel = max(max_rel, float(np.nanmax(rel_err, initial=0.0)))
+      if np.issubdtype(a.dtype, np.floating) or a.dtype.kind == "V" or "float" in str(a.dtype):
+        ulp = np.abs(_ordered_int(a) - _ordered_int(e))
+        max_ulp = max(max_ulp, int(ulp.max(initial=0)))
+      within = bool(np.all((abs_err <= tolerance.atol + tolerance.rtol * np.abs(ef))
+                           | (np.isnan(af) & np.isnan(ef))))
+    if not (same_bytes if exact else within):
+      mismatched.append(layout.path)
+  return {
+      "mode": "exact" if exact else "equivalent",
+      "equal": not mismatched,
+      "mismatched_leaves": mismatched,
+      "max_abs_error": max_abs,
+      "max_rel_error": max_rel,
+      "max_ulp_error": max_ulp,
+  }

@@ -1,0 +1,166 @@
+"""The transcript: a hash-chained CBOR sequence of records plus a blob folder.
+
+``records.cborl`` holds RFC 8949 §4.2 deterministically encoded maps, one after
+another (RFC 8742). ``record_id = BLAKE3(encoded bytes)``; every record but the
+first carries ``prev``; the first record's id is the transcript id. Arrays are
+stored as blobs in ``blobs/``, named by the hex BLAKE3 of their bytes.
+
+Example::
+
+  writer = TranscriptWriter(folder)
+  writer.append({"type": "root", ...})
+  contents = read_transcript(folder)
+  assert contents.torn_tail is None
+"""
+
+import dataclasses
+import io
+import os
+import pathlib
+import re
+
+import blake3
+import cbor2
+import numpy as np
+
+from zkdv import errors
+from zkdv.digest import numpy_dtype
+
+FORMAT_VERSION = 1
+PROVER = "whitebox-jax"
+RECORDS_FILE = "records.cborl"
+BLOBS_DIR = "blobs"
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def encode_record(record: dict) -> bytes:
+  return cbor2.dumps(record, canonical=True)
+
+
+def record_id(encoded: bytes) -> bytes:
+  return blake3.blake3(encoded).digest()
+
+
+class TranscriptWriter:
+  """Appends records (flushed one by one) and content-addressed blobs."""
+
+  def __init__(self, folder: str | os.PathLike):
+    self.folder = pathlib.Path(folder)
+    (self.folder / BLOBS_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+      self._file = open(self.folder / RECORDS_FILE, "xb")
+    except FileExistsError:
+      raise errors.ProofStateError(
+          f"{self.folder / RECORDS_FILE} already exists; a transcript is never "
+          "overwritten. Choose another output_dir.") from None
+    self._prev: bytes | None = None
+    self.transcript_id: bytes | None = None
+
+  def append(self, record: dict, *, durable: bool = False) -> bytes:
+    """Chains, encodes and writes ``record``; returns its id."""
+    if self._prev is not None:
+      record = {**record, "prev": self._prev}
+    encoded = encode_record(record)
+    self._file.write(encoded)
+    self._file.flush()
+    if durable:
+      os.fsync(self._file.fileno())
+    self._prev = record_id(encoded)
+    if self.transcript_id is None:
+      self.transcript_id = self._prev
+    return self._prev
+
+  def put_blob(self, data: np.ndarray | bytes) -> bytes:
+    """Stores ``data`` (bytes or a uint8 view) once; returns its digest."""
+    digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+    path = self.folder / BLOBS_DIR / digest.hex()
+    if not path.exists():
+      tmp = path.with_suffix(".tmp")
+      with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+    return digest
+
+  def sync(self) -> None:
+    os.fsync(self._file.fileno())
+
+  def close(self) -> None:
+    if not self._file.closed:
+      self.sync()
+      self._file.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRecord:
+  record: dict
+  raw: bytes
+  offset: int
+
+  @property
+  def record_id(self) -> bytes:
+    return record_id(self.raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class TornTail:
+  offset: int
+  nbytes: int
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TranscriptContents:
+  records: list[ParsedRecord]
+  torn_tail: TornTail | None
+
+
+def records_path(path: str | os.PathLike) -> pathlib.Path:
+  path = pathlib.Path(path)
+  return path / RECORDS_FILE if path.is_dir() else path
+
+
+def read_transcript(path: str | os.PathLike) -> TranscriptContents:
+  """Every complete record of a transcript; a torn tail is reported, not raised.
+
+  Raises TranscriptFormatError for a file that is not a CBOR sequence of maps.
+  """
+  data = records_path(path).read_bytes()
+  stream = io.BytesIO(data)
+  decoder = cbor2.CBORDecoder(stream)
+  records = []
+  while stream.tell() < len(data):
+    offset = stream.tell()
+    try:
+      record = decoder.decode()
+    except (cbor2.CBORDecodeError, EOFError, MemoryError, OverflowError) as e:
+      return TranscriptContents(records, TornTail(offset, len(data) - offset, str(e)))
+    if not isinstance(record, dict):
+      raise errors.TranscriptFormatError(
+          f"item at byte {offset} is a {type(record).__name__}, not a record map.")
+    records.append(ParsedRecord(record, data[offset:stream.tell()], offset))
+  return TranscriptContents(records, None)
+
+
+def blob_path(folder: str | os.PathLike, digest: bytes) -> pathlib.Path:
+  name = digest.hex() if isinstance(digest, bytes) else str(digest)
+  if not _HEX_DIGEST.fullmatch(name):
+    raise errors.TranscriptFormatError(f"{name!r} is not a blob digest.")
+  return pathlib.Path(folder) / BLOBS_DIR / name
+
+
+def read_blob(folder: str | os.PathLike, digest: bytes, dtype: str,
+              shape: tuple[int, ...]) -> np.ndarray:
+  """The blob ``digest`` as an array, after checking its size and its hash."""
+  path = blob_path(folder, digest)
+  expected = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
+  size = path.stat().st_size
+  if size != expected:
+    raise errors.TranscriptFormatError(
+        f"blob {digest.hex()} holds {size} bytes; its layout {dtype}{list(shape)} "
+        f"needs {expected}.")
+  data = path.read_bytes()
+  if blake3.blake3(data).digest() != digest:
+    raise errors.TranscriptFormatError(f"blob {digest.hex()} does not hash to its name.")
+  return np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
