@@ -323,12 +323,16 @@ class ZKDV:
     result = replay.compare(program.state_layouts, replayed, post_views,
                                       exact=program.exact, tolerance=self.config.tolerance)
     blobs = [self._writer.put_blob(digest.byte_view(a)) for a in opened]
-    self._writer.append({
+    record = {
         "type": "check", "step": index, "kind": "update",
         "pre_state_blobs": [blobs[i] for i in program.state_indices],
         "batch_blobs": [blobs[i] for i in program.batch_indices],
         "result": result,
-    }, durable=True)
+    }
+    if not program.exact:  # the verifier compares within tolerance: open post
+      record["post_state_blobs"] = [self._writer.put_blob(digest.byte_view(a))
+                                    for a in post_views]
+    self._writer.append(record, durable=True)
     self.checks["update"] += 1
     if not result["equal"]:
       self.failed_checks.append({"step": index, **result})
