@@ -228,7 +228,6 @@ class ProofFunction:
   def _build(self, dyn_args, dyn_kwargs, static, positions, leaves, in_tree) -> Program:
     proof = self._proof
     start, count, state = self._locate_state(dyn_args, dyn_kwargs, positions)
-    proof._register(self)
     state_indices = list(range(start, start + count))
     batch_indices = [i for i in range(len(leaves)) if i not in set(state_indices)]
     state_paths = [jax.tree_util.keystr(p)
@@ -284,6 +283,7 @@ class ProofFunction:
                            keep_unused=self._options.get("keep_unused", False),
                            compiler_options=compiler_options, **run_options,
                            **shardings)
+    proof._register(self)
     params_mask = [p.startswith(".params") for p in state_paths]
     record = {
         "type": "program",

@@ -1,0 +1,138 @@
+"""Every sampled check replays bitwise-equal: optimizers x models x options."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from absl.testing import parameterized
+from flax.training import train_state as flax_train_state
+
+from tests import testing
+from zkdv import verify
+
+STEPS = 3
+
+
+def _mlp_setup(proof, tx):
+  model = testing.MLP(width=512)
+  params = model.init(jax.random.key(0), jnp.ones((1, 64)))["params"]
+  state = testing.zkdv.jax.contrib.TrainState.create(
+      proof=proof, apply_fn=model.apply, params=params, tx=tx)
+  x = jax.random.normal(jax.random.key(1), (32, 64))
+  y = jnp.arange(32) % 10
+
+  def step(state, x, y):
+    def loss(p):
+      return optax.softmax_cross_entropy_with_integer_labels(
+          state.apply_fn({"params": p}, x), y).mean()
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+  return state, step, lambda i: (x + i, y)
+
+
+def _dense_setup(proof, tx):
+  state = testing.classifier_state(proof, tx=tx)
+  batch = jnp.asarray(testing.TUTORIAL_BATCH)
+  return state, testing.classifier_step, lambda i: (batch,)
+
+
+def _cnn_setup(proof, tx):
+  model = testing.CNN()
+  variables = model.init(jax.random.key(0), jnp.ones((2, 8, 8, 1)), train=False)
+  state = testing.BatchStatsState.create(
+      proof=proof, apply_fn=model.apply, params=variables["params"], tx=tx,
+      batch_stats=variables["batch_stats"])
+  x = jax.random.normal(jax.random.key(2), (16, 8, 8, 1))
+  y = jnp.arange(16) % 10
+
+  def step(state, x, y, key):
+    def loss(p):
+      logits, updates = state.apply_fn(
+          {"params": p, "batch_stats": state.batch_stats}, x,
+          mutable=["batch_stats"], rngs={"dropout": key})
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
+    grads, updates = jax.grad(loss, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+  return state, step, lambda i: (x, y, jax.random.fold_in(jax.random.key(3), i))
+
+
+MODELS = {"dense": _dense_setup, "mlp512": _mlp_setup, "cnn_bn_dropout": _cnn_setup}
+
+
+class ExactReplayTest(parameterized.TestCase):
+
+  def _train(self, model, optimizer, donate):
+    proof = testing.new_proof(f"{model}-{optimizer}", update_p=1.0, state_p=0.5)
+    proof.start()
+    state, step, batch_for = MODELS[model](proof, testing.OPTIMIZERS[optimizer]())
+    train_step = proof.jit(step, donate_argnums=(0,) if donate else ())
+    for i in range(STEPS):
+      state = train_step(state, *batch_for(i))
+    proof.finish()
+    return proof, state
+
+  def _assert_all_checks_exact(self, proof):
+    self.assertEqual(proof.steps, STEPS)
+    self.assertEqual(proof.checks["update"], STEPS)
+    self.assertEqual(proof.failed_checks, [])
+    checks = [r for r in testing.records_of(proof.path, "check") if r["kind"] == "update"]
+    self.assertLen(checks, STEPS)
+    for c in checks:
+      self.assertEqual(c["result"]["mode"], "exact")
+      self.assertTrue(c["result"]["equal"], c["result"])
+      self.assertEqual(c["result"]["max_ulp_error"], 0)
+    report = verify.verify(proof.path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    replayed = [c for c in report.checks if c.kind == "update"]
+    self.assertLen(replayed, STEPS)
+    self.assertTrue(all(c.status == "verified" and c.mode == "exact" for c in replayed))
+
+  @parameterized.product(model=sorted(MODELS), optimizer=sorted(testing.OPTIMIZERS))
+  def test_every_check_replays_bitwise(self, model, optimizer):
+    proof, _ = self._train(model, optimizer, donate=True)
+    self._assert_all_checks_exact(proof)
+
+  @parameterized.parameters(True, False)
+  def test_with_and_without_donation(self, donate):
+    proof, state = self._train("mlp512", "adafactor", donate=donate)
+    self._assert_all_checks_exact(proof)
+    self.assertFalse(any(x.is_deleted() for x in jax.tree.leaves(state)))
+
+  def test_static_argument(self):
+    proof = testing.new_proof("static", update_p=1.0)
+    proof.start()
+    state = testing.classifier_state(proof)
+
+    @functools.partial(proof.jit, static_argnames=("scale",), donate_argnums=0)
+    def train_step(state, batch, scale):
+      grads = jax.grad(lambda p: scale * testing.classifier_loss(state, batch, p))(state.params)
+      return state.apply_gradients(grads=grads)
+
+    for _ in range(STEPS):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH), scale=2.0)
+    proof.finish()
+    self._assert_all_checks_exact(proof)
+    program = testing.records_of(proof.path, "program")[0]
+    self.assertEqual(program["static_arguments"], [["scale", "2.0"]])
+
+  @parameterized.parameters("adam", "sgd_momentum")
+  def test_same_update_as_flax_train_state(self, optimizer):
+    """The transition is Flax's: the same params as flax TrainState + jax.jit."""
+    proof, state = self._train("dense", optimizer, donate=False)
+    model = testing.TinyClassifier()
+    params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+    flax_state = flax_train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=testing.OPTIMIZERS[optimizer]())
+    flax_step = jax.jit(testing.classifier_step)
+    for _ in range(STEPS):
+      flax_state = flax_step(flax_state, jnp.asarray(testing.TUTORIAL_BATCH))
+    self.assertEqual(int(state.step), int(flax_state.step))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 state.params, flax_state.params)
+    del proof
+
+
+if __name__ == "__main__":
+  absltest.main()

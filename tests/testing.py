@@ -1,0 +1,108 @@
+"""Shared fixtures of the test suites: small models, batches and proofs."""
+
+import pathlib
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import struct
+
+import zkdv
+
+TUTORIAL_BATCH = np.asarray(
+    [[0, 0, 0, 1, 0], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1], [1, 1, 1, 0, 1]],
+    dtype=np.uint32)
+
+
+class TinyClassifier(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    return nn.Dense(2)(tokens.astype(jnp.float32))
+
+
+class MLP(nn.Module):
+  width: int = 512
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(self.width)(x))
+    x = nn.relu(nn.Dense(self.width)(x))
+    return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+  """Conv + BatchNorm + dropout: needs batch_stats and a dropout key."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    x = nn.relu(x)
+    x = nn.Dropout(0.2, deterministic=not train)(x)
+    x = x.reshape((x.shape[0], -1))
+    return nn.Dense(10)(x)
+
+
+class BatchStatsState(zkdv.jax.contrib.TrainState):
+  batch_stats: Any = struct.field(pytree_node=True)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lion": lambda: optax.lion(1e-4),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                      optax.adamw(1e-3)),
+}
+
+
+def new_proof(name: str, update_p: float = 1.0, state_p: float = 0.0,
+              folder: pathlib.Path | None = None, **config) -> zkdv.jax.ZKDV:
+  folder = folder or pathlib.Path(tempfile.mkdtemp(prefix="zkdv-test-")) / name
+  return zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p,
+                                          state_check_probability=state_p),
+      output_dir=folder, **config))
+
+
+def classifier_state(proof, tx=None, **create_kwargs):
+  model = TinyClassifier()
+  params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+  return zkdv.jax.contrib.TrainState.create(
+      proof=proof, apply_fn=model.apply, params=params,
+      tx=tx or optax.adam(1e-2), **create_kwargs)
+
+
+def classifier_loss(state, batch, params=None):
+  logits = state.apply_fn({"params": state.params if params is None else params},
+                          batch[:, :4])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch[:, 4].astype(jnp.int32)).mean()
+
+
+def classifier_step(state, batch):
+  grads = jax.grad(lambda p: classifier_loss(state, batch, p))(state.params)
+  return state.apply_gradients(grads=grads)
+
+
+@jax.custom_jvp
+def opaque_kernel(x):
+  """An identity through a host callback: runs under jit, cannot be exported."""
+  return jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+@opaque_kernel.defjvp
+def _opaque_kernel_jvp(primals, tangents):
+  return opaque_kernel(primals[0]), tangents[0]
+
+
+def records_of(path, kind=None) -> list[dict]:
+  from zkdv import transcript  # pylint: disable=g-import-not-at-top
+  recs = [r.record for r in transcript.read_transcript(path).records]
+  return [r for r in recs if kind is None or r["type"] == kind]
