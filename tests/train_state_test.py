@@ -1,0 +1,104 @@
+"""zkdv.jax.contrib.TrainState behaves like Flax's and records only under proof.jit."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state as flax_train_state
+
+import zkdv
+from tests import testing
+from zkdv import verify
+from zkdv.jax.contrib import TrainState
+
+
+class TrainStateTest(chex.TestCase):
+
+  def test_is_a_flax_train_state_with_three_static_fields(self):
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+    self.assertIsInstance(state, flax_train_state.TrainState)
+    self.assertIsNone(state.proof)
+    self.assertIsNone(state.attest_apply_fn)
+    self.assertIs(state.zkdv_overlap, zkdv.overlap.UNCHECKED)
+    self.assertEqual(jax.tree.structure(state).num_leaves,
+                     len(jax.tree.leaves((state.step, state.params, state.opt_state))))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_same_transition_as_flax(self):
+    params = {"w": jnp.arange(4.0), "b": jnp.ones(())}
+    grads = {"w": jnp.full(4, 0.5), "b": jnp.asarray(-1.0)}
+    tx = optax.adamw(1e-2)
+    ours = TrainState.create(apply_fn=None, params=params, tx=tx)
+    theirs = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    apply = self.variant(lambda s, g: s.apply_gradients(grads=g))
+    for _ in range(3):
+      ours, theirs = apply(ours, grads), apply(theirs, grads)
+    chex.assert_trees_all_equal(ours.params, theirs.params)
+    chex.assert_trees_all_equal(ours.opt_state, theirs.opt_state)
+    self.assertEqual(int(ours.step), 3)
+
+  def test_bare_array_params_of_the_quick_start(self):
+    state = TrainState.create(params=jnp.arange(8, dtype=jnp.float32),
+                              apply_fn=lambda v, b: v["params"] * b, tx=optax.sgd(0.5))
+    new = jax.jit(lambda s: s.apply_gradients(grads=jnp.ones(8)))(state)
+    np.testing.assert_array_equal(new.params, np.arange(8, dtype=np.float32) - 0.5)
+    with self.assertRaises(Exception):  # Flax's own class raises on bare arrays
+      flax_train_state.TrainState.create(
+          params=jnp.arange(8.0), apply_fn=None, tx=optax.sgd(0.5)
+      ).apply_gradients(grads=jnp.ones(8))
+
+  def test_overwrite_with_gradient_convention(self):
+    params = {"params": {"w": jnp.ones(3)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(())}}
+    grads = {"params": {"w": jnp.ones(3)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.asarray(7.0)}}
+    ours = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    theirs = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    ours, theirs = ours.apply_gradients(grads=grads), theirs.apply_gradients(grads=grads)
+    chex.assert_trees_all_equal(ours.params, theirs.params)
+    self.assertEqual(float(ours.params[OVERWRITE_WITH_GRADIENT]["scale"]), 7.0)
+
+  def test_subclass_with_extra_field_and_replace(self):
+    state = testing.BatchStatsState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+        batch_stats={"mean": jnp.zeros(2)})
+    new = state.apply_gradients(grads={"w": jnp.ones(2)}, batch_stats={"mean": jnp.ones(2)})
+    np.testing.assert_array_equal(new.batch_stats["mean"], np.ones(2))
+    self.assertIs(new.replace(zkdv_overlap=zkdv.overlap.NEVER).zkdv_overlap,
+                  zkdv.overlap.NEVER)
+    with self.assertRaises(TypeError):
+      TrainState.create(apply_fn=None, params={}, tx=optax.sgd(0.1), zkdv_overlap="never")
+
+  def test_plain_jit_and_device_put_record_nothing(self):
+    proof = testing.new_proof("plain")
+    proof.start()
+    state = jax.device_put(testing.classifier_state(proof))
+    state = jax.jit(testing.classifier_step)(state, jnp.asarray(testing.TUTORIAL_BATCH))
+    self.assertEqual(int(state.step), 1)
+    self.assertEqual(proof.steps, 0)
+    self.assertEqual(testing.records_of(proof.path, "step"), [])
+
+  def test_bare_array_quick_start_under_proof_jit(self):
+    proof = testing.new_proof("quick-start", update_p=1.0)
+    proof.start()
+    state = TrainState.create(proof=proof, params=jnp.arange(8, dtype=jnp.float32),
+                              apply_fn=lambda v, b: v["params"] * b, tx=optax.sgd(0.1))
+
+    @proof.jit
+    def train_step(state, batch):
+      grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, batch)))(state.params)
+      return state.apply_gradients(grads=grads)
+
+    for i in range(3):
+      state = train_step(state, jnp.full(8, float(i)))
+    proof.finish()
+    np.testing.assert_allclose(state.params, np.arange(8) - 0.1 * (0 + 1 + 2), rtol=1e-6)
+    self.assertEqual(verify.verify(proof.path).verdict, verify.VERIFIED)
+    program = testing.records_of(proof.path, "program")[0]
+    self.assertEqual([l["path"] for l in program["state_layout"]], [".step", ".params"])
+    self.assertEqual(program["params_leaves"], [1])
+
+
+if __name__ == "__main__":
+  absltest.main()
