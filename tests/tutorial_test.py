@@ -1,0 +1,155 @@
+"""The tutorial's code as written, the example program, and the package root."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+from tests import testing
+from zkdv import verify
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class TutorialTest(absltest.TestCase):
+
+  def test_tutorial_steps_2_to_6_as_written(self):
+    workdir = pathlib.Path(tempfile.mkdtemp())
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    self.addCleanup(os.chdir, cwd)
+    # -- step 2, with zkdv.jax.ZKDV in place of experiment.proof ------------
+    import zkdv
+
+    config = zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(
+            update_check_probability=0.01,
+        ),
+    )
+    proof = zkdv.jax.ZKDV("your-name/jax-train-state", config)
+    proof.start(rolling_window=4, probe_ratio=0.01)
+    # -- step 3 --------------------------------------------------------------
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import linen as nn
+    import zkdv
+
+    class TinyClassifier(nn.Module):
+      @nn.compact
+      def __call__(self, tokens):
+        return nn.Dense(2)(tokens.astype(jnp.float32))
+
+    model = TinyClassifier()
+    params = model.init(
+        jax.random.key(0),
+        jnp.ones((1, 4), dtype=jnp.uint32),
+    )["params"]
+
+    state = zkdv.jax.contrib.TrainState.create(
+        proof=proof,
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.adam(1e-2),
+    )
+    # -- step 4 --------------------------------------------------------------
+
+    @proof.jit(donate_argnums=(0,))
+    def train_step(state, batch):
+      tokens = batch[:, :4]
+      labels = batch[:, 4].astype(jnp.int32)
+
+      def loss(params):
+        logits = state.apply_fn({"params": params}, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits,
+            labels,
+        ).mean()
+
+      grads = jax.grad(loss)(state.params)
+      return state.apply_gradients(grads=grads)
+    # -- step 5 --------------------------------------------------------------
+    batch = jnp.asarray(
+        [
+            [0, 0, 0, 1, 0],
+            [0, 1, 0, 1, 0],
+            [1, 0, 1, 0, 1],
+            [1, 1, 1, 0, 1],
+        ],
+        dtype=jnp.uint32,
+    )
+
+    for _ in range(10):
+      state = train_step(state, batch)
+    # -- step 6 --------------------------------------------------------------
+    from pathlib import Path
+    from flax import serialization
+
+    proof.finish()
+    Path("jax-checkpoint.msgpack").write_bytes(
+        serialization.to_bytes(state.params),
+    )
+    # -- what it must show -----------------------------------------------------
+    path = proof.path
+    self.assertEqual(proof.finish(), path)  # a second finish is harmless
+    self.assertTrue(str(path).startswith(str(workdir / "zkdv-proofs")))
+    self.assertTrue((workdir / "jax-checkpoint.msgpack").stat().st_size > 0)
+    self.assertEqual(int(state.step), 10)
+    steps = testing.records_of(path, "step")
+    self.assertEqual([s["index"] for s in steps], list(range(10)))
+    for prev, step in zip(steps, steps[1:]):
+      self.assertEqual(step["pre_state"], prev["post_state"])
+    root = testing.records_of(path, "root")[0]
+    self.assertEqual(root["start"], {"rolling_window": 4, "probe_ratio": 0.01})
+    self.assertEqual(root["prover"], "whitebox-jax")
+    final = testing.records_of(path, "final")
+    self.assertLen(final, 1)
+    self.assertEqual(final[0]["status"], "clean")
+    self.assertEqual(final[0]["final_state"], steps[-1]["post_state"])
+    report = verify.verify(path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+
+  def test_example_program_and_cli(self):
+    out = pathlib.Path(tempfile.mkdtemp())
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples/jax/proof_trainstate.py"), "--steps", "6",
+         "--output-dir", str(out)], capture_output=True, text=True, check=True, cwd=out)
+    names = ["jax-train-state", "batch-stats-dropout", "attest-apply-fn",
+             "overlap-unchecked", "overlap-always", "overlap-never"]
+    for name in names:
+      self.assertIn(f"{name}: 6 steps", result.stdout)
+      cli = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(out / name),
+                            "--json"], capture_output=True, text=True)
+      self.assertEqual(cli.returncode, 0, cli.stdout + cli.stderr)
+      report = json.loads(cli.stdout)
+      self.assertEqual(report["verdict"], "verified")
+      self.assertEqual(report["steps"], 6)
+      self.assertEqual(len(report["checks"]),
+                       len(testing.records_of(out / name, "check")))
+    modes = {c["mode"] for c in json.loads(subprocess.run(
+        [sys.executable, "-m", "zkdv.cli", "verify", str(out / "attest-apply-fn"), "--json"],
+        capture_output=True, text=True).stdout)["checks"]}
+    self.assertLessEqual(modes, {"equivalent"})
+    inspect = subprocess.run([sys.executable, "-m", "zkdv.cli", "inspect",
+                              str(out / "jax-train-state")], capture_output=True, text=True,
+                             check=True)
+    summary = json.loads(inspect.stdout)
+    self.assertEqual(summary["root"]["name"], "jax-train-state")
+    self.assertEqual(summary["steps"], 6)
+    self.assertEqual(summary["programs"][0]["mode"], "exact")
+
+  def test_import_zkdv_does_not_import_jax(self):
+    code = ("import sys, zkdv; assert 'jax' not in sys.modules, 'jax imported';"
+            "zkdv.SamplingPolicy(); zkdv.ZKDVConfig(); zkdv.overlap.NEVER; zkdv.errors;"
+            "import zkdv.verify, zkdv.cli; assert 'jax' not in sys.modules;"
+            "zkdv.jax.ZKDV; assert 'jax' in sys.modules; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    self.assertEqual(result.stdout.strip(), "ok", result.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
