@@ -134,8 +134,11 @@ def read_transcript(path: str | os.PathLike) -> TranscriptContents:
     offset = stream.tell()
     try:
       record = decoder.decode()
-    except (cbor2.CBORDecodeError, EOFError, MemoryError, OverflowError) as e:
+    except (cbor2.CBORDecodeEOF, EOFError) as e:
       return TranscriptContents(records, TornTail(offset, len(data) - offset, str(e)))
+    except (cbor2.CBORDecodeError, MemoryError, OverflowError, ValueError) as e:
+      raise errors.TranscriptFormatError(
+          f"item at byte {offset} is not valid CBOR: {e}") from None
     if not isinstance(record, dict):
       raise errors.TranscriptFormatError(
           f"item at byte {offset} is a {type(record).__name__}, not a record map.")

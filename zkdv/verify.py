@@ -246,7 +246,14 @@ class _Verification:
       rec["_batch"] = [digest.LeafLayout.from_record(l) for l in rec["batch_layout"]]
       for l in rec["_state"] + rec["_batch"]:
         digest.numpy_dtype(l.dtype)
-    except (KeyError, TypeError, ValueError) as e:
+        if not all(isinstance(n, int) and 0 <= n < 2**40 for n in l.shape):
+          raise ValueError(f"shape {l.shape} of {l.path}")
+      if sorted(rec["inputs"]) != sorted(["state"] * len(rec["_state"])
+                                         + ["batch"] * len(rec["_batch"])):
+        raise ValueError("inputs do not match the layouts")
+      if len(rec["post_state_outputs"]) != len(rec["_state"]):
+        raise ValueError("post_state_outputs do not match the state layout")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
       self.report.fail("schema", where, f"program layout is malformed: {e!r}.")
       return
     self.programs[pid] = rec

@@ -154,8 +154,12 @@ class ZKDV:
       error = errors.NoTranscriptUpdateError(
           f"proof {self.name!r} finished without recording any update: the "
           "training step still uses jax.jit.")
-    self._write_final(clean=error is None)
-    self._writer.close()
+    try:
+      self._write_final(clean=error is None)
+      self._writer.close()
+    except (OSError, ValueError) as e:
+      error = error or errors.CommitmentError(
+          f"could not write the final record to {self.path}: {e}")
     self._finished = True
     self._finish_error = error
     logger.info("ZKDV proof %r: %d steps, %d update and %d state checks at %s",
