@@ -10,6 +10,7 @@ import tempfile
 from absl.testing import absltest
 
 from tests import testing
+from zkdv import digest
 from zkdv import verify
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -112,6 +113,13 @@ class TutorialTest(absltest.TestCase):
     self.assertEqual(final[0]["final_state"], steps[-1]["post_state"])
     report = verify.verify(path)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    # The checkpoint written in step 6 is the transcript's final params.
+    restored = serialization.msgpack_restore(Path("jax-checkpoint.msgpack").read_bytes())
+    flat = jax.tree_util.tree_flatten_with_path(restored)[0]
+    layouts = [digest.LeafLayout(jax.tree_util.keystr(p), str(v.dtype), v.shape)
+               for p, v in flat]
+    self.assertEqual(
+        digest.digest_state_arrays(layouts, [v for _, v in flat])[0], final[0]["final_params"])
 
   def test_example_program_and_cli(self):
     out = pathlib.Path(tempfile.mkdtemp())

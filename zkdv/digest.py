@@ -112,8 +112,25 @@ def batch_digest(layouts: Sequence[LeafLayout], row_roots: Sequence[bytes]) -> b
 def digest_state_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]):
   """(state digest, per-leaf digests) of unsharded host arrays."""
   leaf_digests = [leaf_digest(a) for a in arrays]
-  pieces = [[whole_piece(l, d)] for l, d in zip(layouts, leaf_digests, strict=True)]
-  return state_digest(layouts, pieces), leaf_digests
+  return state_digest_from_leaves(layouts, leaf_digests), leaf_digests
+
+
+def state_digest_from_leaves(layouts: Sequence[LeafLayout], leaf_digests: Sequence[bytes]) -> bytes:
+  """State digest of unsharded leaves from their leaf digests."""
+  return state_digest(layouts, [[whole_piece(l, d)]
+                                for l, d in zip(layouts, leaf_digests, strict=True)])
+
+
+def params_digest(layouts: Sequence[LeafLayout], leaf_digests: Sequence[bytes],
+                  params_leaves: Sequence[int], prefix: str = ".params") -> bytes:
+  """Digest of the params subtree alone, keypaths relative to it.
+
+  It equals the state digest of the params pytree on its own, so a checkpoint
+  of ``state.params`` can be matched against a transcript's ``final_params``.
+  """
+  chosen = [(dataclasses.replace(layouts[i], path=layouts[i].path[len(prefix):]),
+             leaf_digests[i]) for i in params_leaves]
+  return state_digest_from_leaves([l for l, _ in chosen], [d for _, d in chosen])
 
 
 def digest_batch_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]) -> bytes:

@@ -28,6 +28,16 @@ from zkdv.config import Tolerance
 VERIFIED, INVALID, UNVERIFIABLE = "verified", "invalid", "could not verify"
 EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
 
+# Fields a record of each type may carry besides those it must (any other is an error).
+OPTIONAL_FIELDS = {
+    "root": {"device_kinds"},
+    "program": {"function", "params_leaves", "static_arguments", "compiler_options",
+                "nr_devices"},
+    "step": set(),
+    "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result"},
+    "final": {"discontinuities", "final_state", "final_state_leaves", "final_params"},
+}
+
 # Fields every record of a type must carry, with their types.
 _BYTES, _INT, _STR, _LIST, _DICT = bytes, int, str, list, dict
 SCHEMAS = {
@@ -149,7 +159,11 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
                 UNVERIFIABLE if isinstance(e, OSError) else INVALID)
     return report
   folder = transcript.records_path(path).parent
-  _Verification(report, contents, folder, replay, progress).run()
+  try:
+    _Verification(report, contents, folder, replay, progress).run()
+  except Exception as e:  # fail closed: malformed input never crashes the verifier
+    report.fail("malformed", "transcript", f"verification stopped on malformed "
+                f"content: {type(e).__name__}: {e}")
   return report
 
 
@@ -197,6 +211,9 @@ class _Verification:
                  if not isinstance(rec.get(k), t) or isinstance(rec.get(k), bool)]
       if missing:
         report.fail("schema", where, f"{kind} record lacks or mistypes {missing}.")
+      unknown = set(rec) - set(SCHEMAS[kind]) - OPTIONAL_FIELDS[kind] - {"type", "prev"}
+      if unknown:
+        report.fail("schema", where, f"{kind} record has unknown fields {sorted(map(repr, unknown))}.")
       if i == 0:
         if kind != "root" or "prev" in rec:
           report.fail("chain", where, "the first record must be a root without prev.")
@@ -251,6 +268,9 @@ class _Verification:
       if sorted(rec["inputs"]) != sorted(["state"] * len(rec["_state"])
                                          + ["batch"] * len(rec["_batch"])):
         raise ValueError("inputs do not match the layouts")
+      if not all(isinstance(i, int) and 0 <= i < len(rec["_state"])
+                 for i in rec.get("params_leaves", [])):
+        raise ValueError("params_leaves out of range")
       if len(rec["post_state_outputs"]) != len(rec["_state"]):
         raise ValueError("post_state_outputs do not match the state layout")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -299,8 +319,11 @@ class _Verification:
     if final["steps"] != len(self.steps):
       report.fail("step_count", "final",
                   f"final says {final['steps']} steps, the transcript has {len(self.steps)}.")
-    if self.steps and final.get("final_state") != self.steps[-1]["post_state"]:
-      report.fail("final_state", "final", "final state digest is not the last step's post-state.")
+    if final.get("discontinuities", []) != report.discontinuities:
+      report.fail("final", "final", f"final lists discontinuities "
+                  f"{final.get('discontinuities')}, the steps show {report.discontinuities}.")
+    if self.steps:
+      self._final_state(final, self.steps[-1])
     seed = final["seed"]
     if sampling.seed_commitment(seed) != self.root["seed_commitment"]:
       report.fail("seed", "final", "the revealed seed does not match the root's seed "
@@ -310,10 +333,30 @@ class _Verification:
     have = {(c["step"], c["kind"]) for c in self.checks}
     for kind in sampling.CHECK_KINDS:
       p = config.get(f"{kind}_check_probability", 0.0)
-      for step in self.steps:
-        if sampling.is_sampled(seed, kind, step["index"], p) and (step["index"], kind) not in have:
-          report.fail("missing_check", f"step {step['index']}",
-                      f"step {step['index']} was sampled for a {kind} check but has none.")
+      for t in range(len(self.steps)):
+        if sampling.is_sampled(seed, kind, t, p) and (t, kind) not in have:
+          report.fail("missing_check", f"step {t}",
+                      f"step {t} was sampled for a {kind} check but has none.")
+
+  def _final_state(self, final, last_step) -> None:
+    report = self.report
+    if final.get("final_state") != last_step["post_state"]:
+      report.fail("final_state", "final", "final state digest is not the last step's post-state.")
+      return
+    program = self.programs.get(last_step["program"])
+    leaves = final.get("final_state_leaves")
+    if program is None:
+      return
+    if (not isinstance(leaves, list) or len(leaves) != len(program["_state"])
+        or not all(isinstance(d, bytes) for d in leaves)
+        or digest.state_digest_from_leaves(program["_state"], leaves) != final["final_state"]):
+      report.fail("final_state", "final", "final state leaf digests do not make up the "
+                  "final state digest.")
+      return
+    params = digest.params_digest(program["_state"], leaves, program.get("params_leaves", []))
+    if final.get("final_params") != params:
+      report.fail("final_params", "final", "final params digest is not the digest of the "
+                  "final state's params.")
 
   # -- checks ----------------------------------------------------------------
 

@@ -15,7 +15,6 @@ Example::
   proof.finish()
 """
 
-import dataclasses
 import datetime
 import logging
 import os
@@ -354,9 +353,8 @@ class ZKDV:
     if self._last_post is not None:
       post_digest, leaf_digests, layouts, params_mask = self._last_post
       final["final_state"] = post_digest
-      params = [(dataclasses.replace(l, path=l.path[len(".params"):]), d)
-                for l, d, m in zip(layouts, leaf_digests, params_mask) if m]
-      final["final_params"] = digest.state_digest(
-          [l for l, _ in params], [[digest.whole_piece(l, d)] for l, d in params])
+      final["final_state_leaves"] = list(leaf_digests)
+      final["final_params"] = digest.params_digest(
+          layouts, leaf_digests, [i for i, m in enumerate(params_mask) if m])
     self._writer.append(final, durable=True)
 
