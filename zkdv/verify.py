@@ -401,13 +401,14 @@ class _Verification:
 
   def _state_check(self, check, step, program, where) -> None:
     post = self._open(check.get("post_state_blobs"), program["_state"], where, "post-state")
-    ok = post is not None and self._state_matches(post, program, step["post_state"],
-                                                  where, "post-state")
+    ok = post is not None and self._state_matches(check["post_state_blobs"], program,
+                                                  step["post_state"], where, "post-state")
     self.report.checks.append(CheckOutcome(step["index"], "state", "opening",
                                            "verified" if ok else "failed"))
 
-  def _state_matches(self, arrays, program, committed, where, what) -> bool:
-    if digest.digest_state_arrays(program["_state"], arrays)[0] != committed:
+  def _state_matches(self, blobs, program, committed, where, what) -> bool:
+    """Opened blobs were checked against their names, which are the leaf digests."""
+    if digest.state_digest_from_leaves(program["_state"], blobs) != committed:
       self.report.fail("opening", where, f"opened {what} does not match its commitment.")
       return False
     return True
@@ -420,7 +421,8 @@ class _Verification:
     batch = self._open(check.get("batch_blobs"), program["_batch"], where, "batch")
     if pre is None or batch is None:
       return
-    if not self._state_matches(pre, program, step["pre_state"], where, "pre-state"):
+    if not self._state_matches(check["pre_state_blobs"], program, step["pre_state"], where,
+                               "pre-state"):
       return
     if digest.digest_batch_arrays(program["_batch"], batch) != step["batch"]:
       self.report.fail("opening", where, "opened batch does not match its commitment.")
@@ -428,8 +430,8 @@ class _Verification:
     post = None
     if not exact:
       post = self._open(check.get("post_state_blobs"), program["_state"], where, "post-state")
-      if post is None or not self._state_matches(post, program, step["post_state"],
-                                                 where, "post-state"):
+      if post is None or not self._state_matches(check["post_state_blobs"], program,
+                                                 step["post_state"], where, "post-state"):
         return
     if self.replay_mode == "none":
       outcome.status = "not replayed"

@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmarks: models, timing and the result table."""
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+
+
+class MLP(nn.Module):
+  """784 -> 1024 x 4 -> 10, about 4 M parameters."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(4):
+      x = nn.relu(nn.Dense(1024)(x))
+    return nn.Dense(10)(x)
+
+
+class TinyClassifier(nn.Module):
+  """The tutorial's model."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    return nn.Dense(2)(tokens.astype(jnp.float32))
+
+
+def mlp_workload(batch_size: int = 1024):
+  """(model, params, batch, loss_fn) for the MLP on random data."""
+  model = MLP()
+  params = model.init(jax.random.key(0), jnp.ones((1, 784)))["params"]
+  x = jax.random.normal(jax.random.key(1), (batch_size, 784))
+  y = jax.random.randint(jax.random.key(2), (batch_size,), 0, 10)
+  return model, params, (x, y)
+
+
+def tutorial_workload():
+  model = TinyClassifier()
+  params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+  batch = jnp.asarray([[0, 0, 0, 1, 0], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1], [1, 1, 1, 0, 1]],
+                      jnp.uint32)
+  return model, params, (batch[:, :4], batch[:, 4].astype(jnp.int32))
+
+
+def train_step(state, x, y):
+  """The step every benchmark trains: softmax cross-entropy and apply_gradients."""
+  def loss(params):
+    logits = state.apply_fn({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+def timed(fn: Callable[[], object]) -> float:
+  """Seconds one call takes, results ready."""
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
+def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+  """Times each run ``repeats`` times, interleaved A, B, C, A, B, C, ..."""
+  times = {name: [] for name in runs}
+  for _ in range(repeats):
+    for name, fn in runs.items():
+      times[name].append(timed(fn))
+  return times
+
+
+def median(xs: Sequence[float]) -> float:
+  return statistics.median(xs)
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence]) -> str:
+  """Prints (and returns) a Markdown table."""
+  cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+  lines = [f"### {title}", ""]
+  for n, r in enumerate(cells):
+    lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    if n == 0:
+      lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+  text = "\n".join(lines)
+  print(text, flush=True)
+  return text

@@ -1,0 +1,78 @@
+"""What `zkdv verify` costs against re-running the checked steps.
+
+  python -m benchmarks.verify_cost [--checks 12] [--repeats 3]
+
+For each workload it trains a proof with every step checked, then times
+``zkdv.verify`` (median of alternating runs) on a transcript with one check and
+on one with ``--checks`` checks. The ideal cost of verifying is re-executing
+each checked step once: checks x (median ``jax.jit`` step time). Ratios are
+reported for the whole verification and for the marginal cost per check (which
+leaves out the one-time compilation of the exported program).
+"""
+
+import argparse
+import pathlib
+import tempfile
+
+import jax
+import optax
+
+import zkdv
+from benchmarks import common
+from zkdv import verify
+
+
+def _transcript(workload, steps: int, folder: pathlib.Path) -> pathlib.Path:
+  model, params, batch = workload()
+  proof = zkdv.jax.ZKDV(f"verify-cost-{steps}", zkdv.ZKDVConfig(
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0),
+      output_dir=folder / f"checks-{steps}"))
+  proof.start()
+  state = zkdv.jax.contrib.TrainState.create(
+      proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+  step = proof.jit(common.train_step, donate_argnums=0)
+  for _ in range(steps):
+    state = step(state, *batch)
+  return proof.finish()
+
+
+def _step_time(workload, repeats: int) -> float:
+  model, params, batch = workload()
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-3))
+  step = jax.jit(common.train_step)
+  jax.block_until_ready(step(state, *batch))
+  return common.median(common.alternate({"jit": lambda: step(state, *batch)},
+                                        repeats)["jit"])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--checks", type=int, default=12)
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args(argv)
+  folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-verify-cost-"))
+  rows = []
+  for name, workload in (("tutorial Dense", common.tutorial_workload),
+                         ("MLP 784-1024x4-10, batch 1024", common.mlp_workload)):
+    one = _transcript(workload, 1, folder / name.split()[0])
+    many = _transcript(workload, args.checks, folder / name.split()[0])
+    step_s = _step_time(workload, max(20, args.repeats))
+    times = common.alternate({"one": lambda: verify.verify(one),
+                              "many": lambda: verify.verify(many)}, args.repeats)
+    assert verify.verify(many).verdict == verify.VERIFIED
+    t_one, t_many = common.median(times["one"]), common.median(times["many"])
+    marginal = (t_many - t_one) / (args.checks - 1)
+    ideal = args.checks * step_s
+    rows.append([name, args.checks, f"{step_s * 1e3:.2f}", f"{ideal:.3f}", f"{t_many:.3f}",
+                 f"{t_many / ideal:.2f}x", f"{marginal * 1e3:.2f}",
+                 f"{marginal / step_s:.2f}x"])
+  common.print_table(
+      "zkdv verify cost against re-running the checked steps",
+      ["workload", "checks", "jax.jit step ms", "ideal s", "verify s", "ratio",
+       "marginal ms/check", "marginal ratio"], rows)
+
+
+if __name__ == "__main__":
+  main()
