@@ -1,0 +1,132 @@
+"""The ``dvbench`` command: ``serve``, ``worker``, ``token create``, ``login``.
+
+Example::
+
+  $ dvbench token create alice --data ./dvbench-data
+  $ dvbench serve --data ./dvbench-data --port 8000 --workers 2
+"""
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+
+def _store_and_blobs(args):
+  from dvbench.server.blobs import BlobStore  # pylint: disable=g-import-not-at-top
+  from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
+  data = pathlib.Path(args.data)
+  data.mkdir(parents=True, exist_ok=True)
+  url = args.database_url or f"sqlite:///{(data / 'dvbench.db').resolve()}"
+  return Store.open(url), BlobStore(data / "blobs")
+
+
+def _worker_command(args) -> list[str]:
+  command = [sys.executable, "-m", "dvbench.cli", "worker", "--data", str(args.data),
+             "--lease-seconds", str(args.lease_seconds),
+             "--memory-limit-gb", str(args.memory_limit_gb),
+             "--time-limit", str(args.time_limit)]
+  if args.database_url:
+    command += ["--database-url", args.database_url]
+  return command
+
+
+def serve(args) -> int:
+  import uvicorn  # pylint: disable=g-import-not-at-top
+  from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
+  store, blobs = _store_and_blobs(args)
+  workers = [subprocess.Popen(_worker_command(args)) for _ in range(args.workers)]
+  try:
+    app = create_app(store, blobs, max_body=args.max_body_mb << 20)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+  finally:
+    for w in workers:
+      w.terminate()
+    for w in workers:
+      w.wait(10)
+  return 0
+
+
+def worker(args) -> int:
+  from dvbench.server import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  store, blobs = _store_and_blobs(args)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  worker_lib.run(store, blobs, worker_id=args.worker_id or worker_lib.default_worker_id(),
+                 lease_seconds=args.lease_seconds, memory_bytes=int(args.memory_limit_gb * 2**30),
+                 time_limit=args.time_limit, once=args.once, stop=stop)
+  return 0
+
+
+def token_create(args) -> int:
+  store, _ = _store_and_blobs(args)
+  _, token = store.create_token(args.owner)
+  print(token)
+  return 0
+
+
+def login(args) -> int:
+  from dvbench.client import TOKEN_FILE  # pylint: disable=g-import-not-at-top
+  TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
+  TOKEN_FILE.write_text(json.dumps({"token": args.token, "url": args.url}))
+  os.chmod(TOKEN_FILE, 0o600)
+  print(f"saved the token to {TOKEN_FILE}")
+  return 0
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="dvbench", description="The DVBench service.")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  def storage(p):
+    p.add_argument("--data", default="dvbench-data",
+                   help="folder of the embedded database and the blob store")
+    p.add_argument("--database-url", default=None,
+                   help="e.g. postgresql://user@host/db (default: SQLite in --data)")
+
+  def limits(p):
+    p.add_argument("--lease-seconds", type=float, default=60.0)
+    p.add_argument("--memory-limit-gb", type=float, default=16.0)
+    p.add_argument("--time-limit", type=int, default=3600, help="seconds per verification")
+
+  s = sub.add_parser("serve", help="run the server (and its validation workers)")
+  storage(s)
+  limits(s)
+  s.add_argument("--host", default="127.0.0.1")
+  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--workers", type=int, default=1, help="validation worker processes")
+  s.add_argument("--max-body-mb", type=int, default=64)
+  s.add_argument("--log-level", default="warning")
+  s.set_defaults(run=serve)
+
+  w = sub.add_parser("worker", help="run one validation worker against the database")
+  storage(w)
+  limits(w)
+  w.add_argument("--worker-id", default=None)
+  w.add_argument("--once", action="store_true", help="process one job, then exit")
+  w.set_defaults(run=worker)
+
+  t = sub.add_parser("token", help="manage API tokens")
+  tsub = t.add_subparsers(dest="token_command", required=True)
+  tc = tsub.add_parser("create", help="create an API token for OWNER and print it")
+  storage(tc)
+  tc.add_argument("owner")
+  tc.set_defaults(run=token_create)
+
+  l = sub.add_parser("login", help="save a token (and server URL) for Client()")
+  l.add_argument("--token", required=True)
+  l.add_argument("--url", default=None)
+  l.set_defaults(run=login)
+
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO if args.command == "worker" else logging.WARNING)
+  return args.run(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,165 @@
+"""The DVBench client: experiments, live proof upload, transcript upload.
+
+Example::
+
+  from dvbench import Client
+  client = Client(API_URL)                    # token from DVBENCH_TOKEN or `dvbench login`
+  experiment = client.experiment("alice/mnist-mlp")
+  proof = experiment.proof(backend="jax")     # the full zkdv.jax.ZKDV driver, uploading
+  ...
+  proof.finish()
+  client.close()
+"""
+
+import json
+import os
+import pathlib
+import time
+
+import httpx
+
+from dvbench import errors
+
+TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
+                                         pathlib.Path.home() / ".config" / "dvbench")) / "token"
+_RETRY_STATUS = {502, 503, 504}
+
+
+def _read_token_file() -> tuple[str | None, str | None]:
+  try:
+    data = json.loads(TOKEN_FILE.read_text())
+  except (OSError, ValueError):
+    return None, None
+  return data.get("token"), data.get("url")
+
+
+class Http:
+  """Requests with retries (connection errors and 502-504, exponential backoff)."""
+
+  def __init__(self, url: str, token: str | None, timeout: float = 30.0,
+               retry_seconds: float = 60.0):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    self.url = url.rstrip("/")
+    self.retry_seconds = retry_seconds
+    self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+  def request(self, method: str, path: str, *, ok=(200, 201), retry_seconds=None,
+              **kwargs) -> httpx.Response:
+    deadline = time.monotonic() + (self.retry_seconds if retry_seconds is None else retry_seconds)
+    delay = 0.05
+    while True:
+      try:
+        response = self._client.request(method, path, **kwargs)
+        if response.status_code in ok:
+          return response
+        if response.status_code not in _RETRY_STATUS:
+          try:
+            message = response.json().get("error", response.text)
+          except ValueError:
+            message = response.text
+          raise errors.ApiError(response.status_code, message)
+        problem = f"HTTP {response.status_code}"
+      except httpx.TransportError as e:
+        problem = f"{type(e).__name__}: {e}"
+      if time.monotonic() + delay > deadline:
+        raise errors.UploadError(
+            f"the DVBench server at {self.url} did not answer {method} {path} "
+            f"({problem}); is it running? Nothing local was lost.")
+      time.sleep(delay)
+      delay = min(delay * 2, 2.0)
+
+  def close(self) -> None:
+    self._client.close()
+
+
+class Experiment:
+  """A named experiment ``owner/name`` on the server."""
+
+  def __init__(self, client: "Client", name: str, info: dict):
+    self.client, self.name, self.info = client, name, info
+
+  def __repr__(self):
+    return f"Experiment({self.name!r})"
+
+  def proof(self, backend: str = "jax", config=None):
+    """The ``zkdv.jax.ZKDV`` driver for this experiment, uploading live."""
+    if backend != "jax":
+      raise ValueError(f"backend {backend!r} is not available; use backend='jax'.")
+    from dvbench.jax_proof import DVBenchProof  # pylint: disable=g-import-not-at-top
+    return DVBenchProof(self, config)
+
+  def upload(self, path: str | os.PathLike, timeout: float = 300.0) -> str:
+    """Uploads an existing transcript folder (again); returns its proof id.
+
+    Records the server already has are skipped, so a client restarted after a
+    crash sends the same transcript and the server ends with exactly its records.
+    """
+    from dvbench.upload import Uploader  # pylint: disable=g-import-not-at-top
+    uploader = Uploader(self.client.http, self.name, pathlib.Path(path))
+    uploader.start()
+    uploader.finish(timeout=timeout, require_final=False)
+    return uploader.proof_id
+
+  def proofs(self) -> list[dict]:
+    owner, name = self.name.split("/")
+    return self.client.http.request("GET", f"/api/v1/experiments/{owner}/{name}").json()["proofs"]
+
+
+class Client:
+  """Connection to a DVBench server.
+
+  Args:
+    api_url: the server, e.g. ``http://127.0.0.1:8000``; default ``$DVBENCH_URL``
+      or the URL saved by ``dvbench login``.
+    token: an API token; default ``$DVBENCH_TOKEN`` or the saved token.
+  """
+
+  def __init__(self, api_url: str | None = None, token: str | None = None):
+    saved_token, saved_url = _read_token_file()
+    url = api_url or os.environ.get("DVBENCH_URL") or saved_url
+    if not url:
+      raise errors.ConfigurationError(
+          "no DVBench server: pass Client(API_URL) or set DVBENCH_URL.")
+    self.token = token or os.environ.get("DVBENCH_TOKEN") or saved_token
+    self.http = Http(url, self.token)
+    self.proofs: list = []  # the proofs made through this client
+
+  @property
+  def url(self) -> str:
+    return self.http.url
+
+  def experiment(self, name: str) -> Experiment:
+    """Creates (or gets) the experiment ``owner/name``; needs the owner's token."""
+    if not isinstance(name, str) or name.count("/") != 1:
+      raise ValueError(f"experiment names are 'owner/name', got {name!r}.")
+    if not self.token:
+      raise errors.ConfigurationError(
+          "no API token: set DVBENCH_TOKEN or run 'dvbench login --token TOKEN' "
+          "(tokens come from 'dvbench token create OWNER').")
+    info = self.http.request("POST", "/api/v1/experiments", json={"name": name}).json()
+    return Experiment(self, name, info)
+
+  def proof_status(self, proof_id: str) -> dict:
+    return self.http.request("GET", f"/api/v1/proofs/{proof_id}").json()
+
+  def wait_for_verdict(self, proof_id: str, timeout: float = 300.0) -> dict:
+    """Polls until the proof is verified or invalid."""
+    deadline = time.monotonic() + timeout
+    while True:
+      status = self.proof_status(proof_id)
+      if status["state"] in ("verified", "invalid") or time.monotonic() > deadline:
+        return status
+      time.sleep(0.25)
+
+  def close(self) -> None:
+    """Stops uploads of proofs that were never finished, then disconnects."""
+    for proof in self.proofs:
+      if not proof._finished:  # pylint: disable=protected-access
+        proof.abandon()
+    self.http.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

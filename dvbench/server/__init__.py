@@ -1,0 +1,1 @@
+"""The DVBench service: ingestion API, database, validation workers, pages."""

@@ -1,0 +1,157 @@
+"""Tailing a live transcript and sending it: records, chunks, blobs, close.
+
+The uploader is a background thread: training never waits on the network.
+Blobs are uploaded content-addressed and skipped when the server has them.
+
+Example::
+
+  uploader = Uploader(http, "alice/run", transcript_folder)
+  uploader.start()
+  ...
+  uploader.finish(timeout=120)
+"""
+
+import pathlib
+import threading
+import time
+import uuid
+
+from dvbench import errors
+from dvbench import transport
+
+RECORDS_FILE = "records.cborl"
+BLOBS_DIR = "blobs"
+
+
+class Uploader(threading.Thread):
+
+  def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05):
+    super().__init__(name="dvbench-upload", daemon=True)
+    self.http, self.experiment, self.folder = http, experiment, pathlib.Path(folder)
+    self.poll_seconds = poll_seconds
+    self.client_id = uuid.uuid4().hex
+    self.proof_id: str | None = None
+    self.sent_records = 0
+    self.error: BaseException | None = None
+    self._seq = 0
+    self._offset = 0
+    self._scanner = transport.RecordScanner()
+    self._sent_blobs: set[str] = set()
+    self._closing = threading.Event()
+    self._stopped = threading.Event()
+    self._require_final = True
+    self._final_id: bytes | None = None
+    self._last_id: bytes | None = None
+
+  # -- the training thread's side ----------------------------------------------
+
+  def finish(self, timeout: float, require_final: bool = True) -> None:
+    """Sends everything left, closes the stream and waits for the server."""
+    self._require_final = require_final
+    self._closing.set()
+    self.join(timeout)
+    if self.is_alive():
+      raise errors.UploadError(
+          f"uploading {self.folder} to DVBench did not finish within {timeout:.0f} s; the "
+          f"transcript is intact there: upload it with experiment.upload(path).")
+    if self.error is not None:
+      if isinstance(self.error, errors.DVBenchError):
+        raise self.error
+      raise errors.UploadError(f"uploading {self.folder} failed: {self.error!r}") from self.error
+
+  def stop(self) -> None:
+    """Stops without closing the proof (for an abandoned, unfinished proof)."""
+    self._stopped.set()
+    self._closing.set()
+    self.join(5.0)
+
+  # -- the thread ----------------------------------------------------------------
+
+  def run(self) -> None:
+    try:
+      while not self._stopped.is_set():
+        closing = self._closing.is_set()  # read before the file: nothing is missed
+        progressed = self._send_new()
+        if closing and not progressed:
+          break
+        if not progressed:
+          time.sleep(self.poll_seconds)
+      if self._stopped.is_set():
+        return
+      if self._final_id is not None:
+        self._envelope({"kind": "close", "final_record_id": self._final_id,
+                        "record_count": self.sent_records})
+      elif self._require_final:
+        raise errors.UploadError(f"{self.folder} has no final record to close the proof with.")
+    except BaseException as e:  # reported by finish()
+      self.error = e
+
+  def _send_new(self) -> bool:
+    path = self.folder / RECORDS_FILE
+    try:
+      with open(path, "rb") as f:
+        f.seek(self._offset)
+        data = f.read()
+    except FileNotFoundError:
+      return False
+    self._offset += len(data)
+    found = self._scanner.feed(data)
+    if not found:
+      return bool(data)
+    batch, size = [], 0
+    for raw, record in found:
+      if self.proof_id is None:
+        self._create_proof(raw)
+        continue
+      self._upload_blobs(transport.blob_refs(record))
+      if record.get("type") == "final":
+        self._final_id = transport.record_id(raw)
+      if len(raw) > transport.CHUNK_BYTES:
+        self._flush(batch)
+        batch, size = [], 0
+        self._send_chunks(raw)
+        continue
+      if size + len(raw) > transport.BATCH_BYTES:
+        self._flush(batch)
+        batch, size = [], 0
+      batch.append(raw)
+      size += len(raw)
+    self._flush(batch)
+    return True
+
+  def _create_proof(self, root: bytes) -> None:
+    owner, name = self.experiment.split("/")
+    response = self.http.request("POST", f"/api/v1/experiments/{owner}/{name}/proofs",
+                                 content=root,
+                                 headers={"content-type": "application/cbor"})
+    self.proof_id = response.json()["id"]
+    self.sent_records = 1
+
+  def _flush(self, batch: list[bytes]) -> None:
+    if batch:
+      self._envelope({"kind": "records", "records": batch})
+      self.sent_records += len(batch)
+
+  def _send_chunks(self, raw: bytes) -> None:
+    rid, step = transport.record_id(raw), transport.CHUNK_BYTES
+    count = (len(raw) + step - 1) // step
+    for i in range(count):
+      self._envelope({"kind": "chunk", "record_id": rid, "index": i, "count": count,
+                      "data": raw[i * step:(i + 1) * step]})
+    self.sent_records += 1
+
+  def _envelope(self, body: dict) -> dict:
+    body = {**body, "client_id": self.client_id, "seq": self._seq}
+    ack = self.http.request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
+                            content=transport.encode(body),
+                            headers={"content-type": "application/cbor"}).json()
+    self._seq += 1
+    return ack
+
+  def _upload_blobs(self, digests: set[str]) -> None:
+    for digest in sorted(digests - self._sent_blobs):
+      if self.http.request("HEAD", f"/api/v1/blobs/{digest}", ok=(200, 404)).status_code != 200:
+        data = (self.folder / BLOBS_DIR / digest).read_bytes()
+        self.http.request("PUT", f"/api/v1/proofs/{self.proof_id}/blobs/{digest}",
+                          content=data, headers={"content-type": "application/octet-stream"})
+      self._sent_blobs.add(digest)
