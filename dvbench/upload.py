@@ -25,10 +25,12 @@ BLOBS_DIR = "blobs"
 
 class Uploader(threading.Thread):
 
-  def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05):
+  def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05,
+               batch_bytes: int = transport.BATCH_BYTES):
     super().__init__(name="dvbench-upload", daemon=True)
     self.http, self.experiment, self.folder = http, experiment, pathlib.Path(folder)
     self.poll_seconds = poll_seconds
+    self.batch_bytes = batch_bytes
     self.client_id = uuid.uuid4().hex
     self.proof_id: str | None = None
     self.sent_records = 0
@@ -111,7 +113,7 @@ class Uploader(threading.Thread):
         batch, size = [], 0
         self._send_chunks(raw)
         continue
-      if size + len(raw) > transport.BATCH_BYTES:
+      if size + len(raw) > self.batch_bytes:
         self._flush(batch)
         batch, size = [], 0
       batch.append(raw)

@@ -1,0 +1,69 @@
+"""Starting a real ``dvbench serve`` process on a free loopback port for tests."""
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def dvbench(*args: str, data: pathlib.Path) -> str:
+  return subprocess.run([sys.executable, "-m", "dvbench.cli", *args, "--data", str(data)],
+                        capture_output=True, text=True, check=True).stdout.strip()
+
+
+class Server:
+  """A ``dvbench serve`` subprocess with its own data folder."""
+
+  def __init__(self, workers: int = 1, lease_seconds: float = 10.0, max_body_mb: int = 64,
+               data: pathlib.Path | None = None, port: int | None = None):
+    self.data = data or pathlib.Path(tempfile.mkdtemp(prefix="dvbench-test-"))
+    self.port = port or free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.args = ["serve", "--port", str(self.port), "--workers", str(workers),
+                 "--lease-seconds", str(lease_seconds), "--max-body-mb", str(max_body_mb)]
+    self.process = None
+
+  def start(self) -> "Server":
+    self.process = subprocess.Popen(
+        [sys.executable, "-m", "dvbench.cli", *self.args, "--data", str(self.data)],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+      try:
+        if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
+          return self
+      except httpx.TransportError:
+        pass
+      if self.process.poll() is not None:
+        raise RuntimeError(f"dvbench serve exited with {self.process.returncode}")
+      time.sleep(0.1)
+    raise RuntimeError("dvbench serve did not start in 60 s")
+
+  def token(self, owner: str) -> str:
+    return dvbench("token", "create", owner, data=self.data)
+
+  def kill(self) -> None:
+    """SIGKILLs the server and its workers (its whole process group)."""
+    if self.process and self.process.poll() is None:
+      os.killpg(self.process.pid, signal.SIGKILL)
+      self.process.wait()
+
+  def stop(self) -> None:
+    if self.process and self.process.poll() is None:
+      os.killpg(self.process.pid, signal.SIGTERM)
+      try:
+        self.process.wait(15)
+      except subprocess.TimeoutExpired:
+        self.kill()

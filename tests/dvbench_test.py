@@ -1,0 +1,308 @@
+"""DVBench end to end against a real `dvbench serve` process on loopback."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from unittest import mock
+
+import cbor2
+import httpx
+import jax.numpy as jnp
+from absl.testing import absltest
+
+import dvbench
+from dvbench import transport
+from dvbench.server.db import Store
+from tests import testing
+from tests import tutorial_steps
+from tests.dvbench_server import Server
+from zkdv import transcript
+
+
+def local_transcript(steps: int, update_p: float = 1.0) -> pathlib.Path:
+  proof = testing.new_proof("local", update_p=update_p)
+  proof.start()
+  state = testing.classifier_state(proof)
+  train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+  for i in range(steps):
+    state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (i % 2))
+  return proof.finish()
+
+
+def local_ids(path) -> list[str]:
+  return [r.record_id.hex() for r in transcript.read_transcript(path).records]
+
+
+def wait_until(predicate, timeout=60.0, every=0.05):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(every)
+  raise AssertionError("condition not reached in time")
+
+
+class DVBenchTestCase(absltest.TestCase):
+  server: Server
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = Server(workers=1).start()
+    cls.token = cls.server.token("your-name")
+    cls.env = mock.patch.dict(os.environ, {"DVBENCH_TOKEN": cls.token})
+    cls.env.start()
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.env.stop()
+    cls.server.stop()
+    super().tearDownClass()
+
+  def store(self) -> Store:
+    return Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")
+
+  def server_ids(self, client, proof_id) -> list[str]:
+    return client.http.request("GET", f"/api/v1/proofs/{proof_id}/records").json()
+
+
+class TutorialAgainstServerTest(DVBenchTestCase):
+
+  def _run_tutorial(self, code: str) -> dict:
+    workdir = tempfile.mkdtemp()
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    self.addCleanup(os.chdir, cwd)
+    namespace = {"API_URL": self.server.url}
+    exec(compile(code, "tutorial", "exec"), namespace)  # pylint: disable=exec-used
+    proof = namespace["proof"]
+    self.assertTrue((pathlib.Path(workdir) / "jax-checkpoint.msgpack").exists())
+    self.assertFalse(proof.path.exists())  # temporary proof storage is released
+    proof.finish()  # safe to call again
+    status = dvbench.Client(self.server.url).wait_for_verdict(proof.proof_id, 120)
+    self.assertEqual(status["state"], "verified", status)
+    self.assertEqual(status["steps"], 10)
+    check_records = sum(kind == "check" for kind in self._record_kinds(proof.proof_id))
+    self.assertEqual(status["checks"], check_records)
+    self.assertEqual(status["checks_verified"], check_records)
+    return status
+
+  def _record_kinds(self, proof_id):
+    import sqlalchemy as sa  # pylint: disable=g-import-not-at-top
+    from dvbench.server import db  # pylint: disable=g-import-not-at-top
+    with self.store().engine.connect() as conn:
+      return [r[0] for r in conn.execute(sa.select(db.records.c.kind).where(
+          db.records.c.proof_id == proof_id).order_by(db.records.c.position))]
+
+  def test_tutorial_verbatim_reaches_verified(self):
+    self._run_tutorial(tutorial_steps.STEPS_2_TO_6)
+
+  def test_tutorial_with_every_step_checked_is_replayed_by_the_server(self):
+    code = tutorial_steps.STEPS_2_TO_6.replace("update_check_probability=0.01",
+                                               "update_check_probability=1.0")
+    status = self._run_tutorial(code)
+    self.assertEqual(status["checks"], 10)
+    checks = httpx.get(f"{self.server.url}/api/v1/proofs/{status['id']}/checks").json()
+    self.assertEqual([c["step"] for c in checks], list(range(10)))
+    self.assertTrue(all(c["status"] == "verified" and c["mode"] == "exact" for c in checks))
+    page = httpx.get(self.server.url + "/").text
+    self.assertIn(status["id"], page)
+    self.assertIn("your-name/jax-train-state", page)
+
+
+class TamperedUploadTest(DVBenchTestCase):
+
+  def test_one_record_byte_ends_invalid_naming_it(self):
+    path = pathlib.Path(tempfile.mkdtemp()) / "t"
+    shutil.copytree(local_transcript(4), path)
+    records = (path / transcript.RECORDS_FILE).read_bytes()
+    step = next(r for r in transcript.read_transcript(path).records
+                if r.record["type"] == "step" and r.record["index"] == 2)
+    at = step.offset + step.raw.find(step.record["post_state"]) + 5
+    tampered = bytearray(records)
+    tampered[at] ^= 0x10
+    (path / transcript.RECORDS_FILE).write_bytes(bytes(tampered))
+    client = dvbench.Client(self.server.url)
+    honest = client.experiment("your-name/honest").upload(local_transcript(3))
+    proof_id = client.experiment("your-name/tampered").upload(path)
+    status = client.wait_for_verdict(proof_id, 120)
+    self.assertEqual(status["state"], "invalid")
+    self.assertIn("chain", status["failure"])
+    self.assertEqual(client.wait_for_verdict(honest, 120)["state"], "verified")
+
+  def test_one_blob_byte_ends_invalid_naming_the_blob(self):
+    path = pathlib.Path(tempfile.mkdtemp()) / "t"
+    shutil.copytree(local_transcript(2), path)
+    check = next(r for r in testing.records_of(path, "check"))
+    blob = transcript.blob_path(path, check["pre_state_blobs"][-1])
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 1
+    blob.write_bytes(bytes(data))
+    client = dvbench.Client(self.server.url)
+    with self.assertRaisesRegex(dvbench.errors.ApiError, "does not hash to its name"):
+      client.experiment("your-name/tampered-blob").upload(path)
+    proofs = client.experiment("your-name/tampered-blob").proofs()
+    self.assertLen(proofs, 1)
+    self.assertEqual(proofs[0]["state"], "invalid")
+    self.assertIn(check["pre_state_blobs"][-1].hex(), proofs[0]["failure"])
+
+
+class BadRequestsTest(DVBenchTestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.client = dvbench.Client(self.server.url)
+    self.experiment = self.client.experiment("your-name/bad-requests")
+    root = transcript.read_transcript(local_transcript(1)).records[0].raw
+    self.proof_id = self.client.http.request(
+        "POST", "/api/v1/experiments/your-name/bad-requests/proofs", content=root).json()["id"]
+    self.stream = f"{self.server.url}/api/v1/proofs/{self.proof_id}/stream"
+    self.auth = {"Authorization": f"Bearer {self.token}"}
+
+  def post(self, body, headers=None, url=None):
+    return httpx.post(url or self.stream, content=body,
+                      headers=self.auth if headers is None else headers)
+
+  def records(self):
+    return len(self.server_ids(self.client, self.proof_id))
+
+  def test_unknown_proof_and_missing_or_foreign_tokens(self):
+    envelope = transport.encode({"client_id": "c", "seq": 0, "kind": "records", "records": []})
+    self.assertEqual(self.post(envelope, url=self.stream.replace(self.proof_id, "0" * 64)
+                               ).status_code, 404)
+    self.assertEqual(self.post(envelope, headers={}).status_code, 401)
+    self.assertEqual(self.post(envelope, headers={"Authorization": "Bearer nope"}).status_code,
+                     401)
+    foreign = {"Authorization": f"Bearer {self.server.token('mallory')}"}
+    response = self.post(envelope, headers=foreign)
+    self.assertEqual(response.status_code, 403)
+    self.assertIn("mallory", response.json()["error"])
+    response = httpx.post(f"{self.server.url}/api/v1/experiments", json={"name": "your-name/x"},
+                          headers=foreign)
+    self.assertEqual(response.status_code, 403)
+    self.assertEqual(httpx.get(f"{self.server.url}/api/v1/experiments/your-name/x").status_code,
+                     404)
+
+  def test_malformed_envelopes_and_sequence_numbers_write_nothing(self):
+    before = self.records()
+    for body in (b"\xff\x00 not cbor", cbor2.dumps([1, 2]),
+                 transport.encode({"client_id": "", "seq": 0, "kind": "records"}),
+                 transport.encode({"client_id": "c", "seq": -1, "kind": "records"}),
+                 transport.encode({"client_id": "c", "seq": 0, "kind": "upload-everything"}),
+                 transport.encode({"client_id": "c", "seq": 0, "kind": "records",
+                                   "records": [cbor2.dumps({"type": "step"}), b"\xff"]})):
+      response = self.post(body)
+      self.assertEqual(response.status_code, 400, body)
+      self.assertIn("error", response.json())
+    self.assertEqual(self.records(), before)  # the valid first record was not kept
+    response = self.post(transport.encode({"client_id": "c", "seq": 3, "kind": "records",
+                                           "records": []}))
+    self.assertEqual(response.status_code, 409)
+    self.assertIn("expected 0", response.json()["error"])
+    good = transport.encode({"client_id": "c", "seq": 0, "kind": "records",
+                             "records": [cbor2.dumps({"type": "step"}, canonical=True)]})
+    self.assertEqual(self.post(good).json()["stored"], 1)
+    self.assertTrue(self.post(good).json()["duplicate"])  # resent: acknowledged, not doubled
+    self.assertEqual(self.records(), before + 1)
+    response = self.post(transport.encode({"client_id": "c", "seq": 1, "kind": "close",
+                                           "final_record_id": bytes(32), "record_count": 9}))
+    self.assertEqual(response.status_code, 409)
+    self.assertIn("cannot close", response.json()["error"])
+
+  def test_oversized_body(self):
+    small = Server(workers=0, max_body_mb=1).start()
+    self.addCleanup(small.stop)
+    token = small.token("your-name")
+    response = httpx.put(f"{small.url}/api/v1/proofs/{'a' * 64}/blobs/{'b' * 64}",
+                         content=b"x" * (2 << 20), headers={"Authorization": f"Bearer {token}"})
+    self.assertEqual(response.status_code, 413)
+    self.assertIn("exceeds the limit", response.json()["error"])
+
+
+class CrashRecoveryTest(DVBenchTestCase):
+
+  def test_killed_client_restarted_sends_exactly_the_transcript(self):
+    folder = pathlib.Path(tempfile.mkdtemp()) / "transcript"
+    script = textwrap.dedent(f"""
+        import time, jax.numpy as jnp, zkdv, dvbench
+        from tests import testing
+        client = dvbench.Client({self.server.url!r})
+        experiment = client.experiment("your-name/killed-client")
+        proof = experiment.proof(config=zkdv.ZKDVConfig(
+            sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.2),
+            output_dir={str(folder)!r}))
+        proof.start()
+        state = testing.classifier_state(proof)
+        step = proof.jit(testing.classifier_step)
+        for _ in range(100000):
+          state = step(state, jnp.asarray(testing.TUTORIAL_BATCH))
+          time.sleep(0.005)
+        """)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=str(pathlib.Path(
+        __file__).resolve().parent.parent), env={**os.environ, "DVBENCH_TOKEN": self.token})
+    client = dvbench.Client(self.server.url)
+    experiment = client.experiment("your-name/killed-client")
+    proof_id = wait_until(lambda: experiment.proofs() and experiment.proofs()[0]["id"])
+    wait_until(lambda: len(self.server_ids(client, proof_id)) >= 30)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    self.assertEqual(experiment.upload(folder), proof_id)
+    self.assertEqual(self.server_ids(client, proof_id), local_ids(folder))
+    self.assertEqual(experiment.upload(folder), proof_id)  # and again: nothing doubles
+    self.assertEqual(self.server_ids(client, proof_id), local_ids(folder))
+
+  def test_server_restarted_mid_upload_loses_nothing(self):
+    server = Server(workers=1).start()
+    self.addCleanup(server.stop)
+    token = server.token("your-name")
+    path = local_transcript(60, update_p=0.1)
+    client = dvbench.Client(server.url, token=token)
+    experiment = client.experiment("your-name/server-restart")
+    result = {}
+    uploading = threading.Thread(target=lambda: result.setdefault(
+        "id", experiment.upload(path, batch_bytes=200)))
+    uploading.start()
+    proof_id = wait_until(lambda: experiment.proofs() and experiment.proofs()[0]["id"])
+    wait_until(lambda: len(self.server_ids(client, proof_id)) >= 10, every=0.005)
+    server.kill()
+    at_kill = len(Store.open(f"sqlite:///{server.data / 'dvbench.db'}").record_ids(proof_id))
+    self.assertLess(at_kill, len(local_ids(path)))  # it really was mid-upload
+    time.sleep(0.5)
+    server.start()
+    uploading.join(120)
+    self.assertEqual(result.get("id"), proof_id)
+    self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
+    self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "verified")
+
+  def test_killed_worker_job_completes_on_another(self):
+    server = Server(workers=0).start()
+    self.addCleanup(server.stop)
+    token = server.token("your-name")
+    client = dvbench.Client(server.url, token=token)
+    proof_id = client.experiment("your-name/worker-kill").upload(local_transcript(3))
+    command = [sys.executable, "-m", "dvbench.cli", "worker", "--data", str(server.data),
+               "--lease-seconds", "2"]
+    first = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    wait_until(lambda: client.proof_status(proof_id)["state"] == "verifying", every=0.01)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    self.assertEqual(client.proof_status(proof_id)["state"], "verifying")
+    second = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    self.addCleanup(lambda: (os.killpg(second.pid, signal.SIGTERM), second.wait()))
+    self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "verified")
+    store = Store.open(f"sqlite:///{server.data / 'dvbench.db'}")
+    self.assertEqual(store.job(proof_id)["attempts"], 2)
+
+
+if __name__ == "__main__":
+  absltest.main()
