@@ -20,9 +20,9 @@ from absl.testing import absltest
 import dvbench
 from dvbench import transport
 from dvbench.server.db import Store
+from dvbench.server.local import LocalServer as Server
 from tests import testing
 from tests import tutorial_steps
-from tests.dvbench_server import Server
 from zkdv import transcript
 
 

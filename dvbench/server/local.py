@@ -1,4 +1,12 @@
-"""Starting a real ``dvbench serve`` process on a free loopback port for tests."""
+"""A real ``dvbench serve`` process on a free loopback port (tests, benchmarks, notebooks).
+
+Example::
+
+  server = LocalServer(workers=1).start()
+  token = server.token("alice")
+  ...
+  server.stop()
+"""
 
 import os
 import pathlib
@@ -23,7 +31,7 @@ def dvbench(*args: str, data: pathlib.Path) -> str:
                         capture_output=True, text=True, check=True).stdout.strip()
 
 
-class Server:
+class LocalServer:
   """A ``dvbench serve`` subprocess with its own data folder."""
 
   def __init__(self, workers: int = 1, lease_seconds: float = 10.0, max_body_mb: int = 64,
@@ -35,7 +43,7 @@ class Server:
                  "--lease-seconds", str(lease_seconds), "--max-body-mb", str(max_body_mb)]
     self.process = None
 
-  def start(self) -> "Server":
+  def start(self) -> "LocalServer":
     self.process = subprocess.Popen(
         [sys.executable, "-m", "dvbench.cli", *self.args, "--data", str(self.data)],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
