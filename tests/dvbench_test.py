@@ -118,6 +118,27 @@ class TutorialAgainstServerTest(DVBenchTestCase):
     self.assertIn("your-name/jax-train-state", page)
 
 
+class PostgresServerTest(TutorialAgainstServerTest):
+  """The same tutorial run, with the server on PostgreSQL."""
+
+  @classmethod
+  def setUpClass(cls):
+    from tests.postgres import PostgresCluster  # pylint: disable=g-import-not-at-top
+    cls.cluster = PostgresCluster().start()
+    cls.server = Server(workers=1, database_url=cls.cluster.url).start()
+    cls.token = cls.server.token("your-name")
+    cls.env = mock.patch.dict(os.environ, {"DVBENCH_TOKEN": cls.token})
+    cls.env.start()
+
+  @classmethod
+  def tearDownClass(cls):
+    super().tearDownClass()
+    cls.cluster.stop()
+
+  def store(self) -> Store:
+    return Store.open(self.cluster.url)
+
+
 class TamperedUploadTest(DVBenchTestCase):
 
   def test_one_record_byte_ends_invalid_naming_it(self):

@@ -35,12 +35,16 @@ class LocalServer:
   """A ``dvbench serve`` subprocess with its own data folder."""
 
   def __init__(self, workers: int = 1, lease_seconds: float = 10.0, max_body_mb: int = 64,
-               data: pathlib.Path | None = None, port: int | None = None):
+               data: pathlib.Path | None = None, port: int | None = None,
+               database_url: str | None = None):
     self.data = data or pathlib.Path(tempfile.mkdtemp(prefix="dvbench-test-"))
     self.port = port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.args = ["serve", "--port", str(self.port), "--workers", str(workers),
                  "--lease-seconds", str(lease_seconds), "--max-body-mb", str(max_body_mb)]
+    self.database_url = database_url
+    if database_url:
+      self.args += ["--database-url", database_url]
     self.process = None
 
   def start(self) -> "LocalServer":
@@ -60,7 +64,8 @@ class LocalServer:
     raise RuntimeError("dvbench serve did not start in 60 s")
 
   def token(self, owner: str) -> str:
-    return dvbench("token", "create", owner, data=self.data)
+    extra = ("--database-url", self.database_url) if self.database_url else ()
+    return dvbench("token", "create", owner, *extra, data=self.data)
 
   def kill(self) -> None:
     """SIGKILLs the server and its workers (its whole process group)."""

@@ -1,0 +1,47 @@
+"""A throwaway PostgreSQL cluster on loopback for tests (runs as the postgres user)."""
+
+import glob
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+from dvbench.server.local import free_port
+
+
+def _bin(name: str) -> str:
+  found = shutil.which(name) or next(iter(sorted(glob.glob(
+      f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+  if found is None:
+    raise RuntimeError(f"PostgreSQL's {name} is not installed (.ci/run installs the "
+                       "Debian package postgresql).")
+  return found
+
+
+def _as_postgres(*command: str) -> None:
+  prefix = [] if os.geteuid() != 0 else ["runuser", "-u", "postgres", "--"]
+  subprocess.run(prefix + list(command), check=True, capture_output=True)
+
+
+class PostgresCluster:
+  """initdb + pg_ctl in a temporary folder; ``url`` reaches it with trust auth."""
+
+  def __init__(self):
+    self.folder = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-pg-"))
+    self.port = free_port()
+    self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+  def start(self) -> "PostgresCluster":
+    if os.geteuid() == 0:
+      shutil.chown(self.folder, "postgres")
+    data = self.folder / "data"
+    _as_postgres(_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth=trust")
+    _as_postgres(_bin("pg_ctl"), "-D", str(data), "-w", "-l", str(self.folder / "log"),
+                 "-o", f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1",
+                 "start")
+    return self
+
+  def stop(self) -> None:
+    _as_postgres(_bin("pg_ctl"), "-D", str(self.folder / "data"), "-m", "immediate", "stop")
+    shutil.rmtree(self.folder, ignore_errors=True)

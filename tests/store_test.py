@@ -1,0 +1,111 @@
+"""The database layer on SQLite and on PostgreSQL: migrations, tokens, leases."""
+
+import pathlib
+import tempfile
+import threading
+import time
+
+import sqlalchemy as sa
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from dvbench.server import db
+from tests.postgres import PostgresCluster
+
+_PG: PostgresCluster | None = None
+
+
+def setUpModule():
+  global _PG
+  _PG = PostgresCluster().start()
+
+
+def tearDownModule():
+  _PG.stop()
+
+
+def _fresh_url(backend: str) -> str:
+  if backend == "sqlite":
+    return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
+  name = f"t{time.monotonic_ns()}"
+  engine = sa.create_engine(_PG.url.replace("postgresql://", "postgresql+psycopg://"),
+                            isolation_level="AUTOCOMMIT")
+  with engine.connect() as conn:
+    conn.exec_driver_sql(f"CREATE DATABASE {name}")
+  engine.dispose()
+  return _PG.url.rsplit("/", 1)[0] + "/" + name
+
+
+@parameterized.parameters("sqlite", "postgresql")
+class StoreTest(parameterized.TestCase):
+
+  def _proof(self, store, name="alice/run"):
+    exp = store.experiment(name, create_for=name.split("/")[0])
+    return store.create_proof(exp["id"], "ab" * 32, name, b"root", "root")["id"]
+
+  def test_migrations_apply_once_and_record_their_version(self, backend):
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    self.assertEqual(store.migrate(), [])  # already applied by open()
+    with store.engine.connect() as conn:
+      versions = [r[0] for r in conn.execute(sa.select(db.schema_migrations.c.version))]
+    self.assertEqual(versions, [v for v, _ in db.MIGRATIONS])
+    self.assertEqual(db.Store.open(url).migrate(), [])
+
+  def test_tokens_are_stored_hashed(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    _, token = store.create_token("alice")
+    self.assertEqual(store.owner_of_token(token), "alice")
+    self.assertIsNone(store.owner_of_token(token + "x"))
+    with store.engine.connect() as conn:
+      stored = [r[0] for r in conn.execute(sa.select(db.tokens.c.token_hash))]
+    self.assertNotIn(token, stored)
+    self.assertEqual(stored, [db.hash_token(token)])
+
+  def test_records_are_deduplicated_by_id(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    proof = self._proof(store)
+    items = [(bytes([i]) * 32, "step", b"r%d" % i) for i in range(5)]
+    with store.engine.begin() as conn:
+      self.assertEqual(store.append_records(conn, proof, items[:3], {"cd" * 32}), (3, 0))
+    with store.engine.begin() as conn:
+      self.assertEqual(store.append_records(conn, proof, items, {"cd" * 32}), (2, 3))
+    self.assertEqual(store.record_data(proof), [b"root"] + [i[2] for i in items])
+    self.assertEqual(store.proof(proof)["steps"], 5)
+
+  def test_one_job_one_worker_and_expired_leases_move_on(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    proof = self._proof(store)
+    with store.engine.begin() as conn:
+      store.enqueue_job(conn, proof)
+      store.enqueue_job(conn, proof)  # idempotent
+    claims = []
+    barrier = threading.Barrier(6)
+
+    def claim(n):
+      barrier.wait()
+      claims.append(store.claim_job(f"w{n}", lease_seconds=0.5))
+    threads = [threading.Thread(target=claim, args=(n,)) for n in range(6)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    winners = [c for c in claims if c is not None]
+    self.assertLen(winners, 1)
+    self.assertEqual(store.proof(proof)["state"], "verifying")
+    self.assertIsNone(store.claim_job("late", lease_seconds=0.5))
+    time.sleep(0.6)
+    taken = store.claim_job("rescuer", lease_seconds=30)
+    self.assertEqual(taken["attempts"], 2)
+    self.assertFalse(store.complete_job(taken["id"], winners[0]["lease_owner"], proof,
+                                        "verified", None, []))  # lost its lease
+    self.assertTrue(store.complete_job(taken["id"], "rescuer", proof, "verified", None,
+                                       [{"step": 0, "kind": "update", "mode": "exact",
+                                         "status": "verified", "max_abs_error": 0.0,
+                                         "max_rel_error": 0.0, "max_ulp_error": 0}]))
+    self.assertEqual(store.proof(proof)["state"], "verified")
+    self.assertLen(store.proof_checks(proof), 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
