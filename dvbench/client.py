@@ -89,15 +89,14 @@ class Experiment:
     return DVBenchProof(self, config)
 
   def upload(self, path: str | os.PathLike, timeout: float = 300.0,
-             batch_bytes: int | None = None) -> str:
+             **uploader_options) -> str:
     """Uploads an existing transcript folder (again); returns its proof id.
 
     Records the server already has are skipped, so a client restarted after a
     crash sends the same transcript and the server ends with exactly its records.
     """
     from dvbench.upload import Uploader  # pylint: disable=g-import-not-at-top
-    uploader = Uploader(self.client.http, self.name, pathlib.Path(path),
-                        **({} if batch_bytes is None else {"batch_bytes": batch_bytes}))
+    uploader = Uploader(self.client.http, self.name, pathlib.Path(path), **uploader_options)
     uploader.start()
     uploader.finish(timeout=timeout, require_final=False)
     return uploader.proof_id

@@ -26,11 +26,13 @@ BLOBS_DIR = "blobs"
 class Uploader(threading.Thread):
 
   def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05,
-               batch_bytes: int = transport.BATCH_BYTES):
+               batch_bytes: int = transport.BATCH_BYTES,
+               chunk_bytes: int = transport.CHUNK_BYTES):
     super().__init__(name="dvbench-upload", daemon=True)
     self.http, self.experiment, self.folder = http, experiment, pathlib.Path(folder)
     self.poll_seconds = poll_seconds
     self.batch_bytes = batch_bytes
+    self.chunk_bytes = chunk_bytes
     self.client_id = uuid.uuid4().hex
     self.proof_id: str | None = None
     self.sent_records = 0
@@ -108,7 +110,7 @@ class Uploader(threading.Thread):
       self._upload_blobs(transport.blob_refs(record))
       if record.get("type") == "final":
         self._final_id = transport.record_id(raw)
-      if len(raw) > transport.CHUNK_BYTES:
+      if len(raw) > self.chunk_bytes:
         self._flush(batch)
         batch, size = [], 0
         self._send_chunks(raw)
@@ -135,7 +137,7 @@ class Uploader(threading.Thread):
       self.sent_records += len(batch)
 
   def _send_chunks(self, raw: bytes) -> None:
-    rid, step = transport.record_id(raw), transport.CHUNK_BYTES
+    rid, step = transport.record_id(raw), self.chunk_bytes
     count = (len(raw) + step - 1) // step
     for i in range(count):
       self._envelope({"kind": "chunk", "record_id": rid, "index": i, "count": count,

@@ -248,6 +248,51 @@ class BadRequestsTest(DVBenchTestCase):
     self.assertIn("exceeds the limit", response.json()["error"])
 
 
+class ClientTest(DVBenchTestCase):
+
+  def test_records_sent_in_chunks_are_reassembled(self):
+    path = local_transcript(3)
+    client = dvbench.Client(self.server.url)
+    proof_id = client.experiment("your-name/chunked").upload(path, chunk_bytes=48)
+    self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
+    self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "verified")
+
+  def test_login_saves_the_token_and_url_for_client(self):
+    config = pathlib.Path(tempfile.mkdtemp())
+    env = {**os.environ, "DVBENCH_CONFIG_DIR": str(config)}
+    env.pop("DVBENCH_TOKEN", None)
+    subprocess.run([sys.executable, "-m", "dvbench.cli", "login", "--token", self.token,
+                    "--url", self.server.url], env=env, check=True, capture_output=True)
+    self.assertEqual(oct((config / "token").stat().st_mode & 0o777), "0o600")
+    code = ("import dvbench; c = dvbench.Client(); "
+            "print(c.experiment('your-name/login').name, c.url)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    self.assertEqual(out, ["your-name/login", self.server.url])
+
+  def test_missing_url_or_token_is_a_clear_error(self):
+    with mock.patch.dict(os.environ, {"DVBENCH_CONFIG_DIR": tempfile.mkdtemp()}):
+      os.environ.pop("DVBENCH_URL", None)
+      with self.assertRaisesRegex(dvbench.errors.ConfigurationError, "DVBENCH_URL"):
+        dvbench.Client()
+      os.environ.pop("DVBENCH_TOKEN", None)
+      with self.assertRaisesRegex(dvbench.errors.ConfigurationError, "dvbench token create"):
+        dvbench.Client(self.server.url).experiment("your-name/x")
+    with self.assertRaisesRegex(dvbench.errors.UploadError, "is it running"):
+      dvbench.client.Http("http://127.0.0.1:9", None, retry_seconds=0.3).request("GET", "/")
+
+  def test_worker_time_limit_ends_invalid(self):
+    server = Server(workers=0).start()
+    self.addCleanup(server.stop)
+    client = dvbench.Client(server.url, token=server.token("your-name"))
+    proof_id = client.experiment("your-name/slow").upload(local_transcript(1))
+    subprocess.run([sys.executable, "-m", "dvbench.cli", "worker", "--data", str(server.data),
+                    "--once", "--time-limit", "1"], check=True, capture_output=True)
+    status = client.proof_status(proof_id)
+    self.assertEqual(status["state"], "invalid")
+    self.assertIn("time limit", status["failure"])
+
+
 class CrashRecoveryTest(DVBenchTestCase):
 
   def test_killed_client_restarted_sends_exactly_the_transcript(self):

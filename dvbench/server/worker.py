@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,8 @@ logger = logging.getLogger("dvbench.worker")
 def _limits(memory_bytes: int, cpu_seconds: int):
   def apply():
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+    # SIGXCPU at the soft limit; the hard limit is a backstop.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 5))
   return apply
 
 
@@ -49,6 +51,8 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes:
           preexec_fn=_limits(memory_bytes, time_limit))
     except subprocess.TimeoutExpired:
       return "invalid", f"verification exceeded the time limit of {time_limit} s.", []
+  if result.returncode == -signal.SIGXCPU:
+    return "invalid", f"verification exceeded the time limit of {time_limit} s (CPU time).", []
   try:
     report = json.loads(result.stdout)
   except json.JSONDecodeError:
