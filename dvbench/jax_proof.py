@@ -39,12 +39,6 @@ class DVBenchProof(zkdv.jax.ZKDV):
   def proof_id(self) -> str | None:
     return None if self._uploader is None else self._uploader.proof_id
 
-  def _require_running(self) -> None:
-    """A DVBench proof starts itself (with defaults) at its first step."""
-    if self._writer is None and not self._finished:
-      self.start()
-    super()._require_running()
-
   def abandon(self) -> None:
     """Stops uploading an unfinished proof (what was sent stays on the server)."""
     if self._uploader is not None and not self._upload_done:

@@ -182,14 +182,15 @@ class IntegrationErrorsTest(absltest.TestCase):
     with self.assertRaisesRegex(errors.UnsupportedUpdateError, "optax.MultiSteps"):
       two_updates(state, BATCH)
 
-  def test_step_before_start_and_after_finish(self):
+  def test_step_before_start_starts_with_defaults_and_after_finish_fails(self):
     proof = testing.new_proof("lifecycle")
     train_step = proof.jit(testing.classifier_step)
     state = testing.classifier_state(proof)
-    with self.assertRaisesRegex(errors.ProofStateError, r"call proof.start\(\)"):
-      train_step(state, BATCH)
-    proof.start()
     state = train_step(state, BATCH)
+    root = testing.records_of(proof.path, "root")[0]
+    self.assertEqual(root["start"], {"rolling_window": 4, "probe_ratio": 0.0})
+    with self.assertRaisesRegex(errors.ProofStateError, "already started"):
+      proof.start()
     path = proof.finish()
     self.assertEqual(proof.finish(), path)
     with self.assertRaisesRegex(errors.ProofStateError, "finished"):

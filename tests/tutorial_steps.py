@@ -2,6 +2,23 @@
 character for character (the illustrative PRNG-key variant of step 4 calls undefined
 helpers and is left out). ``API_URL`` is supplied by the caller."""
 
+_DVBENCH_LINES = {
+    'from dvbench import Client\n\nclient = Client(API_URL)\n'
+    'experiment = client.experiment("your-name/jax-train-state")\n': "import zkdv\n",
+    'experiment.proof(backend="jax")': 'zkdv.jax.ZKDV("your-name/jax-train-state")',
+    'experiment.proof(backend="jax", config=config)':
+        'zkdv.jax.ZKDV("your-name/jax-train-state", config)',
+    "client.close()\n": "",
+}
+
+
+def without_server(code: str) -> str:
+  """The same code with ``zkdv.jax.ZKDV(...)`` in place of ``experiment.proof(...)``."""
+  for dvbench_line, local_line in _DVBENCH_LINES.items():
+    assert dvbench_line in code, dvbench_line
+    code = code.replace(dvbench_line, local_line)
+  return code
+
 STEPS_2_TO_6 = '''
 from dvbench import Client
 

@@ -7,9 +7,12 @@ import subprocess
 import sys
 import tempfile
 
+import jax
 from absl.testing import absltest
+from flax import serialization
 
 from tests import testing
+from tests import tutorial_steps
 from zkdv import digest
 from zkdv import verify
 
@@ -23,77 +26,10 @@ class TutorialTest(absltest.TestCase):
     cwd = os.getcwd()
     os.chdir(workdir)
     self.addCleanup(os.chdir, cwd)
-    # -- step 2, with zkdv.jax.ZKDV in place of experiment.proof ------------
-    import zkdv
-
-    config = zkdv.ZKDVConfig(
-        sampling_policy=zkdv.SamplingPolicy(
-            update_check_probability=0.01,
-        ),
-    )
-    proof = zkdv.jax.ZKDV("your-name/jax-train-state", config)
-    proof.start(rolling_window=4, probe_ratio=0.01)
-    # -- step 3 --------------------------------------------------------------
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import linen as nn
-    import zkdv
-
-    class TinyClassifier(nn.Module):
-      @nn.compact
-      def __call__(self, tokens):
-        return nn.Dense(2)(tokens.astype(jnp.float32))
-
-    model = TinyClassifier()
-    params = model.init(
-        jax.random.key(0),
-        jnp.ones((1, 4), dtype=jnp.uint32),
-    )["params"]
-
-    state = zkdv.jax.contrib.TrainState.create(
-        proof=proof,
-        apply_fn=model.apply,
-        params=params,
-        tx=optax.adam(1e-2),
-    )
-    # -- step 4 --------------------------------------------------------------
-
-    @proof.jit(donate_argnums=(0,))
-    def train_step(state, batch):
-      tokens = batch[:, :4]
-      labels = batch[:, 4].astype(jnp.int32)
-
-      def loss(params):
-        logits = state.apply_fn({"params": params}, tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits,
-            labels,
-        ).mean()
-
-      grads = jax.grad(loss)(state.params)
-      return state.apply_gradients(grads=grads)
-    # -- step 5 --------------------------------------------------------------
-    batch = jnp.asarray(
-        [
-            [0, 0, 0, 1, 0],
-            [0, 1, 0, 1, 0],
-            [1, 0, 1, 0, 1],
-            [1, 1, 1, 0, 1],
-        ],
-        dtype=jnp.uint32,
-    )
-
-    for _ in range(10):
-      state = train_step(state, batch)
-    # -- step 6 --------------------------------------------------------------
-    from pathlib import Path
-    from flax import serialization
-
-    proof.finish()
-    Path("jax-checkpoint.msgpack").write_bytes(
-        serialization.to_bytes(state.params),
-    )
+    namespace = {}
+    exec(compile(tutorial_steps.without_server(tutorial_steps.STEPS_2_TO_6), "tutorial", "exec"),
+         namespace)  # pylint: disable=exec-used
+    proof, state = namespace["proof"], namespace["state"]
     # -- what it must show -----------------------------------------------------
     path = proof.path
     self.assertEqual(proof.finish(), path)  # a second finish is harmless
@@ -105,7 +41,8 @@ class TutorialTest(absltest.TestCase):
     for prev, step in zip(steps, steps[1:]):
       self.assertEqual(step["pre_state"], prev["post_state"])
     root = testing.records_of(path, "root")[0]
-    self.assertEqual(root["start"], {"rolling_window": 4, "probe_ratio": 0.01})
+    # The configured proof of step 2 is never started explicitly: it starts itself.
+    self.assertEqual(root["start"], {"rolling_window": 4, "probe_ratio": 0.0})
     self.assertEqual(root["prover"], "whitebox-jax")
     final = testing.records_of(path, "final")
     self.assertLen(final, 1)
@@ -114,7 +51,8 @@ class TutorialTest(absltest.TestCase):
     report = verify.verify(path)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     # The checkpoint written in step 6 is the transcript's final params.
-    restored = serialization.msgpack_restore(Path("jax-checkpoint.msgpack").read_bytes())
+    restored = serialization.msgpack_restore(
+        (workdir / "jax-checkpoint.msgpack").read_bytes())
     flat = jax.tree_util.tree_flatten_with_path(restored)[0]
     layouts = [digest.LeafLayout(jax.tree_util.keystr(p), str(v.dtype), v.shape)
                for p, v in flat]

@@ -145,6 +145,15 @@ def batch_stats_and_dropout(args):
   report(proof)
 
 
+def classifier_step(state, batch):
+  """The tutorial's training step, for the variants below."""
+  def loss(params):
+    logits = state.apply_fn({"params": params}, batch[:, :4])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch[:, 4].astype(jnp.int32)).mean()
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
 def portable_dense(variables, tokens):
   """The same computation as TinyClassifier, written with jax.numpy only."""
   p = variables["params"]["Dense_0"]
@@ -160,14 +169,7 @@ def attested_apply(args):
       proof=proof, apply_fn=model.apply, attest_apply_fn=portable_dense,
       params=params, tx=optax.sgd(1e-1, momentum=0.9))
 
-  @proof.jit
-  def train_step(state, batch):
-    def loss(params):
-      logits = state.apply_fn({"params": params}, batch[:, :4])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch[:, 4].astype(jnp.int32)).mean()
-    return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
+  train_step = proof.jit(classifier_step)
   for _ in range(args.steps):
     state = train_step(state, BATCH)
   proof.finish()
@@ -184,14 +186,7 @@ def overlap_policies(args):
         proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-2),
         zkdv_overlap=policy)
 
-    @proof.jit(donate_argnums=(0,))
-    def train_step(state, batch):
-      def loss(params):
-        logits = state.apply_fn({"params": params}, batch[:, :4])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits, batch[:, 4].astype(jnp.int32)).mean()
-      return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
+    train_step = proof.jit(classifier_step, donate_argnums=(0,))
     for _ in range(args.steps):
       state = train_step(state, BATCH)
     proof.finish()

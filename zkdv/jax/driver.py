@@ -90,6 +90,9 @@ class ZKDV:
   def start(self, rolling_window: int = 4, probe_ratio: float = 0.0) -> "ZKDV":
     """Opens the transcript and writes its root record.
 
+    A proof that is used without ``start()`` starts itself at its first step
+    with these defaults.
+
     Args:
       rolling_window: at most this many steps may be in flight whose records
         are not yet durable (bounds the buffer generations ZKDV keeps).
@@ -208,12 +211,14 @@ class ZKDV:
   # -- internals used by ProofFunction and the pipeline ----------------------
 
   def _require_running(self) -> None:
-    if self._writer is None:
-      raise errors.ProofStateError(
-          f"{self!r} is not started: call proof.start() before the first step.")
+    """Starts the proof with default arguments if start() was not called."""
     if self._finished:
       raise errors.ProofStateError(
           f"{self!r} is finished; start a new proof to record more steps.")
+    if self._writer is None:
+      logger.info("ZKDV proof %r was not started; starting it with default arguments.",
+                  self.name)
+      self.start()
 
   def _register(self, fn: ProofFunction) -> None:
     kind = "manual" if fn.manual else "trainstate"
