@@ -41,6 +41,9 @@ def blob_refs(record: dict) -> set[str]:
     for d in value if isinstance(value, list) else [value]:
       if isinstance(d, bytes) and len(d) == 32:
         refs.add(d.hex())
+  for probe in record.get("probes") or []:
+    if isinstance(probe, list) and len(probe) == 4 and isinstance(probe[2], bytes):
+      refs.add(probe[2].hex())
   return refs
 
 

@@ -40,9 +40,9 @@ def copy_of_good() -> pathlib.Path:
   return dst
 
 
-def rechained(edit) -> pathlib.Path:
+def rechained(edit, src: pathlib.Path | None = None) -> pathlib.Path:
   """A copy whose records are edited by ``edit`` and re-chained consistently."""
-  src = good_transcript()
+  src = src or good_transcript()
   records = [dict(r.record) for r in transcript.read_transcript(src).records]
   for r in records:
     r.pop("prev", None)
@@ -184,6 +184,54 @@ class VerifierTest(parameterized.TestCase):
     blobs = check.get("pre_state_blobs") or check["post_state_blobs"]
     transcript.blob_path(path, blobs[-1]).unlink()
     self.assertEqual(self.assert_fails(path, "missing_blob", verify.UNVERIFIABLE).exit_code, 2)
+
+
+class ProbeTamperTest(parameterized.TestCase):
+  """Data probes: each step opens the seed's rows, each with its Merkle proof."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    proof = testing.new_proof("probes", update_p=0.0)
+    proof.start(probe_ratio=0.5)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step)
+    for i in range(4):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
+    cls.path = proof.finish()
+
+  def test_probes_verify_and_are_counted(self):
+    report = verify.verify(self.path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    # 4 steps x (2 of 4 rows of the batch) : one batch leaf.
+    self.assertEqual(report.probed_rows, 4 * 2)
+    step = testing.records_of(self.path, "step")[0]
+    rows = [p[1] for p in step["probes"]]
+    seed = testing.records_of(self.path, "final")[0]["seed"]
+    self.assertEqual(rows, sampling.probe_rows(seed, 0, 0, 4, 0.5))
+
+  def test_flipped_probe_blob(self):
+    path = pathlib.Path(tempfile.mkdtemp()) / "t"
+    shutil.copytree(self.path, path)
+    probe = testing.records_of(path, "step")[1]["probes"][0]
+    flip_byte(transcript.blob_path(path, probe[2]), 0)
+    report = verify.verify(path)
+    self.assertEqual(report.verdict, verify.INVALID)
+    self.assertIn("probe", {f.code for f in report.findings})
+
+  @parameterized.named_parameters(
+      ("dropped_probe", lambda s: s["probes"].pop()),
+      ("moved_probe", lambda s: s["probes"][0].__setitem__(1, (s["probes"][0][1] + 1) % 4)),
+      ("bad_proof", lambda s: s["probes"][0][3].__setitem__(0, bytes(32))),
+      ("bad_roots", lambda s: s["batch_roots"].__setitem__(0, bytes(32))),
+  )
+  def test_edited_probes_fail(self, change):
+    def edit(records):
+      change([r for r in records if r["type"] == "step"][2])
+      return records
+    report = verify.verify(rechained(edit, self.path))
+    self.assertEqual(report.verdict, verify.INVALID, report.dumps())
+    self.assertIn("probe", {f.code for f in report.findings})
 
 
 class UntrustedInputTest(absltest.TestCase):

@@ -42,6 +42,7 @@ def _human_report(report: verify_lib.Report) -> str:
     rows.append(("max error (equivalent)",
                  f"abs {max(c.max_abs_error for c in report.checks):.3g}, "
                  f"rel {max(c.max_rel_error for c in report.checks):.3g}, ulp {worst}"))
+  rows.append(("probed batch rows", str(report.probed_rows)))
   rows.append(("discontinuities", ", ".join(map(str, report.discontinuities)) or "none"))
   rows.append(("verdict", report.verdict.upper()))
   width = max(len(k) for k, _ in rows)

@@ -85,12 +85,11 @@ def whole_piece(layout: LeafLayout, digest: bytes) -> list:
 
 
 def row_leaf_hashes(layout: LeafLayout, array: np.ndarray) -> list[bytes]:
-  data = byte_view(array)
-  rows = layout.rows
-  if rows == 0:
+  if layout.rows == 0:
     return []
-  width = data.size // rows
-  return [merkle.leaf_hash(data[i * width:(i + 1) * width]) for i in range(rows)]
+  data = byte_view(array)
+  width = data.size // layout.rows
+  return [merkle.leaf_hash(data[i * width:(i + 1) * width]) for i in range(layout.rows)]
 
 
 def _table_digest(entries: list) -> bytes:
@@ -133,6 +132,21 @@ def params_digest(layouts: Sequence[LeafLayout], leaf_digests: Sequence[bytes],
   return state_digest_from_leaves([l for l, _ in chosen], [d for _, d in chosen])
 
 
+def batch_trees(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]) -> list:
+  """Each batch leaf's row Merkle tree (all levels, leaves first)."""
+  return [merkle.tree_levels(row_leaf_hashes(l, a)) for l, a in zip(layouts, arrays, strict=True)]
+
+
+def tree_root(levels: list[list[bytes]]) -> bytes:
+  return levels[-1][0] if levels[0] else merkle.EMPTY_ROOT
+
+
 def digest_batch_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]) -> bytes:
-  roots = [merkle.root(row_leaf_hashes(l, a)) for l, a in zip(layouts, arrays, strict=True)]
-  return batch_digest(layouts, roots)
+  return batch_digest(layouts, [tree_root(t) for t in batch_trees(layouts, arrays)])
+
+
+def row_view(layout: LeafLayout, array: np.ndarray, row: int) -> np.ndarray:
+  """The bytes of one row (leading axis) of a batch leaf."""
+  data = byte_view(array)
+  width = data.size // layout.rows
+  return data[row * width:(row + 1) * width]

@@ -21,6 +21,7 @@ import blake3
 
 from zkdv import digest
 from zkdv import errors
+from zkdv import merkle
 from zkdv import sampling
 from zkdv import transcript
 from zkdv.config import Tolerance
@@ -33,7 +34,7 @@ OPTIONAL_FIELDS = {
     "root": {"device_kinds"},
     "program": {"function", "params_leaves", "static_arguments", "compiler_options",
                 "nr_devices"},
-    "step": set(),
+    "step": {"batch_roots"},
     "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result"},
     "final": {"discontinuities", "final_state", "final_state_leaves", "final_params"},
 }
@@ -88,6 +89,7 @@ class Report:
   finished: bool = False
   checks: list[CheckOutcome] = dataclasses.field(default_factory=list)
   discontinuities: list[int] = dataclasses.field(default_factory=list)
+  probed_rows: int = 0
   findings: list[Finding] = dataclasses.field(default_factory=list)
 
   @property
@@ -111,7 +113,7 @@ class Report:
         "verdict": self.verdict, "exit_code": self.exit_code,
         "records": self.records, "steps": self.steps, "finished": self.finished,
         "checks": [dataclasses.asdict(c) for c in self.checks],
-        "discontinuities": self.discontinuities,
+        "discontinuities": self.discontinuities, "probed_rows": self.probed_rows,
         "findings": [f.to_json() for f in self.findings],
     }
 
@@ -329,6 +331,7 @@ class _Verification:
       report.fail("seed", "final", "the revealed seed does not match the root's seed "
                   "commitment; sampling decisions cannot be trusted.")
       return
+    self._probes(seed)
     config = self.root["config"]
     have = {(c["step"], c["kind"]) for c in self.checks}
     for kind in sampling.CHECK_KINDS:
@@ -337,6 +340,55 @@ class _Verification:
         if sampling.is_sampled(seed, kind, t, p) and (t, kind) not in have:
           report.fail("missing_check", f"step {t}",
                       f"step {t} was sampled for a {kind} check but has none.")
+
+  def _probes(self, seed: bytes) -> None:
+    """Data probes: the rows the seed selects, each proven in its leaf's row tree."""
+    ratio = self.root["start"].get("probe_ratio", 0.0)
+    for t, step in enumerate(self.steps):
+      program = self.programs.get(step["program"])
+      if program is None:
+        continue
+      where = f"step {t}"
+      layouts = program["_batch"]
+      expected = {(leaf, row) for leaf, l in enumerate(layouts)
+                  if l.key_impl is None and l.shape
+                  for row in sampling.probe_rows(seed, t, leaf, l.rows, ratio)}
+      probes = step["probes"]
+      if not probes and not expected:
+        continue
+      roots = step.get("batch_roots")
+      if (not isinstance(roots, list) or len(roots) != len(layouts)
+          or digest.batch_digest(layouts, roots) != step["batch"]):
+        self.report.fail("probe", where, "batch_roots do not make up the batch digest.")
+        continue
+      opened = set()
+      for entry in probes:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int)
+                and isinstance(entry[1], int) and 0 <= entry[0] < len(layouts)
+                and isinstance(entry[3], list)):
+          self.report.fail("probe", where, f"malformed probe entry {entry!r:.80}.")
+          continue
+        leaf, row, blob, proof = entry
+        layout = layouts[leaf]
+        opened.add((leaf, row))
+        try:
+          data = transcript.read_blob(self.folder, blob, "uint8",
+                                      (layout.nbytes // max(layout.rows, 1),))
+        except FileNotFoundError:
+          self.report.fail("missing_blob", where, f"probe blob of row {row} of {layout.path} "
+                           "is missing.", UNVERIFIABLE)
+          continue
+        except (OSError, errors.TranscriptFormatError, TypeError, ValueError) as e:
+          self.report.fail("probe", where, f"probe of row {row} of {layout.path}: {e}")
+          continue
+        if not merkle.verify_inclusion(merkle.leaf_hash(data.tobytes()), row, layout.rows,
+                                       proof, roots[leaf]):
+          self.report.fail("probe", where, f"probe of row {row} of {layout.path} is not in "
+                           "the committed batch (its Merkle proof fails).")
+      if opened != expected:
+        self.report.fail("probe", where, f"opened rows {sorted(opened)} but the seed selects "
+                         f"{sorted(expected)}.")
+      self.report.probed_rows += len(probes)
 
   def _final_state(self, final, last_step) -> None:
     report = self.report

@@ -29,6 +29,7 @@ from zkdv import __version__
 from zkdv import config as config_lib
 from zkdv import digest
 from zkdv import errors
+from zkdv import merkle
 from zkdv import overlap as overlap_lib
 from zkdv import sampling
 from zkdv import transcript
@@ -74,6 +75,7 @@ class ZKDV:
     self._writer: transcript.TranscriptWriter | None = None
     self._pipeline: CommitPipeline | None = None
     self._seed = b""
+    self._probe_ratio = 0.0
     self._finished = False
     self._finish_error: errors.ZKDVError | None = None
     self._registered: dict[str, ProofFunction] = {}
@@ -109,6 +111,7 @@ class ZKDV:
     self._writer = transcript.TranscriptWriter(folder)
     self.path = folder
     self._seed = sampling.new_seed()
+    self._probe_ratio = float(probe_ratio)
     devices = jax.devices()
     self._writer.append({
         "type": "root",
@@ -259,10 +262,9 @@ class ZKDV:
     if not continuous and donated_state:
       pre_digest = digest.digest_state_arrays(
           program.state_layouts, [arrays.host_view(x) for x in state])[0]
-    batch_digest = None
+    batch_commitment = None
     if donated_batch:
-      batch_digest = digest.digest_batch_arrays(
-          program.batch_layouts, [arrays.host_view(x) for x in batch])
+      batch_commitment = self._commit_batch(program, index, [arrays.host_view(x) for x in batch])
     opened = None
     if update_check:
       opened = [arrays.host_copy(x) for x in leaves]
@@ -274,8 +276,7 @@ class ZKDV:
     job = pipeline.submit(
         lambda job: self._commit_step(
             job, program, index, post, None if continuous else (pre_digest, state),
-            batch_digest if batch_digest is not None else batch, opened, update_check,
-            state_check),
+            batch_commitment or batch, opened, update_check, state_check),
         holds_slot=True)
     self._last_post_leaves = post
     overlap = program.overlap or overlap_lib.UNCHECKED
@@ -308,12 +309,11 @@ class ZKDV:
       logger.warning("ZKDV proof %r: step %d does not start from the state step "
                      "%d returned (changed outside proof.jit).", self.name, index,
                      index - 1)
-    batch_digest = batch if isinstance(batch, bytes) else digest.digest_batch_arrays(
-        program.batch_layouts, [arrays.host_view(x) for x in batch])
+    if not isinstance(batch, dict):
+      batch = self._commit_batch(program, index, [arrays.host_view(x) for x in batch])
     self._writer.append({
         "type": "step", "index": index, "program": program.program_id,
-        "pre_state": pre_digest, "batch": batch_digest,
-        "post_state": post_digest, "probes": [],
+        "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
     self._last_post = (post_digest, post_leaf_digests, program.state_layouts,
                        program.params_mask)
@@ -321,6 +321,22 @@ class ZKDV:
       self._update_check(program, index, opened, post_views)
     if state_check:
       self._state_check(program, index, post_views)
+
+  def _commit_batch(self, program, index, views) -> dict:
+    """The step's batch fields: digest, and data probes with their Merkle proofs."""
+    trees = digest.batch_trees(program.batch_layouts, views)
+    fields = {"batch": digest.batch_digest(program.batch_layouts,
+                                           [digest.tree_root(t) for t in trees]),
+              "probes": []}
+    for leaf, (layout, view, levels) in enumerate(zip(program.batch_layouts, views, trees)):
+      if layout.key_impl is not None or len(layout.shape) == 0:
+        continue
+      for row in sampling.probe_rows(self._seed, index, leaf, layout.rows, self._probe_ratio):
+        blob = self._writer.put_blob(digest.row_view(layout, view, row))
+        fields["probes"].append([leaf, row, blob, merkle.inclusion_proof(levels, row)])
+    if fields["probes"]:
+      fields["batch_roots"] = [digest.tree_root(t) for t in trees]
+    return fields
 
   def _update_check(self, program, index, opened, post_views) -> None:
     layouts = {i: l for i, l in zip(program.state_indices, program.state_layouts)}
