@@ -19,3 +19,7 @@ class ApiError(DVBenchError):
 
 class UploadError(DVBenchError, RuntimeError):
   """The transcript could not be uploaded in time."""
+
+
+class MeasurementError(DVBenchError, ValueError):
+  """A measurement cannot be made or submitted as asked."""

@@ -367,7 +367,7 @@ class CrashRecoveryTest(DVBenchTestCase):
     self.addCleanup(lambda: (os.killpg(second.pid, signal.SIGTERM), second.wait()))
     self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "verified")
     store = Store.open(f"sqlite:///{server.data / 'dvbench.db'}")
-    self.assertEqual(store.job(proof_id)["attempts"], 2)
+    self.assertEqual(store.job("proof", proof_id)["attempts"], 2)
 
 
 if __name__ == "__main__":

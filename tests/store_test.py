@@ -77,8 +77,8 @@ class StoreTest(parameterized.TestCase):
     store = db.Store.open(_fresh_url(backend))
     proof = self._proof(store)
     with store.engine.begin() as conn:
-      store.enqueue_job(conn, proof)
-      store.enqueue_job(conn, proof)  # idempotent
+      store.enqueue_job(conn, "proof", proof)
+      store.enqueue_job(conn, "proof", proof)  # idempotent
     claims = []
     barrier = threading.Barrier(6)
 
@@ -97,12 +97,12 @@ class StoreTest(parameterized.TestCase):
     time.sleep(0.6)
     taken = store.claim_job("rescuer", lease_seconds=30)
     self.assertEqual(taken["attempts"], 2)
-    self.assertFalse(store.complete_job(taken["id"], winners[0]["lease_owner"], proof,
-                                        "verified", None, []))  # lost its lease
-    self.assertTrue(store.complete_job(taken["id"], "rescuer", proof, "verified", None,
+    self.assertFalse(store.complete_proof_job(taken["id"], winners[0]["lease_owner"], proof,
+                                              "verified", None, []))  # lost its lease
+    self.assertTrue(store.complete_proof_job(taken["id"], "rescuer", proof, "verified", None,
                                        [{"step": 0, "kind": "update", "mode": "exact",
                                          "status": "verified", "max_abs_error": 0.0,
-                                         "max_rel_error": 0.0, "max_ulp_error": 0}]))
+                                               "max_rel_error": 0.0, "max_ulp_error": 0}]))
     self.assertEqual(store.proof(proof)["state"], "verified")
     self.assertLen(store.proof_checks(proof), 1)
 

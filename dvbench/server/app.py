@@ -7,6 +7,7 @@ Example::
 """
 
 import json
+import pathlib
 import re
 
 import cbor2
@@ -15,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from dvbench import transport
 from dvbench.server import page
@@ -36,7 +38,8 @@ def _check_name(owner: str, name: str) -> str:
 def _public_proof(p: dict) -> dict:
   return {"id": p["id"], "experiment": p.get("experiment"), "name": p["name"],
           "state": p["state"], "failure": p["failure"], "records": p["records"],
-          "steps": p["steps"], "created_at": p["created_at"], "updated_at": p["updated_at"]}
+          "steps": p["steps"], "final_params": p["final_params"],
+          "created_at": p["created_at"], "updated_at": p["updated_at"]}
 
 
 class _Api:
@@ -226,12 +229,23 @@ class _Api:
       refs |= transport.blob_refs(record)
     return items, refs
 
+  @staticmethod
+  def _probe_digests(raws) -> set[str]:
+    digests = set()
+    for raw in raws:
+      record = cbor2.loads(raw)
+      for probe in record.get("probes") or [] if record.get("type") == "step" else []:
+        if isinstance(probe, list) and len(probe) == 4 and isinstance(probe[2], bytes):
+          digests.add(probe[2].hex())
+    return digests
+
   def _ingest_records(self, conn, proof_id, envelope) -> dict:
     raws = envelope.get("records")
     if not isinstance(raws, list):
       raise HTTPException(400, "envelope.records must be a list of encoded records.")
     items, refs = self._parse_records(raws)
     stored, duplicates = self.store.append_records(conn, proof_id, items, refs)
+    self.store.add_probes(conn, proof_id, self._probe_digests(raws))
     return {"stored": stored, "duplicates": duplicates}
 
   def _ingest_chunk(self, conn, proof_id, envelope) -> dict:
@@ -246,6 +260,7 @@ class _Api:
       raise HTTPException(400, "the reassembled chunks do not hash to record_id.")
     items, refs = self._parse_records([whole])
     stored, duplicates = self.store.append_records(conn, proof_id, items, refs)
+    self.store.add_probes(conn, proof_id, self._probe_digests([whole]))
     return {"chunk": idx, "of": count, "stored": stored, "duplicates": duplicates}
 
   def _ingest_close(self, conn, proof_id, envelope) -> dict:
@@ -259,9 +274,80 @@ class _Api:
     if missing:
       raise HTTPException(409, f"cannot close: {len(missing)} referenced blobs are missing "
                           f"(first {missing[0]}); upload them first.")
-    self.store.set_proof_state(proof_id, "closed", conn=conn)
-    self.store.enqueue_job(conn, proof_id)
+    final = cbor2.loads(self.store.record_data(proof_id)[-1])
+    final_params = final.get("final_params") if isinstance(final, dict) else None
+    self.store.set_proof_state(proof_id, "closed", conn=conn, final_params=(
+        final_params.hex() if isinstance(final_params, bytes) else None))
+    self.store.enqueue_job(conn, "proof", proof_id)
     return {"closed": True, "records": len(ids)}
+
+  # -- measurements ----------------------------------------------------------------
+
+  async def create_measurement(self, request):
+    body = await self.body(request)
+    owner, name = request.path_params["owner"], request.path_params["name"]
+
+    def create():
+      exp = self.writable_experiment(request, owner, name)
+      try:
+        record = cbor2.loads(body)
+        metric, value = record["metric"], record["value"]
+        proof_id, checkpoint = record["proof_id"], record["checkpoint"]
+        batches, openings = record["batches"], record["openings"]
+        assert isinstance(metric, str) and _NAME.fullmatch(metric)
+        assert isinstance(value, float) and isinstance(checkpoint, bytes)
+        refs = [record["evaluate"], *record["params_blobs"],
+                *[b for out in record["outputs"] for b in out],
+                *[b for _, blobs in openings for b in blobs]]
+        if record["aggregate"] is not None:
+          refs.append(record["aggregate"])
+        assert all(isinstance(b, bytes) and len(b) == 32 for b in refs)
+      except (cbor2.CBORDecodeError, ValueError, KeyError, TypeError, AssertionError):
+        raise HTTPException(400, "the body is not a measurement record (see "
+                            "dvbench.measurement).") from None
+      proof = self.store.proof(str(proof_id))
+      if proof is None or proof["experiment_id"] != exp["id"]:
+        raise HTTPException(404, f"proof {proof_id} is not a proof of {exp['full_name']}.")
+      if proof["state"] != "verified" or proof["final_params"] != checkpoint.hex():
+        raise HTTPException(409, f"the checkpoint is not the final state of a verified proof: "
+                            f"proof {proof_id} is {proof['state']} with final params "
+                            f"{proof['final_params']}.")
+      missing = [b.hex() for b in refs if not self.blobs.has(b.hex())]
+      if missing:
+        raise HTTPException(409, f"{len(missing)} blobs are missing (first {missing[0]}); "
+                            "upload them first.")
+      return self.store.add_measurement({
+          "id": transport.record_id(body).hex(), "experiment_id": exp["id"],
+          "proof_id": proof_id, "metric": metric, "value": value,
+          "higher_is_better": bool(record.get("higher_is_better", True)),
+          "batches": len(batches), "sampled": len(openings), "checkpoint": checkpoint.hex(),
+          "record": body})
+    row = await run_in_threadpool(create)
+    return JSONResponse({k: v for k, v in row.items() if k != "record"}, status_code=201)
+
+  async def get_measurement(self, request):
+    row = await run_in_threadpool(self.store.measurement, request.path_params["measurement_id"])
+    if row is None:
+      raise HTTPException(404, "unknown measurement.")
+    return JSONResponse({k: v for k, v in row.items() if k != "record"})
+
+  async def put_eval_set(self, request):
+    metric = request.path_params["metric"]
+    if not _NAME.fullmatch(metric):
+      raise HTTPException(400, "metric names are 1-100 letters, digits, '.', '_' or '-'.")
+    try:
+      digests = json.loads(await self.body(request))["row_digests"]
+      assert isinstance(digests, list) and all(
+          isinstance(d, str) and self.blobs.valid_name(d) for d in digests)
+    except (ValueError, KeyError, TypeError, AssertionError):
+      raise HTTPException(400, "send JSON {\"row_digests\": [hex BLAKE3 of each row]}.") from None
+
+    def put():
+      owner = self.owner(request)
+      if not self.store.set_eval_rows(metric, owner, digests):
+        raise HTTPException(403, f"the evaluation set of {metric} belongs to another owner.")
+    await run_in_threadpool(put)
+    return JSONResponse({"metric": metric, "rows": len(set(digests))})
 
   # -- pages -----------------------------------------------------------------------
 
@@ -269,6 +355,25 @@ class _Api:
     experiments = await run_in_threadpool(self.store.list_experiments)
     proofs = await run_in_threadpool(self.store.list_proofs)
     return HTMLResponse(page.index(experiments, proofs))
+
+  async def leaderboard(self, request):
+    def gather():
+      rows = self.store.list_measurements()
+      metrics = sorted({r["metric"] for r in rows})
+      return page.leaderboard(rows, self.store.check_counts(), self.store.probe_counts(),
+                              {m: self.store.contamination(m) for m in metrics})
+    return HTMLResponse(await run_in_threadpool(gather))
+
+  async def proof_page(self, request):
+    proof_id = request.path_params["proof_id"]
+
+    def gather():
+      proof = self.store.proof(proof_id)
+      if proof is None:
+        raise HTTPException(404, "unknown proof.")
+      return page.proof(proof, self.store.proof_checks(proof_id),
+                        self.store.probe_counts().get(proof_id, 0))
+    return HTMLResponse(await run_in_threadpool(gather))
 
   async def health(self, request):
     return JSONResponse({"ok": True})
@@ -294,5 +399,13 @@ def create_app(store: Store, blobs: BlobStore,
       Route("/api/v1/proofs/{proof_id}/stream", api.stream, methods=["POST"]),
       Route("/api/v1/proofs/{proof_id}/blobs/{digest}", api.put_blob, methods=["PUT"]),
       Route("/api/v1/blobs/{digest}", api.has_blob, methods=["HEAD", "GET"]),
+      Route("/api/v1/experiments/{owner}/{name}/measurements", api.create_measurement,
+            methods=["POST"]),
+      Route("/api/v1/measurements/{measurement_id}", api.get_measurement),
+      Route("/api/v1/metrics/{metric}/eval-set", api.put_eval_set, methods=["PUT"]),
+      Route("/leaderboard", api.leaderboard),
+      Route("/proofs/{proof_id}", api.proof_page),
+      Mount("/static", StaticFiles(directory=pathlib.Path(page.__file__).parent / "static"),
+            name="static"),
   ]
   return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

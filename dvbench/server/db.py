@@ -90,13 +90,47 @@ blob_refs = sa.Table(
 jobs = sa.Table(
     "jobs", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), unique=True,
-              nullable=False),
+    sa.Column("kind", sa.String(20), nullable=False),  # "proof" or "measurement"
+    sa.Column("subject", sa.String(64), nullable=False),  # the proof or measurement id
     sa.Column("state", sa.String(20), nullable=False),  # queued, running, done
     sa.Column("lease_owner", sa.String(100)),
     sa.Column("lease_expires", sa.Float),
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.UniqueConstraint("kind", "subject"))
+
+measurements = sa.Table(
+    "measurements", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # BLAKE3 of the submission, hex
+    sa.Column("experiment_id", sa.Integer, sa.ForeignKey("experiments.id"), nullable=False),
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), nullable=False),
+    sa.Column("metric", sa.String(100), nullable=False),
+    sa.Column("value", sa.Float, nullable=False),
+    sa.Column("higher_is_better", sa.Boolean, nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("failure", sa.Text),
+    sa.Column("batches", sa.Integer, nullable=False),
+    sa.Column("sampled", sa.Integer, nullable=False),
+    sa.Column("checkpoint", sa.String(64), nullable=False),
+    sa.Column("record", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False))
+
+probes = sa.Table(
+    "probes", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+eval_sets = sa.Table(
+    "eval_sets", metadata,
+    sa.Column("metric", sa.String(100), primary_key=True),
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("owners.id"), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False))
+
+eval_rows = sa.Table(
+    "eval_rows", metadata,
+    sa.Column("metric", sa.String(100), sa.ForeignKey("eval_sets.metric"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
 
 checks = sa.Table(
     "checks", metadata,
@@ -113,13 +147,14 @@ checks = sa.Table(
 def _migration_1(conn) -> None:
   """The first schema: accounts, experiments, proofs, records, jobs, checks."""
   for table in (owners, tokens, experiments, proofs, records, streams, chunks,
-                blob_refs, jobs, checks):
+                blob_refs, jobs, checks, measurements, probes, eval_sets, eval_rows):
     table.create(conn)
 
 
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1)]
 
 PROOF_STATES = ("receiving", "closed", "verifying", "verified", "invalid")
+MEASUREMENT_STATES = ("pending", "verifying", "verified", "self-reported", "invalid")
 
 
 def _sqlite_pragmas(dbapi_conn, _):
@@ -333,10 +368,11 @@ class Store:
 
   # -- validation jobs -----------------------------------------------------------------
 
-  def enqueue_job(self, conn, proof_id: str) -> None:
-    if not conn.execute(sa.select(jobs.c.id).where(jobs.c.proof_id == proof_id)).first():
-      conn.execute(jobs.insert().values(proof_id=proof_id, state="queued", attempts=0,
-                                        created_at=time.time()))
+  def enqueue_job(self, conn, kind: str, subject: str) -> None:
+    if not conn.execute(sa.select(jobs.c.id).where(
+        (jobs.c.kind == kind) & (jobs.c.subject == subject))).first():
+      conn.execute(jobs.insert().values(kind=kind, subject=subject, state="queued",
+                                        attempts=0, created_at=time.time()))
 
   def claim_job(self, worker: str, lease_seconds: float) -> dict | None:
     """Takes a queued job, or one whose lease expired, for ``lease_seconds``."""
@@ -355,9 +391,13 @@ class Store:
           attempts=jobs.c.attempts + 1))
       if updated.rowcount != 1:
         return None  # another worker won the race
-      job = conn.execute(sa.select(jobs).where(jobs.c.id == row[0])).mappings().first()
-      self.set_proof_state(job["proof_id"], "verifying", conn=conn)
-    return dict(job)
+      job = dict(conn.execute(sa.select(jobs).where(jobs.c.id == row[0])).mappings().first())
+      if job["kind"] == "proof":
+        self.set_proof_state(job["subject"], "verifying", conn=conn)
+      else:
+        conn.execute(measurements.update().where(measurements.c.id == job["subject"]).values(
+            state="verifying", updated_at=now))
+    return job
 
   def extend_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
     with self.engine.begin() as conn:
@@ -365,24 +405,114 @@ class Store:
           (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
       ).values(lease_expires=time.time() + lease_seconds)).rowcount == 1
 
-  def complete_job(self, job_id: int, worker: str, proof_id: str, state: str,
-                   failure: str | None, check_rows: list[dict]) -> bool:
+  def _finish_job(self, conn, job_id: int, worker: str) -> bool:
+    return conn.execute(jobs.update().where(
+        (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
+    ).values(state="done")).rowcount == 1
+
+  def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
+                         failure: str | None, check_rows: list[dict]) -> bool:
+    """Stores the verdict; False (nothing written) when the lease was lost."""
     with self.engine.begin() as conn:
-      owned = conn.execute(jobs.update().where(
-          (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
-      ).values(state="done")).rowcount == 1
-      if not owned:
-        return False  # the lease was lost; the other worker's verdict stands
+      if not self._finish_job(conn, job_id, worker):
+        return False
       conn.execute(checks.delete().where(checks.c.proof_id == proof_id))
       if check_rows:
         conn.execute(checks.insert(), [{"proof_id": proof_id, **r} for r in check_rows])
       self.set_proof_state(proof_id, state, failure, conn=conn)
     return True
 
-  def job(self, proof_id: str) -> dict | None:
+  def complete_measurement_job(self, job_id: int, worker: str, measurement_id: str,
+                               state: str, failure: str | None) -> bool:
+    assert state in MEASUREMENT_STATES
+    with self.engine.begin() as conn:
+      if not self._finish_job(conn, job_id, worker):
+        return False
+      conn.execute(measurements.update().where(measurements.c.id == measurement_id).values(
+          state=state, failure=failure, updated_at=time.time()))
+    return True
+
+  def job(self, kind: str, subject: str) -> dict | None:
     with self.engine.connect() as conn:
-      row = conn.execute(sa.select(jobs).where(jobs.c.proof_id == proof_id)).mappings().first()
+      row = conn.execute(sa.select(jobs).where(
+          (jobs.c.kind == kind) & (jobs.c.subject == subject))).mappings().first()
     return dict(row) if row else None
+
+  # -- measurements, probes, evaluation sets ----------------------------------------
+
+  def add_measurement(self, row: dict) -> dict:
+    """Stores a submission (idempotent by id) and queues its replay."""
+    now = time.time()
+    with self.engine.begin() as conn:
+      if not conn.execute(sa.select(measurements.c.id).where(
+          measurements.c.id == row["id"])).first():
+        conn.execute(measurements.insert().values(**row, state="pending", created_at=now,
+                                                  updated_at=now))
+        self.enqueue_job(conn, "measurement", row["id"])
+    return self.measurement(row["id"])
+
+  def measurement(self, measurement_id: str) -> dict | None:
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(measurements).where(
+          measurements.c.id == measurement_id)).mappings().first()
+    return dict(row) if row else None
+
+  def list_measurements(self) -> list[dict]:
+    query = (sa.select(measurements, experiments.c.full_name.label("experiment"),
+                       proofs.c.state.label("proof_state"), proofs.c.steps)
+             .select_from(measurements.join(experiments).join(
+                 proofs, proofs.c.id == measurements.c.proof_id))
+             .order_by(measurements.c.metric, measurements.c.created_at))
+    with self.engine.connect() as conn:
+      return [dict(r) for r in conn.execute(query).mappings()]
+
+  def add_probes(self, conn, proof_id: str, digests: set[str]) -> None:
+    known = {r[0] for r in conn.execute(sa.select(probes.c.digest).where(
+        probes.c.proof_id == proof_id))}
+    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
+    if new:
+      conn.execute(probes.insert(), new)
+
+  def probe_counts(self) -> dict[str, int]:
+    with self.engine.connect() as conn:
+      return dict(conn.execute(sa.select(probes.c.proof_id, sa.func.count()).group_by(
+          probes.c.proof_id)).all())
+
+  def set_eval_rows(self, metric: str, owner: str, digests: list[str]) -> bool:
+    """Registers (or replaces) a metric's evaluation rows; False for another owner's."""
+    with self.engine.begin() as conn:
+      owner_id = self._owner_id(conn, owner, create=True)
+      current = conn.execute(sa.select(eval_sets.c.owner_id).where(
+          eval_sets.c.metric == metric)).first()
+      if current is not None and current[0] != owner_id:
+        return False
+      if current is None:
+        conn.execute(eval_sets.insert().values(metric=metric, owner_id=owner_id,
+                                               created_at=time.time()))
+      conn.execute(eval_rows.delete().where(eval_rows.c.metric == metric))
+      if digests:
+        conn.execute(eval_rows.insert(), [{"metric": metric, "digest": d}
+                                          for d in sorted(set(digests))])
+    return True
+
+  def contamination(self, metric: str) -> dict[str, int] | None:
+    """Per proof: probed training rows equal to rows of the metric's evaluation set."""
+    with self.engine.connect() as conn:
+      if not conn.execute(sa.select(eval_sets.c.metric).where(
+          eval_sets.c.metric == metric)).first():
+        return None
+      query = (sa.select(probes.c.proof_id, sa.func.count())
+               .select_from(probes.join(eval_rows, eval_rows.c.digest == probes.c.digest))
+               .where(eval_rows.c.metric == metric).group_by(probes.c.proof_id))
+      return dict(conn.execute(query).all())
+
+  def check_counts(self) -> dict[str, tuple[int, int]]:
+    """Per proof: (checks replayed by the server, of which verified)."""
+    query = sa.select(checks.c.proof_id, sa.func.count(),
+                      sa.func.sum(sa.case((checks.c.status == "verified", 1), else_=0))
+                      ).group_by(checks.c.proof_id)
+    with self.engine.connect() as conn:
+      return {p: (n, int(v or 0)) for p, n, v in conn.execute(query).all()}
 
   def proof_checks(self, proof_id: str) -> list[dict]:
     with self.engine.connect() as conn:

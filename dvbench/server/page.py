@@ -1,47 +1,146 @@
-"""Server-rendered HTML: experiments and their proofs' verification state."""
+"""Server-rendered HTML: experiments, proofs, the leaderboard. No scripts, no CDN:
+plots are inline SVG and the stylesheet is served from ``/static``."""
 
 import datetime
 import html
 
-_STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2rem; color: #1b1f24; }
-table { border-collapse: collapse; margin-bottom: 2rem; }
-th, td { border-bottom: 1px solid #d0d7de; padding: .35rem .8rem; text-align: left; }
-th { background: #f6f8fa; }
-.state { font-weight: 600; border-radius: 1rem; padding: .1rem .6rem; }
-.verified { background: #dafbe1; color: #1a7f37; }
-.invalid { background: #ffebe9; color: #cf222e; }
-.receiving, .closed, .verifying { background: #fff8c5; color: #7d4e00; }
-code { font-size: .85em; }
-"""
+e = html.escape
+_STATE_ORDER = {"verified": 0, "self-reported": 1, "verifying": 2, "pending": 2, "invalid": 3}
 
 
 def _time(t: float) -> str:
   return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _badge(state: str) -> str:
+  return f"<span class='state {e(state)}'>{e(state)}</span>"
+
+
+def _page(title: str, body: str) -> str:
+  return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{e(title)} · DVBench</title>
+<link rel="stylesheet" href="/static/style.css"></head><body>
+<nav><a href="/">Proofs</a><a href="/leaderboard">Leaderboard</a></nav>
+<h1>{e(title)}</h1>
+{body}
+</body></html>"""
+
+
 def index(experiments: list[dict], proofs: list[dict]) -> str:
-  e = html.escape
-  rows = []
-  for p in proofs:
-    rows.append(
-        f"<tr data-proof='{e(p['id'])}'><td>{e(p['experiment'])}</td>"
-        f"<td><code>{e(p['id'][:16])}…</code></td><td>{p['steps']}</td><td>{p['records']}</td>"
-        f"<td><span class='state {e(p['state'])}'>{e(p['state'])}</span></td>"
-        f"<td>{e(p['failure'] or '')}</td><td>{_time(p['updated_at'])}</td></tr>")
+  rows = "".join(
+      f"<tr data-proof='{e(p['id'])}' data-state='{e(p['state'])}'>"
+      f"<td>{e(p['experiment'])}</td>"
+      f"<td><a href='/proofs/{e(p['id'])}'><code>{e(p['id'][:16])}…</code></a></td>"
+      f"<td class='num'>{p['steps']}</td><td class='num'>{p['records']}</td>"
+      f"<td>{_badge(p['state'])}</td><td>{e(p['failure'] or '')}</td>"
+      f"<td>{_time(p['updated_at'])}</td></tr>" for p in proofs)
   exp_rows = "".join(
       f"<tr><td>{e(x['full_name'])}</td>"
-      f"<td>{sum(p['experiment'] == x['full_name'] for p in proofs)}</td></tr>"
+      f"<td class='num'>{sum(p['experiment'] == x['full_name'] for p in proofs)}</td></tr>"
       for x in experiments)
-  return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>DVBench</title>
-<style>{_STYLE}</style></head><body>
-<h1>DVBench</h1>
+  return _page("DVBench", f"""
 <p>Proofs are verified by server-side replay of their sampled checks; only
-<span class="state verified">verified</span> proofs count.</p>
+{_badge('verified')} proofs count.</p>
 <h2>Experiments</h2>
 <table id="experiments"><tr><th>experiment</th><th>proofs</th></tr>{exp_rows}</table>
 <h2>Proofs</h2>
 <table id="proofs"><tr><th>experiment</th><th>transcript</th><th>steps</th><th>records</th>
-<th>state</th><th>failure</th><th>updated</th></tr>{''.join(rows)}</table>
-</body></html>"""
+<th>state</th><th>failure</th><th>updated</th></tr>{rows}</table>""")
+
+
+def _bars(rows: list[dict]) -> str:
+  """A horizontal bar chart of measurement values, coloured by state."""
+  if not rows:
+    return ""
+  top = max(abs(r["value"]) for r in rows) or 1.0
+  colour = {"verified": "#1a7f37", "self-reported": "#0969da"}
+  height, bar = 26 * len(rows) + 10, []
+  for i, r in enumerate(rows):
+    width = 360 * abs(r["value"]) / top
+    bar.append(
+        f"<text x='0' y='{26 * i + 22}' font-size='12'>{e(r['experiment'])}</text>"
+        f"<rect x='220' y='{26 * i + 8}' width='{width:.1f}' height='18' "
+        f"fill='{colour.get(r['state'], '#8c959f')}'><title>{r['value']:.6g} "
+        f"({e(r['state'])})</title></rect>"
+        f"<text x='{226 + width:.1f}' y='{26 * i + 22}' font-size='12'>{r['value']:.4g}</text>")
+  return (f"<svg class='values' width='680' height='{height}' role='img' "
+          f"aria-label='measurement values'>{''.join(bar)}</svg>")
+
+
+def leaderboard(rows: list[dict], checks: dict, probes: dict, contamination: dict) -> str:
+  sections = []
+  for metric in sorted({r["metric"] for r in rows}):
+    ranked = [r for r in rows if r["metric"] == metric]
+    higher = ranked[0]["higher_is_better"]
+    ranked.sort(key=lambda r: (_STATE_ORDER.get(r["state"], 2),
+                               -r["value"] if higher else r["value"]))
+    dirty = contamination.get(metric)
+    body, rank = [], 0
+    for r in ranked:
+      counted = r["state"] == "verified"
+      rank += counted
+      replayed, verified = checks.get(r["proof_id"], (0, 0))
+      overlap = "—" if dirty is None else str(dirty.get(r["proof_id"], 0))
+      body.append(
+          f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
+          f"data-proof-state='{e(r['proof_state'])}'>"
+          f"<td class='num'>{rank if counted else ''}</td><td>{e(r['experiment'])}</td>"
+          f"<td class='num'>{r['value']:.6g}</td><td>{_badge(r['state'])}</td>"
+          f"<td>{_badge(r['proof_state'])}</td>"
+          f"<td><code title='{e(r['checkpoint'])}'>{e(r['checkpoint'][:12])}…</code></td>"
+          f"<td class='num'>{r['steps']}</td><td class='num'>{verified} / {replayed}</td>"
+          f"<td class='num'>{r['sampled']} / {r['batches']}</td>"
+          f"<td class='num'>{probes.get(r['proof_id'], 0)}</td><td class='num'>{overlap}</td>"
+          f"<td><a href='/proofs/{e(r['proof_id'])}'>transcript</a>"
+          f"{'<br><span class=muted>' + e(r['failure']) + '</span>' if r['failure'] else ''}"
+          f"</td></tr>")
+    plotted = [r for r in ranked if r["state"] in ("verified", "self-reported")]
+    sections.append(f"""
+<h2 id="metric-{e(metric)}">{e(metric)} <span class="muted">({'higher' if higher else 'lower'}
+ is better)</span></h2>
+{_bars(plotted)}
+<table class="leaderboard" data-metric="{e(metric)}"><tr><th>rank</th><th>experiment</th>
+<th>value</th><th>measurement</th><th>proof</th><th>checkpoint</th><th>steps</th>
+<th>server-replayed checks</th><th>replayed batches</th><th>distinct probed rows</th>
+<th>probes in eval set</th><th></th></tr>{''.join(body)}</table>""")
+  return _page("Leaderboard", f"""
+<p>Only {_badge('verified')} measurements are ranked: the server replayed the sampled
+evaluations and recomputed the aggregate on the checkpoint that a verified transcript produced.
+{_badge('self-reported')} values passed the replayed evaluations but their aggregate could
+not be recomputed.</p>{''.join(sections) or '<p>No measurements yet.</p>'}""")
+
+
+def _checks_strip(steps: int, checks: list[dict]) -> str:
+  """Checks over steps: one tick per check, green if it verified."""
+  width, span = 680, max(steps - 1, 1)
+  ticks = "".join(
+      f"<line x1='{10 + 660 * c['step'] / span:.1f}' x2='{10 + 660 * c['step'] / span:.1f}' "
+      f"y1='{8 if c['kind'] == 'update' else 30}' y2='{28 if c['kind'] == 'update' else 50}' "
+      f"stroke='{'#1a7f37' if c['status'] == 'verified' else '#cf222e'}' stroke-width='2'>"
+      f"<title>step {c['step']} {e(c['kind'])} {e(c['status'])}</title></line>"
+      for c in checks)
+  return (f"<svg class='checks' width='{width}' height='70' role='img' aria-label='checks "
+          f"over steps'><line x1='10' x2='670' y1='55' y2='55' stroke='#8c959f'/>{ticks}"
+          f"<text x='10' y='68' font-size='11'>step 0</text>"
+          f"<text x='620' y='68' font-size='11'>step {max(steps - 1, 0)}</text></svg>")
+
+
+def proof(p: dict, checks: list[dict], probed_rows: int) -> str:
+  rows = "".join(
+      f"<tr data-state='{e(c['status'])}'><td class='num'>{c['step']}</td><td>{e(c['kind'])}</td>"
+      f"<td>{e(c['mode'])}</td><td>{_badge(c['status'])}</td>"
+      f"<td class='num'>{c['max_abs_error']:.3g}</td><td class='num'>{c['max_ulp_error']}</td></tr>"
+      for c in checks)
+  return _page(f"Proof {p['id'][:16]}…", f"""
+<table id="summary">
+<tr><th>experiment</th><td>{e(p['experiment'])}</td></tr>
+<tr><th>transcript id</th><td><code>{e(p['id'])}</code></td></tr>
+<tr><th>state</th><td>{_badge(p['state'])} {e(p['failure'] or '')}</td></tr>
+<tr><th>steps</th><td>{p['steps']}</td></tr><tr><th>records</th><td>{p['records']}</td></tr>
+<tr><th>final params</th><td><code>{e(p['final_params'] or '—')}</code></td></tr>
+<tr><th>probed batch rows</th><td>{probed_rows}</td></tr>
+<tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified
+ of {len(checks)}</td></tr></table>
+<h2>Checks over steps</h2>{_checks_strip(p['steps'], checks)}
+<table id="checks"><tr><th>step</th><th>kind</th><th>mode</th><th>status</th>
+<th>max abs error</th><th>max ulp</th></tr>{rows}</table>""")

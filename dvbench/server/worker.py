@@ -1,4 +1,4 @@
-"""Validation workers: take closed proofs as jobs and verify them with replay.
+"""Validation workers: take closed proofs and measurements as jobs and replay them.
 
 A job is leased (``SKIP LOCKED`` on PostgreSQL, a conditional update on
 SQLite) and the lease is extended while the verifier runs; a worker killed
@@ -36,6 +36,22 @@ def _limits(memory_bytes: int, cpu_seconds: int):
   return apply
 
 
+def _run_limited(command: list[str], memory_bytes: int, time_limit: int):
+  """(completed process, or None on timeout, failure text or None)."""
+  try:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=time_limit,
+                            preexec_fn=_limits(memory_bytes, time_limit))
+  except subprocess.TimeoutExpired:
+    return None, f"verification exceeded the time limit of {time_limit} s."
+  if result.returncode == -signal.SIGXCPU:
+    return None, f"verification exceeded the time limit of {time_limit} s (CPU time)."
+  try:
+    return json.loads(result.stdout), None
+  except json.JSONDecodeError:
+    return None, (f"the verifier stopped (exit {result.returncode}) without a report, e.g. "
+                  f"over the memory limit: {result.stderr.strip()[-300:]}")
+
+
 def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes: int,
                  time_limit: int) -> tuple[str, str | None, list[dict]]:
   """(state, failure, check rows) from running ``zkdv verify`` on the proof."""
@@ -44,20 +60,10 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes:
       for data in store.record_data(proof_id):
         f.write(data)
     os.symlink(blobs.folder.resolve(), os.path.join(folder, "blobs"))
-    try:
-      result = subprocess.run(
-          [sys.executable, "-m", "zkdv.cli", "verify", folder, "--json"],
-          capture_output=True, text=True, timeout=time_limit,
-          preexec_fn=_limits(memory_bytes, time_limit))
-    except subprocess.TimeoutExpired:
-      return "invalid", f"verification exceeded the time limit of {time_limit} s.", []
-  if result.returncode == -signal.SIGXCPU:
-    return "invalid", f"verification exceeded the time limit of {time_limit} s (CPU time).", []
-  try:
-    report = json.loads(result.stdout)
-  except json.JSONDecodeError:
-    return "invalid", (f"the verifier stopped (exit {result.returncode}) without a report, "
-                       f"e.g. over the memory limit: {result.stderr.strip()[-300:]}"), []
+    report, failure = _run_limited(
+        [sys.executable, "-m", "zkdv.cli", "verify", folder, "--json"], memory_bytes, time_limit)
+  if report is None:
+    return "invalid", failure, []
   rows = [{"step": c["step"], "kind": c["kind"], "mode": c["mode"], "status": c["status"],
            "max_abs_error": c["max_abs_error"], "max_rel_error": c["max_rel_error"],
            "max_ulp_error": c["max_ulp_error"]} for c in report["checks"]]
@@ -66,6 +72,20 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes:
   failure = "; ".join(f"{f['code']} at {f['where']}: {f['message']}"
                       for f in report["findings"][:3])
   return "invalid", f"{report['verdict']}: {failure}", rows
+
+
+def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str, *,
+                       memory_bytes: int, time_limit: int) -> tuple[str, str | None]:
+  """(state, failure) from replaying a measurement's sampled evaluations."""
+  with tempfile.TemporaryDirectory(prefix="dvbench-measure-") as folder:
+    with open(os.path.join(folder, "measurement.cbor"), "wb") as f:
+      f.write(store.measurement(measurement_id)["record"])
+    os.symlink(blobs.folder.resolve(), os.path.join(folder, "blobs"))
+    verdict, failure = _run_limited([sys.executable, "-m", "dvbench.measurement", folder],
+                                    memory_bytes, time_limit)
+  if verdict is None:
+    return "invalid", failure
+  return verdict["state"], verdict["failure"]
 
 
 def run(store: Store, blobs: BlobStore, *, worker_id: str, lease_seconds: float = 60.0,
@@ -81,18 +101,25 @@ def run(store: Store, blobs: BlobStore, *, worker_id: str, lease_seconds: float 
         return done
       stop.wait(poll_seconds)
       continue
-    logger.info("worker %s verifies proof %s", worker_id, job["proof_id"])
+    logger.info("worker %s verifies %s %s", worker_id, job["kind"], job["subject"])
     alive = threading.Event()
     heartbeat = threading.Thread(target=_heartbeat, daemon=True,
                                  args=(store, job["id"], worker_id, lease_seconds, alive))
     heartbeat.start()
+    limits = {"memory_bytes": memory_bytes, "time_limit": time_limit}
     try:
-      state, failure, rows = verify_proof(store, blobs, job["proof_id"],
-                                          memory_bytes=memory_bytes, time_limit=time_limit)
+      if job["kind"] == "proof":
+        state, failure, rows = verify_proof(store, blobs, job["subject"], **limits)
+        kept = store.complete_proof_job(job["id"], worker_id, job["subject"], state, failure,
+                                        rows)
+      else:
+        state, failure = verify_measurement(store, blobs, job["subject"], **limits)
+        kept = store.complete_measurement_job(job["id"], worker_id, job["subject"], state,
+                                              failure)
     finally:
       alive.set()
-    if store.complete_job(job["id"], worker_id, job["proof_id"], state, failure, rows):
-      logger.info("proof %s is %s", job["proof_id"], state)
+    if kept:
+      logger.info("%s %s is %s", job["kind"], job["subject"], state)
     done += 1
     if once:
       return done

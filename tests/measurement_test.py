@@ -1,0 +1,218 @@
+"""Verified measurements, the leaderboard and data probes, against a real server."""
+
+import html.parser
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import time
+from unittest import mock
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from flax import serialization
+
+import dvbench
+from dvbench.server.local import LocalServer
+from tests import tutorial_steps
+
+EVAL_BATCHES = [np.asarray(np.random.default_rng(i).integers(0, 2, (4, 5)), np.uint32)
+                for i in range(6)]
+
+
+def train(server_url: str, experiment: str, steps: int) -> tuple[pathlib.Path, str]:
+  """The tutorial (with data probes and every step checked); returns (checkpoint, proof id)."""
+  code = (tutorial_steps.STEPS_2_TO_6
+          .replace("your-name/jax-train-state", experiment)
+          .replace("update_check_probability=0.01", "update_check_probability=1.0")
+          .replace("proof = experiment.proof(backend=\"jax\", config=config)",
+                   "proof = experiment.proof(backend=\"jax\", config=config)\n"
+                   "proof.start(probe_ratio=0.5)")
+          .replace("for _ in range(10):", f"for _ in range({steps}):"))
+  workdir = pathlib.Path(tempfile.mkdtemp())
+  cwd = os.getcwd()
+  os.chdir(workdir)
+  try:
+    namespace = {"API_URL": server_url}
+    exec(compile(code, "tutorial", "exec"), namespace)  # pylint: disable=exec-used
+  finally:
+    os.chdir(cwd)
+  return workdir / "jax-checkpoint.msgpack", namespace["proof"].proof_id
+
+
+def accuracy_measurement(experiment, checkpoint, aggregate=None):
+  model_apply = _model().apply
+  measurement = experiment.measure(checkpoint)
+
+  @measurement.evaluate(params=0, batch=1)
+  def evaluate(params, batch):
+    logits = model_apply({"params": params}, batch[:, :4])
+    return jnp.mean(jnp.argmax(logits, -1) == batch[:, 4].astype(jnp.int32))
+
+  @measurement.aggregate
+  def mean(outputs):
+    return sum(outputs) / len(outputs)
+
+  if aggregate is not None:
+    measurement.aggregate(aggregate)
+  return measurement
+
+
+def _model():
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+
+  class TinyClassifier(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      return nn.Dense(2)(tokens.astype(jnp.float32))
+  return TinyClassifier()
+
+
+class _Rows(html.parser.HTMLParser):
+  """The leaderboard rows (their data- attributes) of a page's DOM."""
+
+  def __init__(self):
+    super().__init__()
+    self.rows = []
+
+  def handle_starttag(self, tag, attrs):
+    attrs = dict(attrs)
+    if tag == "tr" and "data-experiment" in attrs:
+      self.rows.append(attrs)
+
+
+class MeasurementTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=1).start()
+    cls.token = cls.server.token("your-name")
+    cls.env = mock.patch.dict(os.environ, {"DVBENCH_TOKEN": cls.token})
+    cls.env.start()
+    cls.client = dvbench.Client(cls.server.url)
+    cls.checkpoint, cls.proof_id = train(cls.server.url, "your-name/long", 10)
+    cls.short_checkpoint, cls.short_proof = train(cls.server.url, "your-name/short", 1)
+    for proof_id in (cls.proof_id, cls.short_proof):
+      assert cls.client.wait_for_verdict(proof_id, 120)["state"] == "verified"
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.env.stop()
+    cls.server.stop()
+    super().tearDownClass()
+
+  def wait_measurement(self, measurement_id):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      row = self.client.http.request("GET", f"/api/v1/measurements/{measurement_id}").json()
+      if row["state"] not in ("pending", "verifying"):
+        return row
+      time.sleep(0.2)
+    self.fail("measurement not verified in time")
+
+  def submit(self, name, checkpoint, **kwargs):
+    experiment = self.client.experiment(name)
+    measurement = accuracy_measurement(experiment, checkpoint, **kwargs)
+    value = measurement.run(checkpoint, EVAL_BATCHES, progress=False)
+    return measurement, value
+
+  def test_end_to_end_ranked_verified_and_the_page_in_a_browser(self):
+    measurement, value = self.submit("your-name/long", self.checkpoint)
+    self.assertBetween(value, 0.0, 1.0)
+    row = self.wait_measurement(measurement.submit("accuracy", value, sample=0.5)["id"])
+    self.assertEqual(row["state"], "verified", row)
+    self.assertEqual((row["batches"], row["sampled"]), (6, 3))
+    short, short_value = self.submit("your-name/short", self.short_checkpoint)
+    self.assertEqual(self.wait_measurement(short.submit("accuracy", short_value)["id"])["state"],
+                     "verified")
+    # Register the training rows as the evaluation set: every probed row is contaminated.
+    self.client.experiment("your-name/long").register_eval_set(
+        "accuracy", list(np.asarray(tutorial_steps_batch())))
+    rows, screenshot = self.browse("/leaderboard")
+    ranked = [(r["data-experiment"], r["data-state"], r["data-proof-state"]) for r in rows
+              if r["data-state"] == "verified"]
+    by_value = sorted([("your-name/long", value), ("your-name/short", short_value)],
+                      key=lambda x: -x[1])
+    self.assertEqual([r[0] for r in ranked], [name for name, _ in by_value])
+    self.assertTrue(all(r[2] == "verified" for r in ranked))
+    self.assertGreater(screenshot.stat().st_size, 5000)
+    page = httpx.get(self.server.url + "/leaderboard").text
+    self.assertIn("probes in eval set", page)
+    self.assertIn("<svg class='values'", page)
+    proof_page = httpx.get(f"{self.server.url}/proofs/{self.proof_id}").text
+    self.assertIn("<svg class='checks'", proof_page)
+    self.assertIn("10 verified", proof_page)
+
+  def browse(self, path: str):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    self.assertIsNotNone(chromium, "Debian's chromium package is needed (.ci/run installs it)")
+    out = pathlib.Path(os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR", tempfile.mkdtemp()))
+    profile = tempfile.mkdtemp()
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", f"--user-data-dir={profile}", "--window-size=1280,1000"]
+    dom = subprocess.run(flags + ["--dump-dom", self.server.url + path], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    screenshot = out / "leaderboard.png"
+    subprocess.run(flags + [f"--screenshot={screenshot}", self.server.url + path],
+                   capture_output=True, timeout=120, check=True)
+    self.assertEqual(screenshot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+    parser = _Rows()
+    parser.feed(dom)
+    return parser.rows, screenshot
+
+  def test_checkpoint_trained_further_is_refused(self):
+    params = serialization.msgpack_restore(self.checkpoint.read_bytes())
+    further = jax.tree.map(lambda p: p - 1e-3, params)  # one more plain update
+    with self.assertRaisesRegex(dvbench.errors.MeasurementError,
+                                r"not the final state of a verified proof.*compared with: "
+                                + self.proof_id[:16]):
+      self.client.experiment("your-name/long").measure(further)
+
+  def test_altered_outputs_end_invalid(self):
+    for consistent in (False, True):
+      measurement, value = self.submit("your-name/long", self.checkpoint)
+      result = measurement._result  # pylint: disable=protected-access
+      result["outputs"][2] = [np.asarray(result["outputs"][2][0] + 0.125, np.float32)]
+      if consistent:  # recommit the altered output too: only replay can tell
+        from zkdv import digest  # pylint: disable=g-import-not-at-top
+        result["commitments"][2][1] = digest.digest_state_arrays(
+            result["out_layouts"], result["outputs"][2])[0]
+      row = self.wait_measurement(measurement.submit("accuracy", value, sample=1.0)["id"])
+      self.assertEqual(row["state"], "invalid")
+      self.assertIn("batch 2", row["failure"])
+
+  def test_aggregate_that_cannot_be_exported_is_self_reported(self):
+    measurement, value = self.submit(
+        "your-name/long", self.checkpoint,
+        aggregate=lambda outputs: float(np.median([float(o) for o in outputs])))
+    row = self.wait_measurement(measurement.submit("median-accuracy", value)["id"])
+    self.assertEqual(row["state"], "self-reported", row)
+
+  def test_submission_for_unverified_proof_is_refused_by_the_server(self):
+    measurement, value = self.submit("your-name/long", self.checkpoint)
+    # The tutorial's first, abandoned proof of the same experiment: never verified.
+    unverified = [p for p in self.client.experiment("your-name/long").proofs()
+                  if p["state"] == "receiving"]
+    self.assertLen(unverified, 1)
+    measurement.proof_id = unverified[0]["id"]
+    with self.assertRaisesRegex(dvbench.errors.ApiError, "409.*not the final state"):
+      measurement.submit("accuracy", value)
+    measurement.proof_id = self.short_proof  # another experiment's verified proof
+    with self.assertRaisesRegex(dvbench.errors.ApiError, "404.*not a proof of your-name/long"):
+      measurement.submit("accuracy", value)
+
+
+def tutorial_steps_batch():
+  return np.asarray([[0, 0, 0, 1, 0], [0, 1, 0, 1, 0], [1, 0, 1, 0, 1], [1, 1, 1, 0, 1]],
+                    np.uint32)
+
+
+if __name__ == "__main__":
+  absltest.main()
