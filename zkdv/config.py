@@ -9,7 +9,7 @@ Example::
 import dataclasses
 import os
 
-DIGEST_BACKENDS = ("auto", "host")
+DIGEST_BACKENDS = ("auto", "host", "device")
 
 
 def _check_probability(name: str, value: float) -> float:
@@ -58,7 +58,8 @@ class ZKDVConfig:
   Attributes:
     sampling_policy: which steps get update and state checks.
     tolerance: the bound for equivalent (non-bitwise) checks.
-    digest_backend: ``"host"`` (native BLAKE3 on worker threads) or ``"auto"``.
+    digest_backend: ``"host"`` (native BLAKE3 on a worker thread), ``"device"``
+      (BLAKE3 in jax.numpy on the leaf's device) or ``"auto"`` (host on CPU).
     output_dir: where the transcript folder goes; by default a new folder per
       proof under ``./zkdv-proofs``.
   """

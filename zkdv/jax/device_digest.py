@@ -29,43 +29,54 @@ def _rotr(x, n):
   return (x >> np.uint32(n)) | (x << np.uint32(32 - n))
 
 
-def _g(s, a, b, c, d, mx, my):
-  s[a] = s[a] + s[b] + mx
-  s[d] = _rotr(s[d] ^ s[a], 16)
-  s[c] = s[c] + s[d]
-  s[b] = _rotr(s[b] ^ s[c], 12)
-  s[a] = s[a] + s[b] + my
-  s[d] = _rotr(s[d] ^ s[a], 8)
-  s[c] = s[c] + s[d]
-  s[b] = _rotr(s[b] ^ s[c], 7)
+def _message_schedule() -> np.ndarray:
+  """int32[7, 16]: which message word each round reads (the permutation, composed)."""
+  order, rounds = list(range(16)), []
+  for _ in range(7):
+    rounds.append(order)
+    order = [order[i] for i in MSG_PERMUTATION]
+  return np.array(rounds, np.int32)
+
+
+_SCHEDULE = _message_schedule()
+
+
+def _g(a, b, c, d, mx, my):
+  """The mixing function on four lanes at once (rows of the 4x4 state)."""
+  a = a + b + mx
+  d = _rotr(d ^ a, 16)
+  c = c + d
+  b = _rotr(b ^ c, 12)
+  a = a + b + my
+  d = _rotr(d ^ a, 8)
+  c = c + d
+  b = _rotr(b ^ c, 7)
+  return a, b, c, d
 
 
 def compress(cv, block, counter, block_len, flags):
-  """The BLAKE3 compression function, vectorized over a leading batch axis.
+  """The BLAKE3 compression function, vectorized over a trailing batch axis.
 
-  cv: 8 arrays, block: 16 arrays (uint32[n] each); counter, block_len, flags:
-  uint32[n] or scalars. Returns the 8 output chaining-value words.
+  cv: uint32[8, n]; block: uint32[16, n]; counter, block_len, flags: uint32[n]
+  or scalars (the counter's high word is 0: fewer than 2**32 chunks). Returns
+  the output chaining value, uint32[8, n].
   """
-  counter = jnp.asarray(counter, jnp.uint64) if jax.config.jax_enable_x64 else counter
-  lo = jnp.asarray(counter, jnp.uint32)
-  hi = jnp.zeros_like(lo)
-  s = list(cv) + [jnp.full_like(cv[0], w) for w in IV[:4]] + [
-      lo + jnp.zeros_like(cv[0]), hi + jnp.zeros_like(cv[0]),
-      jnp.asarray(block_len, jnp.uint32) + jnp.zeros_like(cv[0]),
-      jnp.asarray(flags, jnp.uint32) + jnp.zeros_like(cv[0])]
-  m = list(block)
-  for r in range(7):
-    _g(s, 0, 4, 8, 12, m[0], m[1])
-    _g(s, 1, 5, 9, 13, m[2], m[3])
-    _g(s, 2, 6, 10, 14, m[4], m[5])
-    _g(s, 3, 7, 11, 15, m[6], m[7])
-    _g(s, 0, 5, 10, 15, m[8], m[9])
-    _g(s, 1, 6, 11, 12, m[10], m[11])
-    _g(s, 2, 7, 8, 13, m[12], m[13])
-    _g(s, 3, 4, 9, 14, m[14], m[15])
-    if r < 6:
-      m = [m[i] for i in MSG_PERMUTATION]
-  return [s[i] ^ s[i + 8] for i in range(8)]
+  n = cv.shape[1]
+  tail = jnp.stack([jnp.broadcast_to(jnp.asarray(v, jnp.uint32), (n,))
+                    for v in (counter, 0, block_len, flags)])
+  state = jnp.concatenate([cv, jnp.broadcast_to(jnp.asarray(IV[:4])[:, None], (4, n)), tail])
+
+  def one_round(r, state):
+    m = block[jnp.asarray(_SCHEDULE)[r]]
+    v0, v1, v2, v3 = state[0:4], state[4:8], state[8:12], state[12:16]
+    v0, v1, v2, v3 = _g(v0, v1, v2, v3, m[0:8:2], m[1:8:2])  # columns
+    v1, v2, v3 = jnp.roll(v1, -1, 0), jnp.roll(v2, -2, 0), jnp.roll(v3, -3, 0)
+    v0, v1, v2, v3 = _g(v0, v1, v2, v3, m[8:16:2], m[9:16:2])  # diagonals
+    v1, v2, v3 = jnp.roll(v1, 1, 0), jnp.roll(v2, 2, 0), jnp.roll(v3, 3, 0)
+    return jnp.concatenate([v0, v1, v2, v3])
+
+  state = jax.lax.fori_loop(0, 7, one_round, state)
+  return state[:8] ^ state[8:]
 
 
 def to_bytes(x: jax.Array) -> jax.Array:
@@ -74,10 +85,8 @@ def to_bytes(x: jax.Array) -> jax.Array:
     x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
-  elif jnp.dtype(x.dtype).itemsize == 1 and x.dtype != jnp.uint8 and "int4" not in str(x.dtype):
-    x = jax.lax.bitcast_convert_type(x, jnp.uint8)
-  elif "int4" in str(x.dtype):
-    x = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8)
+  elif x.dtype in (jnp.int4, jnp.uint4):  # numpy keeps a 4-bit value in the low nibble
+    x = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8) & np.uint8(0x0F)
   elif x.dtype != jnp.uint8:
     x = jax.lax.bitcast_convert_type(x, jnp.uint8)
   return x.reshape(-1)
@@ -89,41 +98,42 @@ def _words(data: jax.Array, nwords: int) -> jax.Array:
   return data[:, 0] | (data[:, 1] << 8) | (data[:, 2] << 16) | (data[:, 3] << 24)
 
 
-def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool):
-  """Chaining values of every chunk (uint32[n_chunks, 8] as 8 arrays)."""
+def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool) -> jax.Array:
+  """Chaining values of every chunk, uint32[8, n_chunks]."""
   n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
-  blocks = words.reshape(n_chunks, 16, 16)
+  blocks = words.reshape(n_chunks, 16, 16).transpose(1, 2, 0)  # [block, word, chunk]
   last_len = nbytes - CHUNK_BYTES * (n_chunks - 1)
   last_blocks = max(1, math.ceil(last_len / BLOCK_BYTES))
   counters = jnp.arange(n_chunks, dtype=jnp.uint32)
-  cv = [jnp.full((n_chunks,), w, jnp.uint32) for w in IV]
-  for j in range(16):
+  is_last_chunk = counters == n_chunks - 1
+
+  def one_block(cv, j_block):
+    j, block = j_block
     # Full chunks take 16 blocks; the last chunk stops after `last_blocks`.
-    is_last_chunk = counters == n_chunks - 1
     active = jnp.where(is_last_chunk, j < last_blocks, True)
     final_block = jnp.where(is_last_chunk, j == last_blocks - 1, j == 15)
     length = jnp.where(is_last_chunk & final_block,
                        last_len - BLOCK_BYTES * (last_blocks - 1), BLOCK_BYTES)
     flags = (jnp.where(j == 0, CHUNK_START, 0) | jnp.where(final_block, CHUNK_END, 0)
-             | jnp.where(final_block & single_root, ROOT, 0)).astype(jnp.uint32)
-    out = compress(cv, [blocks[:, j, k] for k in range(16)], counters,
-                   length.astype(jnp.uint32), flags)
-    cv = [jnp.where(active, o, c) for o, c in zip(out, cv)]
-  return cv
+             | jnp.where(final_block & single_root, ROOT, 0))
+    out = compress(cv, block, counters, length.astype(jnp.uint32), flags.astype(jnp.uint32))
+    return jnp.where(active, out, cv), None
+
+  cv = jnp.broadcast_to(jnp.asarray(IV)[:, None], (8, n_chunks))
+  return jax.lax.scan(one_block, cv, (jnp.arange(16), blocks))[0]
 
 
 def _hash_words(words: jax.Array, nbytes: int) -> jax.Array:
   n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
   cv = _hash_chunks(words, nbytes, single_root=n_chunks == 1)
-  while cv[0].shape[0] > 1:  # left-complete tree: pair neighbours, carry the odd one up
-    n = cv[0].shape[0]
+  while cv.shape[1] > 1:  # left-complete tree: pair neighbours, carry the odd one up
+    n = cv.shape[1]
     pairs = n // 2
-    block = [c[0:2 * pairs:2] for c in cv] + [c[1:2 * pairs:2] for c in cv]
-    flags = PARENT | (ROOT if n == 2 else 0)
-    out = compress([jnp.full((pairs,), w, jnp.uint32) for w in IV], block, 0, BLOCK_BYTES,
-                   flags)
-    cv = [jnp.concatenate([o, c[-1:]]) if n % 2 else o for o, c in zip(out, cv)]
-  return jnp.stack([c[0] for c in cv])
+    block = jnp.concatenate([cv[:, 0:2 * pairs:2], cv[:, 1:2 * pairs:2]])
+    parents = compress(jnp.broadcast_to(jnp.asarray(IV)[:, None], (8, pairs)), block, 0,
+                       BLOCK_BYTES, PARENT | (ROOT if n == 2 else 0))
+    cv = jnp.concatenate([parents, cv[:, -1:]], axis=1) if n % 2 else parents
+  return cv[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("prefix",))

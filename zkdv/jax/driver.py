@@ -34,6 +34,7 @@ from zkdv import overlap as overlap_lib
 from zkdv import sampling
 from zkdv import transcript
 from zkdv.jax import arrays
+from zkdv.jax import digests as digests_lib
 from zkdv.jax import replay
 from zkdv.jax.pipeline import CommitPipeline
 from zkdv.jax.step import ProofFunction
@@ -126,6 +127,7 @@ class ZKDV:
         "start": {"rolling_window": rolling_window, "probe_ratio": float(probe_ratio)},
         "seed_commitment": sampling.seed_commitment(self._seed),
     }, durable=True)
+    self._digests = digests_lib.for_config(self.config.digest_backend)
     self._pipeline = CommitPipeline(rolling_window)
     logger.info("ZKDV proof %r: transcript at %s", self.name, folder)
     return self
@@ -239,7 +241,7 @@ class ZKDV:
 
   def _run_step(self, program, leaves: list) -> list:
     """Dispatches one step and queues its commitment and checks."""
-    pipeline = self._pipeline
+    pipeline, digests = self._pipeline, self._digests
     pipeline.raise_if_failed()
     if program.program_id not in self._written_programs:
       self._written_programs.add(program.program_id)
@@ -254,29 +256,26 @@ class ZKDV:
                                       policy.state_check_probability)
     state = [leaves[i] for i in program.state_indices]
     batch = [leaves[i] for i in program.batch_indices]
-    pre_digest = None
     continuous = (self._last_post_leaves is not None and len(state) == len(self._last_post_leaves)
                   and all(a is b for a, b in zip(state, self._last_post_leaves)))
-    donated_state = any(program.donated[i] for i in program.state_indices)
-    donated_batch = any(program.donated[i] for i in program.batch_indices)
-    if not continuous and donated_state:
-      pre_digest = digest.digest_state_arrays(
-          program.state_layouts, [arrays.host_view(x) for x in state])[0]
-    batch_commitment = None
-    if donated_batch:
-      batch_commitment = self._commit_batch(program, index, [arrays.host_view(x) for x in batch])
-    opened = None
-    if update_check:
-      opened = [arrays.host_copy(x) for x in leaves]
+    pre = None  # the previous post-state: not hashed again
+    if not continuous:
+      pre = digests.start_state(state)
+      if any(program.donated[i] for i in program.state_indices):  # hash before donation
+        pre = digests.state_digests(digests.materialize(pre))
+    rows = digests.start_rows(batch, program.batch_layouts)
+    if any(program.donated[i] for i in program.batch_indices):
+      rows = self._commit_batch(program, index, rows)
+    opened = [arrays.host_copy(x) for x in leaves] if update_check else None
     pipeline.reserve()
     if any(program.donated) and pipeline.last_job is not None:
       pipeline.last_job.views_ready.wait()  # no donation of a buffer being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
+    post_started = digests.start_state(post)
     job = pipeline.submit(
-        lambda job: self._commit_step(
-            job, program, index, post, None if continuous else (pre_digest, state),
-            batch_commitment or batch, opened, update_check, state_check),
+        lambda job: self._commit_step(job, program, index, post, post_started, pre, rows,
+                                      opened, update_check, state_check),
         holds_slot=True)
     self._last_post_leaves = post
     overlap = program.overlap or overlap_lib.UNCHECKED
@@ -290,49 +289,50 @@ class ZKDV:
     self._writer.put_blob(program.blob)
     self._writer.append(program.record)
 
-  def _commit_step(self, job, program, index, post, pre, batch, opened,
+  def _commit_step(self, job, program, index, post, post_started, pre, rows, opened,
                    update_check, state_check) -> None:
-    """Runs on the commit thread: hash, write the step record, run checks."""
-    post_views = [arrays.host_view(x) for x in post]
+    """Runs on the commit thread: digests, the step record, then any checks."""
+    digests, layouts = self._digests, program.state_layouts
+    materialized = digests.materialize(post_started)
     job.views_ready.set()
-    post_digest, post_leaf_digests = digest.digest_state_arrays(
-        program.state_layouts, post_views)
+    post_leaf_digests = digests.state_digests(materialized)
+    post_digest = digest.state_digest_from_leaves(layouts, post_leaf_digests)
     if pre is None:
       pre_digest = self._last_post[0]
-    elif pre[0] is not None:
-      pre_digest = pre[0]
     else:
-      pre_digest = digest.digest_state_arrays(
-          program.state_layouts, [arrays.host_view(x) for x in pre[1]])[0]
+      if not (isinstance(pre, list) and pre and isinstance(pre[0], bytes)):
+        pre = digests.state_digests(digests.materialize(pre))
+      pre_digest = digest.state_digest_from_leaves(layouts, pre)
     if self._last_post is not None and pre_digest != self._last_post[0]:
       self.discontinuities.append(index)
       logger.warning("ZKDV proof %r: step %d does not start from the state step "
                      "%d returned (changed outside proof.jit).", self.name, index,
                      index - 1)
-    if not isinstance(batch, dict):
-      batch = self._commit_batch(program, index, [arrays.host_view(x) for x in batch])
+    batch = rows if isinstance(rows, dict) else self._commit_batch(program, index, rows)
     self._writer.append({
         "type": "step", "index": index, "program": program.program_id,
         "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
-    self._last_post = (post_digest, post_leaf_digests, program.state_layouts,
-                       program.params_mask)
+    self._last_post = (post_digest, post_leaf_digests, layouts, program.params_mask)
+    post_views = None
+    if update_check or state_check:
+      post_views = [arrays.host_view(x) for x in post]
     if update_check:
       self._update_check(program, index, opened, post_views)
     if state_check:
       self._state_check(program, index, post_views)
 
-  def _commit_batch(self, program, index, views) -> dict:
+  def _commit_batch(self, program, index, rows) -> dict:
     """The step's batch fields: digest, and data probes with their Merkle proofs."""
-    trees = digest.batch_trees(program.batch_layouts, views)
-    fields = {"batch": digest.batch_digest(program.batch_layouts,
-                                           [digest.tree_root(t) for t in trees]),
+    layouts = program.batch_layouts
+    trees = [merkle.tree_levels(h) for h in self._digests.row_hashes(rows, layouts)]
+    fields = {"batch": digest.batch_digest(layouts, [digest.tree_root(t) for t in trees]),
               "probes": []}
-    for leaf, (layout, view, levels) in enumerate(zip(program.batch_layouts, views, trees)):
+    for leaf, (layout, started, levels) in enumerate(zip(layouts, rows, trees)):
       if layout.key_impl is not None or len(layout.shape) == 0:
         continue
       for row in sampling.probe_rows(self._seed, index, leaf, layout.rows, self._probe_ratio):
-        blob = self._writer.put_blob(digest.row_view(layout, view, row))
+        blob = self._writer.put_blob(self._digests.row_bytes(started, layout, row))
         fields["probes"].append([leaf, row, blob, merkle.inclusion_proof(levels, row)])
     if fields["probes"]:
       fields["batch_roots"] = [digest.tree_root(t) for t in trees]

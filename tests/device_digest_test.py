@@ -1,0 +1,81 @@
+"""BLAKE3 in jax.numpy equals the reference package; both backends commit alike."""
+
+import blake3
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tests import testing
+from zkdv import merkle
+from zkdv import verify
+from zkdv.jax import device_digest
+
+EDGE_SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3 * 1024 + 1, 5 * 1024, 9 * 1024 + 7]
+
+
+def reference(x) -> bytes:
+  return blake3.blake3(np.asarray(x).tobytes()).digest()
+
+
+class DeviceBlake3Test(parameterized.TestCase):
+
+  @parameterized.parameters(*EDGE_SIZES)
+  def test_edge_sizes(self, nbytes):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    got = device_digest.words_to_bytes(device_digest.digest_words(jnp.asarray(data)))
+    self.assertEqual(got, reference(data))
+
+  @parameterized.parameters("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+                            "bool", "int4", "uint4", "int8", "uint16", "int32", "uint32")
+  def test_every_dtype(self, dtype):
+    key = jax.random.key(7)
+    if dtype == "bool":
+      x = jax.random.bernoulli(key, 0.5, (33, 17))
+    elif "int" in dtype:  # random bits of the full width
+      bits = jax.random.bits(key, (33, 17), jnp.uint32)
+      x = jax.lax.bitcast_convert_type(bits, jnp.int32).astype(dtype)
+    else:
+      x = (100 * jax.random.normal(key, (33, 17))).astype(dtype)
+    got = device_digest.words_to_bytes(device_digest.digest_words(x))
+    self.assertEqual(got, reference(x))
+
+  def test_key_leaf_is_its_key_data(self):
+    key = jax.random.split(jax.random.key(3), 5)
+    got = device_digest.words_to_bytes(device_digest.digest_words(key))
+    self.assertEqual(got, reference(jax.random.key_data(key)))
+
+  def test_row_leaf_hashes(self):
+    x = jax.random.normal(jax.random.key(0), (70, 9))
+    rows = [device_digest.words_to_bytes(w) for w in device_digest.row_leaf_words(x)]
+    self.assertEqual(rows, [merkle.leaf_hash(r.tobytes()) for r in np.asarray(x)])
+
+
+class BackendsAgreeTest(absltest.TestCase):
+
+  def _train(self, backend):
+    proof = testing.new_proof(f"backend-{backend}", update_p=0.5, state_p=0.5,
+                              digest_backend=backend)
+    proof.start(probe_ratio=0.5)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    for i in range(4):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
+    return proof.finish()
+
+  def test_same_commitments_and_both_verify(self):
+    host, device = self._train("host"), self._train("device")
+    for path in (host, device):
+      report = verify.verify(path)
+      self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    fields = ("pre_state", "batch", "post_state")
+    self.assertEqual([[s[f] for f in fields] for s in testing.records_of(host, "step")],
+                     [[s[f] for f in fields] for s in testing.records_of(device, "step")])
+    self.assertEqual(testing.records_of(host, "root")[0]["config"]["digest_backend"], "host")
+    self.assertEqual(testing.records_of(device, "root")[0]["config"]["digest_backend"],
+                     "device")
+
+
+if __name__ == "__main__":
+  absltest.main()
