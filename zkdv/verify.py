@@ -34,7 +34,7 @@ OPTIONAL_FIELDS = {
     "root": {"device_kinds"},
     "program": {"function", "params_leaves", "static_arguments", "compiler_options",
                 "nr_devices"},
-    "step": {"batch_roots"},
+    "step": {"probes", "batch_roots"},
     "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result"},
     "final": {"discontinuities", "final_state", "final_state_leaves", "final_params"},
 }
@@ -45,11 +45,11 @@ SCHEMAS = {
     "root": {"format_version": _INT, "prover": _STR, "name": _STR, "versions": _DICT,
              "platform": _STR, "config": _DICT, "start": _DICT,
              "seed_commitment": _BYTES},
-    "program": {"program_id": _BYTES, "blob": _BYTES, "mode": _STR,
+    "program": {"program_id": _BYTES, "number": _INT, "blob": _BYTES, "mode": _STR,
                 "state_layout": _LIST, "batch_layout": _LIST, "inputs": _LIST,
                 "post_state_outputs": _LIST, "platforms": _LIST},
-    "step": {"index": _INT, "program": _BYTES, "pre_state": _BYTES, "batch": _BYTES,
-             "post_state": _BYTES, "probes": _LIST},
+    "step": {"index": _INT, "program": _INT, "pre_state": _BYTES, "batch": _BYTES,
+             "post_state": _BYTES},
     "check": {"step": _INT, "kind": _STR},
     "final": {"steps": _INT, "seed": _BYTES, "status": _STR},
 }
@@ -174,7 +174,7 @@ class _Verification:
   def __init__(self, report, contents, folder, replay, progress):
     self.report, self.contents, self.folder = report, contents, folder
     self.replay_mode, self.progress = replay, progress
-    self.programs: dict[bytes, dict] = {}
+    self.programs: dict[int, dict] = {}  # by number, as steps name them
     self.program_blobs: dict[bytes, bytes] = {}
     self.steps: list[dict] = []
     self.checks: list[dict] = []
@@ -278,7 +278,10 @@ class _Verification:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       self.report.fail("schema", where, f"program layout is malformed: {e!r}.")
       return
-    self.programs[pid] = rec
+    if rec["number"] != len(self.programs):
+      self.report.fail("program_id", where, f"program number {rec['number']}, expected "
+                       f"{len(self.programs)}.")
+    self.programs[rec["number"]] = rec
     if data is not None:
       self.program_blobs[pid] = data
 
@@ -353,7 +356,10 @@ class _Verification:
       expected = {(leaf, row) for leaf, l in enumerate(layouts)
                   if l.key_impl is None and l.shape
                   for row in sampling.probe_rows(seed, t, leaf, l.rows, ratio)}
-      probes = step["probes"]
+      probes = step.get("probes", [])
+      if not isinstance(probes, list):
+        self.report.fail("probe", where, "probes must be a list.")
+        continue
       if not probes and not expected:
         continue
       roots = step.get("batch_roots")

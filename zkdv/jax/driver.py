@@ -80,7 +80,7 @@ class ZKDV:
     self._finished = False
     self._finish_error: errors.ZKDVError | None = None
     self._registered: dict[str, ProofFunction] = {}
-    self._written_programs: set[bytes] = set()
+    self._program_numbers: dict[bytes, int] = {}  # steps name programs by number
     self._last_post_leaves: list | None = None
     self._last_post: tuple | None = None  # (digest, leaf digests, layouts, params mask)
     self._lock = threading.Lock()
@@ -243,8 +243,8 @@ class ZKDV:
     """Dispatches one step and queues its commitment and checks."""
     pipeline, digests = self._pipeline, self._digests
     pipeline.raise_if_failed()
-    if program.program_id not in self._written_programs:
-      self._written_programs.add(program.program_id)
+    if program.program_id not in self._program_numbers:
+      self._program_numbers[program.program_id] = len(self._program_numbers)
       pipeline.submit(lambda job: self._write_program(program))
     with self._lock:
       index = self.steps
@@ -287,7 +287,8 @@ class ZKDV:
 
   def _write_program(self, program) -> None:
     self._writer.put_blob(program.blob)
-    self._writer.append(program.record)
+    self._writer.append({**program.record,
+                         "number": self._program_numbers[program.program_id]})
 
   def _commit_step(self, job, program, index, post, post_started, pre, rows, opened,
                    update_check, state_check) -> None:
@@ -310,7 +311,7 @@ class ZKDV:
                      index - 1)
     batch = rows if isinstance(rows, dict) else self._commit_batch(program, index, rows)
     self._writer.append({
-        "type": "step", "index": index, "program": program.program_id,
+        "type": "step", "index": index, "program": self._program_numbers[program.program_id],
         "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
     self._last_post = (post_digest, post_leaf_digests, layouts, program.params_mask)
@@ -326,15 +327,16 @@ class ZKDV:
     """The step's batch fields: digest, and data probes with their Merkle proofs."""
     layouts = program.batch_layouts
     trees = [merkle.tree_levels(h) for h in self._digests.row_hashes(rows, layouts)]
-    fields = {"batch": digest.batch_digest(layouts, [digest.tree_root(t) for t in trees]),
-              "probes": []}
+    fields = {"batch": digest.batch_digest(layouts, [digest.tree_root(t) for t in trees])}
+    probes = []
     for leaf, (layout, started, levels) in enumerate(zip(layouts, rows, trees)):
       if layout.key_impl is not None or len(layout.shape) == 0:
         continue
       for row in sampling.probe_rows(self._seed, index, leaf, layout.rows, self._probe_ratio):
         blob = self._writer.put_blob(self._digests.row_bytes(started, layout, row))
-        fields["probes"].append([leaf, row, blob, merkle.inclusion_proof(levels, row)])
-    if fields["probes"]:
+        probes.append([leaf, row, blob, merkle.inclusion_proof(levels, row)])
+    if probes:  # an unprobed step stays small: no probe fields at all
+      fields["probes"] = probes
       fields["batch_roots"] = [digest.tree_root(t) for t in trees]
     return fields
 

@@ -1,0 +1,182 @@
+"""What a verifiable step costs: proof.jit against jax.jit, a naive baseline and the floor.
+
+  python -m benchmarks.overhead [--workload mlp|cnn|all] [--rounds 6] [--block 5]
+
+Every configuration trains its own copy of the workload in one process; the
+configurations take turns in blocks of ``--block`` steps (A, B, C, ..., A, B,
+...), after a warm-up, and each step is timed to its outputs being ready (a
+proof's pipeline is drained after its block, outside the timing). Peak RSS is
+measured for each configuration in a fresh subprocess. The table comes last.
+
+Rows: ``jax.jit``; *naive* (``jax.jit`` + ``jax.device_get`` + ``hashlib.sha256``
+of state and batch every step); *floor* (``jax.jit`` + one native BLAKE3 pass
+over post-state and batch); ``proof.jit`` at p=0.01 for each overlap policy and
+digest backend; ``proof.jit`` at p=1.0.
+"""
+
+import argparse
+import hashlib
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax.training import train_state
+
+import zkdv
+from benchmarks import common
+from zkdv import digest
+from zkdv import transcript
+from zkdv.jax import arrays
+
+
+class CNN(nn.Module):
+  """A compute-heavier workload: two convolutions on 28x28 images."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(32, (3, 3))(x))
+    x = nn.avg_pool(nn.relu(nn.Conv(64, (3, 3))(x)), (2, 2), (2, 2))
+    return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+
+def cnn_workload(batch_size: int = 128):
+  model = CNN()
+  params = model.init(jax.random.key(0), jnp.ones((1, 28, 28, 1)))["params"]
+  x = jax.random.normal(jax.random.key(1), (batch_size, 28, 28, 1))
+  y = jax.random.randint(jax.random.key(2), (batch_size,), 0, 10)
+  return model, params, (x, y)
+
+
+WORKLOADS = {"mlp": ("MLP 784-1024x4-10, Adam, batch 1024", common.mlp_workload),
+             "cnn": ("CNN 2 conv + dense, Adam, batch 128", cnn_workload)}
+
+PROOF_CONFIGS = [(f"proof.jit p=0.01 {o.value} {b}", 0.01, o, b)
+                 for b in ("host", "device")
+                 for o in (zkdv.overlap.UNCHECKED, zkdv.overlap.ALWAYS, zkdv.overlap.NEVER)]
+PROOF_CONFIGS.append(("proof.jit p=1.0 unchecked host", 1.0, zkdv.overlap.UNCHECKED, "host"))
+ROWS = ["jax.jit", "naive (jit + device_get + sha256)", "floor (jit + one BLAKE3 pass)"] + [
+    c[0] for c in PROOF_CONFIGS]
+
+
+class Runner:
+  """One configuration: its own state, a step() that runs one training step."""
+
+  def __init__(self, row: str, workload: str, folder):
+    model, params, batch = WORKLOADS[workload][1]()
+    self.batch, self.proof = batch, None
+    if row.startswith("proof.jit"):
+      _, p, policy, backend = next(c for c in PROOF_CONFIGS if c[0] == row)
+      self.proof = zkdv.jax.ZKDV(row, zkdv.ZKDVConfig(
+          sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
+          digest_backend=backend, output_dir=f"{folder}/{row.replace(' ', '_')}"))
+      self.proof.start(rolling_window=4)
+      self.state = zkdv.jax.contrib.TrainState.create(
+          proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
+          zkdv_overlap=policy)
+      self._step = self.proof.jit(common.train_step, donate_argnums=0)
+    else:
+      self.state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                 tx=optax.adam(1e-3))
+      self._step = jax.jit(common.train_step, donate_argnums=0)
+    self.extra = {"jax.jit": None, "naive (jit + device_get + sha256)": self._naive,
+                  "floor (jit + one BLAKE3 pass)": self._floor}.get(row)
+
+  def _naive(self):
+    hasher = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get((self.state, self.batch))):
+      hasher.update(np.ascontiguousarray(leaf).tobytes())
+    return hasher.digest()
+
+  def _floor(self):
+    for leaf in jax.tree.leaves((self.state, self.batch)):
+      digest.leaf_digest(arrays.host_view(arrays.as_array(leaf)))
+
+  def step(self):
+    self.state = self._step(self.state, *self.batch)
+    if self.extra is not None:
+      self.extra()
+    return self.state
+
+  def settle(self):
+    if self.proof is not None:
+      self.proof._pipeline.drain()  # pylint: disable=protected-access
+
+  def step_record_bytes(self) -> tuple[float, float]:
+    """(mean bytes of a step record, transcript bytes per step incl. blobs)."""
+    if self.proof is None:
+      return 0.0, 0.0
+    self.proof.finish()
+    contents = transcript.read_transcript(self.proof.path)
+    steps = [len(r.raw) for r in contents.records if r.record["type"] == "step"]
+    total = sum(f.stat().st_size for f in self.proof.path.rglob("*") if f.is_file())
+    return float(np.mean(steps)), total / len(steps)
+
+
+def peak_rss_mb(row: str, workload: str, steps: int) -> float:
+  """Peak RSS of a fresh process that runs ``steps`` steps of one configuration."""
+  code = (f"import sys, resource, jax; sys.argv=['x']; from benchmarks import overhead;"
+          f"r = overhead.Runner({row!r}, {workload!r}, {tempfile.mkdtemp()!r})\n"
+          f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
+          f"r.settle(); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  return int(out.stdout.split()[-1]) / 1024
+
+
+def measure(workload: str, rounds: int, block: int, rss: bool) -> list[list]:
+  folder = tempfile.mkdtemp(prefix="zkdv-overhead-")
+  runners = {row: Runner(row, workload, folder) for row in ROWS}
+  for r in runners.values():  # warm-up: compile, first commitments
+    for _ in range(3):
+      jax.block_until_ready(r.step())
+    r.settle()
+  times = {row: [] for row in ROWS}
+  for _ in range(rounds):
+    for row, r in runners.items():
+      for _ in range(block):
+        times[row].append(common.timed(r.step))
+      r.settle()
+  base = common.median(times["jax.jit"])
+  table = []
+  for row, r in runners.items():
+    step_bytes, total_bytes = r.step_record_bytes()
+    med = common.median(times[row])
+    table.append([row, f"{med * 1e3:.1f}", f"{med / base:.3f}",
+                  f"{peak_rss_mb(row, workload, 12):.0f}" if rss else "-",
+                  f"{step_bytes:.0f}" if r.proof else "-",
+                  f"{total_bytes:,.0f}" if r.proof else "-"])
+  floor = common.median(times["floor (jit + one BLAKE3 pass)"])
+  for row in table:
+    row.insert(3, f"{common.median(times[row[0]]) / floor:.3f}")
+  return table
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workload", choices=["mlp", "cnn", "all"], default="all")
+  parser.add_argument("--rounds", type=int, default=6)
+  parser.add_argument("--block", type=int, default=5)
+  parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+  parser.add_argument("--json", default=None, help="also write the tables to this file")
+  args = parser.parse_args(argv)
+  names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+  results = {n: measure(n, args.rounds, args.block, not args.no_rss) for n in names}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  header = ["configuration", "median step ms", "ratio to jax.jit", "ratio to floor",
+            "peak RSS MB", "step record bytes", "transcript bytes/step"]
+  for name in names:
+    common.print_table(f"{WORKLOADS[name][0]} — median of {args.rounds * args.block} steps "
+                       f"per row, {jax.devices()[0].platform}", header, results[name])
+    print()
+
+
+if __name__ == "__main__":
+  main()
