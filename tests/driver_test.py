@@ -122,9 +122,12 @@ class LifecycleTest(parameterized.TestCase):
     self.assertLen(final, 1)
     self.assertEqual(final[0]["steps"], 1)
 
-  @parameterized.parameters(zkdv.overlap.UNCHECKED, zkdv.overlap.ALWAYS, zkdv.overlap.NEVER)
-  def test_overlap_policies_give_the_same_training(self, policy):
-    proof = testing.new_proof(f"overlap-{policy.value}", update_p=0.5, state_p=0.3)
+  @parameterized.product(
+      policy=[zkdv.overlap.UNCHECKED, zkdv.overlap.ALWAYS, zkdv.overlap.NEVER],
+      backend=["host", "device"])
+  def test_overlap_policies_give_the_same_training(self, policy, backend):
+    proof = testing.new_proof(f"overlap-{policy.value}", update_p=0.5, state_p=0.3,
+                              digest_backend=backend)
     proof.start(rolling_window=2)
     state = testing.classifier_state(proof, zkdv_overlap=policy)
     train_step = proof.jit(testing.classifier_step, donate_argnums=0)

@@ -294,6 +294,8 @@ class ZKDV:
                    update_check, state_check) -> None:
     """Runs on the commit thread: digests, the step record, then any checks."""
     digests, layouts = self._digests, program.state_layouts
+    # Checks need the post-state on the host: take views before the next step may donate it.
+    post_views = [arrays.host_view(x) for x in post] if update_check or state_check else None
     materialized = digests.materialize(post_started)
     job.views_ready.set()
     post_leaf_digests = digests.state_digests(materialized)
@@ -315,9 +317,6 @@ class ZKDV:
         "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
     self._last_post = (post_digest, post_leaf_digests, layouts, program.params_mask)
-    post_views = None
-    if update_check or state_check:
-      post_views = [arrays.host_view(x) for x in post]
     if update_check:
       self._update_check(program, index, opened, post_views)
     if state_check:

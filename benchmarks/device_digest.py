@@ -1,0 +1,68 @@
+"""Device BLAKE3 throughput against a device-to-device copy, and the MLP table,
+on whatever accelerator JAX sees. One short run (a few minutes):
+
+  python -m benchmarks.device_digest [--sizes-mb 16 64 256] [--repeats 10]
+
+Throughput rows compare ``device_digest.digest_words`` with a copy kernel
+reading and writing the same bytes (the bandwidth bound of a hash that reads
+each byte once); the digests are checked against the host ``blake3`` package
+first. The overhead table is ``benchmarks.overhead`` for the MLP workload.
+"""
+
+import argparse
+import time
+
+import blake3
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from benchmarks import overhead
+from zkdv.jax import device_digest
+
+
+def _median_seconds(fn, x, repeats: int) -> float:
+  jax.block_until_ready(fn(x))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(x))
+    times.append(time.perf_counter() - start)
+  return common.median(times)
+
+
+def throughput(sizes_mb, repeats: int) -> list[list]:
+  copy = jax.jit(lambda x: x + jnp.uint32(0))
+  rows = []
+  for mb in sizes_mb:
+    x = jax.random.bits(jax.random.key(mb), (mb * 2**20 // 4,), jnp.uint32)
+    got = device_digest.words_to_bytes(device_digest.digest_words(x))
+    assert got == blake3.blake3(np.asarray(x).tobytes()).digest(), "device digest differs"
+    t_hash = _median_seconds(device_digest.digest_words, x, repeats)
+    t_copy = _median_seconds(copy, x, repeats)
+    gbs = mb / 1024 / t_hash
+    rows.append([f"{mb} MiB", f"{t_hash * 1e3:.2f}", f"{gbs:.1f}", f"{t_copy * 1e3:.2f}",
+                 f"{mb / 1024 / t_copy:.1f}", f"{t_copy / t_hash:.2f}"])
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256])
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=4)
+  args = parser.parse_args(argv)
+  device = jax.devices()[0]
+  rows = throughput(args.sizes_mb, args.repeats)
+  table = overhead.measure("mlp", args.rounds, 5, rss=False)
+  common.print_table(f"Device BLAKE3 on {device.device_kind}", [
+      "bytes", "digest ms", "digest GB/s", "copy ms", "copy GB/s", "fraction of copy"], rows)
+  print()
+  common.print_table(f"MLP overhead on {device.device_kind}", [
+      "configuration", "median step ms", "ratio to jax.jit", "ratio to floor", "peak RSS MB",
+      "step record bytes", "transcript bytes/step"], table)
+
+
+if __name__ == "__main__":
+  main()
