@@ -17,7 +17,6 @@ digest backend; ``proof.jit`` at p=1.0.
 import argparse
 import hashlib
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -121,10 +120,11 @@ class Runner:
 
 def peak_rss_mb(row: str, workload: str, steps: int) -> float:
   """Peak RSS of a fresh process that runs ``steps`` steps of one configuration."""
-  code = (f"import sys, resource, jax; sys.argv=['x']; from benchmarks import overhead;"
+  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork/exec.
+  code = (f"import jax; from benchmarks import overhead;"
           f"r = overhead.Runner({row!r}, {workload!r}, {tempfile.mkdtemp()!r})\n"
           f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
-          f"r.settle(); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+          f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return int(out.stdout.split()[-1]) / 1024
 

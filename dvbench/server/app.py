@@ -264,22 +264,22 @@ class _Api:
     return {"chunk": idx, "of": count, "stored": stored, "duplicates": duplicates}
 
   def _ingest_close(self, conn, proof_id, envelope) -> dict:
-    ids = [r for r in self.store.record_ids(proof_id)]
+    stored, last_id, last = self.store.last_record(conn, proof_id)
     final_id, count = envelope.get("final_record_id"), envelope.get("record_count")
-    if not ids or ids[-1] != final_id or count != len(ids):
-      raise HTTPException(409, f"cannot close: the server has {len(ids)} records ending in "
-                          f"{ids[-1].hex() if ids else '-'}, the client announced {count} "
+    if last_id != final_id or count != stored:
+      raise HTTPException(409, f"cannot close: the server has {stored} records ending in "
+                          f"{last_id.hex() if last_id else '-'}, the client announced {count} "
                           "ending in the final record; send the missing records first.")
     missing = [d for d in self.store.blob_digests(conn, proof_id) if not self.blobs.has(d)]
     if missing:
       raise HTTPException(409, f"cannot close: {len(missing)} referenced blobs are missing "
                           f"(first {missing[0]}); upload them first.")
-    final = cbor2.loads(self.store.record_data(proof_id)[-1])
+    final = cbor2.loads(last)
     final_params = final.get("final_params") if isinstance(final, dict) else None
     self.store.set_proof_state(proof_id, "closed", conn=conn, final_params=(
         final_params.hex() if isinstance(final_params, bytes) else None))
     self.store.enqueue_job(conn, "proof", proof_id)
-    return {"closed": True, "records": len(ids)}
+    return {"closed": True, "records": stored}
 
   # -- measurements ----------------------------------------------------------------
 

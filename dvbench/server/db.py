@@ -357,6 +357,13 @@ class Store:
       return [r[0] for r in conn.execute(sa.select(records.c.data).where(
           records.c.proof_id == proof_id).order_by(records.c.position))]
 
+  def last_record(self, conn, proof_id: str) -> tuple[int, bytes | None, bytes | None]:
+    """(record count, id and bytes of the last record) of a proof."""
+    row = conn.execute(sa.select(records.c.position, records.c.record_id, records.c.data)
+                       .where(records.c.proof_id == proof_id)
+                       .order_by(records.c.position.desc()).limit(1)).first()
+    return (0, None, None) if row is None else (row[0] + 1, row[1], row[2])
+
   def record_ids(self, proof_id: str) -> list[bytes]:
     with self.engine.connect() as conn:
       return [r[0] for r in conn.execute(sa.select(records.c.record_id).where(
