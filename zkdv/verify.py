@@ -541,6 +541,9 @@ class _Verification:
     try:
       return self.replayer.run(program, self.program_blobs[program["program_id"]],
                                inputs, layouts)
+    except errors.ReplayError as e:  # e.g. fewer devices than the program needs
+      self.report.fail("devices", where, str(e), UNVERIFIABLE)
+      return None
     except Exception as e:  # a malformed program is a finding, not a crash
       self.report.fail("replay_error", where, f"replay raised {type(e).__name__}: {e}")
       return None

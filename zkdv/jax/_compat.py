@@ -1,3 +1,17 @@
 """The few private JAX APIs ZKDV needs, in one place."""
 
 from jax._src.tree_util import broadcast_prefix  # pylint: disable=unused-import
+
+
+def exported_abstract_mesh(exported):
+  """The abstract mesh a multi-device program was exported with, or None.
+
+  ``Exported.in_shardings_jax(mesh)`` needs a mesh with the same axis names and
+  sizes; JAX keeps that mesh only in private fields.
+  """
+  if not getattr(exported, "_has_named_shardings", False):
+    return None
+  for sharding in (*exported._in_named_shardings, *exported._out_named_shardings):  # pylint: disable=protected-access
+    if sharding is not None and sharding.mesh.size == exported.nr_devices:
+      return sharding.mesh
+  return None

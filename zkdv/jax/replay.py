@@ -14,13 +14,53 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from zkdv import errors
 from zkdv.config import Tolerance
 from zkdv.digest import LeafLayout, byte_view
+from zkdv.jax import _compat
+
+
+def replay_mesh(exported: jax.export.Exported) -> jax.sharding.Mesh | None:
+  """A mesh of local devices shaped like the one a multi-device program was exported with.
+
+  None when the program names no such mesh. Raises ReplayError when this
+  machine has fewer devices than the program needs.
+  """
+  needed, devices = exported.nr_devices, jax.devices()
+  if len(devices) < needed:
+    raise errors.ReplayError(
+        f"the update program was exported for {needed} devices and this machine has "
+        f"{len(devices)} {devices[0].platform} devices: replay it where {needed} are "
+        f"available (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={needed} "
+        "before JAX starts).")
+  shape = _compat.exported_abstract_mesh(exported)
+  if shape is None:
+    return None  # the program names no mesh at its boundary
+  return jax.sharding.Mesh(np.array(devices[:needed]).reshape(shape.axis_sizes),
+                           shape.axis_names, axis_types=shape.axis_types)
 
 
 def compile_program(exported: jax.export.Exported, *, donate_argnums=(),
                     compiler_options=None, **jit_options):
-  """A jitted callable running ``exported`` (flat arguments, flat results)."""
+  """A jitted callable running ``exported`` (flat arguments, flat results).
+
+  A program exported for several devices runs with its own shardings on a mesh
+  of as many local devices, unless the caller passes shardings.
+  """
+  if exported.nr_devices > 1 and "in_shardings" not in jit_options:
+    mesh = replay_mesh(exported)
+    if mesh is not None:
+      in_shardings = exported.in_shardings_jax(mesh)
+      out_shardings = exported.out_shardings_jax(mesh)
+    else:  # no mesh at the boundary (e.g. shard_map inside): replicate over the devices
+      replicated = jax.sharding.NamedSharding(
+          jax.sharding.Mesh(np.array(jax.devices()[:exported.nr_devices]), ("devices",)),
+          jax.sharding.PartitionSpec())
+      in_shardings = (replicated,) * len(exported.in_avals)
+      out_shardings = (replicated,) * len(exported.out_avals)
+    jit_options = {**jit_options, "in_shardings": in_shardings,
+                   "out_shardings": out_shardings}
+
   def run(*args):
     return exported.call(*args)
   run.__name__ = f"zkdv_update_{exported.fun_name}"
