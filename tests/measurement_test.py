@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-from unittest import mock
 
 import httpx
 import jax
@@ -18,7 +17,7 @@ from absl.testing import absltest
 from flax import serialization
 
 import dvbench
-from dvbench.server.local import LocalServer
+from tests.dvbench_test import DVBenchTestCase
 from tests import tutorial_steps
 
 EVAL_BATCHES = [np.asarray(np.random.default_rng(i).integers(0, 2, (4, 5)), np.uint32)
@@ -86,26 +85,16 @@ class _Rows(html.parser.HTMLParser):
       self.rows.append(attrs)
 
 
-class MeasurementTest(absltest.TestCase):
+class MeasurementTest(DVBenchTestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=1).start()
-    cls.token = cls.server.token("your-name")
-    cls.env = mock.patch.dict(os.environ, {"DVBENCH_TOKEN": cls.token})
-    cls.env.start()
     cls.client = dvbench.Client(cls.server.url)
     cls.checkpoint, cls.proof_id = train(cls.server.url, "your-name/long", 10)
     cls.short_checkpoint, cls.short_proof = train(cls.server.url, "your-name/short", 1)
     for proof_id in (cls.proof_id, cls.short_proof):
       assert cls.client.wait_for_verdict(proof_id, 120)["state"] == "verified"
-
-  @classmethod
-  def tearDownClass(cls):
-    cls.env.stop()
-    cls.server.stop()
-    super().tearDownClass()
 
   def wait_measurement(self, measurement_id):
     deadline = time.monotonic() + 120

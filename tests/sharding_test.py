@@ -39,6 +39,12 @@ def loss(state, params, x, y):
 def plain_step(state, x, y):
   return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p, x, y))(state.params))
 
+def new_state(name):
+  proof = testing.new_proof(name, update_p=1.0)
+  proof.start()
+  return proof, testing.zkdv.jax.contrib.TrainState.create(
+      proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
 def run(step_fn, proof, state, x, y, steps=3):
   for _ in range(steps):
     state = step_fn(state, x, y)
@@ -74,10 +80,7 @@ class ShardingTest(absltest.TestCase):
 
   def test_2x2_mesh_with_in_shardings(self):
     result = run_case("""
-        proof = testing.new_proof("mesh", update_p=1.0)
-        proof.start()
-        state = testing.zkdv.jax.contrib.TrainState.create(
-            proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+        proof, state = new_state("mesh")
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         state = jax.device_put(state, replicated)
         step = proof.jit(plain_step, in_shardings=(replicated, rows, rows),
@@ -92,10 +95,7 @@ class ShardingTest(absltest.TestCase):
 
   def test_shard_map_gradients(self):
     result = run_case("""
-        proof = testing.new_proof("shard-map", update_p=1.0)
-        proof.start()
-        state = testing.zkdv.jax.contrib.TrainState.create(
-            proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+        proof, state = new_state("shard-map")
         flat_mesh = Mesh(np.array(jax.devices()), ("data",))
 
         def step(state, x, y):
