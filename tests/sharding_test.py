@@ -45,10 +45,15 @@ def new_state(name):
   return proof, testing.zkdv.jax.contrib.TrainState.create(
       proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
 
-def run(step_fn, proof, state, x, y, steps=3):
+def run(step_fn, proof, state, x, y, steps=3, replicas=False):
   for _ in range(steps):
     state = step_fn(state, x, y)
   proof.finish()
+  if replicas:  # pmap: every replica holds the same state; compare the first
+    assert all(np.array_equal(v[0], v[i]) for v in jax.tree.leaves(state.params)
+               for i in range(v.shape[0]))
+    state = jax.tree.map(lambda v: v[0], state)
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1)
   report = verify.verify(proof.path)
   reference = testing.zkdv.jax.contrib.TrainState.create(
       apply_fn=model.apply, params=fresh_params(), tx=optax.adam(1e-3))
@@ -108,6 +113,18 @@ class ShardingTest(absltest.TestCase):
           return state.apply_gradients(grads=grads)
 
         run(proof.jit(step), proof, state, x, y)
+        """)
+    self.assert_verified(result)
+
+  def test_pmap_data_parallel_with_replicated_state(self):
+    result = run_case("""
+        proof, state = new_state("pmap")
+        def local(state, x, y):
+          grads = jax.grad(lambda p: loss(state, p, x, y))(state.params)
+          return state.apply_gradients(grads=jax.lax.pmean(grads, "devices"))
+        replicated = jax.tree.map(lambda v: jnp.stack([jnp.asarray(v)] * 4), state)
+        run(proof.jit(jax.pmap(local, axis_name="devices")), proof, replicated,
+            x.reshape(4, 2, 16), y.reshape(4, 2), replicas=True)
         """)
     self.assert_verified(result)
 

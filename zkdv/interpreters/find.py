@@ -18,6 +18,7 @@ from jax.extend import core
 from jax.extend.core import primitives as prims
 
 from zkdv import errors
+from zkdv.interpreters import _compat
 from zkdv.interpreters.marker import update_marker_p
 
 
@@ -64,7 +65,8 @@ def _marker_rule(eqn: core.JaxprEqn, sites: UpdateSites) -> int:
 
 
 def _call_rule(eqn: core.JaxprEqn, sites: UpdateSites) -> int:
-  """Calls run their body once: jit, remat, custom_jvp/vjp, closed calls."""
+  """Calls run their body once: jit, remat, custom_jvp/vjp, closed calls; under
+  shard_map (and pmap, built on it) every device applies the same logical update."""
   return sum(_inner_counts(eqn, sites))
 
 
@@ -90,7 +92,7 @@ def _loop_rule(eqn: core.JaxprEqn, sites: UpdateSites) -> int:
 
 find_rules[update_marker_p] = _marker_rule
 for _p in (prims.jit_p, prims.remat_p, prims.closed_call_p, prims.call_p,
-           prims.custom_jvp_call_p, prims.custom_vjp_call_p):
+           prims.custom_jvp_call_p, prims.custom_vjp_call_p, _compat.shard_map_p):
   find_rules[_p] = _call_rule
 find_rules[prims.cond_p] = _cond_rule
 find_rules[prims.scan_p] = _loop_rule

@@ -1,0 +1,3 @@
+"""Private JAX primitives the update finder needs a rule for, in one place."""
+
+from jax._src.shard_map import shard_map_p  # pylint: disable=unused-import
