@@ -1,5 +1,5 @@
-"""Sharded training on 4 forced CPU devices (each case in its own process, since
-the device count is fixed before JAX starts)."""
+"""Sharded training on 4 and 8 forced CPU devices (each case in its own process,
+since the device count is fixed before JAX starts)."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import tempfile
 import textwrap
 
 from absl.testing import absltest
+from absl.testing import parameterized
 
 from zkdv import verify
 
@@ -17,15 +18,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 PRELUDE = """
 import os, sys, json
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+N = int(os.environ["ZKDV_TEST_DEVICES"])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import zkdv
 from zkdv import verify
 from tests import testing
 
-assert len(jax.devices()) == 4
-mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+assert len(jax.devices()) == N
+mesh = Mesh(np.array(jax.devices()).reshape(2, N // 2), ("data", "model"))
 model = testing.MLP(width=64)
 fresh_params = lambda: model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
 params = fresh_params()
@@ -67,15 +69,17 @@ def run(step_fn, proof, state, x, y, steps=3, replicas=False):
 """
 
 
-def run_case(body: str) -> dict:
+def run_case(body: str, devices: int) -> dict:
   script = PRELUDE + textwrap.dedent(body)
   result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600,
+                          env={**os.environ, "ZKDV_TEST_DEVICES": str(devices)})
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-class ShardingTest(absltest.TestCase):
+@parameterized.parameters(4, 8)
+class ShardingTest(parameterized.TestCase):
 
   def assert_verified(self, result):
     self.assertEqual(result["verdict"], "verified", result)
@@ -83,7 +87,7 @@ class ShardingTest(absltest.TestCase):
     self.assertEqual(result["failed"], [])
     self.assertTrue(result["close"], "sharded training differs from the unsharded run")
 
-  def test_2x2_mesh_with_in_shardings(self):
+  def test_mesh_with_in_shardings(self, devices):
     result = run_case("""
         proof, state = new_state("mesh")
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -91,14 +95,14 @@ class ShardingTest(absltest.TestCase):
         step = proof.jit(plain_step, in_shardings=(replicated, rows, rows),
                          out_shardings=replicated, donate_argnums=0)
         run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
-        """)
+        """, devices)
     self.assert_verified(result)
     # A verifier with one device cannot replay it, and says how many it needs.
     report = verify.verify(result["path"])
     self.assertEqual(report.verdict, verify.UNVERIFIABLE)
-    self.assertIn("exported for 4 devices", report.dumps())
+    self.assertIn(f"exported for {devices} devices", report.dumps())
 
-  def test_shard_map_gradients(self):
+  def test_shard_map_gradients(self, devices):
     result = run_case("""
         proof, state = new_state("shard-map")
         flat_mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -113,19 +117,19 @@ class ShardingTest(absltest.TestCase):
           return state.apply_gradients(grads=grads)
 
         run(proof.jit(step), proof, state, x, y)
-        """)
+        """, devices)
     self.assert_verified(result)
 
-  def test_pmap_data_parallel_with_replicated_state(self):
+  def test_pmap_data_parallel_with_replicated_state(self, devices):
     result = run_case("""
         proof, state = new_state("pmap")
         def local(state, x, y):
           grads = jax.grad(lambda p: loss(state, p, x, y))(state.params)
           return state.apply_gradients(grads=jax.lax.pmean(grads, "devices"))
-        replicated = jax.tree.map(lambda v: jnp.stack([jnp.asarray(v)] * 4), state)
+        replicated = jax.tree.map(lambda v: jnp.stack([jnp.asarray(v)] * N), state)
         run(proof.jit(jax.pmap(local, axis_name="devices")), proof, replicated,
-            x.reshape(4, 2, 16), y.reshape(4, 2), replicas=True)
-        """)
+            x.reshape(N, 8 // N, 16), y.reshape(N, 8 // N), replicas=True)
+        """, devices)
     self.assert_verified(result)
 
 
