@@ -34,17 +34,28 @@ class LeafLayout:
   dtype: str
   shape: tuple[int, ...]
   key_impl: str | None = None
+  pieces: tuple | None = None  # distinct shard boxes ((start, stop) per dim); None: whole
 
   def to_record(self) -> dict:
     record = {"path": self.path, "dtype": self.dtype, "shape": list(self.shape)}
     if self.key_impl is not None:
       record["key_impl"] = self.key_impl
+    if self.pieces is not None:
+      record["pieces"] = [[list(b) for b in box] for box in self.pieces]
     return record
 
   @classmethod
   def from_record(cls, record: dict) -> "LeafLayout":
+    pieces = record.get("pieces")
     return cls(path=record["path"], dtype=record["dtype"],
-               shape=tuple(record["shape"]), key_impl=record.get("key_impl"))
+               shape=tuple(record["shape"]), key_impl=record.get("key_impl"),
+               pieces=None if pieces is None else tuple(
+                   tuple((int(s), int(e)) for s, e in box) for box in pieces))
+
+  @property
+  def boxes(self) -> tuple:
+    """The index boxes of the leaf's pieces: its shards, or the whole leaf."""
+    return self.pieces or (tuple((0, n) for n in self.shape),)
 
   @property
   def nbytes(self) -> int:
@@ -84,6 +95,17 @@ def whole_piece(layout: LeafLayout, digest: bytes) -> list:
   return [[[0, n] for n in layout.shape], digest]
 
 
+def box_slices(box) -> tuple:
+  return tuple(slice(start, stop) for start, stop in box)
+
+
+def piece_digests(layout: LeafLayout, array: np.ndarray) -> list[bytes]:
+  """The digest of each piece of a leaf, from the whole leaf on the host."""
+  if layout.pieces is None:
+    return [leaf_digest(array)]
+  return [leaf_digest(np.asarray(array)[box_slices(box)]) for box in layout.pieces]
+
+
 def row_leaf_hashes(layout: LeafLayout, array: np.ndarray) -> list[bytes]:
   if layout.rows == 0:
     return []
@@ -109,15 +131,22 @@ def batch_digest(layouts: Sequence[LeafLayout], row_roots: Sequence[bytes]) -> b
 
 
 def digest_state_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]):
-  """(state digest, per-leaf digests) of unsharded host arrays."""
-  leaf_digests = [leaf_digest(a) for a in arrays]
-  return state_digest_from_leaves(layouts, leaf_digests), leaf_digests
+  """(state digest, each leaf's piece digests) of whole leaves on the host."""
+  pieces = [piece_digests(l, a) for l, a in zip(layouts, arrays, strict=True)]
+  return state_digest_from_pieces(layouts, pieces), pieces
+
+
+def state_digest_from_pieces(layouts: Sequence[LeafLayout],
+                             pieces: Sequence[Sequence[bytes]]) -> bytes:
+  """State digest from each leaf's piece digests (in the order of ``layout.boxes``)."""
+  return state_digest(layouts, [
+      [[[list(b) for b in box], d] for box, d in zip(l.boxes, ds, strict=True)]
+      for l, ds in zip(layouts, pieces, strict=True)])
 
 
 def state_digest_from_leaves(layouts: Sequence[LeafLayout], leaf_digests: Sequence[bytes]) -> bytes:
   """State digest of unsharded leaves from their leaf digests."""
-  return state_digest(layouts, [[whole_piece(l, d)]
-                                for l, d in zip(layouts, leaf_digests, strict=True)])
+  return state_digest_from_pieces(layouts, [[d] for d in leaf_digests])
 
 
 def params_digest(layouts: Sequence[LeafLayout], leaf_digests: Sequence[bytes],

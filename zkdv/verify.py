@@ -405,13 +405,18 @@ class _Verification:
     leaves = final.get("final_state_leaves")
     if program is None:
       return
-    if (not isinstance(leaves, list) or len(leaves) != len(program["_state"])
-        or not all(isinstance(d, bytes) for d in leaves)
-        or digest.state_digest_from_leaves(program["_state"], leaves) != final["final_state"]):
-      report.fail("final_state", "final", "final state leaf digests do not make up the "
+    layouts = program["_state"]
+    if (not isinstance(leaves, list) or len(leaves) != len(layouts)
+        or not all(isinstance(p, list) and len(p) == len(l.boxes)
+                   and all(isinstance(d, bytes) for d in p) for p, l in zip(leaves, layouts))
+        or digest.state_digest_from_pieces(layouts, leaves) != final["final_state"]):
+      report.fail("final_state", "final", "final state piece digests do not make up the "
                   "final state digest.")
       return
-    params = digest.params_digest(program["_state"], leaves, program.get("params_leaves", []))
+    params_leaves = program.get("params_leaves", [])
+    if any(layouts[i].pieces is not None for i in params_leaves):
+      return  # sharded params: final_params is the digest of whole leaves, not derivable here
+    params = digest.params_digest(layouts, [p[0] for p in leaves], params_leaves)
     if final.get("final_params") != params:
       report.fail("final_params", "final", "final params digest is not the digest of the "
                   "final state's params.")
@@ -459,14 +464,17 @@ class _Verification:
 
   def _state_check(self, check, step, program, where) -> None:
     post = self._open(check.get("post_state_blobs"), program["_state"], where, "post-state")
-    ok = post is not None and self._state_matches(check["post_state_blobs"], program,
+    ok = post is not None and self._state_matches(check["post_state_blobs"], post, program,
                                                   step["post_state"], where, "post-state")
     self.report.checks.append(CheckOutcome(step["index"], "state", "opening",
                                            "verified" if ok else "failed"))
 
-  def _state_matches(self, blobs, program, committed, where, what) -> bool:
-    """Opened blobs were checked against their names, which are the leaf digests."""
-    if digest.state_digest_from_leaves(program["_state"], blobs) != committed:
+  def _state_matches(self, blobs, arrays, program, committed, where, what) -> bool:
+    """Opened blobs were checked against their names, which are the whole-leaf digests;
+    a sharded leaf's pieces are hashed from the opened array."""
+    pieces = [[b] if l.pieces is None else digest.piece_digests(l, a)
+              for b, a, l in zip(blobs, arrays, program["_state"])]
+    if digest.state_digest_from_pieces(program["_state"], pieces) != committed:
       self.report.fail("opening", where, f"opened {what} does not match its commitment.")
       return False
     return True
@@ -479,8 +487,8 @@ class _Verification:
     batch = self._open(check.get("batch_blobs"), program["_batch"], where, "batch")
     if pre is None or batch is None:
       return
-    if not self._state_matches(check["pre_state_blobs"], program, step["pre_state"], where,
-                               "pre-state"):
+    if not self._state_matches(check["pre_state_blobs"], pre, program, step["pre_state"],
+                               where, "pre-state"):
       return
     if digest.digest_batch_arrays(program["_batch"], batch) != step["batch"]:
       self.report.fail("opening", where, "opened batch does not match its commitment.")
@@ -488,7 +496,7 @@ class _Verification:
     post = None
     if not exact:
       post = self._open(check.get("post_state_blobs"), program["_state"], where, "post-state")
-      if post is None or not self._state_matches(check["post_state_blobs"], program,
+      if post is None or not self._state_matches(check["post_state_blobs"], post, program,
                                                  step["post_state"], where, "post-state"):
         return
     if self.replay_mode == "none":

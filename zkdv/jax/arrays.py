@@ -20,12 +20,41 @@ def as_array(x) -> jax.Array:
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-def layout_of(path: str, x: jax.Array) -> LeafLayout:
+def boxes_of(x: jax.Array) -> tuple | None:
+  """The distinct shard boxes of a leaf split over devices; None if it is whole."""
+  sharding = getattr(x, "sharding", None)
+  if sharding is None or is_key(x) or sharding.is_fully_replicated:
+    return None
+  boxes = {tuple((i.start or 0, n if i.stop is None else i.stop) for i, n in zip(index, x.shape))
+           for index in sharding.devices_indices_map(tuple(x.shape)).values()}
+  return tuple(sorted(boxes)) if len(boxes) > 1 else None
+
+
+def layout_of(path: str, x: jax.Array, sharded: bool = False) -> LeafLayout:
+  """The leaf's layout; with ``sharded``, its pieces are the leaf's shards."""
   if is_key(x):
     data = jax.eval_shape(jax.random.key_data, x)
     return LeafLayout(path, str(data.dtype), tuple(data.shape),
                       key_impl=str(jax.random.key_impl(x)))
-  return LeafLayout(path, str(x.dtype), tuple(x.shape))
+  return LeafLayout(path, str(x.dtype), tuple(x.shape),
+                    pieces=boxes_of(x) if sharded else None)
+
+
+def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray]:
+  """Host views of a leaf's pieces: its own shards when they are the pieces
+  (no gather), else slices of the whole leaf."""
+  if layout.pieces is None:
+    return [host_view(x)]
+  shards = {}
+  for shard in getattr(x, "addressable_shards", ()):
+    if shard.replica_id == 0:
+      box = tuple((i.start or 0, n if i.stop is None else i.stop)
+                  for i, n in zip(shard.index, x.shape))
+      shards[box] = shard.data
+  if set(shards) == set(layout.pieces):
+    return [host_view(shards[box]) for box in layout.pieces]
+  whole = np.asarray(x)
+  return [whole[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]
 
 
 def host_view(x: jax.Array) -> np.ndarray:

@@ -27,15 +27,17 @@ from zkdv.jax import device_digest
 class HostDigests:
   name = "host"
 
-  def start_state(self, leaves: list) -> list:
-    return leaves
+  def start_state(self, leaves: list, layouts: list[LeafLayout]):
+    return leaves, layouts
 
-  def materialize(self, started: list) -> list[np.ndarray]:
-    """Host views of the leaves (blocks until they are computed)."""
-    return [arrays.host_view(x) for x in started]
+  def materialize(self, started) -> list[list[np.ndarray]]:
+    """Host views of each leaf's pieces (blocks until they are computed)."""
+    leaves, layouts = started
+    return [arrays.piece_views(x, l) for x, l in zip(leaves, layouts)]
 
-  def state_digests(self, materialized: list[np.ndarray]) -> list[bytes]:
-    return [digest.leaf_digest(v) for v in materialized]
+  def state_digests(self, materialized) -> list[list[bytes]]:
+    """Each leaf's piece digests."""
+    return [[digest.leaf_digest(v) for v in views] for views in materialized]
 
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
     return leaves
@@ -53,14 +55,21 @@ class DeviceDigests(HostDigests):
   def __init__(self):
     self._state = jax.jit(lambda *xs: jnp.stack([device_digest.digest_words(x) for x in xs]))
 
-  def start_state(self, leaves: list):
-    return self._state(*leaves) if leaves else None
+  def start_state(self, leaves: list, layouts: list[LeafLayout]):
+    """Whole leaves in one program; a sharded leaf's shards each where it lives."""
+    whole = [x for x, l in zip(leaves, layouts) if l.pieces is None]
+    sharded = [[device_digest.digest_words(v) for v in _shard_data(x, l)]
+               for x, l in zip(leaves, layouts) if l.pieces is not None]
+    return (self._state(*whole) if whole else None), sharded, layouts
 
-  def materialize(self, started) -> np.ndarray:
-    return np.zeros((0, 8), np.uint32) if started is None else np.asarray(started)
+  def materialize(self, started):
+    whole, sharded, layouts = started
+    whole = iter(np.zeros((0, 8), np.uint32) if whole is None else np.asarray(whole))
+    sharded = iter([[np.asarray(w) for w in s] for s in sharded])
+    return [next(sharded) if l.pieces is not None else [next(whole)] for l in layouts]
 
-  def state_digests(self, materialized: np.ndarray) -> list[bytes]:
-    return [device_digest.words_to_bytes(w) for w in materialized]
+  def state_digests(self, materialized) -> list[list[bytes]]:
+    return [[device_digest.words_to_bytes(w) for w in pieces] for pieces in materialized]
 
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
     return [(x, None if l.key_impl or not l.shape else device_digest.row_leaf_words(x))
@@ -78,6 +87,15 @@ class DeviceDigests(HostDigests):
   def row_bytes(self, started, layout: LeafLayout, row: int) -> np.ndarray:
     leaf = started[0] if isinstance(started, tuple) else started
     return digest.byte_view(np.asarray(arrays.host_view(leaf[row])))
+
+
+def _shard_data(x: jax.Array, layout: LeafLayout) -> list:
+  by_box = {tuple((i.start or 0, n if i.stop is None else i.stop)
+                  for i, n in zip(shard.index, x.shape)): shard.data
+            for shard in x.addressable_shards if shard.replica_id == 0}
+  if set(by_box) != set(layout.pieces):  # placed otherwise: slice the pieces out
+    return [x[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]
+  return [by_box[box] for box in layout.pieces]
 
 
 def for_config(name: str):

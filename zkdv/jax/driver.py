@@ -15,6 +15,7 @@ Example::
   proof.finish()
 """
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -24,6 +25,7 @@ import threading
 
 import jax
 import jaxlib
+import numpy as np
 
 from zkdv import __version__
 from zkdv import config as config_lib
@@ -82,7 +84,7 @@ class ZKDV:
     self._registered: dict[str, ProofFunction] = {}
     self._program_numbers: dict[bytes, int] = {}  # steps name programs by number
     self._last_post_leaves: list | None = None
-    self._last_post: tuple | None = None  # (digest, leaf digests, layouts, params mask)
+    self._last_post: tuple | None = None  # (digest, piece digests, layouts, params mask)
     self._lock = threading.Lock()
 
   def __repr__(self):
@@ -260,7 +262,7 @@ class ZKDV:
                   and all(a is b for a, b in zip(state, self._last_post_leaves)))
     pre = None  # the previous post-state: not hashed again
     if not continuous:
-      pre = digests.start_state(state)
+      pre = digests.start_state(state, program.state_layouts)
       if any(program.donated[i] for i in program.state_indices):  # hash before donation
         pre = digests.state_digests(digests.materialize(pre))
     rows = digests.start_rows(batch, program.batch_layouts)
@@ -272,7 +274,7 @@ class ZKDV:
       pipeline.last_job.views_ready.wait()  # no donation of a buffer being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
-    post_started = digests.start_state(post)
+    post_started = digests.start_state(post, program.state_layouts)
     job = pipeline.submit(
         lambda job: self._commit_step(job, program, index, post, post_started, pre, rows,
                                       opened, update_check, state_check),
@@ -298,14 +300,14 @@ class ZKDV:
     post_views = [arrays.host_view(x) for x in post] if update_check or state_check else None
     materialized = digests.materialize(post_started)
     job.views_ready.set()
-    post_leaf_digests = digests.state_digests(materialized)
-    post_digest = digest.state_digest_from_leaves(layouts, post_leaf_digests)
+    post_pieces = digests.state_digests(materialized)
+    post_digest = digest.state_digest_from_pieces(layouts, post_pieces)
     if pre is None:
       pre_digest = self._last_post[0]
     else:
-      if not (isinstance(pre, list) and pre and isinstance(pre[0], bytes)):
+      if isinstance(pre, tuple):  # started, not yet hashed
         pre = digests.state_digests(digests.materialize(pre))
-      pre_digest = digest.state_digest_from_leaves(layouts, pre)
+      pre_digest = digest.state_digest_from_pieces(layouts, pre)
     if self._last_post is not None and pre_digest != self._last_post[0]:
       self.discontinuities.append(index)
       logger.warning("ZKDV proof %r: step %d does not start from the state step "
@@ -316,7 +318,7 @@ class ZKDV:
         "type": "step", "index": index, "program": self._program_numbers[program.program_id],
         "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
-    self._last_post = (post_digest, post_leaf_digests, layouts, program.params_mask)
+    self._last_post = (post_digest, post_pieces, layouts, program.params_mask)
     if update_check:
       self._update_check(program, index, opened, post_views)
     if state_check:
@@ -373,10 +375,14 @@ class ZKDV:
              "status": "clean" if clean else "aborted",
              "discontinuities": list(self.discontinuities)}
     if self._last_post is not None:
-      post_digest, leaf_digests, layouts, params_mask = self._last_post
+      post_digest, pieces, layouts, params_mask = self._last_post
       final["final_state"] = post_digest
-      final["final_state_leaves"] = list(leaf_digests)
+      final["final_state_leaves"] = [list(p) for p in pieces]
+      params = [i for i, m in enumerate(params_mask) if m]
+      whole = [p[0] if l.pieces is None else  # a sharded leaf: one gather, at the end
+               digest.leaf_digest(np.asarray(self._last_post_leaves[i]))
+               for i, (l, p) in enumerate(zip(layouts, pieces))]
       final["final_params"] = digest.params_digest(
-          layouts, leaf_digests, [i for i, m in enumerate(params_mask) if m])
+          [dataclasses.replace(l, pieces=None) for l in layouts], whole, params)
     self._writer.append(final, durable=True)
 

@@ -234,7 +234,7 @@ class ProofFunction:
                    for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     all_paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
-    state_layouts = [arrays.layout_of(p, leaves[i])
+    state_layouts = [arrays.layout_of(p, leaves[i], sharded=True)
                      for p, i in zip(state_paths, state_indices)]
     batch_layouts = [arrays.layout_of(all_paths[i], leaves[i]) for i in batch_indices]
 
