@@ -12,6 +12,8 @@ import textwrap
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tests import testing
+from zkdv import transcript
 from zkdv import verify
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,6 +25,8 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
 import jax, jax.numpy as jnp, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import zkdv
+from tests import testing
+from zkdv import transcript
 from zkdv import verify
 from tests import testing
 
@@ -119,6 +123,40 @@ class ShardingTest(parameterized.TestCase):
         run(proof.jit(step), proof, state, x, y)
         """, devices)
     self.assert_verified(result)
+
+  def test_model_parallel_params_are_committed_by_shard(self, devices):
+    result = run_case("""
+        proof, state = new_state("model-parallel")
+        replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        by_column = NamedSharding(mesh, P(None, "model"))
+        shardings = jax.tree.map(
+            lambda v: by_column if getattr(v, "ndim", 0) == 2 and v.shape[1] % (N // 2) == 0
+            else replicated, state)
+        state = jax.device_put(state, shardings)
+        step = proof.jit(plain_step, in_shardings=(shardings, rows, rows),
+                         out_shardings=shardings, donate_argnums=0)
+        run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
+        """, devices)
+    self.assert_verified(result)
+    program = testing.records_of(result["path"], "program")[0]
+    kernel = next(l for l in program["state_layout"] if l["path"].endswith("['kernel']"))
+    self.assertLen(kernel["pieces"], devices // 2)
+    self.assertEqual([len(p) for p in testing.records_of(result["path"], "final")[0][
+        "final_state_leaves"]], [len(l.get("pieces", [0])) for l in program["state_layout"]])
+    # Tamper with one shard of one opened leaf: the report names the leaf and the shard.
+    check = testing.records_of(result["path"], "check")[0]
+    index = [l["path"] for l in program["state_layout"]].index(kernel["path"])
+    blob = transcript.blob_path(result["path"], check["pre_state_blobs"][index])
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x40  # the last column: the last shard
+    blob.write_bytes(bytes(data))
+    report = run_case(f"""
+        report = verify.verify({result["path"]!r})
+        print(json.dumps({{"verdict": report.verdict, "text": report.dumps()}}))
+        """, devices)
+    self.assertEqual(report["verdict"], "invalid")
+    self.assertIn(kernel["path"], report["text"])
+    self.assertIn(f"shard {devices // 2 - 1}", report["text"])
 
   def test_pmap_data_parallel_with_replicated_state(self, devices):
     result = run_case("""

@@ -18,6 +18,7 @@ import pathlib
 from collections.abc import Callable
 
 import blake3
+import numpy as np
 
 from zkdv import digest
 from zkdv import errors
@@ -35,7 +36,8 @@ OPTIONAL_FIELDS = {
     "program": {"function", "params_leaves", "static_arguments", "compiler_options",
                 "nr_devices"},
     "step": {"probes", "batch_roots"},
-    "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result"},
+    "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result",
+              "pre_state_pieces"},
     "final": {"discontinuities", "final_state", "final_state_leaves", "final_params"},
 }
 
@@ -445,7 +447,17 @@ class _Verification:
     if self.progress:
       self.progress(len(self.checks), len(self.checks))
 
-  def _open(self, blobs, layouts, where, what):
+  def _bad_pieces(self, blob, layout, pieces) -> list:
+    """The boxes of a sharded leaf whose bytes in ``blob`` differ from ``pieces``."""
+    try:
+      data = transcript.blob_path(self.folder, blob).read_bytes()
+      array = np.frombuffer(data, digest.numpy_dtype(layout.dtype)).reshape(layout.shape)
+      return [box for box, got, want in zip(layout.boxes, digest.piece_digests(layout, array),
+                                            pieces) if got != want]
+    except (OSError, ValueError, TypeError, errors.TranscriptFormatError):
+      return []
+
+  def _open(self, blobs, layouts, where, what, pieces=None):
     if not isinstance(blobs, list) or len(blobs) != len(layouts):
       self.report.fail("schema", where, f"{what} blobs do not match the program layout.")
       return None
@@ -458,7 +470,10 @@ class _Verification:
                          UNVERIFIABLE)
         return None
       except (OSError, errors.TranscriptFormatError, TypeError) as e:
-        self.report.fail("blob", where, f"{what} blob for {l.path}: {e}")
+        bad = self._bad_pieces(b, l, pieces[len(arrays)]) if pieces and l.pieces else []
+        named = "".join(f"; shard {l.pieces.index(box)} {list(map(list, box))} differs from "
+                        "its commitment" for box in bad)
+        self.report.fail("blob", where, f"{what} blob for {l.path}: {e}{named}")
         return None
     return arrays
 
@@ -483,7 +498,13 @@ class _Verification:
     exact = program["mode"] == "exact"
     outcome = CheckOutcome(step["index"], "update", program["mode"], "failed")
     self.report.checks.append(outcome)
-    pre = self._open(check.get("pre_state_blobs"), program["_state"], where, "pre-state")
+    pieces = check.get("pre_state_pieces")
+    if pieces is not None and digest.state_digest_from_pieces(
+        program["_state"], pieces) != step["pre_state"]:
+      self.report.fail("opening", where, "pre_state_pieces do not make up the pre-state digest.")
+      return
+    pre = self._open(check.get("pre_state_blobs"), program["_state"], where, "pre-state",
+                     pieces)
     batch = self._open(check.get("batch_blobs"), program["_batch"], where, "batch")
     if pre is None or batch is None:
       return

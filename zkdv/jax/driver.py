@@ -356,6 +356,10 @@ class ZKDV:
         "batch_blobs": [blobs[i] for i in program.batch_indices],
         "result": result,
     }
+    if any(l.pieces for l in program.state_layouts):  # name the piece a bad opening breaks
+      record["pre_state_pieces"] = [
+          digest.piece_digests(l, opened[i])
+          for l, i in zip(program.state_layouts, program.state_indices)]
     if not program.exact:  # the verifier compares within tolerance: open post
       record["post_state_blobs"] = [self._writer.put_blob(digest.byte_view(a))
                                     for a in post_views]
