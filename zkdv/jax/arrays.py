@@ -20,12 +20,23 @@ def as_array(x) -> jax.Array:
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
+def index_box(index: tuple, shape: tuple) -> tuple:
+  """A shard's index (a tuple of slices) as ((start, stop), ...) per dimension."""
+  return tuple((i.start or 0, n if i.stop is None else i.stop) for i, n in zip(index, shape))
+
+
+def shards_by_box(x: jax.Array) -> dict:
+  """The leaf's addressable shards, one per distinct box (replicas hashed once)."""
+  return {index_box(s.index, x.shape): s.data
+          for s in getattr(x, "addressable_shards", ()) if s.replica_id == 0}
+
+
 def boxes_of(x: jax.Array) -> tuple | None:
   """The distinct shard boxes of a leaf split over devices; None if it is whole."""
   sharding = getattr(x, "sharding", None)
   if sharding is None or is_key(x) or sharding.is_fully_replicated:
     return None
-  boxes = {tuple((i.start or 0, n if i.stop is None else i.stop) for i, n in zip(index, x.shape))
+  boxes = {index_box(index, x.shape)
            for index in sharding.devices_indices_map(tuple(x.shape)).values()}
   return tuple(sorted(boxes)) if len(boxes) > 1 else None
 
@@ -45,12 +56,7 @@ def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray]:
   (no gather), else slices of the whole leaf."""
   if layout.pieces is None:
     return [host_view(x)]
-  shards = {}
-  for shard in getattr(x, "addressable_shards", ()):
-    if shard.replica_id == 0:
-      box = tuple((i.start or 0, n if i.stop is None else i.stop)
-                  for i, n in zip(shard.index, x.shape))
-      shards[box] = shard.data
+  shards = shards_by_box(x)
   if set(shards) == set(layout.pieces):
     return [host_view(shards[box]) for box in layout.pieces]
   whole = np.asarray(x)

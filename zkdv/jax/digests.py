@@ -90,9 +90,7 @@ class DeviceDigests(HostDigests):
 
 
 def _shard_data(x: jax.Array, layout: LeafLayout) -> list:
-  by_box = {tuple((i.start or 0, n if i.stop is None else i.stop)
-                  for i, n in zip(shard.index, x.shape)): shard.data
-            for shard in x.addressable_shards if shard.replica_id == 0}
+  by_box = arrays.shards_by_box(x)
   if set(by_box) != set(layout.pieces):  # placed otherwise: slice the pieces out
     return [x[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]
   return [by_box[box] for box in layout.pieces]
