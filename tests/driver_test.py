@@ -1,6 +1,5 @@
 """The ZKDV driver: jit options, attest, context manager, overlap, failures."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

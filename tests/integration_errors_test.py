@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import optax
 from absl.testing import absltest
 
 import zkdv

@@ -12,7 +12,6 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl.testing import absltest
 from flax import serialization
 

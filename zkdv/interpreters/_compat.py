@@ -1,3 +1,5 @@
 """Private JAX primitives the update finder needs a rule for, in one place."""
 
-from jax._src.shard_map import shard_map_p  # pylint: disable=unused-import
+from jax._src.shard_map import shard_map_p
+
+__all__ = ["shard_map_p"]

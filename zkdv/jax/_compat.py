@@ -1,6 +1,8 @@
 """The few private JAX APIs ZKDV needs, in one place."""
 
-from jax._src.tree_util import broadcast_prefix  # pylint: disable=unused-import
+from jax._src.tree_util import broadcast_prefix
+
+__all__ = ["broadcast_prefix", "exported_abstract_mesh"]
 
 
 def exported_abstract_mesh(exported):
