@@ -1,6 +1,8 @@
 """The ZKDV driver: jit options, attest, context manager, overlap, failures."""
 
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,15 +158,23 @@ class LifecycleTest(parameterized.TestCase):
       proof.finish()
 
   def test_rolling_window_bounds_steps_in_flight(self):
-    proof = testing.new_proof("window", update_p=0.0)
-    proof.start(rolling_window=1)
-    state = testing.classifier_state(proof, zkdv_overlap=zkdv.overlap.ALWAYS)
-    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
-    for _ in range(5):
+    for window in (1, 3):
+      proof = testing.new_proof(f"window-{window}", update_p=0.0)
+      proof.start(rolling_window=window)
+      state = testing.classifier_state(proof, zkdv_overlap=zkdv.overlap.ALWAYS)
+      # Without donation nothing else holds training back: only the window does.
+      train_step = proof.jit(testing.classifier_step)
       state = train_step(state, BATCH)
-      self.assertFalse(proof._pipeline._slots._value < 0)
-    proof.finish()
-    _verified(self, proof, 5)
+      pipeline = proof._pipeline
+      pipeline.drain()
+      pipeline.submit(lambda job: time.sleep(1.0))  # the commit thread falls behind
+      seen = []
+      for _ in range(6):
+        state = train_step(state, BATCH)
+        seen.append(pipeline.in_flight)
+      self.assertEqual(max(seen), window)  # training ran ahead, but no further
+      proof.finish()
+      _verified(self, proof, 7)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ class Job:
 class CommitPipeline:
 
   def __init__(self, window: int):
+    self.window = window
+    self.in_flight = 0  # steps reserved whose records are not yet written
     self._slots = threading.BoundedSemaphore(window)
     self._queue: queue.Queue[Job | None] = queue.Queue()
     self._error: BaseException | None = None
@@ -43,6 +45,7 @@ class CommitPipeline:
   def reserve(self) -> None:
     """Blocks until a step may be dispatched (fewer than ``window`` in flight)."""
     self._slots.acquire()
+    self.in_flight += 1
 
   def submit(self, work: Callable[[Job], None], *, holds_slot: bool = False) -> Job:
     job = Job(work, holds_slot)
@@ -78,4 +81,5 @@ class CommitPipeline:
         job.views_ready.set()
         job.done.set()
         if job.holds_slot:
+          self.in_flight -= 1
           self._slots.release()
