@@ -68,6 +68,15 @@ class Http:
       time.sleep(delay)
       delay = min(delay * 2, 2.0)
 
+  def put_blob(self, proof_id: str, digest: str, read) -> None:
+    """Uploads a blob unless the server already has it (blobs are content-addressed).
+
+    ``read()`` gives the bytes; it is called only when they must be sent.
+    """
+    if self.request("HEAD", f"/api/v1/blobs/{digest}", ok=(200, 404)).status_code != 200:
+      self.request("PUT", f"/api/v1/proofs/{proof_id}/blobs/{digest}", content=read(),
+                   headers={"content-type": "application/octet-stream"})
+
   def close(self) -> None:
     self._client.close()
 

@@ -33,6 +33,7 @@ from flax import serialization
 from dvbench import errors
 from zkdv import digest
 from zkdv import sampling
+from zkdv.cli import progress_bar
 from zkdv.jax import arrays
 from zkdv.jax.replay import compile_program
 
@@ -129,6 +130,7 @@ class Measurement:
     params_j = [arrays.as_array(x) for x in p_leaves]
     batch_layouts = tree_layouts(batches[0])[0]
     commitments, outputs, out_layouts = [], [], None
+    show = progress_bar(sys.stderr, "evaluating") if progress else None
     for i, b in enumerate(batches):
       leaves = [arrays.as_array(x) for x in jax.tree.leaves(b)]
       if [(x.shape, x.dtype) for x in leaves] != [(s.shape, s.dtype) for s in specs[n_params:]]:
@@ -141,11 +143,8 @@ class Measurement:
           digest.digest_batch_arrays(batch_layouts, [arrays.host_view(x) for x in leaves]),
           digest.digest_state_arrays(out_layouts, out)[0]])
       outputs.append(out)
-      if progress:
-        done = 30 * (i + 1) // len(batches)
-        sys.stderr.write(f"\revaluating [{'#' * done}{'.' * (30 - done)}] {i + 1}/{len(batches)}")
-    if progress:
-      sys.stderr.write("\n")
+      if show is not None:
+        show(i + 1, len(batches))
     value, aggregate_blob = self._run_aggregate(outputs)
     self._result = {"params": params, "batches": batches, "evaluate_blob": evaluate_blob,
                     "aggregate_blob": aggregate_blob, "batch_layouts": batch_layouts,
@@ -186,8 +185,7 @@ class Measurement:
     def put(data) -> bytes:
       data = bytes(digest.byte_view(data)) if isinstance(data, np.ndarray) else data
       name = blake3.blake3(data).digest()
-      if http.request("HEAD", f"/api/v1/blobs/{name.hex()}", ok=(200, 404)).status_code != 200:
-        http.request("PUT", f"/api/v1/proofs/{self.proof_id}/blobs/{name.hex()}", content=data)
+      http.put_blob(self.proof_id, name.hex(), lambda: data)
       return name
 
     record = {

@@ -41,10 +41,14 @@ def blob_refs(record: dict) -> set[str]:
     for d in value if isinstance(value, list) else [value]:
       if isinstance(d, bytes) and len(d) == 32:
         refs.add(d.hex())
-  for probe in record.get("probes") or []:
-    if isinstance(probe, list) and len(probe) == 4 and isinstance(probe[2], bytes):
-      refs.add(probe[2].hex())
-  return refs
+  return refs | probe_blobs(record)
+
+
+def probe_blobs(record: dict) -> set[str]:
+  """Hex digests of a step record's data-probe rows (each row's BLAKE3)."""
+  probes = record.get("probes") if record.get("type") == "step" else None
+  return {p[2].hex() for p in probes or []
+          if isinstance(p, list) and len(p) == 4 and isinstance(p[2], bytes)}
 
 
 class RecordScanner:

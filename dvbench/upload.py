@@ -154,8 +154,6 @@ class Uploader(threading.Thread):
 
   def _upload_blobs(self, digests: set[str]) -> None:
     for digest in sorted(digests - self._sent_blobs):
-      if self.http.request("HEAD", f"/api/v1/blobs/{digest}", ok=(200, 404)).status_code != 200:
-        data = (self.folder / BLOBS_DIR / digest).read_bytes()
-        self.http.request("PUT", f"/api/v1/proofs/{self.proof_id}/blobs/{digest}",
-                          content=data, headers={"content-type": "application/octet-stream"})
+      self.http.put_blob(self.proof_id, digest,
+                         (self.folder / BLOBS_DIR / digest).read_bytes)
       self._sent_blobs.add(digest)

@@ -14,13 +14,14 @@ from zkdv import transcript
 from zkdv import verify as verify_lib
 
 
-def _progress_bar(stream):
+def progress_bar(stream, label: str):
+  """A ``show(done, total)`` that draws a one-line progress bar on ``stream``."""
   def show(done: int, total: int) -> None:
     if total == 0:
       return
     width = 30
     filled = width * done // total
-    stream.write(f"\rreplaying checks [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    stream.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
     if done == total:
       stream.write("\n")
     stream.flush()
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     return 0
   show_progress = not (args.quiet or args.json) and sys.stderr.isatty()
   report = verify_lib.verify(args.path, replay=args.replay,
-                             progress=_progress_bar(sys.stderr) if show_progress else None)
+                             progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None)
   if args.json:
     print(report.dumps())
   elif not args.quiet:

@@ -214,8 +214,9 @@ class _Api:
       self.store.advance_stream(conn, proof_id, client_id, seq, json.dumps(ack))
     return ack
 
-  def _parse_records(self, raws) -> tuple[list, set]:
-    items, refs = [], set()
+  def _parse_records(self, raws) -> tuple[list, set, set]:
+    """(record id, type, bytes) of each record, the blobs they reference, their probe rows."""
+    items, refs, probes = [], set(), set()
     for n, raw in enumerate(raws):
       if not isinstance(raw, bytes):
         raise HTTPException(400, f"record {n} of the envelope is not a byte string.")
@@ -227,25 +228,16 @@ class _Api:
         raise HTTPException(400, f"record {n} of the envelope is not a record map.")
       items.append((transport.record_id(raw), record["type"][:20], raw))
       refs |= transport.blob_refs(record)
-    return items, refs
-
-  @staticmethod
-  def _probe_digests(raws) -> set[str]:
-    digests = set()
-    for raw in raws:
-      record = cbor2.loads(raw)
-      for probe in record.get("probes") or [] if record.get("type") == "step" else []:
-        if isinstance(probe, list) and len(probe) == 4 and isinstance(probe[2], bytes):
-          digests.add(probe[2].hex())
-    return digests
+      probes |= transport.probe_blobs(record)
+    return items, refs, probes
 
   def _ingest_records(self, conn, proof_id, envelope) -> dict:
     raws = envelope.get("records")
     if not isinstance(raws, list):
       raise HTTPException(400, "envelope.records must be a list of encoded records.")
-    items, refs = self._parse_records(raws)
+    items, refs, probes = self._parse_records(raws)
     stored, duplicates = self.store.append_records(conn, proof_id, items, refs)
-    self.store.add_probes(conn, proof_id, self._probe_digests(raws))
+    self.store.add_probes(conn, proof_id, probes)
     return {"stored": stored, "duplicates": duplicates}
 
   def _ingest_chunk(self, conn, proof_id, envelope) -> dict:
@@ -258,9 +250,9 @@ class _Api:
       return {"chunk": idx, "of": count}
     if transport.record_id(whole) != rid:
       raise HTTPException(400, "the reassembled chunks do not hash to record_id.")
-    items, refs = self._parse_records([whole])
+    items, refs, probes = self._parse_records([whole])
     stored, duplicates = self.store.append_records(conn, proof_id, items, refs)
-    self.store.add_probes(conn, proof_id, self._probe_digests([whole]))
+    self.store.add_probes(conn, proof_id, probes)
     return {"chunk": idx, "of": count, "stored": stored, "duplicates": duplicates}
 
   def _ingest_close(self, conn, proof_id, envelope) -> dict:
