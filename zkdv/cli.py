@@ -7,6 +7,7 @@ Example::
 
 import argparse
 import json
+import os
 import sys
 
 from zkdv import errors
@@ -84,6 +85,28 @@ def _inspect(path) -> dict:
   return out
 
 
+def prepare_replay(path) -> None:
+  """Sets up this process to replay the transcript's CPU programs: as many
+  forced host devices and the same collectives as they ran with.
+
+  Runs before JAX starts; a transcript that cannot be read is left to the verifier.
+  """
+  try:
+    programs = [p.record for p in transcript.read_transcript(path).records
+                if p.record.get("type") == "program" and p.record.get("platforms") == ["cpu"]]
+  except (OSError, errors.TranscriptFormatError):
+    return
+  devices = max((p.get("nr_devices", 1) for p in programs
+                 if isinstance(p.get("nr_devices"), int)), default=1)
+  flags = os.environ.get("XLA_FLAGS", "")
+  if devices > 1 and "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+  wanted = {p.get("collectives") for p in programs} & {"gloo", "mpi"}
+  if len(wanted) == 1:
+    from zkdv.jax import replay  # pylint: disable=g-import-not-at-top
+    replay.use_cpu_collectives(wanted.pop())
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="zkdv", description="Verify and inspect ZKDV transcripts.")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +126,8 @@ def main(argv=None) -> int:
       print(f"zkdv inspect: {e}", file=sys.stderr)
       return 2
     return 0
+  if args.replay != "none":
+    prepare_replay(args.path)
   show_progress = not (args.quiet or args.json) and sys.stderr.isatty()
   report = verify_lib.verify(args.path, replay=args.replay,
                              progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None)

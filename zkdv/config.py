@@ -62,12 +62,16 @@ class ZKDVConfig:
       (BLAKE3 in jax.numpy on the leaf's device) or ``"auto"`` (host on CPU).
     output_dir: where the transcript folder goes; by default a new folder per
       proof under ``./zkdv-proofs``.
+    cross_check_replicas: also hash every replica of a replicated or partly
+      replicated leaf after each step and raise ``ReplicaDivergenceError`` when
+      one differs from the committed copy (replicas are otherwise hashed once).
   """
 
   sampling_policy: SamplingPolicy = SamplingPolicy()
   tolerance: Tolerance = Tolerance()
   digest_backend: str = "auto"
   output_dir: str | os.PathLike | None = None
+  cross_check_replicas: bool = False
 
   def __post_init__(self):
     if not isinstance(self.sampling_policy, SamplingPolicy):
@@ -76,6 +80,9 @@ class ZKDVConfig:
     if not isinstance(self.tolerance, Tolerance):
       raise TypeError("tolerance must be a zkdv.Tolerance, got "
                       f"{type(self.tolerance).__name__}.")
+    if not isinstance(self.cross_check_replicas, bool):
+      raise TypeError("cross_check_replicas must be a bool, got "
+                      f"{self.cross_check_replicas!r}.")
     if self.digest_backend not in DIGEST_BACKENDS:
       raise ValueError(f"digest_backend must be one of {DIGEST_BACKENDS}, got "
                        f"{self.digest_backend!r}.")
@@ -88,4 +95,5 @@ class ZKDVConfig:
         "rtol": self.tolerance.rtol,
         "atol": self.tolerance.atol,
         "digest_backend": self.digest_backend,
+        "cross_check_replicas": self.cross_check_replicas,
     }

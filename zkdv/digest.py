@@ -106,12 +106,14 @@ def piece_digests(layout: LeafLayout, array: np.ndarray) -> list[bytes]:
   return [leaf_digest(np.asarray(array)[box_slices(box)]) for box in layout.pieces]
 
 
-def row_leaf_hashes(layout: LeafLayout, array: np.ndarray) -> list[bytes]:
-  if layout.rows == 0:
+def row_leaf_hashes(layout: LeafLayout, array: np.ndarray, rows: int | None = None) -> list[bytes]:
+  """The Merkle leaf hash of each row of ``array``: the whole leaf, or ``rows`` of its rows."""
+  rows = layout.rows if rows is None else rows
+  if rows == 0:
     return []
   data = byte_view(array)
-  width = data.size // layout.rows
-  return [merkle.leaf_hash(data[i * width:(i + 1) * width]) for i in range(layout.rows)]
+  width = data.size // rows
+  return [merkle.leaf_hash(data[i * width:(i + 1) * width]) for i in range(rows)]
 
 
 def _table_digest(entries: list) -> bytes:

@@ -89,6 +89,10 @@ class CommitmentError(ZKDVError, RuntimeError):
   """Committing or checking a step failed in the background."""
 
 
+class ReplicaDivergenceError(ZKDVError, RuntimeError):
+  """Replicas of one array hold different bytes (``cross_check_replicas``)."""
+
+
 class TranscriptFormatError(ZKDVError, ValueError):
   """A transcript file or blob is malformed."""
 

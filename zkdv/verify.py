@@ -32,9 +32,9 @@ EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
 
 # Fields a record of each type may carry besides those it must (any other is an error).
 OPTIONAL_FIELDS = {
-    "root": {"device_kinds"},
+    "root": {"device_kinds", "processes"},
     "program": {"function", "params_leaves", "static_arguments", "compiler_options",
-                "nr_devices"},
+                "nr_devices", "collectives", "processes"},
     "step": {"probes", "batch_roots"},
     "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result",
               "pre_state_pieces"},
@@ -137,6 +137,7 @@ class _Replayer:
 
   def run(self, program: dict, blob: bytes, inputs, layouts):
     key = program["program_id"]
+    self._replay.check_collectives(program.get("collectives"))
     if key not in self._compiled:
       options = program.get("compiler_options") or None
       self._compiled[key] = self._replay.compile_program(
@@ -570,8 +571,8 @@ class _Verification:
     try:
       return self.replayer.run(program, self.program_blobs[program["program_id"]],
                                inputs, layouts)
-    except errors.ReplayError as e:  # e.g. fewer devices than the program needs
-      self.report.fail("devices", where, str(e), UNVERIFIABLE)
+    except errors.ReplayError as e:  # fewer devices, or other collectives, than it needs
+      self.report.fail("replay_environment", where, str(e), UNVERIFIABLE)
       return None
     except Exception as e:  # a malformed program is a finding, not a crash
       self.report.fail("replay_error", where, f"replay raised {type(e).__name__}: {e}")

@@ -1,8 +1,9 @@
 """The few private JAX APIs ZKDV needs, in one place."""
 
+from jax._src import distributed
 from jax._src.tree_util import broadcast_prefix
 
-__all__ = ["broadcast_prefix", "exported_abstract_mesh"]
+__all__ = ["broadcast_prefix", "distributed_client", "exported_abstract_mesh"]
 
 
 def exported_abstract_mesh(exported):
@@ -17,3 +18,13 @@ def exported_abstract_mesh(exported):
     if sharding is not None and sharding.mesh.size == exported.nr_devices:
       return sharding.mesh
   return None
+
+
+def distributed_client():
+  """The coordination-service client of ``jax.distributed``, or None.
+
+  Its key-value store (``key_value_set_bytes``, ``blocking_key_value_get_bytes``,
+  ``key_value_delete``) carries small messages between processes without XLA
+  collectives; JAX exposes it only privately.
+  """
+  return distributed.global_state.client

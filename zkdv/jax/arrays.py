@@ -7,7 +7,9 @@ layout names the key implementation so it can be rebuilt for replay.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from zkdv import errors
 from zkdv.digest import LeafLayout
 
 
@@ -51,16 +53,77 @@ def layout_of(path: str, x: jax.Array, sharded: bool = False) -> LeafLayout:
                     pieces=boxes_of(x) if sharded else None)
 
 
-def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray]:
-  """Host views of a leaf's pieces: its own shards when they are the pieces
-  (no gather), else slices of the whole leaf."""
-  if layout.pieces is None:
+def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray | None]:
+  """Host views of the leaf's pieces that this process holds, None for the others.
+
+  A piece is taken from its own shard where the shards are the pieces (no
+  gather); a leaf whose shards all live here but are placed otherwise is
+  sliced from the whole leaf.
+  """
+  if is_key(x):
+    x = jax.random.key_data(x)
+  if layout.pieces is None and _fully_addressable(x):
     return [host_view(x)]
   shards = shards_by_box(x)
-  if set(shards) == set(layout.pieces):
-    return [host_view(shards[box]) for box in layout.pieces]
-  whole = np.asarray(x)
-  return [whole[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]
+  if _fully_addressable(x) and set(shards) != set(layout.boxes):
+    whole = np.asarray(x)
+    return [whole[tuple(slice(a, b) for a, b in box)] for box in layout.boxes]
+  return [host_view(shards[box]) if box in shards else None for box in layout.boxes]
+
+
+def replica_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, str, jax.Array]]:
+  """(piece index, device, data) of each replica (replica_id > 0) held here."""
+  if is_key(x):
+    x = jax.random.key_data(x)
+  boxes = {box: i for i, box in enumerate(layout.boxes)}
+  return [(boxes[index_box(s.index, x.shape)], str(s.device), s.data)
+          for s in getattr(x, "addressable_shards", ())
+          if s.replica_id > 0 and index_box(s.index, x.shape) in boxes]
+
+
+def row_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, int, jax.Array]]:
+  """(first row, row count, data) of the blocks of rows of a batch leaf held here.
+
+  The whole leaf where it is all here; in a multi-process run, each shard
+  this process commits (replica 0), which must hold whole rows.
+  """
+  if _fully_addressable(x) or layout.rows == 0:
+    return [(0, layout.rows, x)]
+  if is_key(x):
+    x = jax.random.key_data(x)
+  blocks = []
+  for s in x.addressable_shards:
+    box = index_box(s.index, x.shape)
+    if s.replica_id != 0:
+      continue
+    if any(box[d] != (0, n) for d, n in enumerate(x.shape) if d > 0):
+      raise errors.StepInputError(
+          f"batch leaf {layout.path} is split along an axis other than its rows "
+          f"(shard {box}); a multi-process run commits batch rows where they live. "
+          "Shard batches along the leading axis only (PartitionSpec('data')).")
+    blocks.append((box[0][0], box[0][1] - box[0][0], s.data))
+  return blocks
+
+
+def gather(x: jax.Array) -> np.ndarray:
+  """The whole leaf on the host of every process (a collective across processes)."""
+  if is_key(x):
+    x = jax.random.key_data(x)
+  if _fully_addressable(x):
+    return host_copy(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def to_global(array: np.ndarray, layout: LeafLayout, sharding) -> jax.Array:
+  """A leaf placed with ``sharding`` from its whole value on every process's host."""
+  data = jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+  if layout.key_impl is not None:
+    return jax.random.wrap_key_data(data, impl=layout.key_impl)
+  return data
+
+
+def _fully_addressable(x) -> bool:
+  return getattr(x, "is_fully_addressable", True)
 
 
 def host_view(x: jax.Array) -> np.ndarray:

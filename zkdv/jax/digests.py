@@ -25,28 +25,60 @@ from zkdv.jax import device_digest
 
 
 class HostDigests:
+  """Digests computed on the host (``None`` marks a piece or row another process holds)."""
+
   name = "host"
 
   def start_state(self, leaves: list, layouts: list[LeafLayout]):
     return leaves, layouts
 
-  def materialize(self, started) -> list[list[np.ndarray]]:
-    """Host views of each leaf's pieces (blocks until they are computed)."""
+  def materialize(self, started) -> list[list[np.ndarray | None]]:
+    """Host views of each leaf's pieces held here (blocks until they are computed)."""
     leaves, layouts = started
     return [arrays.piece_views(x, l) for x, l in zip(leaves, layouts)]
 
-  def state_digests(self, materialized) -> list[list[bytes]]:
+  def state_digests(self, materialized) -> list[list[bytes | None]]:
     """Each leaf's piece digests."""
-    return [[digest.leaf_digest(v) for v in views] for views in materialized]
+    return [[None if v is None else digest.leaf_digest(v) for v in views]
+            for views in materialized]
+
+  def replica_digests(self, leaves: list, layouts: list[LeafLayout]) -> list[list]:
+    """[leaf, piece, device, digest] of every replica (replica_id > 0) held here."""
+    return [[leaf, piece, device, self._digest(data)]
+            for leaf, (x, l) in enumerate(zip(leaves, layouts))
+            for piece, device, data in arrays.replica_shards(x, l)]
+
+  def _digest(self, data: jax.Array) -> bytes:
+    return digest.leaf_digest(arrays.host_view(data))
 
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
-    return leaves
+    """Each batch leaf's blocks of rows held here: [(first row, count, data)]."""
+    return [arrays.row_shards(x, l) for x, l in zip(leaves, layouts)]
 
-  def row_hashes(self, started: list, layouts: list[LeafLayout]) -> list[list[bytes]]:
-    return [digest.row_leaf_hashes(l, arrays.host_view(x)) for x, l in zip(started, layouts)]
+  def row_hashes(self, started: list, layouts: list[LeafLayout]) -> list[list[bytes | None]]:
+    """Each batch leaf's row hashes (None for rows held elsewhere)."""
+    out = []
+    for blocks, layout in zip(started, layouts):
+      hashes = [None] * layout.rows
+      for first, count, block in blocks:
+        hashes[first:first + count] = self._block_row_hashes(block, layout, count)
+      out.append(hashes)
+    return out
 
-  def row_bytes(self, leaf, layout: LeafLayout, row: int) -> np.ndarray:
-    return digest.row_view(layout, arrays.host_view(leaf), row)
+  def _block_row_hashes(self, block, layout: LeafLayout, count: int) -> list[bytes]:
+    return digest.row_leaf_hashes(layout, arrays.host_view(block), count)
+
+  def _row_view(self, block, count: int, row: int) -> np.ndarray:
+    data = digest.byte_view(arrays.host_view(block))
+    width = data.size // count
+    return data[row * width:(row + 1) * width]
+
+  def row_bytes(self, blocks, row: int) -> np.ndarray | None:
+    """The bytes of one row, or None where it is held by another process."""
+    for first, count, block in blocks:
+      if first <= row < first + count:
+        return self._row_view(block, count, row - first)
+    return None
 
 
 class DeviceDigests(HostDigests):
@@ -58,42 +90,46 @@ class DeviceDigests(HostDigests):
   def start_state(self, leaves: list, layouts: list[LeafLayout]):
     """Whole leaves in one program; a sharded leaf's shards each where it lives."""
     whole = [x for x, l in zip(leaves, layouts) if l.pieces is None]
-    sharded = [[device_digest.digest_words(v) for v in _shard_data(x, l)]
+    sharded = [[None if v is None else device_digest.digest_words(v) for v in _shard_data(x, l)]
                for x, l in zip(leaves, layouts) if l.pieces is not None]
     return (self._state(*whole) if whole else None), sharded, layouts
 
   def materialize(self, started):
     whole, sharded, layouts = started
     whole = iter(np.zeros((0, 8), np.uint32) if whole is None else np.asarray(whole))
-    sharded = iter([[np.asarray(w) for w in s] for s in sharded])
+    sharded = iter([[None if w is None else np.asarray(w) for w in s] for s in sharded])
     return [next(sharded) if l.pieces is not None else [next(whole)] for l in layouts]
 
-  def state_digests(self, materialized) -> list[list[bytes]]:
-    return [[device_digest.words_to_bytes(w) for w in pieces] for pieces in materialized]
+  def state_digests(self, materialized) -> list[list[bytes | None]]:
+    return [[None if w is None else device_digest.words_to_bytes(w) for w in pieces]
+            for pieces in materialized]
+
+  def _digest(self, data: jax.Array) -> bytes:
+    return device_digest.words_to_bytes(np.asarray(device_digest.digest_words(data)))
 
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
-    return [(x, None if l.key_impl or not l.shape else device_digest.row_leaf_words(x))
+    """As the host's, each block paired with its row hashes started on its device."""
+    return [[(first, count, (block, None if l.key_impl or not l.shape
+                             else device_digest.row_leaf_words(block)))
+             for first, count, block in arrays.row_shards(x, l)]
             for x, l in zip(leaves, layouts)]
 
-  def row_hashes(self, started: list, layouts: list[LeafLayout]) -> list[list[bytes]]:
-    out = []
-    for (leaf, words), layout in zip(started, layouts):
-      if words is None:  # keys and scalars are one row: hash it on the host
-        out.append(digest.row_leaf_hashes(layout, arrays.host_view(leaf)))
-      else:
-        out.append([device_digest.words_to_bytes(w) for w in np.asarray(words)])
-    return out
+  def _block_row_hashes(self, block, layout: LeafLayout, count: int) -> list[bytes]:
+    data, words = block
+    if words is None:  # keys and scalars: hash on the host
+      return super()._block_row_hashes(data, layout, count)
+    return [device_digest.words_to_bytes(w) for w in np.asarray(words)]
 
-  def row_bytes(self, started, layout: LeafLayout, row: int) -> np.ndarray:
-    leaf = started[0] if isinstance(started, tuple) else started
-    return digest.byte_view(np.asarray(arrays.host_view(leaf[row])))
+  def _row_view(self, block, count: int, row: int) -> np.ndarray:
+    return digest.byte_view(np.asarray(arrays.host_view(block[0][row])))
 
 
 def _shard_data(x: jax.Array, layout: LeafLayout) -> list:
+  """Each piece's data where this process holds it, else None."""
   by_box = arrays.shards_by_box(x)
-  if set(by_box) != set(layout.pieces):  # placed otherwise: slice the pieces out
-    return [x[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]
-  return [by_box[box] for box in layout.pieces]
+  if getattr(x, "is_fully_addressable", True) and set(by_box) != set(layout.pieces):
+    return [x[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]  # placed otherwise
+  return [by_box.get(box) for box in layout.pieces]
 
 
 def for_config(name: str):

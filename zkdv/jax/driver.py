@@ -37,6 +37,7 @@ from zkdv import sampling
 from zkdv import transcript
 from zkdv.jax import arrays
 from zkdv.jax import digests as digests_lib
+from zkdv.jax import processes
 from zkdv.jax import replay
 from zkdv.jax.pipeline import CommitPipeline
 from zkdv.jax.step import ProofFunction
@@ -75,7 +76,8 @@ class ZKDV:
     self.checks = {"update": 0, "state": 0}
     self.discontinuities: list[int] = []
     self.failed_checks: list[dict] = []
-    self._writer: transcript.TranscriptWriter | None = None
+    self._writer: transcript.TranscriptWriter | None = None  # process 0 only
+    self._group: processes.ProcessGroup | None = None
     self._pipeline: CommitPipeline | None = None
     self._seed = b""
     self._probe_ratio = 0.0
@@ -84,6 +86,7 @@ class ZKDV:
     self._registered: dict[str, ProofFunction] = {}
     self._program_numbers: dict[bytes, int] = {}  # steps name programs by number
     self._last_post_leaves: list | None = None
+    self._last_program = None
     self._last_post: tuple | None = None  # (digest, piece digests, layouts, params mask)
     self._lock = threading.Lock()
 
@@ -103,18 +106,28 @@ class ZKDV:
         are not yet durable (bounds the buffer generations ZKDV keeps).
       probe_ratio: the fraction of each batch's rows opened as data probes.
     """
-    if self._writer is not None:
+    if self._group is not None:
       raise errors.ProofStateError(f"{self!r} is already started; start() runs once.")
     if isinstance(rolling_window, bool) or not isinstance(rolling_window, int) or rolling_window < 1:
       raise ValueError(f"rolling_window must be an int >= 1, got {rolling_window!r}.")
     if isinstance(probe_ratio, bool) or not isinstance(probe_ratio, (int, float)) or not 0 <= probe_ratio <= 1:
       raise ValueError(f"probe_ratio must be a number in [0, 1], got {probe_ratio!r}.")
-    folder = (pathlib.Path(self.config.output_dir) if self.config.output_dir
-              else _default_folder(self.name))
-    self._writer = transcript.TranscriptWriter(folder)
-    self.path = folder
-    self._seed = sampling.new_seed()
+    group = processes.ProcessGroup.current()
+    run = group.open_run(lambda: {
+        "run_id": os.urandom(16), "seed": sampling.new_seed(),
+        "folder": str(pathlib.Path(self.config.output_dir) if self.config.output_dir
+                      else _default_folder(self.name))})
+    self._group = group
+    self.path = pathlib.Path(run["folder"])
+    self._seed = run["seed"]
     self._probe_ratio = float(probe_ratio)
+    self._digests = digests_lib.for_config(self.config.digest_backend)
+    self._pipeline = CommitPipeline(rolling_window)
+    if not group.is_writer:
+      logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
+                  self.name, group.index, self.path)
+      return self
+    self._writer = transcript.TranscriptWriter(self.path)
     devices = jax.devices()
     self._writer.append({
         "type": "root",
@@ -128,10 +141,9 @@ class ZKDV:
         "config": self.config.to_record(),
         "start": {"rolling_window": rolling_window, "probe_ratio": float(probe_ratio)},
         "seed_commitment": sampling.seed_commitment(self._seed),
+        **({"processes": group.count} if group.multi else {}),
     }, durable=True)
-    self._digests = digests_lib.for_config(self.config.digest_backend)
-    self._pipeline = CommitPipeline(rolling_window)
-    logger.info("ZKDV proof %r: transcript at %s", self.name, folder)
+    logger.info("ZKDV proof %r: transcript at %s", self.name, self.path)
     return self
 
   def finish(self) -> pathlib.Path:
@@ -164,8 +176,10 @@ class ZKDV:
           f"proof {self.name!r} finished without recording any update: the "
           "training step still uses jax.jit.")
     try:
-      self._write_final(clean=error is None)
-      self._writer.close()
+      whole_params = self._gather_sharded_params()
+      if self._writer is not None:
+        self._write_final(clean=error is None, whole_params=whole_params)
+        self._writer.close()
     except (OSError, ValueError) as e:
       error = error or errors.CommitmentError(
           f"could not write the final record to {self.path}: {e}")
@@ -179,14 +193,14 @@ class ZKDV:
     return self.path
 
   def __enter__(self) -> "ZKDV":
-    if self._writer is None:
+    if self._group is None:
       self.start()
     return self
 
   def __exit__(self, exc_type, exc, tb):
     if exc_type is None:
       self.finish()
-    elif not self._finished and self._writer is not None:
+    elif not self._finished and self._group is not None:
       try:
         self.finish()
       except errors.ZKDVError:
@@ -222,7 +236,7 @@ class ZKDV:
     if self._finished:
       raise errors.ProofStateError(
           f"{self!r} is finished; start a new proof to record more steps.")
-    if self._writer is None:
+    if self._group is None:
       logger.info("ZKDV proof %r was not started; starting it with default arguments.",
                   self.name)
       self.start()
@@ -243,7 +257,7 @@ class ZKDV:
 
   def _run_step(self, program, leaves: list) -> list:
     """Dispatches one step and queues its commitment and checks."""
-    pipeline, digests = self._pipeline, self._digests
+    pipeline, digests, multi = self._pipeline, self._digests, self._group.multi
     pipeline.raise_if_failed()
     if program.program_id not in self._program_numbers:
       self._program_numbers[program.program_id] = len(self._program_numbers)
@@ -268,18 +282,23 @@ class ZKDV:
     rows = digests.start_rows(batch, program.batch_layouts)
     if any(program.donated[i] for i in program.batch_indices):
       rows = self._commit_batch(program, index, rows)
-    opened = [arrays.host_copy(x) for x in leaves] if update_check else None
+    # Openings are whole leaves; across processes, gathering them is a collective.
+    opened = [arrays.gather(x) for x in leaves] if update_check else None
     pipeline.reserve()
     if any(program.donated) and pipeline.last_job is not None:
       pipeline.last_job.views_ready.wait()  # no donation of a buffer being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
     post_started = digests.start_state(post, program.state_layouts)
+    checked = None
+    if multi and (update_check or state_check):  # collectives stay on this thread
+      checked = ([arrays.gather(x) for x in post],
+                 program.replay_sharded(opened) if update_check else None)
     job = pipeline.submit(
         lambda job: self._commit_step(job, program, index, post, post_started, pre, rows,
-                                      opened, update_check, state_check),
+                                      opened, update_check, state_check, checked),
         holds_slot=True)
-    self._last_post_leaves = post
+    self._last_post_leaves, self._last_program = post, program
     overlap = program.overlap or overlap_lib.UNCHECKED
     if overlap is overlap_lib.NEVER or (
         overlap is overlap_lib.UNCHECKED and (update_check or state_check)):
@@ -288,67 +307,104 @@ class ZKDV:
     return outs
 
   def _write_program(self, program) -> None:
+    if self._writer is None:
+      return
     self._writer.put_blob(program.blob)
     self._writer.append({**program.record,
                          "number": self._program_numbers[program.program_id]})
 
   def _commit_step(self, job, program, index, post, post_started, pre, rows, opened,
-                   update_check, state_check) -> None:
-    """Runs on the commit thread: digests, the step record, then any checks."""
+                   update_check, state_check, checked) -> None:
+    """Runs on the commit thread: digests, the step record, then any checks.
+
+    In a multi-process run every process sends the digests of what it holds
+    to process 0, which writes the records (``checked`` then holds the whole
+    post-state and replayed outputs, gathered on the training thread).
+    """
     digests, layouts = self._digests, program.state_layouts
     # Checks need the post-state on the host: take views before the next step may donate it.
-    post_views = [arrays.host_view(x) for x in post] if update_check or state_check else None
+    post_views = ([arrays.host_view(x) for x in post]
+                  if (update_check or state_check) and checked is None else None)
     materialized = digests.materialize(post_started)
+    replicas = (digests.replica_digests(post, layouts) if self.config.cross_check_replicas
+                else [])
     job.views_ready.set()
-    post_pieces = digests.state_digests(materialized)
+    if isinstance(pre, tuple):  # started, not yet hashed
+      pre = digests.state_digests(digests.materialize(pre))
+    gathered = self._group.gather(f"{index}/state", [digests.state_digests(materialized), pre,
+                                                     replicas])
+    batch = rows if isinstance(rows, dict) or rows is None else self._commit_batch(
+        program, index, rows)
+    if gathered is None:  # another process writes the records
+      self.checks["update"] += update_check
+      self.checks["state"] += state_check
+      return
+    post_pieces = processes.merge([g[0] for g in gathered], "post-state")
     post_digest = digest.state_digest_from_pieces(layouts, post_pieces)
     if pre is None:
       pre_digest = self._last_post[0]
     else:
-      if isinstance(pre, tuple):  # started, not yet hashed
-        pre = digests.state_digests(digests.materialize(pre))
-      pre_digest = digest.state_digest_from_pieces(layouts, pre)
+      pre_digest = digest.state_digest_from_pieces(
+          layouts, processes.merge([g[1] for g in gathered], "pre-state"))
     if self._last_post is not None and pre_digest != self._last_post[0]:
       self.discontinuities.append(index)
       logger.warning("ZKDV proof %r: step %d does not start from the state step "
                      "%d returned (changed outside proof.jit).", self.name, index,
                      index - 1)
-    batch = rows if isinstance(rows, dict) else self._commit_batch(program, index, rows)
     self._writer.append({
         "type": "step", "index": index, "program": self._program_numbers[program.program_id],
         "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
     self._last_post = (post_digest, post_pieces, layouts, program.params_mask)
+    _cross_check_replicas(index, layouts, post_pieces, [g[2] for g in gathered])
+    if checked is not None:
+      post_views, replayed = checked
+    else:
+      replayed = None
     if update_check:
-      self._update_check(program, index, opened, post_views)
+      self._update_check(program, index, opened, post_views, replayed)
     if state_check:
       self._state_check(program, index, post_views)
 
-  def _commit_batch(self, program, index, rows) -> dict:
-    """The step's batch fields: digest, and data probes with their Merkle proofs."""
-    layouts = program.batch_layouts
-    trees = [merkle.tree_levels(h) for h in self._digests.row_hashes(rows, layouts)]
+  def _commit_batch(self, program, index, rows) -> dict | None:
+    """The step's batch fields: digest, and data probes with their Merkle proofs.
+
+    None on a process other than 0, which only sends what it holds.
+    """
+    layouts, digests = program.batch_layouts, self._digests
+    probed = [(leaf, row) for leaf, layout in enumerate(layouts)
+              if layout.key_impl is None and layout.shape
+              for row in sampling.probe_rows(self._seed, index, leaf, layout.rows,
+                                             self._probe_ratio)]
+    held = [(leaf, row, digests.row_bytes(rows[leaf], row)) for leaf, row in probed]
+    gathered = self._group.gather(f"{index}/batch", [
+        digests.row_hashes(rows, layouts),
+        [[leaf, row, bytes(data)] for leaf, row, data in held if data is not None]])
+    if gathered is None:
+      return None
+    hashes = processes.merge([g[0] for g in gathered], "batch")
+    row_data = {}
+    for _, sent in gathered:
+      for leaf, row, data in sent:
+        row_data.setdefault((leaf, row), data)
+    trees = [merkle.tree_levels(h) for h in hashes]
     fields = {"batch": digest.batch_digest(layouts, [digest.tree_root(t) for t in trees])}
-    probes = []
-    for leaf, (layout, started, levels) in enumerate(zip(layouts, rows, trees)):
-      if layout.key_impl is not None or len(layout.shape) == 0:
-        continue
-      for row in sampling.probe_rows(self._seed, index, leaf, layout.rows, self._probe_ratio):
-        blob = self._writer.put_blob(self._digests.row_bytes(started, layout, row))
-        probes.append([leaf, row, blob, merkle.inclusion_proof(levels, row)])
+    probes = [[leaf, row, self._writer.put_blob(row_data[(leaf, row)]),
+               merkle.inclusion_proof(trees[leaf], row)] for leaf, row in probed]
     if probes:  # an unprobed step stays small: no probe fields at all
       fields["probes"] = probes
       fields["batch_roots"] = [digest.tree_root(t) for t in trees]
     return fields
 
-  def _update_check(self, program, index, opened, post_views) -> None:
-    layouts = {i: l for i, l in zip(program.state_indices, program.state_layouts)}
-    layouts.update(zip(program.batch_indices, program.batch_layouts))
-    inputs = [arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)]
-    outs = program.replay(*inputs)
-    replayed = [arrays.host_view(outs[i]) for i in program.post_indices]
+  def _update_check(self, program, index, opened, post_views, replayed=None) -> None:
+    if replayed is None:
+      layouts = {i: l for i, l in zip(program.state_indices, program.state_layouts)}
+      layouts.update(zip(program.batch_indices, program.batch_layouts))
+      inputs = [arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)]
+      outs = program.replay(*inputs)
+      replayed = [arrays.host_view(outs[i]) for i in program.post_indices]
     result = replay.compare(program.state_layouts, replayed, post_views,
-                                      exact=program.exact, tolerance=self.config.tolerance)
+                            exact=program.exact, tolerance=self.config.tolerance)
     blobs = [self._writer.put_blob(digest.byte_view(a)) for a in opened]
     record = {
         "type": "check", "step": index, "kind": "update",
@@ -374,7 +430,16 @@ class ZKDV:
                          "post_state_blobs": blobs}, durable=True)
     self.checks["state"] += 1
 
-  def _write_final(self, clean: bool) -> None:
+  def _gather_sharded_params(self) -> dict[int, np.ndarray]:
+    """The whole value of each sharded params leaf (a collective across processes)."""
+    program = self._last_program
+    if program is None:
+      return {}
+    return {i: arrays.gather(x) for i, (x, l, is_param) in enumerate(zip(
+        self._last_post_leaves, program.state_layouts, program.params_mask))
+            if is_param and l.pieces is not None}
+
+  def _write_final(self, clean: bool, whole_params: dict) -> None:
     final = {"type": "final", "steps": self.steps, "seed": self._seed,
              "status": "clean" if clean else "aborted",
              "discontinuities": list(self.discontinuities)}
@@ -383,10 +448,21 @@ class ZKDV:
       final["final_state"] = post_digest
       final["final_state_leaves"] = [list(p) for p in pieces]
       params = [i for i, m in enumerate(params_mask) if m]
-      whole = [p[0] if l.pieces is None else  # a sharded leaf: one gather, at the end
-               digest.leaf_digest(np.asarray(self._last_post_leaves[i]))
-               for i, (l, p) in enumerate(zip(layouts, pieces))]
+      whole = [digest.leaf_digest(whole_params[i]) if i in whole_params else p[0]
+               for i, p in enumerate(pieces)]
       final["final_params"] = digest.params_digest(
           [dataclasses.replace(l, pieces=None) for l in layouts], whole, params)
     self._writer.append(final, durable=True)
 
+
+def _cross_check_replicas(index: int, layouts, pieces, replicas_per_process) -> None:
+  """Raises ReplicaDivergenceError if a replica's digest differs from its piece's."""
+  for replicas in replicas_per_process:
+    for leaf, piece, device, replica_digest in replicas:
+      if replica_digest != pieces[leaf][piece]:
+        box = layouts[leaf].boxes[piece]
+        raise errors.ReplicaDivergenceError(
+            f"step {index}: the replica of {layouts[leaf].path} (shard {piece}, index "
+            f"{[list(b) for b in box]}) on {device} differs from the committed copy. "
+            "Replicas of one array must hold the same bytes; this device computed "
+            "something else (hardware fault or a non-deterministic kernel).")

@@ -9,6 +9,7 @@ Example::
   outputs = run(*inputs)
 """
 
+import socket
 from collections.abc import Sequence
 
 import jax
@@ -38,6 +39,45 @@ def replay_mesh(exported: jax.export.Exported) -> jax.sharding.Mesh | None:
     return None  # the program names no mesh at its boundary
   return jax.sharding.Mesh(np.array(devices[:needed]).reshape(shape.axis_sizes),
                            shape.axis_names, axis_types=shape.axis_types)
+
+
+def collectives() -> str:
+  """The collectives this process runs across devices, as programs record them.
+
+  On CPU, in-process collectives and cross-process ones (gloo, mpi) reduce in
+  different orders, so a program replays bitwise only with the kind it ran with.
+  """
+  if jax.devices()[0].platform != "cpu":
+    return "default"
+  if _compat.distributed_client() is None:
+    return "in-process"
+  return jax.config.jax_cpu_collectives_implementation
+
+
+def check_collectives(recorded: str | None) -> None:
+  """Raises ReplayError if this process cannot replay a program that ran with ``recorded``."""
+  if recorded is None or recorded == collectives():
+    return
+  raise errors.ReplayError(
+      f"the update program ran with {recorded} CPU collectives and this process runs "
+      f"{collectives()} ones, which sum in another order. `zkdv verify` sets this up "
+      "itself; in Python, call zkdv.jax.replay.use_cpu_collectives("
+      f"{recorded!r}) before the first JAX computation.")
+
+
+def use_cpu_collectives(name: str) -> None:
+  """Makes this single process run ``name`` CPU collectives ("gloo"/"mpi"), as a
+  multi-process run did, by starting a one-process ``jax.distributed``.
+
+  Call it before JAX runs its first computation.
+  """
+  if name == collectives():
+    return
+  jax.config.update("jax_cpu_collectives_implementation", name)
+  with socket.socket() as probe:  # a free loopback port for the coordinator
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 
 
 def compile_program(exported: jax.export.Exported, *, donate_argnums=(),

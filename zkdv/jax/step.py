@@ -15,6 +15,7 @@ from typing import Any
 
 import blake3
 import jax
+import numpy as np
 
 from zkdv import errors
 from zkdv.digest import LeafLayout
@@ -22,6 +23,7 @@ from zkdv.interpreters.find import find_updates
 from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.contrib.train_state import TrainState
+from zkdv.jax.replay import collectives
 from zkdv.jax.replay import compile_program
 
 JIT_OPTIONS = frozenset({
@@ -124,12 +126,28 @@ class Program:
   executable: Callable
   compiler_options: dict | None
   _replay: Callable | None = None
+  _replay_sharded: Any = None
 
   def replay(self, *inputs):
+    """Runs the update program compiled from its serialized form, as a verifier does."""
     if self._replay is None:
       self._replay = compile_program(jax.export.deserialize(self.blob),
                                      compiler_options=self.compiler_options)
     return self._replay(*inputs)
+
+  def replay_sharded(self, opened: list[np.ndarray]) -> list[np.ndarray]:
+    """``replay`` on whole host inputs, placed as the program takes them; returns
+    the whole post-state. Every process of a multi-process run calls it."""
+    if self._replay_sharded is None:
+      self._replay_sharded = compile_program(
+          jax.export.deserialize(self.blob), compiler_options=self.compiler_options).lower(
+          *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.avals]).compile()
+    layouts = dict(zip(self.state_indices, self.state_layouts))
+    layouts.update(zip(self.batch_indices, self.batch_layouts))
+    shardings = self._replay_sharded.input_shardings[0]
+    outs = self._replay_sharded(*[arrays.to_global(a, layouts[i], s)
+                                  for i, (a, s) in enumerate(zip(opened, shardings))])
+    return [arrays.gather(outs[i]) for i in self.post_indices]
 
 
 def _avals(leaves) -> list:
@@ -302,6 +320,10 @@ class ProofFunction:
         "platforms": list(exported.platforms),
         "nr_devices": exported.nr_devices,
     }
+    if exported.nr_devices > 1:  # how it sums across devices decides its bits
+      record["collectives"] = collectives()
+    if jax.process_count() > 1:
+      record["processes"] = jax.process_count()
     return Program(
         program_id=program_id, blob=blob, exact=exact, record=record,
         avals=_avals(leaves), out_tree=out_tree, state_indices=state_indices,
