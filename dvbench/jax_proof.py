@@ -49,6 +49,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
 
   def start(self, rolling_window: int = 4, probe_ratio: float = 0.0):
     super().start(rolling_window=rolling_window, probe_ratio=probe_ratio)
+    if not self.writes_transcript:  # multi-process: process 0 writes and uploads
+      self._upload_done = True
+      if self._temporary is not None:
+        shutil.rmtree(self._temporary, ignore_errors=True)
+      return self
     self._uploader = Uploader(self.experiment.client.http, self.experiment.name, self.path)
     self._uploader.start()
     return self

@@ -6,6 +6,7 @@ Example::
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -85,6 +86,20 @@ def _inspect(path) -> dict:
   return out
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+  """Sends what anything writes to file descriptor 1 to 2 instead."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  os.dup2(2, 1)
+  try:
+    yield
+  finally:
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
 def prepare_replay(path) -> None:
   """Sets up this process to replay the transcript's CPU programs: as many
   forced host devices and the same collectives as they ran with.
@@ -126,11 +141,13 @@ def main(argv=None) -> int:
       print(f"zkdv inspect: {e}", file=sys.stderr)
       return 2
     return 0
-  if args.replay != "none":
-    prepare_replay(args.path)
   show_progress = not (args.quiet or args.json) and sys.stderr.isatty()
-  report = verify_lib.verify(args.path, replay=args.replay,
-                             progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None)
+  with _stdout_to_stderr():  # native libraries (gloo) print; stdout carries the report
+    if args.replay != "none":
+      prepare_replay(args.path)
+    report = verify_lib.verify(args.path, replay=args.replay,
+                               progress=progress_bar(sys.stderr, "replaying checks")
+                               if show_progress else None)
   if args.json:
     print(report.dumps())
   elif not args.quiet:

@@ -93,6 +93,12 @@ class ZKDV:
   def __repr__(self):
     return f"ZKDV({self.name!r})"
 
+  @property
+  def writes_transcript(self) -> bool:
+    """Whether this process writes the transcript: in a multi-process run only
+    process 0 does; the others send it the digests of what they hold."""
+    return self._writer is not None
+
   # -- lifecycle -------------------------------------------------------------
 
   def start(self, rolling_window: int = 4, probe_ratio: float = 0.0) -> "ZKDV":

@@ -71,7 +71,7 @@ def use_cpu_collectives(name: str) -> None:
 
   Call it before JAX runs its first computation.
   """
-  if name == collectives():
+  if _compat.distributed_client() is not None:  # already in a distributed run
     return
   jax.config.update("jax_cpu_collectives_implementation", name)
   with socket.socket() as probe:  # a free loopback port for the coordinator
