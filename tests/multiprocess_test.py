@@ -4,6 +4,7 @@ by ``jax.distributed`` with gloo collectives, write one transcript."""
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from flax import serialization
 
 from dvbench import measurement
 from tests import testing
+from tests.verify_test import rechained
+from zkdv import transcript
 from zkdv import verify
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -178,6 +181,32 @@ class MultiProcessTest(absltest.TestCase):
     updates = [c for c in report["checks"] if c["kind"] == "update"]
     self.assertEqual([(c["mode"], c["status"]) for c in updates],
                      [("exact", "verified")] * STEPS)
+
+  def test_tampered_shard_opening_is_named(self):
+    folder = pathlib.Path(tempfile.mkdtemp()) / "t"
+    shutil.copytree(self.folder, folder)
+    program = testing.records_of(folder, "program")[0]
+    paths = [l["path"] for l in program["state_layout"]]
+    kernel = paths.index(".params['Dense_0']['kernel']")
+    check = testing.records_of(folder, "check")[0]
+    blob = transcript.blob_path(folder, check["pre_state_blobs"][kernel])
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x40  # the last column: the shard process 1 committed
+    blob.write_bytes(bytes(data))
+    result = run_python("from zkdv import cli; import sys; sys.exit(cli.main(sys.argv[1:]))",
+                        "verify", folder, "--json")
+    self.assertEqual(result.returncode, 1, result.stderr[-3000:])
+    self.assertIn(f"{paths[kernel]}: ", result.stdout)
+    self.assertIn("shard 1 [[0, 16], [32, 64]] differs from its commitment", result.stdout)
+
+  def test_final_params_are_derived_from_the_last_state_check(self):
+    def edit(records):
+      records[-1]["final_params"] = bytes(32)
+      return records
+    report = verify.verify(rechained(edit, self.folder), replay="none")
+    self.assertIn("final_params", {f.code for f in report.findings}, report.dumps())
+    self.assertNotIn("final_params", {f.code for f in verify.verify(
+        self.folder, replay="none").findings})
 
   def test_replay_with_in_process_collectives_is_refused_with_the_fix(self):
     result = run_python(textwrap.dedent(f"""

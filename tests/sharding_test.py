@@ -159,6 +159,35 @@ class ShardingTest(parameterized.TestCase):
     self.assertIn(kernel["path"], report["text"])
     self.assertIn(f"shard {devices // 2 - 1}", report["text"])
 
+  def test_diverged_replica_is_reported_when_replicas_are_cross_checked(self, devices):
+    result = run_case("""
+        replicated = NamedSharding(mesh, P())
+        def train(cross_check):
+          proof = testing.new_proof("replicas", update_p=0.0, cross_check_replicas=cross_check)
+          state = jax.device_put(testing.zkdv.jax.contrib.TrainState.create(
+              proof=proof, apply_fn=model.apply, params=params, tx=optax.sgd(0.1)), replicated)
+          # The copy of one bias on the second device diverges, as on a faulty device.
+          bias = state.params["Dense_0"]["bias"]
+          copies = [jax.device_put(s.data + 1, s.device) if s.device == jax.devices()[1]
+                    else s.data for s in bias.addressable_shards]
+          diverged = jax.make_array_from_single_device_arrays(bias.shape, bias.sharding, copies)
+          state = state.replace(params={**state.params, "Dense_0": {
+              **state.params["Dense_0"], "bias": diverged}})
+          step = proof.jit(plain_step)
+          try:
+            for _ in range(2):
+              state = step(state, x, y)
+            proof.finish()
+          except zkdv.errors.ReplicaDivergenceError as e:
+            return str(e)
+          return None
+        print(json.dumps({"unchecked": train(False), "checked": train(True),
+                          "device": str(jax.devices()[1])}))
+        """, devices)
+    self.assertIsNone(result["unchecked"])  # replicas are hashed once by default
+    self.assertIn("step 0: the replica of .params['Dense_0']['bias']", result["checked"])
+    self.assertIn(f"on {result['device']} differs", result["checked"])
+
   def test_pmap_data_parallel_with_replicated_state(self, devices):
     result = run_case("""
         proof, state = new_state("pmap")

@@ -417,9 +417,17 @@ class _Verification:
                   "final state digest.")
       return
     params_leaves = program.get("params_leaves", [])
+    whole = [p[0] for p in leaves]
     if any(layouts[i].pieces is not None for i in params_leaves):
-      return  # sharded params: final_params is the digest of whole leaves, not derivable here
-    params = digest.params_digest(layouts, [p[0] for p in leaves], params_leaves)
+      # Sharded params: final_params holds whole-leaf digests, which a state check of the
+      # last step names (its blobs are named by them); without one it is not derivable.
+      opened = next((c.get("post_state_blobs") for c in self.checks
+                     if c.get("kind") == "state" and c.get("step") == last_step["index"]), None)
+      if not isinstance(opened, list) or len(opened) != len(layouts):
+        return
+      whole = opened
+    params = digest.params_digest([dataclasses.replace(l, pieces=None) for l in layouts],
+                                  whole, params_leaves)
     if final.get("final_params") != params:
       report.fail("final_params", "final", "final params digest is not the digest of the "
                   "final state's params.")

@@ -466,9 +466,11 @@ def _cross_check_replicas(index: int, layouts, pieces, replicas_per_process) -> 
   for replicas in replicas_per_process:
     for leaf, piece, device, replica_digest in replicas:
       if replica_digest != pieces[leaf][piece]:
-        box = layouts[leaf].boxes[piece]
+        layout = layouts[leaf]
+        shard = ("" if layout.pieces is None else
+                 f" (shard {piece}, index {[list(b) for b in layout.pieces[piece]]})")
         raise errors.ReplicaDivergenceError(
-            f"step {index}: the replica of {layouts[leaf].path} (shard {piece}, index "
-            f"{[list(b) for b in box]}) on {device} differs from the committed copy. "
-            "Replicas of one array must hold the same bytes; this device computed "
-            "something else (hardware fault or a non-deterministic kernel).")
+            f"step {index}: the replica of {layout.path}{shard} on {device} differs "
+            "from the committed copy. Replicas of one array must hold the same bytes; "
+            "this device computed something else (a hardware fault or a "
+            "non-deterministic kernel).")
