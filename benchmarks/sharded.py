@@ -1,27 +1,52 @@
 """The commitment overhead of a sharded step on forced CPU devices.
 
-  python -m benchmarks.sharded [--devices 4] [--rounds 6] [--block 5]
+  python -m benchmarks.sharded [--devices 4] [--processes 1] [--rounds 6] [--block 5]
 
 The MLP of ``benchmarks.overhead`` on a (2, N/2) mesh: batch split over
 "data", kernels split by columns over "model". Rows: the sharded ``jax.jit``
 step, and ``proof.jit`` of the same step at p=0.01 (host backend, each shard
 hashed where it lives), taking turns in blocks; medians and ratios, table last.
+With ``--processes P`` the devices are split over P local processes joined by
+``jax.distributed`` (gloo collectives), and process 0 prints the table.
 """
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
+
+
+def _spawn(argv, processes: int) -> int:
+  """Runs this benchmark as ``processes`` local processes of one jax.distributed run."""
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+  children = [subprocess.Popen(
+      [sys.executable, "-m", "benchmarks.sharded", *argv],
+      env={**os.environ, "ZKDV_BENCH_PROCESS": f"{i}:{port}"}) for i in range(processes)]
+  return max(child.wait() for child in children)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=4)
+  parser.add_argument("--processes", type=int, default=1)
   parser.add_argument("--rounds", type=int, default=6)
   parser.add_argument("--block", type=int, default=5)
   args = parser.parse_args(argv)
+  role = os.environ.get("ZKDV_BENCH_PROCESS")
+  if args.processes > 1 and role is None:
+    return _spawn(sys.argv[1:] if argv is None else argv, args.processes)
   # The device count is fixed when JAX starts, so it is set before the first import.
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  local_devices = args.devices // args.processes
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
   import jax  # pylint: disable=g-import-not-at-top
+  if role is not None:
+    index, port = map(int, role.split(":"))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=args.processes,
+                               process_id=index)
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from flax.training import train_state  # pylint: disable=g-import-not-at-top
@@ -49,10 +74,14 @@ def main(argv=None):
       state = zkdv.jax.contrib.TrainState.create(proof=proof, **kwargs)
       jit = proof.jit
     shardings = shardings_of(state)
-    state = jax.device_put(state, shardings)
+    state = jax.tree.map(place, state, shardings)
     step = jit(common.train_step, in_shardings=(shardings, rows, rows),
                out_shardings=shardings, donate_argnums=0)
-    return [state], step, (jax.device_put(x, rows), jax.device_put(y, rows))
+    return [state], step, (place(x, rows), place(y, rows))
+
+  def place(value, sharding):  # works across processes, where device_put of host data may not
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
   proof = zkdv.jax.ZKDV("sharded-benchmark", zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01)))
@@ -77,9 +106,12 @@ def main(argv=None):
         times[name].append(common.timed(fn))
       proof._pipeline.drain()  # pylint: disable=protected-access
   proof.finish()
+  if jax.process_index() != 0:
+    return 0
   base = common.median(times["jax.jit (sharded)"])
+  where = f" in {args.processes} processes (gloo)" if args.processes > 1 else ""
   common.print_table(
-      f"Sharded MLP on {args.devices} CPU devices {dict(mesh.shape)}, median of "
+      f"Sharded MLP on {args.devices} CPU devices{where} {dict(mesh.shape)}, median of "
       f"{args.rounds * args.block} steps per row",
       ["configuration", "median step ms", "ratio to jax.jit"],
       [[name, f"{common.median(t) * 1e3:.1f}", f"{common.median(t) / base:.3f}"]
