@@ -58,7 +58,7 @@ def plain_step(state, x, y):
 proof = zkdv.jax.ZKDV("two-processes", zkdv.ZKDVConfig(
     sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
                                         state_check_probability=1.0),
-    output_dir=sys.argv[3]))
+    output_dir=sys.argv[3], digest_backend=sys.argv[4]))
 proof.start(probe_ratio=1.0)
 state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
                                            params=params, tx=optax.adam(1e-3))
@@ -117,6 +117,7 @@ def reference_params(steps: int):
 
 
 class MultiProcessTest(absltest.TestCase):
+  backend = "host"
 
   @classmethod
   def setUpClass(cls):
@@ -129,7 +130,8 @@ class MultiProcessTest(absltest.TestCase):
     for i, cwd in enumerate(cwds):
       cwd.mkdir()
       trainers.append(subprocess.Popen(
-          [sys.executable, "-c", TRAINER, str(i), str(port), str(cls.folder)], cwd=cwd,
+          [sys.executable, "-c", TRAINER, str(i), str(port), str(cls.folder), cls.backend],
+          cwd=cwd,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
           env={**os.environ, "PYTHONPATH": str(ROOT)}))
     cls.outputs = []
@@ -231,6 +233,11 @@ class MultiProcessTest(absltest.TestCase):
     # final_params is the digest of the whole params a checkpoint holds.
     self.assertEqual(testing.records_of(self.folder, "final")[0]["final_params"],
                      measurement.params_digest(measurement.load_checkpoint(checkpoint)))
+
+
+class MultiProcessDeviceDigestsTest(MultiProcessTest):
+  """The same run with each process digesting its shards on their devices."""
+  backend = "device"
 
 
 if __name__ == "__main__":
