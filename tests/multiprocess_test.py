@@ -18,7 +18,9 @@ import optax
 from absl.testing import absltest
 from flax import serialization
 
+import dvbench
 from dvbench import measurement
+from dvbench.server.local import LocalServer
 from tests import testing
 from tests.verify_test import rechained
 from zkdv import transcript
@@ -116,8 +118,9 @@ def reference_params(steps: int):
   return state.params
 
 
-class MultiProcessTest(absltest.TestCase):
-  backend = "host"
+class MultiProcessRun:
+  """Tests of one two-process run; ``backend`` is its digest backend."""
+  backend: str
 
   @classmethod
   def setUpClass(cls):
@@ -235,7 +238,22 @@ class MultiProcessTest(absltest.TestCase):
                      measurement.params_digest(measurement.load_checkpoint(checkpoint)))
 
 
-class MultiProcessDeviceDigestsTest(MultiProcessTest):
+class HostDigestsTest(MultiProcessRun, absltest.TestCase):
+  backend = "host"
+
+  def test_dvbench_worker_replays_it(self):
+    server = LocalServer(workers=1).start()
+    try:
+      client = dvbench.Client(server.url, token=server.token("your-name"))
+      proof_id = client.experiment("your-name/two-processes").upload(self.folder)
+      status = client.wait_for_verdict(proof_id, 300)
+      self.assertEqual(status["state"], "verified", status)
+      self.assertEqual((status["checks"], status["checks_verified"]), (2 * STEPS, 2 * STEPS))
+    finally:
+      server.stop()
+
+
+class DeviceDigestsTest(MultiProcessRun, absltest.TestCase):
   """The same run with each process digesting its shards on their devices."""
   backend = "device"
 
