@@ -12,16 +12,15 @@ With ``--processes P`` the devices are split over P local processes joined by
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
+
+from dvbench.server import local
 
 
 def _spawn(argv, processes: int) -> int:
   """Runs this benchmark as ``processes`` local processes of one jax.distributed run."""
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
+  port = local.free_port()
   children = [subprocess.Popen(
       [sys.executable, "-m", "benchmarks.sharded", *argv],
       env={**os.environ, "ZKDV_BENCH_PROCESS": f"{i}:{port}"}) for i in range(processes)]

@@ -5,7 +5,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from flax import serialization
 import dvbench
 from dvbench import measurement
 from dvbench.server.local import LocalServer
+from dvbench.server.local import free_port
 from tests import testing
 from tests.verify_test import rechained
 from zkdv import transcript
@@ -83,12 +83,6 @@ print(json.dumps({"process": process, "path": str(path), "steps": proof.steps,
                   "batch_rows": held(place(x, rows)),
                   "checks": proof.checks, "failed": proof.failed_checks}))
 """
-
-
-def free_port() -> int:
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
 
 
 def run_python(script: str, *args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:

@@ -363,10 +363,7 @@ class ZKDV:
     })
     self._last_post = (post_digest, post_pieces, layouts, program.params_mask)
     _cross_check_replicas(index, layouts, post_pieces, [g[2] for g in gathered])
-    if checked is not None:
-      post_views, replayed = checked
-    else:
-      replayed = None
+    post_views, replayed = checked if checked is not None else (post_views, None)
     if update_check:
       self._update_check(program, index, opened, post_views, replayed)
     if state_check:
