@@ -100,26 +100,34 @@ def _stdout_to_stderr():
     os.close(saved)
 
 
+MAX_FORCED_DEVICES = 1024  # an uploaded transcript cannot ask for more host devices
+
+
 def prepare_replay(path) -> None:
   """Sets up this process to replay the transcript's CPU programs: as many
   forced host devices and the same collectives as they ran with.
 
-  Runs before JAX starts; a transcript that cannot be read is left to the verifier.
+  Runs before JAX starts. Anything it cannot read or set up is left to the
+  verifier, which then reports what the replay needs.
   """
   try:
     programs = [p.record for p in transcript.read_transcript(path).records
                 if p.record.get("type") == "program" and p.record.get("platforms") == ["cpu"]]
   except (OSError, errors.TranscriptFormatError):
     return
-  devices = max((p.get("nr_devices", 1) for p in programs
-                 if isinstance(p.get("nr_devices"), int)), default=1)
+  devices = max((n for p in programs if isinstance(n := p.get("nr_devices"), int)
+                 and 1 <= n <= MAX_FORCED_DEVICES), default=1)
   flags = os.environ.get("XLA_FLAGS", "")
   if devices > 1 and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-  wanted = {p.get("collectives") for p in programs} & {"gloo", "mpi"}
+  wanted = {p.get("collectives") for p in programs
+            if p.get("collectives") in ("gloo", "mpi")}
   if len(wanted) == 1:
     from zkdv.jax import replay  # pylint: disable=g-import-not-at-top
-    replay.use_cpu_collectives(wanted.pop())
+    try:
+      replay.use_cpu_collectives(wanted.pop())
+    except RuntimeError as e:  # JAX already started in this process
+      print(f"zkdv verify: cannot set up CPU collectives here: {e}", file=sys.stderr)
 
 
 def main(argv=None) -> int:

@@ -174,10 +174,3 @@ def tree_root(levels: list[list[bytes]]) -> bytes:
 
 def digest_batch_arrays(layouts: Sequence[LeafLayout], arrays: Sequence[np.ndarray]) -> bytes:
   return batch_digest(layouts, [tree_root(t) for t in batch_trees(layouts, arrays)])
-
-
-def row_view(layout: LeafLayout, array: np.ndarray, row: int) -> np.ndarray:
-  """The bytes of one row (leading axis) of a batch leaf."""
-  data = byte_view(array)
-  width = data.size // layout.rows
-  return data[row * width:(row + 1) * width]

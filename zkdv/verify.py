@@ -416,6 +416,8 @@ class _Verification:
       report.fail("final_state", "final", "final state piece digests do not make up the "
                   "final state digest.")
       return
+    if "final_params" not in final and final["status"] != "clean":
+      return  # an aborted prover may not know its final params (already a finding)
     params_leaves = program.get("params_leaves", [])
     whole = [p[0] for p in leaves]
     if any(layouts[i].pieces is not None for i in params_leaves):

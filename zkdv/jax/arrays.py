@@ -84,11 +84,14 @@ def replica_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, str, jax
 def row_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, int, jax.Array]]:
   """(first row, row count, data) of the blocks of rows of a batch leaf held here.
 
-  The whole leaf where it is all here; in a multi-process run, each shard
-  this process commits (replica 0), which must hold whole rows.
+  The whole leaf where it is all here (or has no rows); in a multi-process
+  run, each shard this process commits (replica 0), which must hold whole
+  rows. A leaf without axes is one row, held by one process.
   """
   if _fully_addressable(x) or layout.rows == 0:
     return [(0, layout.rows, x)]
+  if x.ndim == 0:  # a scalar (or a single PRNG key): one row
+    return [(0, 1, s.data) for s in x.addressable_shards if s.replica_id == 0]
   if is_key(x):
     x = jax.random.key_data(x)
   blocks = []

@@ -61,6 +61,8 @@ class ZKDV:
     steps: the number of steps recorded so far.
     checks: how many update and state checks ran.
     discontinuities: steps whose pre-state was not the previous post-state.
+    committed_here: state pieces and batch rows this process hashed (in a
+      multi-process run, each process hashes those it holds).
   """
 
   def __init__(self, name: str, config: config_lib.ZKDVConfig | None = None):
@@ -75,6 +77,8 @@ class ZKDV:
     self.steps = 0
     self.checks = {"update": 0, "state": 0}
     self.discontinuities: list[int] = []
+    self.committed_here = {"pieces": 0, "rows": 0}
+    self._committed_steps = 0
     self.failed_checks: list[dict] = []
     self._writer: transcript.TranscriptWriter | None = None  # process 0 only
     self._group: processes.ProcessGroup | None = None
@@ -123,17 +127,26 @@ class ZKDV:
         "run_id": os.urandom(16), "seed": sampling.new_seed(),
         "folder": str(pathlib.Path(self.config.output_dir) if self.config.output_dir
                       else _default_folder(self.name))})
-    self._group = group
-    self.path = pathlib.Path(run["folder"])
-    self._seed = run["seed"]
-    self._probe_ratio = float(probe_ratio)
-    self._digests = digests_lib.for_config(self.config.digest_backend)
-    self._pipeline = CommitPipeline(rolling_window)
-    if not group.is_writer:
+    path, seed = pathlib.Path(run["folder"]), run["seed"]
+    if group.is_writer:  # fails (leaving the proof unstarted) if the folder holds a transcript
+      self._writer = transcript.TranscriptWriter(path)
+      try:
+        self._write_root(group, seed, rolling_window, probe_ratio)
+      except BaseException:
+        self._writer.close()
+        self._writer = None
+        raise
+      logger.info("ZKDV proof %r: transcript at %s", self.name, path)
+    else:
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
-                  self.name, group.index, self.path)
-      return self
-    self._writer = transcript.TranscriptWriter(self.path)
+                  self.name, group.index, path)
+    self.path, self._seed, self._probe_ratio = path, seed, float(probe_ratio)
+    self._digests = digests_lib.for_config(self.config.digest_backend)
+    self._pipeline = CommitPipeline(rolling_window, on_error=self._report_failure)
+    self._group = group
+    return self
+
+  def _write_root(self, group, seed, rolling_window, probe_ratio) -> None:
     devices = jax.devices()
     self._writer.append({
         "type": "root",
@@ -146,18 +159,23 @@ class ZKDV:
         "device_kinds": sorted({d.device_kind for d in devices}),
         "config": self.config.to_record(),
         "start": {"rolling_window": rolling_window, "probe_ratio": float(probe_ratio)},
-        "seed_commitment": sampling.seed_commitment(self._seed),
+        "seed_commitment": sampling.seed_commitment(seed),
         **({"processes": group.count} if group.multi else {}),
     }, durable=True)
-    logger.info("ZKDV proof %r: transcript at %s", self.name, self.path)
-    return self
+
+  def _report_failure(self, error: BaseException) -> None:
+    try:
+      self._group.report_failure(f"{type(error).__name__}: {error}")
+    except Exception:  # pylint: disable=broad-except  # the failure itself is raised at finish
+      logger.exception("ZKDV proof %r could not tell the other processes it failed", self.name)
 
   def finish(self) -> pathlib.Path:
     """Waits for every commitment and check, writes ``final``; idempotent.
 
     Returns the transcript folder. Raises the first background failure, a
     failed check, or NoTranscriptUpdateError when no step was recorded; the
-    ``final`` record is written in every case.
+    ``final`` record is written in every case. In a multi-process run every
+    process calls it, and every process raises if process 0's transcript failed.
     """
     if self._finished:
       if self._finish_error is not None:
@@ -183,12 +201,18 @@ class ZKDV:
           "training step still uses jax.jit.")
     try:
       whole_params = self._gather_sharded_params()
+    except Exception as e:  # pylint: disable=broad-except  # e.g. the final state was deleted
+      logger.warning("ZKDV proof %r: no final_params: gathering sharded params failed: %r",
+                     self.name, e)
+      whole_params = None
+    try:
       if self._writer is not None:
         self._write_final(clean=error is None, whole_params=whole_params)
         self._writer.close()
     except (OSError, ValueError) as e:
       error = error or errors.CommitmentError(
           f"could not write the final record to {self.path}: {e}")
+    error = self._agree_on_outcome(error)
     self._finished = True
     self._finish_error = error
     logger.info("ZKDV proof %r: %d steps, %d update and %d state checks at %s",
@@ -197,6 +221,17 @@ class ZKDV:
     if error is not None:
       raise error
     return self.path
+
+  def _agree_on_outcome(self, error):
+    """Process 0's failure, raised on every process of a multi-process run."""
+    if not self._group.multi:
+      return error
+    reported = self._group.broadcast("finish", None if error is None else
+                                     f"{type(error).__name__}: {error}")
+    if error is None and reported is not None:
+      error = errors.CommitmentError(
+          f"process 0 could not complete the transcript at {self.path}: {reported}")
+    return error
 
   def __enter__(self) -> "ZKDV":
     if self._group is None:
@@ -264,7 +299,8 @@ class ZKDV:
   def _run_step(self, program, leaves: list) -> list:
     """Dispatches one step and queues its commitment and checks."""
     pipeline, digests, multi = self._pipeline, self._digests, self._group.multi
-    pipeline.raise_if_failed()
+    if not multi:  # across processes, failures wait for finish(): see _agree_on_outcome
+      pipeline.raise_if_failed()
     if program.program_id not in self._program_numbers:
       self._program_numbers[program.program_id] = len(self._program_numbers)
       pipeline.submit(lambda job: self._write_program(program))
@@ -309,7 +345,8 @@ class ZKDV:
     if overlap is overlap_lib.NEVER or (
         overlap is overlap_lib.UNCHECKED and (update_check or state_check)):
       job.done.wait()
-    pipeline.raise_if_failed()
+    if not multi:
+      pipeline.raise_if_failed()
     return outs
 
   def _write_program(self, program) -> None:
@@ -337,8 +374,9 @@ class ZKDV:
     job.views_ready.set()
     if isinstance(pre, tuple):  # started, not yet hashed
       pre = digests.state_digests(digests.materialize(pre))
-    gathered = self._group.gather(f"{index}/state", [digests.state_digests(materialized), pre,
-                                                     replicas])
+    local = digests.state_digests(materialized)
+    self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
+    gathered = self._group.gather(f"{index}/state", [local, pre, replicas])
     batch = rows if isinstance(rows, dict) or rows is None else self._commit_batch(
         program, index, rows)
     if gathered is None:  # another process writes the records
@@ -362,12 +400,13 @@ class ZKDV:
         "pre_state": pre_digest, "post_state": post_digest, **batch,
     })
     self._last_post = (post_digest, post_pieces, layouts, program.params_mask)
-    _cross_check_replicas(index, layouts, post_pieces, [g[2] for g in gathered])
+    self._committed_steps = index + 1
     post_views, replayed = checked if checked is not None else (post_views, None)
     if update_check:
       self._update_check(program, index, opened, post_views, replayed)
     if state_check:
       self._state_check(program, index, post_views)
+    _cross_check_replicas(index, layouts, post_pieces, [g[2] for g in gathered])
 
   def _commit_batch(self, program, index, rows) -> dict | None:
     """The step's batch fields: digest, and data probes with their Merkle proofs.
@@ -380,9 +419,11 @@ class ZKDV:
               for row in sampling.probe_rows(self._seed, index, leaf, layout.rows,
                                              self._probe_ratio)]
     held = [(leaf, row, digests.row_bytes(rows[leaf], row)) for leaf, row in probed]
-    gathered = self._group.gather(f"{index}/batch", [
-        digests.row_hashes(rows, layouts),
-        [[leaf, row, bytes(data)] for leaf, row, data in held if data is not None]])
+    local = digests.row_hashes(rows, layouts)
+    self.committed_here["rows"] += sum(h is not None for leaf in local for h in leaf)
+    gathered = self._group.gather(f"{index}/batch", [local, [
+        [leaf, row, bytes(data) if self._group.multi else data]  # sent: bytes
+        for leaf, row, data in held if data is not None]])
     if gathered is None:
       return None
     hashes = processes.merge([g[0] for g in gathered], "batch")
@@ -450,11 +491,12 @@ class ZKDV:
       post_digest, pieces, layouts, params_mask = self._last_post
       final["final_state"] = post_digest
       final["final_state_leaves"] = [list(p) for p in pieces]
-      params = [i for i, m in enumerate(params_mask) if m]
-      whole = [digest.leaf_digest(whole_params[i]) if i in whole_params else p[0]
-               for i, p in enumerate(pieces)]
-      final["final_params"] = digest.params_digest(
-          [dataclasses.replace(l, pieces=None) for l in layouts], whole, params)
+      if whole_params is not None and self._committed_steps == self.steps:
+        params = [i for i, m in enumerate(params_mask) if m]
+        whole = [digest.leaf_digest(whole_params[i]) if i in whole_params else p[0]
+                 for i, p in enumerate(pieces)]
+        final["final_params"] = digest.params_digest(
+            [dataclasses.replace(l, pieces=None) for l in layouts], whole, params)
     self._writer.append(final, durable=True)
 
 

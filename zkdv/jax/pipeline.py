@@ -3,7 +3,8 @@
 Jobs (program records, step commitments, checks) run in submission order, so
 records are written in order. ``reserve()`` blocks while ``window`` steps are
 in flight, which bounds the buffer generations ZKDV keeps alive. A failure is
-kept and raised on the training thread at the next ``raise_if_failed()``.
+kept (and passed to ``on_error``) and raised on the training thread at the
+next ``raise_if_failed()``.
 
 Example::
 
@@ -32,8 +33,9 @@ class Job:
 
 class CommitPipeline:
 
-  def __init__(self, window: int):
+  def __init__(self, window: int, on_error: Callable[[BaseException], None] | None = None):
     self.window = window
+    self._on_error = on_error
     self.in_flight = 0  # steps reserved whose records are not yet written
     self._slots = threading.BoundedSemaphore(window)
     self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -77,6 +79,8 @@ class CommitPipeline:
           job.work(job)
       except BaseException as e:  # kept and raised on the training thread
         self._error = e
+        if self._on_error is not None:
+          self._on_error(e)
       finally:
         job.views_ready.set()
         job.done.set()

@@ -10,11 +10,12 @@ the group has one member and every exchange is the identity.
 Example::
 
   group = ProcessGroup.current()
-  seed = group.share("seed", sampling.new_seed)   # the same bytes everywhere
-  merged = group.gather("step-3", cbor2.dumps(local_digests))  # process 0: all of them
+  run = group.open_run(lambda: {"run_id": os.urandom(16), "seed": sampling.new_seed()})
+  every = group.gather("3/state", local_digests)  # process 0: all of them; others: None
 """
 
 import itertools
+import time
 from collections.abc import Callable
 
 import cbor2
@@ -24,6 +25,7 @@ from zkdv import errors
 from zkdv.jax import _compat
 
 _proofs_started = itertools.count()  # the same sequence in every process of a run
+_POLL_MS = 1000  # how often a waiting process looks for a failure report
 
 
 class ProcessGroup:
@@ -32,7 +34,7 @@ class ProcessGroup:
   Attributes:
     index: this process's index (``jax.process_index()``).
     count: the number of processes (``jax.process_count()``).
-    timeout_s: how long process 0 waits for another process's message.
+    timeout_s: how long a process waits for another's message before it gives up.
   """
 
   def __init__(self, client, index: int, count: int, timeout_s: float = 600.0):
@@ -60,7 +62,8 @@ class ProcessGroup:
   def open_run(self, make_run: Callable[[], dict]) -> dict:
     """The run's shared values (``make_run()`` on process 0), the same on every process.
 
-    Every process of a run must start its proofs in the same order.
+    ``make_run()`` must return a dict with a random ``run_id`` (bytes). Every
+    process of a run must start its proofs in the same order.
     """
     if not self.multi:
       return make_run()
@@ -69,37 +72,72 @@ class ProcessGroup:
       run = make_run()
       self._client.key_value_set_bytes(key, cbor2.dumps(run))
     else:
-      run = cbor2.loads(self._get(key, "the start of the proof"))
+      run = cbor2.loads(self._get(key, "the start of the proof", source=None))
     self._prefix = f"zkdv/run/{run['run_id'].hex()}"
     return run
 
   def gather(self, topic: str, local):
     """Every process's ``local`` value in process order, on process 0; None elsewhere.
 
-    ``local`` is any CBOR-encodable value. Call it in the same order on every process.
+    ``local`` is any CBOR-encodable value. Call it in the same order on every
+    process. Once process 0 has failed, the others stop sending.
     """
     if not self.multi:
       return [local]
     if not self.is_writer:
-      self._client.key_value_set_bytes(f"{self._prefix}/{topic}/{self.index}",
-                                       cbor2.dumps(local))
+      if self.failure(0) is None:
+        self._client.key_value_set_bytes(f"{self._prefix}/{topic}/{self.index}",
+                                         cbor2.dumps(local))
       return None
     values = [local]
     for index in range(1, self.count):
       key = f"{self._prefix}/{topic}/{index}"
-      values.append(cbor2.loads(self._get(key, f"{topic} from process {index}")))
+      values.append(cbor2.loads(self._get(key, f"{topic} from process {index}", source=index)))
       self._client.key_value_delete(key)
     return values
 
-  def _get(self, key: str, what: str) -> bytes:
+  def broadcast(self, topic: str, value=None):
+    """Process 0's ``value``, on every process."""
+    if not self.multi:
+      return value
+    key = f"{self._prefix}/{topic}"
+    if self.is_writer:
+      self._client.key_value_set_bytes(key, cbor2.dumps(value))
+      return value
+    return cbor2.loads(self._get(key, f"{topic} from process 0", source=0))
+
+  def report_failure(self, message: str) -> None:
+    """Tells the other processes that this one stopped committing, and why."""
+    if self.multi and self._prefix is not None:
+      self._client.key_value_set_bytes(f"{self._prefix}/failed/{self.index}",
+                                       message.encode())
+
+  def failure(self, index: int) -> str | None:
+    """What process ``index`` reported when it stopped committing, or None."""
     try:
-      return self._client.blocking_key_value_get_bytes(key, int(self.timeout_s * 1000))
-    except Exception as e:  # the coordination service raises its own runtime errors
-      raise errors.CommitmentError(
-          f"process {self.index} waited {self.timeout_s:.0f} s for {what} and got "
-          f"nothing ({type(e).__name__}: {e}). Every process of a multi-process run "
-          "must call the same proof.jit steps in the same order; a process that "
-          "stopped or diverged leaves the others waiting.") from e
+      return self._client.key_value_try_get_bytes(
+          f"{self._prefix}/failed/{index}").decode(errors="replace")
+    except jax.errors.JaxRuntimeError:  # NOT_FOUND: no failure reported
+      return None
+
+  def _get(self, key: str, what: str, source: int | None) -> bytes:
+    """Waits for ``key``, giving up early if process ``source`` reports a failure."""
+    deadline = time.monotonic() + self.timeout_s
+    while True:
+      try:
+        return self._client.blocking_key_value_get_bytes(key, _POLL_MS)
+      except jax.errors.JaxRuntimeError as e:  # DEADLINE_EXCEEDED: not there yet
+        reason = None if source is None else self.failure(source)
+        if reason is not None:
+          raise errors.CommitmentError(
+              f"process {source} stopped committing, so {what} never came: "
+              f"{reason}") from e
+        if time.monotonic() > deadline:
+          raise errors.CommitmentError(
+              f"process {self.index} waited {self.timeout_s:.0f} s for {what} and got "
+              f"nothing ({type(e).__name__}: {e}). Every process of a multi-process run "
+              "must call the same proof.jit steps in the same order; a process that "
+              "stopped or diverged leaves the others waiting.") from e
 
 
 def merge(per_process: list, what: str) -> list:
