@@ -57,31 +57,39 @@ def plain_step(state, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
   return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-proof = zkdv.jax.ZKDV("two-processes", zkdv.ZKDVConfig(
-    sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
-                                        state_check_probability=1.0),
-    output_dir=sys.argv[3], digest_backend=sys.argv[4]))
-proof.start(probe_ratio=1.0)
-state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
-                                           params=params, tx=optax.adam(1e-3))
 replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 by_column = NamedSharding(mesh, P(None, "model"))
-shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated, state)
 place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
-state = jax.tree.map(place, state, shardings)
-step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
-                 donate_argnums=0)
-for _ in range(3):
-  state = step(state, place(x, rows), place(y, rows))
-path = proof.finish()
+
+def train(name, folder, steps, checks, overlap):
+  proof = zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=checks,
+                                          state_check_probability=checks),
+      output_dir=folder, digest_backend=sys.argv[4]))
+  proof.start(probe_ratio=1.0)
+  state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                             tx=optax.adam(1e-3), zkdv_overlap=overlap)
+  shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated,
+                           state)
+  state = jax.tree.map(place, state, shardings)
+  step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
+                   donate_argnums=0)
+  for _ in range(steps):
+    state = step(state, place(x, rows), place(y, rows))
+  path = proof.finish()
+  return proof, path, state
+
+# Checked on every step, beside training (ALWAYS); then unchecked steps, pipelined.
+proof, path, state = train("two-processes", sys.argv[3], 3, 1.0, zkdv.overlap.ALWAYS)
 final = multihost_utils.process_allgather(state.params, tiled=True)
 if process == 0:
   (path.parent / "final-params.msgpack").write_bytes(serialization.to_bytes(final))
-held = lambda a: sorted(str(s.index) for s in a.addressable_shards if s.replica_id == 0)
+unchecked, unchecked_path, _ = train("two-processes-unchecked", sys.argv[3] + "-unchecked", 4,
+                                     0.0, zkdv.overlap.UNCHECKED)
 print(json.dumps({"process": process, "path": str(path), "steps": proof.steps,
-                  "kernel_pieces": held(state.params["Dense_0"]["kernel"]),
-                  "batch_rows": held(place(x, rows)),
-                  "checks": proof.checks, "failed": proof.failed_checks}))
+                  "committed_here": proof.committed_here, "checks": proof.checks,
+                  "failed": proof.failed_checks, "unchecked_path": str(unchecked_path),
+                  "unchecked_committed_here": unchecked.committed_here}))
 """
 
 
@@ -141,7 +149,7 @@ class MultiProcessRun:
 
   def test_one_transcript_whose_steps_combine_both_processes(self):
     self.assertEqual({o["path"] for o in self.outputs}, {str(self.folder)})
-    for cwd in self.cwds:  # nothing written beside the run's own transcript
+    for cwd in self.cwds:  # nothing written beside the runs' own transcripts
       self.assertEqual(list(cwd.iterdir()), [])
     self.assertEqual([o["steps"] for o in self.outputs], [STEPS] * PROCESSES)
     self.assertEqual(self.outputs[0]["failed"], [])
@@ -156,10 +164,15 @@ class MultiProcessRun:
     self.assertEqual(programs[0]["collectives"], "gloo")
     steps = testing.records_of(self.folder, "step")
     self.assertEqual([s["index"] for s in steps], list(range(STEPS)))
-    # Each process commits one column of each kernel and one block of rows ...
-    for what in ("kernel_pieces", "batch_rows"):
-      held = [set(o[what]) for o in self.outputs]
-      self.assertTrue(all(held) and not held[0] & held[1], (what, held))
+    # Each process hashes the pieces and rows it holds (one column of each kernel, one block of
+    # rows), and together they hash each piece and row of every step exactly once.
+    programs_layout = programs[0]["state_layout"]
+    pieces_per_step = sum(len(l.get("pieces", [0])) for l in programs_layout)
+    for key, steps_run in (("committed_here", STEPS), ("unchecked_committed_here", 4)):
+      here = [o[key] for o in self.outputs]
+      self.assertTrue(all(h["pieces"] and h["rows"] for h in here), here)
+      self.assertEqual(sum(h["pieces"] for h in here), pieces_per_step * steps_run)
+      self.assertEqual(sum(h["rows"] for h in here), 2 * 8 * steps_run)
     # ... and every row is probed, so process 0 wrote rows that process 1 sent.
     for s in steps:
       self.assertCountEqual([(leaf, row) for leaf, row, _, _ in s["probes"]],
@@ -180,6 +193,13 @@ class MultiProcessRun:
     updates = [c for c in report["checks"] if c["kind"] == "update"]
     self.assertEqual([(c["mode"], c["status"]) for c in updates],
                      [("exact", "verified")] * STEPS)
+
+  def test_unchecked_pipelined_run_verifies(self):
+    folder = pathlib.Path(self.outputs[0]["unchecked_path"])
+    self.assertEqual({o["unchecked_path"] for o in self.outputs}, {str(folder)})
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual((report.steps, report.checks), (4, []))
 
   def test_tampered_shard_opening_is_named(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "t"

@@ -88,17 +88,19 @@ class DeviceDigests(HostDigests):
     self._state = jax.jit(lambda *xs: jnp.stack([device_digest.digest_words(x) for x in xs]))
 
   def start_state(self, leaves: list, layouts: list[LeafLayout]):
-    """Whole leaves in one program; a sharded leaf's shards each where it lives."""
-    whole = [x for x, l in zip(leaves, layouts) if l.pieces is None]
-    sharded = [[None if v is None else device_digest.digest_words(v) for v in _shard_data(x, l)]
-               for x, l in zip(leaves, layouts) if l.pieces is not None]
-    return (self._state(*whole) if whole else None), sharded, layouts
+    """Whole leaves in one program; a leaf split over devices or processes
+    shard by shard, each where it lives (only the shards this process commits)."""
+    in_one = [_in_one_piece(x, l) for x, l in zip(leaves, layouts)]
+    whole = [x for x, one in zip(leaves, in_one) if one]
+    pieces = [[None if v is None else device_digest.digest_words(v) for v in _shard_data(x, l)]
+              for x, l, one in zip(leaves, layouts, in_one) if not one]
+    return (self._state(*whole) if whole else None), pieces, in_one
 
   def materialize(self, started):
-    whole, sharded, layouts = started
+    whole, pieces, in_one = started
     whole = iter(np.zeros((0, 8), np.uint32) if whole is None else np.asarray(whole))
-    sharded = iter([[None if w is None else np.asarray(w) for w in s] for s in sharded])
-    return [next(sharded) if l.pieces is not None else [next(whole)] for l in layouts]
+    pieces = iter([[None if w is None else np.asarray(w) for w in p] for p in pieces])
+    return [[next(whole)] if one else next(pieces) for one in in_one]
 
   def state_digests(self, materialized) -> list[list[bytes | None]]:
     return [[None if w is None else device_digest.words_to_bytes(w) for w in pieces]
@@ -124,12 +126,19 @@ class DeviceDigests(HostDigests):
     return digest.byte_view(np.asarray(arrays.host_view(block[0][row])))
 
 
+def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:
+  """Whether the leaf is one piece that is all here (digested as a whole)."""
+  return layout.pieces is None and getattr(x, "is_fully_addressable", True)
+
+
 def _shard_data(x: jax.Array, layout: LeafLayout) -> list:
-  """Each piece's data where this process holds it, else None."""
+  """Each piece's data where this process commits it (replica 0), else None."""
+  if arrays.is_key(x):
+    x = jax.random.key_data(x)
   by_box = arrays.shards_by_box(x)
-  if getattr(x, "is_fully_addressable", True) and set(by_box) != set(layout.pieces):
-    return [x[tuple(slice(a, b) for a, b in box)] for box in layout.pieces]  # placed otherwise
-  return [by_box.get(box) for box in layout.pieces]
+  if getattr(x, "is_fully_addressable", True) and set(by_box) != set(layout.boxes):
+    return [x[tuple(slice(a, b) for a, b in box)] for box in layout.boxes]  # placed otherwise
+  return [by_box.get(box) for box in layout.boxes]
 
 
 def for_config(name: str):
