@@ -61,12 +61,16 @@ replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 by_column = NamedSharding(mesh, P(None, "model"))
 place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
 
-def train(name, folder, steps, checks, overlap):
+def train(name, folder, steps, checks, overlap, break_blobs=False):
   proof = zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=checks,
                                           state_check_probability=checks),
       output_dir=folder, digest_backend=sys.argv[4]))
   proof.start(probe_ratio=1.0)
+  if break_blobs and proof.writes_transcript:  # process 0 can no longer store blobs
+    blobs = proof.path / "blobs"
+    blobs.rmdir()
+    blobs.write_bytes(b"")
   state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
                                              tx=optax.adam(1e-3), zkdv_overlap=overlap)
   shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated,
@@ -86,7 +90,13 @@ if process == 0:
   (path.parent / "final-params.msgpack").write_bytes(serialization.to_bytes(final))
 unchecked, unchecked_path, _ = train("two-processes-unchecked", sys.argv[3] + "-unchecked", 4,
                                      0.0, zkdv.overlap.UNCHECKED)
-print(json.dumps({"process": process, "path": str(path), "steps": proof.steps,
+try:
+  train("two-processes-broken", sys.argv[3] + "-broken", 3, 0.0, zkdv.overlap.UNCHECKED,
+        break_blobs=True)
+  broken = None
+except zkdv.errors.ZKDVError as e:
+  broken = f"{type(e).__name__}: {e}"
+print(json.dumps({"process": process, "path": str(path), "steps": proof.steps, "broken": broken,
                   "committed_here": proof.committed_here, "checks": proof.checks,
                   "failed": proof.failed_checks, "unchecked_path": str(unchecked_path),
                   "unchecked_committed_here": unchecked.committed_here}))
@@ -200,6 +210,16 @@ class MultiProcessRun:
     report = verify.verify(folder)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     self.assertEqual((report.steps, report.checks), (4, []))
+
+  def test_a_failure_on_process_0_is_raised_by_every_process_at_finish(self):
+    writer, other = (o["broken"] for o in self.outputs)
+    self.assertRegex(writer, r"^CommitmentError: .*NotADirectoryError")
+    self.assertRegex(other, r"^CommitmentError: process 0 could not complete the transcript at "
+                     r".*-broken: CommitmentError: .*NotADirectoryError")
+    records = testing.records_of(f"{self.folder}-broken")  # what was written is kept
+    self.assertEqual([r["type"] for r in records], ["root", "final"])
+    self.assertEqual(records[-1]["status"], "aborted")
+    self.assertEqual(verify.verify(f"{self.folder}-broken").verdict, verify.INVALID)
 
   def test_tampered_shard_opening_is_named(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "t"

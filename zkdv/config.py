@@ -64,7 +64,8 @@ class ZKDVConfig:
       proof under ``./zkdv-proofs``.
     cross_check_replicas: also hash every replica of a replicated or partly
       replicated leaf after each step and raise ``ReplicaDivergenceError`` when
-      one differs from the committed copy (replicas are otherwise hashed once).
+      one differs from the committed copy (replicas are otherwise hashed once;
+      across processes the error is raised by ``finish()``).
   """
 
   sampling_policy: SamplingPolicy = SamplingPolicy()
