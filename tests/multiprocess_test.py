@@ -61,7 +61,7 @@ replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 by_column = NamedSharding(mesh, P(None, "model"))
 place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
 
-def train(name, folder, steps, checks, overlap, break_blobs=False):
+def train(name, folder, steps, checks, overlap, break_blobs=False, donate=(0,)):
   proof = zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=checks,
                                           state_check_probability=checks),
@@ -77,7 +77,7 @@ def train(name, folder, steps, checks, overlap, break_blobs=False):
                            state)
   state = jax.tree.map(place, state, shardings)
   step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
-                   donate_argnums=0)
+                   donate_argnums=donate)
   for _ in range(steps):
     state = step(state, place(x, rows), place(y, rows))
   path = proof.finish()
@@ -89,14 +89,20 @@ final = multihost_utils.process_allgather(state.params, tiled=True)
 if process == 0:
   (path.parent / "final-params.msgpack").write_bytes(serialization.to_bytes(final))
 unchecked, unchecked_path, _ = train("two-processes-unchecked", sys.argv[3] + "-unchecked", 4,
-                                     0.0, zkdv.overlap.UNCHECKED)
+                                     0.0, zkdv.overlap.UNCHECKED, donate=(0, 1, 2))
 try:
   train("two-processes-broken", sys.argv[3] + "-broken", 3, 0.0, zkdv.overlap.UNCHECKED,
-        break_blobs=True)
+        break_blobs=True, donate=(0, 1, 2))
   broken = None
 except zkdv.errors.ZKDVError as e:
   broken = f"{type(e).__name__}: {e}"
+try:  # the folder already holds a transcript: process 0 cannot start, so no process does
+  train("two-processes-again", sys.argv[3], 1, 0.0, zkdv.overlap.UNCHECKED)
+  restarted = None
+except zkdv.errors.ZKDVError as e:
+  restarted = f"{type(e).__name__}: {e}"
 print(json.dumps({"process": process, "path": str(path), "steps": proof.steps, "broken": broken,
+                  "restarted": restarted,
                   "committed_here": proof.committed_here, "checks": proof.checks,
                   "failed": proof.failed_checks, "unchecked_path": str(unchecked_path),
                   "unchecked_committed_here": unchecked.committed_here}))
@@ -220,6 +226,13 @@ class MultiProcessRun:
     self.assertEqual([r["type"] for r in records], ["root", "final"])
     self.assertEqual(records[-1]["status"], "aborted")
     self.assertEqual(verify.verify(f"{self.folder}-broken").verdict, verify.INVALID)
+
+  def test_a_start_that_fails_on_process_0_fails_on_every_process(self):
+    writer, other = (o["restarted"] for o in self.outputs)
+    self.assertRegex(writer, r"^ProofStateError: .*records.cborl already exists")
+    self.assertRegex(other, r"^ProofStateError: process 0 could not start the proof: "
+                     r"ProofStateError: .*already exists")
+    self.assertEqual([r["type"] for r in testing.records_of(self.folder)].count("root"), 1)
 
   def test_tampered_shard_opening_is_named(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "t"

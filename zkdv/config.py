@@ -65,7 +65,7 @@ class ZKDVConfig:
     cross_check_replicas: also hash every replica of a replicated or partly
       replicated leaf after each step and raise ``ReplicaDivergenceError`` when
       one differs from the committed copy (replicas are otherwise hashed once;
-      across processes the error is raised by ``finish()``).
+      across processes, process 0 raises it from ``finish()``).
   """
 
   sampling_policy: SamplingPolicy = SamplingPolicy()

@@ -28,6 +28,8 @@ from zkdv import transcript
 from zkdv.config import Tolerance
 
 VERIFIED, INVALID, UNVERIFIABLE = "verified", "invalid", "could not verify"
+# How a multi-device program's collectives ran (``zkdv.jax.replay.collectives``).
+COLLECTIVES = ("default", "in-process", "gloo", "mpi", "megascale")
 EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
 
 # Fields a record of each type may carry besides those it must (any other is an error).
@@ -278,6 +280,8 @@ class _Verification:
         raise ValueError("params_leaves out of range")
       if len(rec["post_state_outputs"]) != len(rec["_state"]):
         raise ValueError("post_state_outputs do not match the state layout")
+      if rec.get("collectives", "default") not in COLLECTIVES:
+        raise ValueError(f"unknown collectives {rec['collectives']!r}")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       self.report.fail("schema", where, f"program layout is malformed: {e!r}.")
       return

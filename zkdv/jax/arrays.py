@@ -112,8 +112,9 @@ def gather(x: jax.Array) -> np.ndarray:
   """The whole leaf on the host of every process (a collective across processes)."""
   if is_key(x):
     x = jax.random.key_data(x)
-  if _fully_addressable(x):
-    return host_copy(x)
+  if _fully_addressable(x):  # on several devices, np.asarray assembles a fresh copy
+    devices = getattr(getattr(x, "sharding", None), "device_set", ())
+    return np.asarray(x) if len(devices) > 1 else host_copy(x)
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

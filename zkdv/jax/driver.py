@@ -123,19 +123,23 @@ class ZKDV:
     if isinstance(probe_ratio, bool) or not isinstance(probe_ratio, (int, float)) or not 0 <= probe_ratio <= 1:
       raise ValueError(f"probe_ratio must be a number in [0, 1], got {probe_ratio!r}.")
     group = processes.ProcessGroup.current()
-    run = group.open_run(lambda: {
-        "run_id": os.urandom(16), "seed": sampling.new_seed(),
-        "folder": str(pathlib.Path(self.config.output_dir) if self.config.output_dir
-                      else _default_folder(self.name))})
-    path, seed = pathlib.Path(run["folder"]), run["seed"]
-    if group.is_writer:  # fails (leaving the proof unstarted) if the folder holds a transcript
-      self._writer = transcript.TranscriptWriter(path)
+
+    def open_transcript() -> dict:  # on process 0; a failure leaves every process unstarted
+      seed = sampling.new_seed()
+      path = (pathlib.Path(self.config.output_dir) if self.config.output_dir
+              else _default_folder(self.name))
+      writer = transcript.TranscriptWriter(path)  # refuses a folder that holds a transcript
       try:
-        self._write_root(group, seed, rolling_window, probe_ratio)
+        self._write_root(writer, group, seed, rolling_window, probe_ratio)
       except BaseException:
-        self._writer.close()
-        self._writer = None
+        writer.close()
         raise
+      self._writer = writer
+      return {"run_id": os.urandom(16), "seed": seed, "folder": str(path)}
+
+    run = group.open_run(open_transcript)
+    path, seed = pathlib.Path(run["folder"]), run["seed"]
+    if group.is_writer:
       logger.info("ZKDV proof %r: transcript at %s", self.name, path)
     else:
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
@@ -146,9 +150,9 @@ class ZKDV:
     self._group = group
     return self
 
-  def _write_root(self, group, seed, rolling_window, probe_ratio) -> None:
+  def _write_root(self, writer, group, seed, rolling_window, probe_ratio) -> None:
     devices = jax.devices()
-    self._writer.append({
+    writer.append({
         "type": "root",
         "format_version": transcript.FORMAT_VERSION,
         "prover": transcript.PROVER,
@@ -202,16 +206,17 @@ class ZKDV:
     try:
       whole_params = self._gather_sharded_params()
     except Exception as e:  # pylint: disable=broad-except  # e.g. the final state was deleted
-      logger.warning("ZKDV proof %r: no final_params: gathering sharded params failed: %r",
-                     self.name, e)
       whole_params = None
+      error = error or errors.CommitmentError(
+          f"could not gather the sharded params for final_params: {type(e).__name__}: {e}. "
+          "Keep the state the last step returned alive until finish().")
     try:
       if self._writer is not None:
         self._write_final(clean=error is None, whole_params=whole_params)
         self._writer.close()
-    except (OSError, ValueError) as e:
+    except Exception as e:  # pylint: disable=broad-except  # the others still hear the outcome
       error = error or errors.CommitmentError(
-          f"could not write the final record to {self.path}: {e}")
+          f"could not write the final record to {self.path}: {type(e).__name__}: {e}")
     error = self._agree_on_outcome(error)
     self._finished = True
     self._finish_error = error
@@ -228,6 +233,8 @@ class ZKDV:
       return error
     reported = self._group.broadcast("finish", None if error is None else
                                      f"{type(error).__name__}: {error}")
+    if self._committed_steps:  # every process has read the start message by now
+      self._group.close_run()
     if error is None and reported is not None:
       error = errors.CommitmentError(
           f"process 0 could not complete the transcript at {self.path}: {reported}")
@@ -323,7 +330,7 @@ class ZKDV:
         pre = digests.state_digests(digests.materialize(pre))
     rows = digests.start_rows(batch, program.batch_layouts)
     if any(program.donated[i] for i in program.batch_indices):
-      rows = self._commit_batch(program, index, rows)
+      rows = self._hash_batch(program, index, rows, copy=True)
     # Openings are whole leaves; across processes, gathering them is a collective.
     opened = [arrays.gather(x) for x in leaves] if update_check else None
     pipeline.reserve()
@@ -377,8 +384,9 @@ class ZKDV:
     local = digests.state_digests(materialized)
     self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
     gathered = self._group.gather(f"{index}/state", [local, pre, replicas])
-    batch = rows if isinstance(rows, dict) or rows is None else self._commit_batch(
-        program, index, rows)
+    hashed = rows if isinstance(rows, _HashedBatch) else self._hash_batch(
+        program, index, rows, copy=self._group.multi)
+    batch = self._commit_batch(program, index, hashed)
     if gathered is None:  # another process writes the records
       self.checks["update"] += update_check
       self.checks["state"] += state_check
@@ -408,10 +416,11 @@ class ZKDV:
       self._state_check(program, index, post_views)
     _cross_check_replicas(index, layouts, post_pieces, [g[2] for g in gathered])
 
-  def _commit_batch(self, program, index, rows) -> dict | None:
-    """The step's batch fields: digest, and data probes with their Merkle proofs.
+  def _hash_batch(self, program, index, rows, copy: bool) -> "_HashedBatch":
+    """The row hashes and probed rows of the batch rows held here (no I/O).
 
-    None on a process other than 0, which only sends what it holds.
+    ``copy`` takes the probed rows out of the batch's buffers (before donation,
+    or to send them to process 0).
     """
     layouts, digests = program.batch_layouts, self._digests
     probed = [(leaf, row) for leaf, layout in enumerate(layouts)
@@ -419,11 +428,18 @@ class ZKDV:
               for row in sampling.probe_rows(self._seed, index, leaf, layout.rows,
                                              self._probe_ratio)]
     held = [(leaf, row, digests.row_bytes(rows[leaf], row)) for leaf, row in probed]
-    local = digests.row_hashes(rows, layouts)
-    self.committed_here["rows"] += sum(h is not None for leaf in local for h in leaf)
-    gathered = self._group.gather(f"{index}/batch", [local, [
-        [leaf, row, bytes(data) if self._group.multi else data]  # sent: bytes
-        for leaf, row, data in held if data is not None]])
+    hashes = digests.row_hashes(rows, layouts)
+    self.committed_here["rows"] += sum(h is not None for leaf in hashes for h in leaf)
+    return _HashedBatch(hashes, probed, [[leaf, row, bytes(data) if copy else data]
+                                         for leaf, row, data in held if data is not None])
+
+  def _commit_batch(self, program, index, hashed: "_HashedBatch") -> dict | None:
+    """The step's batch fields: digest, and data probes with their Merkle proofs.
+
+    None on a process other than 0, which only sends what it holds.
+    """
+    layouts = program.batch_layouts
+    gathered = self._group.gather(f"{index}/batch", [hashed.row_hashes, hashed.probes])
     if gathered is None:
       return None
     hashes = processes.merge([g[0] for g in gathered], "batch")
@@ -434,7 +450,7 @@ class ZKDV:
     trees = [merkle.tree_levels(h) for h in hashes]
     fields = {"batch": digest.batch_digest(layouts, [digest.tree_root(t) for t in trees])}
     probes = [[leaf, row, self._writer.put_blob(row_data[(leaf, row)]),
-               merkle.inclusion_proof(trees[leaf], row)] for leaf, row in probed]
+               merkle.inclusion_proof(trees[leaf], row)] for leaf, row in hashed.probed]
     if probes:  # an unprobed step stays small: no probe fields at all
       fields["probes"] = probes
       fields["batch_roots"] = [digest.tree_root(t) for t in trees]
@@ -498,6 +514,16 @@ class ZKDV:
         final["final_params"] = digest.params_digest(
             [dataclasses.replace(l, pieces=None) for l in layouts], whole, params)
     self._writer.append(final, durable=True)
+
+
+@dataclasses.dataclass
+class _HashedBatch:
+  """What this process holds of a step's batch: row hashes (None: held elsewhere),
+  the probed (leaf, row) pairs, and [leaf, row, bytes] of the probed rows held here."""
+
+  row_hashes: list
+  probed: list
+  probes: list
 
 
 def _cross_check_replicas(index: int, layouts, pieces, replicas_per_process) -> None:

@@ -67,14 +67,25 @@ class ProcessGroup:
     """
     if not self.multi:
       return make_run()
-    key = f"zkdv/start/{next(_proofs_started)}"
+    key = self._start_key = f"zkdv/start/{next(_proofs_started)}"
     if self.is_writer:
-      run = make_run()
+      try:
+        run = make_run()
+      except Exception as e:
+        self._client.key_value_set_bytes(key, cbor2.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise
       self._client.key_value_set_bytes(key, cbor2.dumps(run))
     else:
       run = cbor2.loads(self._get(key, "the start of the proof", source=None))
+      if "error" in run:
+        raise errors.ProofStateError(f"process 0 could not start the proof: {run['error']}")
     self._prefix = f"zkdv/run/{run['run_id'].hex()}"
     return run
+
+  def close_run(self) -> None:
+    """Deletes the run's start message (process 0, once every process has sent steps)."""
+    if self.multi and self.is_writer:
+      self._client.key_value_delete(self._start_key)
 
   def gather(self, topic: str, local):
     """Every process's ``local`` value in process order, on process 0; None elsewhere.
@@ -104,7 +115,7 @@ class ProcessGroup:
     if self.is_writer:
       self._client.key_value_set_bytes(key, cbor2.dumps(value))
       return value
-    return cbor2.loads(self._get(key, f"{topic} from process 0", source=0))
+    return cbor2.loads(self._get(key, f"{topic} from process 0", source=0, patient=True))
 
   def report_failure(self, message: str) -> None:
     """Tells the other processes that this one stopped committing, and why."""
@@ -120,19 +131,24 @@ class ProcessGroup:
     except jax.errors.JaxRuntimeError:  # NOT_FOUND: no failure reported
       return None
 
-  def _get(self, key: str, what: str, source: int | None) -> bytes:
-    """Waits for ``key``, giving up early if process ``source`` reports a failure."""
+  def _get(self, key: str, what: str, source: int | None, patient: bool = False) -> bytes:
+    """Waits for ``key``, giving up early if process ``source`` reports a failure
+    (and, unless ``patient``, after ``timeout_s``)."""
     deadline = time.monotonic() + self.timeout_s
     while True:
       try:
         return self._client.blocking_key_value_get_bytes(key, _POLL_MS)
-      except jax.errors.JaxRuntimeError as e:  # DEADLINE_EXCEEDED: not there yet
+      except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" not in str(e):  # the coordination service itself failed
+          raise errors.CommitmentError(
+              f"process {self.index} lost the coordination service while waiting for "
+              f"{what}: {e}") from e
         reason = None if source is None else self.failure(source)
         if reason is not None:
           raise errors.CommitmentError(
               f"process {source} stopped committing, so {what} never came: "
               f"{reason}") from e
-        if time.monotonic() > deadline:
+        if not patient and time.monotonic() > deadline:
           raise errors.CommitmentError(
               f"process {self.index} waited {self.timeout_s:.0f} s for {what} and got "
               f"nothing ({type(e).__name__}: {e}). Every process of a multi-process run "
