@@ -147,6 +147,13 @@ class VerifierTest(parameterized.TestCase):
       return records
     self.assert_fails(rechained(edit), "opening")
 
+  def test_unknown_collectives_is_a_format_error_not_an_unverifiable_replay(self):
+    def edit(records):
+      next(r for r in records if r["type"] == "program")["collectives"] = "carrier-pigeon"
+      return records
+    report = self.assert_fails(rechained(edit), "schema")
+    self.assertIn("unknown collectives 'carrier-pigeon'", report.dumps())
+
   def test_replaced_revealed_seed(self):
     def edit(records):
       records[-1]["seed"] = bytes(32)
