@@ -42,7 +42,8 @@ class ProcessGroup:
     self.index = index
     self.count = count
     self.timeout_s = timeout_s
-    self._prefix = None
+    self._prefix = None  # the run's keys, once open_run has shared its id
+    self._start_key = None
 
   @classmethod
   def current(cls) -> "ProcessGroup":
