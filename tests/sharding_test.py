@@ -107,6 +107,29 @@ class ShardingTest(parameterized.TestCase):
     self.assertEqual(report.verdict, verify.UNVERIFIABLE)
     self.assertIn(f"exported for {devices} devices", report.dumps())
 
+  def test_placed_inputs_without_in_shardings(self, devices):
+    # Idiomatic JAX: place the state on the mesh and let jit follow; XLA then picks output
+    # shardings of its own (some biases come back split), and the next call follows those.
+    result = run_case("""
+        proof, state = new_state("placed")
+        replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        by_column = NamedSharding(mesh, P(None, "model"))
+        state = jax.device_put(state, jax.tree.map(
+            lambda v: by_column if getattr(v, "ndim", 0) == 2 and v.shape[1] % (N // 2) == 0
+            else replicated, state))
+        run(proof.jit(plain_step, donate_argnums=0), proof, state,
+            jax.device_put(x, rows), jax.device_put(y, rows))
+        """, devices)
+    self.assert_verified(result)
+    programs = testing.records_of(result["path"], "program")
+    self.assertEqual(programs[0]["nr_devices"], devices)
+    kernel = next(l for l in programs[0]["state_layout"] if l["path"].endswith("['kernel']"))
+    self.assertLen(kernel["pieces"], devices // 2)
+    # Each program's post-state is laid out as it placed it, and the next takes it from there.
+    for before, after in zip(programs, programs[1:]):
+      self.assertEqual(before.get("post_state_layout", before["state_layout"]),
+                       after["state_layout"])
+
   def test_shard_map_gradients(self, devices):
     result = run_case("""
         proof, state = new_state("shard-map")

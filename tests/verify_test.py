@@ -154,6 +154,15 @@ class VerifierTest(parameterized.TestCase):
     report = self.assert_fails(rechained(edit), "schema")
     self.assertIn("unknown collectives 'carrier-pigeon'", report.dumps())
 
+  def test_post_state_layout_must_describe_the_same_leaves(self):
+    def edit(records):
+      program = next(r for r in records if r["type"] == "program")
+      program["post_state_layout"] = [dict(l) for l in program["state_layout"]]
+      program["post_state_layout"][0]["shape"] = [7]
+      return records
+    report = self.assert_fails(rechained(edit), "schema")
+    self.assertIn("post_state_layout does not match state_layout", report.dumps())
+
   def test_replaced_revealed_seed(self):
     def edit(records):
       records[-1]["seed"] = bytes(32)

@@ -36,7 +36,7 @@ EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
 OPTIONAL_FIELDS = {
     "root": {"device_kinds", "processes"},
     "program": {"function", "params_leaves", "static_arguments", "compiler_options",
-                "nr_devices", "collectives", "processes"},
+                "nr_devices", "collectives", "processes", "post_state_layout"},
     "step": {"probes", "batch_roots"},
     "check": {"pre_state_blobs", "batch_blobs", "post_state_blobs", "result",
               "pre_state_pieces"},
@@ -267,8 +267,14 @@ class _Verification:
       data = None
     try:
       rec["_state"] = [digest.LeafLayout.from_record(l) for l in rec["state_layout"]]
+      # The post-state is laid out as the program places its outputs (by default as its inputs).
+      rec["_post"] = [digest.LeafLayout.from_record(l)
+                      for l in rec.get("post_state_layout", rec["state_layout"])]
+      if [(l.path, l.dtype, l.shape) for l in rec["_post"]] != [
+          (l.path, l.dtype, l.shape) for l in rec["_state"]]:
+        raise ValueError("post_state_layout does not match state_layout")
       rec["_batch"] = [digest.LeafLayout.from_record(l) for l in rec["batch_layout"]]
-      for l in rec["_state"] + rec["_batch"]:
+      for l in rec["_state"] + rec["_post"] + rec["_batch"]:
         digest.numpy_dtype(l.dtype)
         if not all(isinstance(n, int) and 0 <= n < 2**40 for n in l.shape):
           raise ValueError(f"shape {l.shape} of {l.path}")
@@ -412,7 +418,7 @@ class _Verification:
     leaves = final.get("final_state_leaves")
     if program is None:
       return
-    layouts = program["_state"]
+    layouts = program["_post"]
     if (not isinstance(leaves, list) or len(leaves) != len(layouts)
         or not all(isinstance(p, list) and len(p) == len(l.boxes)
                    and all(isinstance(d, bytes) for d in p) for p, l in zip(leaves, layouts))
@@ -493,18 +499,19 @@ class _Verification:
     return arrays
 
   def _state_check(self, check, step, program, where) -> None:
-    post = self._open(check.get("post_state_blobs"), program["_state"], where, "post-state")
-    ok = post is not None and self._state_matches(check["post_state_blobs"], post, program,
-                                                  step["post_state"], where, "post-state")
+    post = self._open(check.get("post_state_blobs"), program["_post"], where, "post-state")
+    ok = post is not None and self._state_matches(check["post_state_blobs"], post,
+                                                  program["_post"], step["post_state"], where,
+                                                  "post-state")
     self.report.checks.append(CheckOutcome(step["index"], "state", "opening",
                                            "verified" if ok else "failed"))
 
-  def _state_matches(self, blobs, arrays, program, committed, where, what) -> bool:
+  def _state_matches(self, blobs, arrays, layouts, committed, where, what) -> bool:
     """Opened blobs were checked against their names, which are the whole-leaf digests;
     a sharded leaf's pieces are hashed from the opened array."""
     pieces = [[b] if l.pieces is None else digest.piece_digests(l, a)
-              for b, a, l in zip(blobs, arrays, program["_state"])]
-    if digest.state_digest_from_pieces(program["_state"], pieces) != committed:
+              for b, a, l in zip(blobs, arrays, layouts)]
+    if digest.state_digest_from_pieces(layouts, pieces) != committed:
       self.report.fail("opening", where, f"opened {what} does not match its commitment.")
       return False
     return True
@@ -523,17 +530,18 @@ class _Verification:
     batch = self._open(check.get("batch_blobs"), program["_batch"], where, "batch")
     if pre is None or batch is None:
       return
-    if not self._state_matches(check["pre_state_blobs"], pre, program, step["pre_state"],
-                               where, "pre-state"):
+    if not self._state_matches(check["pre_state_blobs"], pre, program["_state"],
+                               step["pre_state"], where, "pre-state"):
       return
     if digest.digest_batch_arrays(program["_batch"], batch) != step["batch"]:
       self.report.fail("opening", where, "opened batch does not match its commitment.")
       return
     post = None
     if not exact:
-      post = self._open(check.get("post_state_blobs"), program["_state"], where, "post-state")
-      if post is None or not self._state_matches(check["post_state_blobs"], post, program,
-                                                 step["post_state"], where, "post-state"):
+      post = self._open(check.get("post_state_blobs"), program["_post"], where, "post-state")
+      if post is None or not self._state_matches(check["post_state_blobs"], post,
+                                                 program["_post"], step["post_state"], where,
+                                                 "post-state"):
         return
     if self.replay_mode == "none":
       outcome.status = "not replayed"
@@ -542,7 +550,7 @@ class _Verification:
     if replayed is None:
       return
     if exact:
-      ok = digest.digest_state_arrays(program["_state"], replayed)[0] == step["post_state"]
+      ok = digest.digest_state_arrays(program["_post"], replayed)[0] == step["post_state"]
       if not ok:
         self.report.fail("replay", where,
                          "replaying the update program does not reproduce the committed "

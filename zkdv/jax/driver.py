@@ -308,9 +308,6 @@ class ZKDV:
     pipeline, digests, multi = self._pipeline, self._digests, self._group.multi
     if not multi:  # across processes, failures wait for finish(): see _agree_on_outcome
       pipeline.raise_if_failed()
-    if program.program_id not in self._program_numbers:
-      self._program_numbers[program.program_id] = len(self._program_numbers)
-      pipeline.submit(lambda job: self._write_program(program))
     with self._lock:
       index = self.steps
       self.steps += 1
@@ -338,7 +335,11 @@ class ZKDV:
       pipeline.last_job.views_ready.wait()  # no donation of a buffer being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
-    post_started = digests.start_state(post, program.state_layouts)
+    if program.program_id not in self._program_numbers:  # first run: record the program
+      program.place_post_state(post)
+      self._program_numbers[program.program_id] = len(self._program_numbers)
+      pipeline.submit(lambda job: self._write_program(program))
+    post_started = digests.start_state(post, program.post_layouts)
     checked = None
     if multi and (update_check or state_check):  # collectives stay on this thread
       checked = ([arrays.gather(x) for x in post],
@@ -371,7 +372,7 @@ class ZKDV:
     to process 0, which writes the records (``checked`` then holds the whole
     post-state and replayed outputs, gathered on the training thread).
     """
-    digests, layouts = self._digests, program.state_layouts
+    digests, layouts = self._digests, program.post_layouts
     # Checks need the post-state on the host: take views before the next step may donate it.
     post_views = ([arrays.host_view(x) for x in post]
                   if (update_check or state_check) and checked is None else None)
@@ -397,7 +398,7 @@ class ZKDV:
       pre_digest = self._last_post[0]
     else:
       pre_digest = digest.state_digest_from_pieces(
-          layouts, processes.merge([g[1] for g in gathered], "pre-state"))
+          program.state_layouts, processes.merge([g[1] for g in gathered], "pre-state"))
     if self._last_post is not None and pre_digest != self._last_post[0]:
       self.discontinuities.append(index)
       logger.warning("ZKDV proof %r: step %d does not start from the state step "
@@ -496,7 +497,7 @@ class ZKDV:
     if program is None:
       return {}
     return {i: arrays.gather(x) for i, (x, l, is_param) in enumerate(zip(
-        self._last_post_leaves, program.state_layouts, program.params_mask))
+        self._last_post_leaves, program.post_layouts, program.params_mask))
             if is_param and l.pieces is not None}
 
   def _write_final(self, clean: bool, whole_params: dict) -> None:

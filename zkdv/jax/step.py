@@ -118,15 +118,23 @@ class Program:
   state_indices: list[int]
   batch_indices: list[int]
   post_indices: list[int]
-  state_layouts: list[LeafLayout]
+  state_layouts: list[LeafLayout]  # as the program takes the state
   batch_layouts: list[LeafLayout]
   params_mask: list[bool]
   donated: list[bool]
   overlap: Any
   executable: Callable
   compiler_options: dict | None
+  post_layouts: list[LeafLayout] | None = None  # as it returns it; set by the first run
   _replay: Callable | None = None
   _replay_sharded: Any = None
+
+  def place_post_state(self, post: list) -> None:
+    """Lays the post-state out as the first run placed it (pieces are its own shards)."""
+    self.post_layouts = [l if l.key_impl else arrays.layout_of(l.path, x, sharded=True)
+                         for l, x in zip(self.state_layouts, post)]
+    if self.post_layouts != self.state_layouts:
+      self.record["post_state_layout"] = [l.to_record() for l in self.post_layouts]
 
   def replay(self, *inputs):
     """Runs the update program compiled from its serialized form, as a verifier does."""
@@ -148,6 +156,14 @@ class Program:
     outs = self._replay_sharded(*[arrays.to_global(a, layouts[i], s)
                                   for i, (a, s) in enumerate(zip(opened, shardings))])
     return [arrays.gather(outs[i]) for i in self.post_indices]
+
+
+def _mesh_sharding(x) -> jax.sharding.NamedSharding | None:
+  """The leaf's sharding if it is placed on a mesh of several devices, else None."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
+    return sharding
+  return None
 
 
 def _avals(leaves) -> list:
@@ -191,10 +207,14 @@ class ProofFunction:
           f"{dict(self._static)!r} and is now called with {dict(static)!r}.")
     leaves, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
     leaves = [arrays.as_array(x) for x in leaves]
-    program = self._programs.get((in_tree, positions))
+    # As jax.jit does, a step without in_shardings takes its inputs' own placement on a mesh
+    # (and is traced again when it changes).
+    placement = (None if self._options.get("in_shardings") is not None
+                 else tuple(_mesh_sharding(x) for x in leaves))
+    program = self._programs.get((in_tree, positions, placement))
     if program is None:
-      program = self._build(dyn_args, dyn_kwargs, static, positions, leaves, in_tree)
-      self._programs[(in_tree, positions)] = program
+      program = self._build(dyn_args, dyn_kwargs, static, positions, leaves, in_tree, placement)
+      self._programs[(in_tree, positions, placement)] = program
       self._static = static
     elif _avals(leaves) != program.avals:
       self._raise_wrong_shapes(program, leaves)
@@ -243,7 +263,8 @@ class ProofFunction:
           f"({self._proof!r}).")
     return start, len(jax.tree.leaves(state)), state
 
-  def _build(self, dyn_args, dyn_kwargs, static, positions, leaves, in_tree) -> Program:
+  def _build(self, dyn_args, dyn_kwargs, static, positions, leaves, in_tree,
+             placement) -> Program:
     proof = self._proof
     start, count, state = self._locate_state(dyn_args, dyn_kwargs, positions)
     state_indices = list(range(start, start + count))
@@ -278,7 +299,7 @@ class ProofFunction:
     exact = attest_apply_fn is None
     donated = self._spec.donated_leaves(dyn_args, dyn_kwargs, positions)
     donate_argnums = [i for i, d in enumerate(donated) if d]
-    shardings = self._flat_shardings(dyn_args, dyn_kwargs, out_shape)
+    shardings = self._flat_shardings(dyn_args, dyn_kwargs, out_shape, placement)
     compiler_options = self._options.get("compiler_options")
     export_fn = flat_step if exact else functools.partial(flat_step, swap_apply_fn=True)
     try:
@@ -382,8 +403,10 @@ class ProofFunction:
           "state leaf's shape and dtype.")
     return list(range(start, start + len(post)))
 
-  def _flat_shardings(self, dyn_args, dyn_kwargs, out_shape) -> dict:
+  def _flat_shardings(self, dyn_args, dyn_kwargs, out_shape, placement) -> dict:
     shardings = {}
+    if placement is not None and any(s is not None for s in placement):
+      shardings["in_shardings"] = placement
     if self._options.get("in_shardings") is not None:
       flat = _compat.broadcast_prefix(
           (tuple(self._options["in_shardings"])
