@@ -61,7 +61,7 @@ replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 by_column = NamedSharding(mesh, P(None, "model"))
 place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
 
-def train(name, folder, steps, checks, overlap, break_blobs=False, donate=(0,)):
+def train(name, folder, steps, checks, overlap, break_blobs=False, donate=(0,), placed=False):
   proof = zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=checks,
                                           state_check_probability=checks),
@@ -76,20 +76,24 @@ def train(name, folder, steps, checks, overlap, break_blobs=False, donate=(0,)):
   shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated,
                            state)
   state = jax.tree.map(place, state, shardings)
-  step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
-                   donate_argnums=donate)
+  if placed:  # no shardings given: the step follows its inputs' placement, as jax.jit does
+    step = proof.jit(plain_step, donate_argnums=donate)
+  else:
+    step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
+                     donate_argnums=donate)
   for _ in range(steps):
     state = step(state, place(x, rows), place(y, rows))
   path = proof.finish()
   return proof, path, state
 
-# Checked on every step, beside training (ALWAYS); then unchecked steps, pipelined.
+# Checked on every step, beside training (ALWAYS); then unchecked steps, pipelined, in the
+# idiomatic style (no shardings given to proof.jit).
 proof, path, state = train("two-processes", sys.argv[3], 3, 1.0, zkdv.overlap.ALWAYS)
 final = multihost_utils.process_allgather(state.params, tiled=True)
 if process == 0:
   (path.parent / "final-params.msgpack").write_bytes(serialization.to_bytes(final))
 unchecked, unchecked_path, _ = train("two-processes-unchecked", sys.argv[3] + "-unchecked", 4,
-                                     0.0, zkdv.overlap.UNCHECKED, donate=(0, 1, 2))
+                                     0.0, zkdv.overlap.UNCHECKED, donate=(0, 1, 2), placed=True)
 try:
   train("two-processes-broken", sys.argv[3] + "-broken", 3, 0.0, zkdv.overlap.UNCHECKED,
         break_blobs=True, donate=(0, 1, 2))
@@ -182,13 +186,17 @@ class MultiProcessRun:
     self.assertEqual([s["index"] for s in steps], list(range(STEPS)))
     # Each process hashes the pieces and rows it holds (one column of each kernel, one block of
     # rows), and together they hash each piece and row of every step exactly once.
-    programs_layout = programs[0]["state_layout"]
-    pieces_per_step = sum(len(l.get("pieces", [0])) for l in programs_layout)
-    for key, steps_run in (("committed_here", STEPS), ("unchecked_committed_here", 4)):
+    for key, folder in (("committed_here", self.folder),
+                        ("unchecked_committed_here", self.outputs[0]["unchecked_path"])):
+      layouts = [p.get("post_state_layout", p["state_layout"])
+                 for p in testing.records_of(folder, "program")]
+      run_steps = testing.records_of(folder, "step")
       here = [o[key] for o in self.outputs]
       self.assertTrue(all(h["pieces"] and h["rows"] for h in here), here)
-      self.assertEqual(sum(h["pieces"] for h in here), pieces_per_step * steps_run)
-      self.assertEqual(sum(h["rows"] for h in here), 2 * 8 * steps_run)
+      self.assertEqual(sum(h["pieces"] for h in here),
+                       sum(len(l.get("pieces", [0])) for s in run_steps
+                           for l in layouts[s["program"]]))
+      self.assertEqual(sum(h["rows"] for h in here), 2 * 8 * len(run_steps))
     # ... and every row is probed, so process 0 wrote rows that process 1 sent.
     for s in steps:
       self.assertCountEqual([(leaf, row) for leaf, row, _, _ in s["probes"]],
@@ -216,6 +224,9 @@ class MultiProcessRun:
     report = verify.verify(folder)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     self.assertEqual((report.steps, report.checks), (4, []))
+    # Given no shardings, the step took its inputs' placement on the 4-device mesh.
+    self.assertEqual({p["nr_devices"] for p in testing.records_of(folder, "program")},
+                     {PROCESSES * LOCAL_DEVICES})
 
   def test_a_failure_on_process_0_is_raised_by_every_process_at_finish(self):
     writer, other = (o["broken"] for o in self.outputs)
