@@ -91,8 +91,6 @@ class ZKDVConfig:
   def to_record(self) -> dict:
     """The config as it is written into the root record."""
     return {
-        "update_check_probability": self.sampling_policy.update_check_probability,
-        "state_check_probability": self.sampling_policy.state_check_probability,
         "rtol": self.tolerance.rtol,
         "atol": self.tolerance.atol,
         "digest_backend": self.digest_backend,

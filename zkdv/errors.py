@@ -99,3 +99,15 @@ class TranscriptFormatError(ZKDVError, ValueError):
 
 class StepOutputError(ZKDVError, TypeError):
   """A training step did not return the state it updated."""
+
+
+class ReceiptError(ZKDVError, ValueError):
+  """A DVBench receipt that is malformed, altered or signed by another key."""
+
+
+class ChallengeTimeoutError(ZKDVError, RuntimeError):
+  """The challenger gave no decision within the configured time.
+
+  Training waits at the rolling window for the server's challenges; when the
+  server stays unreachable the transcript so far is kept in its folder.
+  """

@@ -26,7 +26,7 @@ import numpy as np
 from zkdv import errors
 from zkdv.digest import numpy_dtype
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PROVER = "whitebox-jax"
 RECORDS_FILE = "records.cborl"
 BLOBS_DIR = "blobs"

@@ -2,7 +2,10 @@
 
 Jobs (program records, step commitments, checks) run in submission order, so
 records are written in order. ``reserve()`` blocks while ``window`` steps are
-in flight, which bounds the buffer generations ZKDV keeps alive. A failure is
+in flight, which bounds the buffer generations ZKDV keeps alive; a job
+submitted with ``holds_slot`` gives a slot back when it has run (a step whose
+challenge comes later gives its slot back with the job that answers it). A
+failure is
 kept (and passed to ``on_error``) and raised on the training thread at the
 next ``raise_if_failed()``.
 
@@ -16,6 +19,7 @@ Example::
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from zkdv import errors
@@ -44,9 +48,16 @@ class CommitPipeline:
     self._thread = threading.Thread(target=self._run, name="zkdv-commit", daemon=True)
     self._thread.start()
 
-  def reserve(self) -> None:
-    """Blocks until a step may be dispatched (fewer than ``window`` in flight)."""
-    self._slots.acquire()
+  def reserve(self, waiting: Callable[[float], None] | None = None) -> None:
+    """Blocks until a step may be dispatched (fewer than ``window`` in flight).
+
+    ``waiting(seconds)`` is called about once a second while it blocks; it may
+    raise to stop waiting (say, when the challenges it waits for cannot come).
+    """
+    started = time.monotonic()
+    while not self._slots.acquire(timeout=1.0):
+      if waiting is not None:
+        waiting(time.monotonic() - started)
     self.in_flight += 1
 
   def submit(self, work: Callable[[Job], None], *, holds_slot: bool = False) -> Job:
@@ -54,6 +65,11 @@ class CommitPipeline:
     self.last_job = job
     self._queue.put(job)
     return job
+
+  @property
+  def error(self) -> BaseException | None:
+    """The first background failure, if any."""
+    return self._error
 
   def raise_if_failed(self) -> None:
     if self._error is not None:

@@ -10,7 +10,7 @@ the group has one member and every exchange is the identity.
 Example::
 
   group = ProcessGroup.current()
-  run = group.open_run(lambda: {"run_id": os.urandom(16), "seed": sampling.new_seed()})
+  run = group.open_run(lambda: {"run_id": os.urandom(16), "seed": challenge.new_key()})
   every = group.gather("3/state", local_digests)  # process 0: all of them; others: None
 """
 

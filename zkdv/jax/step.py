@@ -199,7 +199,7 @@ class ProofFunction:
 
   def __call__(self, *args, **kwargs):
     proof = self._proof
-    proof._require_running()
+    proof.ensure_started()
     dyn_args, dyn_kwargs, static, positions = self._spec.split(args, kwargs)
     if self._static is not None and static != self._static:
       raise errors.StaticArgumentError(
@@ -218,7 +218,7 @@ class ProofFunction:
       self._static = static
     elif _avals(leaves) != program.avals:
       self._raise_wrong_shapes(program, leaves)
-    outs = proof._run_step(program, leaves)
+    outs = proof.run_step(program, leaves)
     return jax.tree.unflatten(program.out_tree, outs)
 
   def _raise_wrong_shapes(self, program: Program, leaves) -> None:
@@ -322,7 +322,7 @@ class ProofFunction:
                            keep_unused=self._options.get("keep_unused", False),
                            compiler_options=compiler_options, **run_options,
                            **shardings)
-    proof._register(self)
+    proof.register(self)
     params_mask = [p.startswith(".params") for p in state_paths]
     record = {
         "type": "program",

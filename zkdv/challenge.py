@@ -1,0 +1,155 @@
+"""Which steps are checked: decisions derived from a per-step challenge.
+
+Every step ``t`` has a 32-byte *step challenge* ``c_t``; the update check, the
+state check and the probed batch rows of step ``t`` are public functions of
+``c_t`` and the effective policy (``docs/protocol.md``). Who knows ``c_t`` when
+decides what a transcript proves:
+
+* ``self``: ``c_t`` is a keyed BLAKE3 of a seed the prover drew (committed in
+  ``root``, revealed in ``final``). The prover knows every decision in advance:
+  this detects faults, not a dishonest prover.
+* ``dvbench``: ``c_t`` is a keyed BLAKE3 of the server's secret per-proof key
+  ``K`` and the id of step ``t``'s record, derived after the server stored it.
+
+Example::
+
+  seed = new_seed()
+  c = step_challenge_self(seed, 7)
+  decide(c, Policy(update_check_probability=0.5)).update
+  probe_rows(c, leaf=0, rows=128, ratio=0.01)
+"""
+
+import dataclasses
+import math
+import os
+
+import blake3
+
+KEY_BYTES = 32
+CHECK_KINDS = ("update", "state")
+ANSWER_KINDS = ("update", "state", "probe")
+CHALLENGER_KINDS = ("self", "dvbench")
+_SELF_CONTEXT = b"zkdv-self-step\x00"
+_SERVER_CONTEXT = b"zkdv-server-step\x00"
+
+
+def new_key() -> bytes:
+  """A fresh secret: a self-challenger seed or a server's per-proof key."""
+  return os.urandom(KEY_BYTES)
+
+
+def key_commitment(key: bytes) -> bytes:
+  return blake3.blake3(key).digest()
+
+
+def step_challenge_self(seed: bytes, step: int) -> bytes:
+  """``c_t`` of a self-challenged transcript (known before the step runs)."""
+  return blake3.blake3(_SELF_CONTEXT + int(step).to_bytes(8, "little"), key=seed).digest()
+
+
+def step_challenge_server(key: bytes, step_record_id: bytes) -> bytes:
+  """``c_t`` of a server-challenged transcript: the server's key and the stored record."""
+  return blake3.blake3(_SERVER_CONTEXT + bytes(step_record_id), key=key).digest()
+
+
+def _draw(challenge: bytes, label: bytes) -> int:
+  return int.from_bytes(blake3.blake3(label, key=challenge).digest()[:8], "little")
+
+
+def _chosen(challenge: bytes, label: bytes, probability: float) -> bool:
+  # p * 2**64 is exact in binary floating point, so this has no rounding slack.
+  return _draw(challenge, label) < int(probability * 2.0**64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The checks a challenger requires: probabilities, probe ratio, window.
+
+  A prover may ask for more than a server's minimum, never for less; the
+  effective policy is recorded in the root (``to_record``).
+  """
+
+  update_check_probability: float = 0.01
+  state_check_probability: float = 0.0
+  probe_ratio: float = 0.0
+  rolling_window: int = 4
+
+  def __post_init__(self):
+    for name in ("update_check_probability", "state_check_probability", "probe_ratio"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}.")
+      object.__setattr__(self, name, float(value))
+    window = self.rolling_window
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1 << 20:
+      raise ValueError(f"rolling_window must be an int in [1, 2**20], got {window!r}.")
+
+  def to_record(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_record(cls, record) -> "Policy":
+    """Parses prover-written policy fields; ValueError names what is wrong."""
+    if not isinstance(record, dict) or set(record) != {f.name for f in dataclasses.fields(cls)}:
+      raise ValueError(f"a policy has exactly the fields {[f.name for f in dataclasses.fields(cls)]}.")
+    return cls(**record)
+
+  def at_least(self, minimum: "Policy") -> "Policy":
+    """This policy raised to ``minimum`` (probabilities, ratio) and capped at its window."""
+    return Policy(max(self.update_check_probability, minimum.update_check_probability),
+                  max(self.state_check_probability, minimum.state_check_probability),
+                  max(self.probe_ratio, minimum.probe_ratio),
+                  min(self.rolling_window, minimum.rolling_window))
+
+  def weaker_than(self, minimum: "Policy") -> list[str]:
+    """The fields in which this policy asks for less than ``minimum``."""
+    weaker = [name for name in ("update_check_probability", "state_check_probability",
+                                "probe_ratio") if getattr(self, name) < getattr(minimum, name)]
+    if self.rolling_window > minimum.rolling_window:
+      weaker.append("rolling_window")
+    return weaker
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What step ``step`` must answer: an update check, a state check, probes."""
+
+  step: int
+  challenge: bytes
+  update: bool
+  state: bool
+  probe_ratio: float
+
+  def probe_rows(self, leaf: int, rows: int) -> list[int]:
+    return probe_rows(self.challenge, leaf, rows, self.probe_ratio)
+
+  @property
+  def any_check(self) -> bool:
+    return self.update or self.state
+
+
+def decide(step: int, challenge: bytes, policy: Policy) -> Decision:
+  return Decision(step, challenge,
+                  _chosen(challenge, b"update", policy.update_check_probability),
+                  _chosen(challenge, b"state", policy.state_check_probability),
+                  policy.probe_ratio)
+
+
+def probe_rows(challenge: bytes, leaf: int, rows: int, ratio: float) -> list[int]:
+  """The ``ceil(ratio * rows)`` distinct rows of batch leaf ``leaf`` opened as probes."""
+  if ratio <= 0 or rows <= 0:
+    return []
+  count = min(rows, math.ceil(ratio * rows))
+  if count == rows:
+    return list(range(rows))
+  chosen, draw = set(), 0
+  prefix = b"probe\x00" + int(leaf).to_bytes(4, "little")
+  while len(chosen) < count:
+    chosen.add(_draw(challenge, prefix + draw.to_bytes(8, "little")) % rows)
+    draw += 1
+  return sorted(chosen)
+
+
+def escape_probability(probability: float, faked_steps: int = 1) -> float:
+  """The chance that ``faked_steps`` faked steps all escape update checks at ``probability``."""
+  return (1.0 - probability) ** faked_steps
