@@ -68,13 +68,16 @@ class Http:
       time.sleep(delay)
       delay = min(delay * 2, 2.0)
 
-  def put_blob(self, proof_id: str, digest: str, read) -> None:
-    """Uploads a blob unless the server already has it (blobs are content-addressed).
+  def put_blob(self, proof_id: str, digest: str, read, retry_seconds=None) -> None:
+    """Uploads a blob for a proof unless the server already holds it for that proof.
 
-    ``read()`` gives the bytes; it is called only when they must be sent.
+    A blob counts for the proofs it was uploaded for, not for every proof that
+    names it. ``read()`` gives the bytes; it is called only when they must be sent.
     """
-    if self.request("HEAD", f"/api/v1/blobs/{digest}", ok=(200, 404)).status_code != 200:
-      self.request("PUT", f"/api/v1/proofs/{proof_id}/blobs/{digest}", content=read(),
+    path = f"/api/v1/proofs/{proof_id}/blobs/{digest}"
+    if self.request("HEAD", path, ok=(200, 404),
+                    retry_seconds=retry_seconds).status_code != 200:
+      self.request("PUT", path, content=read(), retry_seconds=retry_seconds,
                    headers={"content-type": "application/octet-stream"})
 
   def close(self) -> None:
@@ -89,6 +92,12 @@ class Experiment:
 
   def __repr__(self):
     return f"Experiment({self.name!r})"
+
+  def proof_slot(self) -> dict:
+    """A one-time proof slot: the server's nonce, policy, key and key commitment."""
+    owner, name = self.name.split("/")
+    return self.client.http.request("POST",
+                                    f"/api/v1/experiments/{owner}/{name}/slots").json()
 
   def proof(self, backend: str = "jax", config=None):
     """The ``zkdv.jax.ZKDV`` driver for this experiment, uploading live."""

@@ -1,7 +1,9 @@
 """Tailing a live transcript and sending it: records, chunks, blobs, close.
 
-The uploader is a background thread: training never waits on the network.
-Blobs are uploaded content-addressed and skipped when the server has them.
+The uploader is a background thread: training never waits on the network,
+only, at the rolling window, on the server's challenges, which acknowledgements
+carry (``on_challenge``). Blobs are uploaded for the proof and skipped when
+the server already holds them for it.
 
 Example::
 
@@ -13,22 +15,27 @@ Example::
 
 import pathlib
 import threading
-import time
 import uuid
+from collections.abc import Callable
+
+from zkdv.transcript import BLOBS_DIR
+from zkdv.transcript import RECORDS_FILE
 
 from dvbench import errors
 from dvbench import transport
-
-RECORDS_FILE = "records.cborl"
-BLOBS_DIR = "blobs"
 
 
 class Uploader(threading.Thread):
 
   def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05,
                batch_bytes: int = transport.BATCH_BYTES,
-               chunk_bytes: int = transport.CHUNK_BYTES):
+               chunk_bytes: int = transport.CHUNK_BYTES,
+               on_challenge: Callable[[int, bytes], None] | None = None,
+               on_failure: Callable[[str], None] | None = None,
+               retry_seconds: float | None = None):
     super().__init__(name="dvbench-upload", daemon=True)
+    self.on_challenge, self.on_failure = on_challenge, on_failure
+    self.retry_seconds = retry_seconds
     self.http, self.experiment, self.folder = http, experiment, pathlib.Path(folder)
     self.poll_seconds = poll_seconds
     self.batch_bytes = batch_bytes
@@ -43,6 +50,7 @@ class Uploader(threading.Thread):
     self._sent_blobs: set[str] = set()
     self._closing = threading.Event()
     self._stopped = threading.Event()
+    self._wake = threading.Event()
     self._require_final = True
     self._final_id: bytes | None = None
     self._last_id: bytes | None = None
@@ -53,6 +61,7 @@ class Uploader(threading.Thread):
     """Sends everything left, closes the stream and waits for the server."""
     self._require_final = require_final
     self._closing.set()
+    self._wake.set()
     self.join(timeout)
     if self.is_alive():
       raise errors.UploadError(
@@ -67,7 +76,12 @@ class Uploader(threading.Thread):
     """Stops without closing the proof (for an abandoned, unfinished proof)."""
     self._stopped.set()
     self._closing.set()
+    self._wake.set()
     self.join(5.0)
+
+  def wake(self) -> None:
+    """Looks for new records now (the transcript just grew)."""
+    self._wake.set()
 
   # -- the thread ----------------------------------------------------------------
 
@@ -79,7 +93,8 @@ class Uploader(threading.Thread):
         if closing and not progressed:
           break
         if not progressed:
-          time.sleep(self.poll_seconds)
+          self._wake.wait(self.poll_seconds)
+          self._wake.clear()
       if self._stopped.is_set():
         return
       if self._final_id is not None:
@@ -89,6 +104,8 @@ class Uploader(threading.Thread):
         raise errors.UploadError(f"{self.folder} has no final record to close the proof with.")
     except BaseException as e:  # reported by finish()
       self.error = e
+      if self.on_failure is not None:
+        self.on_failure(f"uploading to DVBench failed: {e}")
 
   def _send_new(self) -> bool:
     path = self.folder / RECORDS_FILE
@@ -126,7 +143,7 @@ class Uploader(threading.Thread):
   def _create_proof(self, root: bytes) -> None:
     owner, name = self.experiment.split("/")
     response = self.http.request("POST", f"/api/v1/experiments/{owner}/{name}/proofs",
-                                 content=root,
+                                 content=root, retry_seconds=self.retry_seconds,
                                  headers={"content-type": "application/cbor"})
     self.proof_id = response.json()["id"]
     self.sent_records = 1
@@ -147,13 +164,28 @@ class Uploader(threading.Thread):
   def _envelope(self, body: dict) -> dict:
     body = {**body, "client_id": self.client_id, "seq": self._seq}
     ack = self.http.request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
-                            content=transport.encode(body),
+                            content=transport.encode(body), retry_seconds=self.retry_seconds,
                             headers={"content-type": "application/cbor"}).json()
     self._seq += 1
+    self._deliver_challenges(ack)
     return ack
+
+  def _deliver_challenges(self, ack) -> None:
+    """Hands the step challenges an acknowledgement carries to ``on_challenge``."""
+    if self.on_challenge is None or not isinstance(ack, dict):
+      return
+    for entry in ack.get("challenges") or []:
+      try:
+        step, value = entry["step"], bytes.fromhex(entry["challenge"])
+      except (KeyError, TypeError, ValueError):
+        raise errors.UploadError(f"the server sent a malformed challenge {entry!r:.100}; "
+                                 "is it a DVBench server of this version?") from None
+      if isinstance(step, int) and not isinstance(step, bool):
+        self.on_challenge(step, value)
 
   def _upload_blobs(self, digests: set[str]) -> None:
     for digest in sorted(digests - self._sent_blobs):
       self.http.put_blob(self.proof_id, digest,
-                         (self.folder / BLOBS_DIR / digest).read_bytes)
+                         (self.folder / BLOBS_DIR / digest).read_bytes,
+                         retry_seconds=self.retry_seconds)
       self._sent_blobs.add(digest)

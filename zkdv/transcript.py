@@ -55,6 +55,7 @@ class TranscriptWriter:
           "overwritten. Choose another output_dir.") from None
     self._prev: bytes | None = None
     self.transcript_id: bytes | None = None
+    self.on_append = None  # called after each record is written (e.g. to wake an uploader)
 
   def append(self, record: dict, *, durable: bool = False) -> bytes:
     """Chains, encodes and writes ``record``; returns its id."""
@@ -68,6 +69,8 @@ class TranscriptWriter:
     self._prev = record_id(encoded)
     if self.transcript_id is None:
       self.transcript_id = self._prev
+    if self.on_append is not None:
+      self.on_append()
     return self._prev
 
   def put_blob(self, data: np.ndarray | bytes) -> bytes:

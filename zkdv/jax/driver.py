@@ -359,12 +359,13 @@ class ZKDV:
     committer, multi = self._committer, self._group.multi
     if not multi:  # across processes, failures wait for finish(): see _agree_on_outcome
       committer.pipeline.raise_if_failed()
+    # A step that cannot enter the window raises before anything is taken: call it again.
+    committer.pipeline.reserve(waiting=self._waiting_for_window)
     with self._lock:
       index = self.steps
       self.steps += 1
     decision = self._challenger.decision_now(index)
     job = self._prepare(program, index, leaves, decision)
-    committer.pipeline.reserve(waiting=self._waiting_for_window)
     last = committer.pipeline.last_job
     if any(program.donated) and last is not None:
       last.views_ready.wait()  # no donation of a buffer being hashed
@@ -412,8 +413,10 @@ class ZKDV:
     return job
 
   def _waiting_for_window(self, seconds: float) -> None:
+    if not self._group.multi:
+      self._committer.pipeline.raise_if_failed()
     if isinstance(self._challenger, challengers.ServerChallenger):
-      self._challenger.waiting(seconds, f"step {self.steps - 1} to enter the window of "
+      self._challenger.waiting(seconds, f"step {self.steps} to enter the window of "
                                f"{self.policy.rolling_window} unanswered steps")
 
   def _gather_sharded_params(self) -> dict[int, np.ndarray]:
