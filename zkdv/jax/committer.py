@@ -122,6 +122,7 @@ class Committer:
     self.last: CommittedState | None = None
     self._program_numbers: dict[bytes, int] = {}
     self._pending: dict[int, _Pending] = {}
+    self._init = None
 
   # -- the training thread's side ---------------------------------------------
 
@@ -132,6 +133,15 @@ class Committer:
     """Numbers a program on its first run and queues its record."""
     self._program_numbers[program.program_id] = len(self._program_numbers)
     self.pipeline.submit(lambda job: self._write_program(program))
+
+  @property
+  def init_recorded(self) -> bool:
+    return self._init is not None
+
+  def submit_init(self, init) -> None:
+    """Queues the ``init`` record of an attested start (``zkdv.jax.start``)."""
+    self._init = init
+    self.pipeline.submit(lambda job: self._write_init(init))
 
   def submit_step(self, job: StepJob):
     """Queues a step's commitment; it holds its window slot until answered."""
@@ -157,6 +167,13 @@ class Committer:
       return
     self.writer.put_blob(program.blob)
     self.writer.append({**program.record, "number": self._program_numbers[program.program_id]})
+
+  def _write_init(self, init) -> None:
+    if self.writer is None:
+      return
+    self.writer.put_blob(init.blob)
+    blobs = [self.writer.put_blob(digest.byte_view(a)) for a in init.input_bytes]
+    self.writer.append({**init.record, "input_blobs": blobs}, durable=True)
 
   def _commit_step(self, pipeline_job, job: StepJob) -> None:
     """Digests, the step record, then the answers to its decision (or keeps what
@@ -189,13 +206,18 @@ class Committer:
       return
     post_pieces = processes.merge([g[0] for g in gathered], "post-state")
     post_digest = digest.state_digest_from_pieces(program.post_layouts, post_pieces)
-    pre_digest = self._pre_digest(program, job.index, pre, gathered)
+    pre_pieces = None if pre is None else processes.merge([g[1] for g in gathered],
+                                                           "pre-state")
+    pre_digest = self._pre_digest(program, job.index, pre_pieces)
     self.writer.append({
         "type": "step", "index": job.index, "program": self._program_numbers[program.program_id],
         "pre_state": pre_digest, "post_state": post_digest,
         "batch": digest.batch_digest(program.batch_layouts,
                                      [digest.tree_root(t) for t in trees[0]]),
     })
+    if job.index == 0 and self._init is not None:  # links the attested start to step 0
+      self.writer.append({"type": "check", "step": 0, "kind": "start",
+                          "pre_state_pieces": pre_pieces})
     self.last = CommittedState(post_digest, post_pieces, program.post_layouts,
                                program.params_mask)
     self.committed_steps = job.index + 1
@@ -208,12 +230,11 @@ class Committer:
     _cross_check_replicas(job.index, program.post_layouts, post_pieces,
                           [g[2] for g in gathered])
 
-  def _pre_digest(self, program, index: int, pre, gathered) -> bytes:
-    if pre is None:
+  def _pre_digest(self, program, index: int, pre_pieces) -> bytes:
+    if pre_pieces is None:
       pre_digest = self.last.digest
     else:
-      pre_digest = digest.state_digest_from_pieces(
-          program.state_layouts, processes.merge([g[1] for g in gathered], "pre-state"))
+      pre_digest = digest.state_digest_from_pieces(program.state_layouts, pre_pieces)
     if self.last is not None and pre_digest != self.last.digest:
       self.discontinuities.append(index)
       logger.warning("ZKDV: step %d does not start from the state step %d returned "

@@ -40,6 +40,7 @@ from zkdv import transcript
 from zkdv.jax import arrays
 from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
+from zkdv.jax import start as start_lib
 from zkdv.jax.committer import Committer
 from zkdv.jax.committer import StepJob
 from zkdv.jax.step import ProofFunction
@@ -323,6 +324,28 @@ class ZKDV:
     if fun is None:
       return lambda f: self.attest(f, state_argnum=state_argnum, **jit_options)
     return ProofFunction(self, fun, jit_options, state_argnum=state_argnum)
+
+  def init(self, init_fn, /, *args, **kwargs):
+    """``init_fn(*args, **kwargs)``, run as an exported program whose output is the
+    attested start of the proof (DESIGN §10, claim "start").
+
+    A verifier replays the init program from the recorded inputs (the PRNG key
+    and example arguments) bit for bit and checks that the first step starts
+    from its output. Call it before the first step::
+
+      params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4)))["params"]
+    """
+    self.ensure_started()
+    if self.steps:
+      raise errors.ProofStateError(
+          f"{self!r} already recorded {self.steps} steps; proof.init() attests the "
+          "initial state, so call it before the first step.")
+    if self._committer.init_recorded:
+      raise errors.ProofStateError(f"{self!r} already has an attested start; "
+                                   "proof.init() runs once per proof.")
+    init = start_lib.run_init(init_fn, args, kwargs)
+    self._committer.submit_init(init)
+    return init.outputs
 
   # -- what proof.jit steps call ----------------------------------------------
 
