@@ -1,0 +1,220 @@
+"""Challengers: decisions known in advance (self) or delivered late (a server)."""
+
+import pathlib
+import tempfile
+import threading
+import time
+
+import jax.numpy as jnp
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import zkdv
+from tests import testing
+from zkdv import challenge
+from zkdv import challengers
+from zkdv import errors
+from zkdv import transcript
+
+
+class ChallengeFunctionsTest(parameterized.TestCase):
+
+  def test_decisions_follow_the_probability(self):
+    seed = challenge.new_key()
+    policy = challenge.Policy(update_check_probability=0.25, state_check_probability=0.5)
+    decisions = [challenge.decide(t, challenge.step_challenge_self(seed, t), policy)
+                 for t in range(8000)]
+    self.assertAlmostEqual(sum(d.update for d in decisions) / 8000, 0.25, delta=0.03)
+    self.assertAlmostEqual(sum(d.state for d in decisions) / 8000, 0.5, delta=0.03)
+    # The update and state draws are independent of each other.
+    both = sum(d.update and d.state for d in decisions) / 8000
+    self.assertAlmostEqual(both, 0.125, delta=0.03)
+
+  @parameterized.parameters(0.0, 1.0)
+  def test_probabilities_zero_and_one_are_exact(self, p):
+    key = challenge.new_key()
+    policy = challenge.Policy(update_check_probability=p)
+    draws = {challenge.decide(t, challenge.step_challenge_server(key, bytes([t]) * 32),
+                              policy).update for t in range(200)}
+    self.assertEqual(draws, {bool(p)})
+
+  def test_server_challenge_depends_on_key_and_record(self):
+    key, record = challenge.new_key(), b"\x01" * 32
+    c = challenge.step_challenge_server(key, record)
+    self.assertLen(c, 32)
+    self.assertNotEqual(c, challenge.step_challenge_server(challenge.new_key(), record))
+    self.assertNotEqual(c, challenge.step_challenge_server(key, b"\x02" * 32))
+    self.assertEqual(c, challenge.step_challenge_server(key, record))
+
+  def test_probe_rows_are_distinct_sorted_and_counted(self):
+    c = challenge.new_key()
+    rows = challenge.probe_rows(c, 0, 100, 0.05)
+    self.assertLen(rows, 5)
+    self.assertEqual(rows, sorted(set(rows)))
+    self.assertEqual(challenge.probe_rows(c, 0, 7, 1.0), list(range(7)))
+    self.assertEqual(challenge.probe_rows(c, 0, 100, 0.0), [])
+    self.assertNotEqual(rows, challenge.probe_rows(c, 1, 100, 0.05))
+
+  def test_policy_validation_and_minimum(self):
+    for bad in ({"update_check_probability": -0.1}, {"probe_ratio": 2.0},
+                {"rolling_window": 0}, {"update_check_probability": True}):
+      with self.assertRaises(ValueError):
+        challenge.Policy(**bad)
+    with self.assertRaisesRegex(ValueError, "exactly the fields"):
+      challenge.Policy.from_record({"update_check_probability": 0.5})
+    asked = challenge.Policy(0.01, 0.0, 0.0, 16)
+    minimum = challenge.Policy(0.5, 0.1, 0.01, 8)
+    self.assertEqual(asked.weaker_than(minimum), [
+        "update_check_probability", "state_check_probability", "probe_ratio",
+        "rolling_window"])
+    self.assertEqual(asked.at_least(minimum), challenge.Policy(0.5, 0.1, 0.01, 8))
+    self.assertEqual(asked.at_least(minimum).weaker_than(minimum), [])
+
+  def test_escape_probability(self):
+    self.assertAlmostEqual(challenge.escape_probability(0.5, 20), 0.5**20)
+    self.assertEqual(challenge.escape_probability(1.0, 1), 0.0)
+
+
+class _LateProof(zkdv.jax.ZKDV):
+  """A proof whose decisions arrive after each step record is written, as DVBench's do."""
+
+  timeout_s = 30.0
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.key = challenge.new_key()
+
+  def _make_challenger(self, policy, seed, group):
+    fields = {"kind": "dvbench", "server_key": b"\x00" * 32, "nonce": b"\x01" * 32,
+              "key_commitment": challenge.key_commitment(self.key), "owner": "test",
+              "experiment": "test/late", "policy": policy.to_record()}
+    return challengers.ServerChallenger(fields, policy, timeout_s=self.timeout_s,
+                                        describe=lambda: f"folder {self.path}")
+
+  def deliver_written(self) -> int:
+    """Delivers the challenge of every step record written so far (as a server would)."""
+    delivered = 0
+    for parsed in transcript.read_transcript(self.path).records:
+      if parsed.record.get("type") == "step":
+        self._challenger.deliver(parsed.record["index"],
+                                 challenge.step_challenge_server(self.key, parsed.record_id))
+        delivered += 1
+    return delivered
+
+
+def _late_proof(update_p=1.0, window=2, timeout_s=30.0):
+  folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-test-")) / "late"
+  proof = _LateProof("late", zkdv.ZKDVConfig(
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p),
+      output_dir=folder))
+  proof.timeout_s = timeout_s
+  proof.start(rolling_window=window, probe_ratio=0.5)
+  return proof
+
+
+class _Serving:
+  """Delivers the challenge of each step record as it is written, until stopped."""
+
+  def __init__(self, proof):
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, args=(proof,), daemon=True)
+
+  def _run(self, proof):
+    while not self._stop.is_set():
+      proof.deliver_written()
+      time.sleep(0.02)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+
+def _wait(predicate, timeout=30.0):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > deadline:
+      raise AssertionError("condition not reached in time")
+    time.sleep(0.02)
+
+
+class LateDecisionsTest(absltest.TestCase):
+
+  def _train(self, proof, steps):
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    for _ in range(steps):
+      state = train_step(state, batch)
+    return state
+
+  def test_training_waits_at_the_window_until_challenges_arrive(self):
+    proof = _late_proof(window=2)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (self._train(proof, 5), done.set()), daemon=True)
+    thread.start()
+    _wait(lambda: proof.steps == 2)
+    time.sleep(1.5)  # the third step must not be taken while two are unanswered
+    self.assertEqual(proof.steps, 2)
+    self.assertFalse(done.is_set())
+    with _Serving(proof):
+      self.assertTrue(done.wait(60))
+      proof.finish()
+    kinds = [(r.record["type"], r.record.get("kind"), r.record.get("step", r.record.get("index")))
+             for r in transcript.read_transcript(proof.path).records]
+    for t in range(5):  # p = 1: every step answered with an update check and probes
+      self.assertIn(("check", "update", t), kinds)
+      self.assertIn(("check", "probe", t), kinds)
+      self.assertLess(kinds.index(("step", None, t)), kinds.index(("check", "update", t)))
+    self.assertEqual(proof.checks["update"], 5)
+    self.assertEqual(proof.failed_checks, [])
+
+  def test_only_decided_checks_are_answered(self):
+    proof = _late_proof(update_p=0.5, window=3)
+    with _Serving(proof):
+      self._train(proof, 12)
+      proof.finish()
+    records = transcript.read_transcript(proof.path).records
+    policy = challenge.Policy(0.5, 0.0, 0.5, 3)
+    expected = [t for t, r in enumerate(r for r in records if r.record["type"] == "step")
+                if challenge.decide(t, challenge.step_challenge_server(proof.key, r.record_id),
+                                    policy).update]
+    answered = [r.record["step"] for r in records
+                if r.record["type"] == "check" and r.record["kind"] == "update"]
+    self.assertEqual(answered, expected)
+
+  def test_unreachable_server_raises_naming_the_folder_and_the_run_resumes(self):
+    proof = _late_proof(window=1, timeout_s=2.0)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    state = train_step(state, batch)
+    started = time.monotonic()
+    with self.assertRaisesRegex(errors.ChallengeTimeoutError, str(proof.path)):
+      train_step(state, batch)
+    self.assertLess(time.monotonic() - started, 10)
+    self.assertEqual(proof.steps, 1)  # the refused call took nothing
+    self.assertFalse(state.params["Dense_0"]["kernel"].is_deleted())
+    _wait(lambda: proof.deliver_written() == 1)  # the server is back
+    state = train_step(state, batch)
+    _wait(lambda: proof.deliver_written() == 2)
+    proof.finish()
+    self.assertEqual(proof.checks["update"], 2)
+
+  def test_a_failed_upload_stops_the_wait_at_once(self):
+    proof = _late_proof(window=1, timeout_s=60.0)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step)
+    state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH))
+    proof._challenger.fail("the server refused the stream")  # pylint: disable=protected-access
+    started = time.monotonic()
+    with self.assertRaisesRegex(errors.ChallengeTimeoutError, "refused the stream"):
+      train_step(state, jnp.asarray(testing.TUTORIAL_BATCH))
+    self.assertLess(time.monotonic() - started, 5)
+
+
+if __name__ == "__main__":
+  absltest.main()
