@@ -1,9 +1,12 @@
-"""The ``dvbench`` command: ``serve``, ``worker``, ``token create``, ``login``.
+"""The ``dvbench`` command: ``serve``, ``worker``, ``token create``, ``login``,
+``server-key``, ``download``.
 
 Example::
 
   $ dvbench token create alice --data ./dvbench-data
-  $ dvbench serve --data ./dvbench-data --port 8000 --workers 2
+  $ dvbench serve --data ./dvbench-data --port 8000 --workers 2 --min-update-check-probability 0.1
+  $ dvbench server-key --url http://127.0.0.1:8000
+  $ dvbench download PROOF_ID ./proof --url http://127.0.0.1:8000
 """
 
 import argparse
@@ -36,14 +39,30 @@ def _worker_command(args) -> list[str]:
   return command
 
 
+def _signing_key(args):
+  from dvbench.server import keys  # pylint: disable=g-import-not-at-top
+  return keys.load_or_create(pathlib.Path(args.data))
+
+
+def _minimum_policy(args):
+  from zkdv.challenge import Policy  # pylint: disable=g-import-not-at-top
+  try:
+    return Policy(args.min_update_check_probability, args.min_state_check_probability,
+                  args.min_probe_ratio, args.max_window)
+  except ValueError as e:
+    raise SystemExit(f"dvbench serve: {e}") from None
+
+
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
+  from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   store, blobs = _store_and_blobs(args)
+  service = Service(store, blobs, _signing_key(args), _minimum_policy(args),
+                    max_body=args.max_body_mb << 20)
   workers = [subprocess.Popen(_worker_command(args)) for _ in range(args.workers)]
   try:
-    app = create_app(store, blobs, max_body=args.max_body_mb << 20)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
   finally:
     for w in workers:
       w.terminate()
@@ -57,7 +76,7 @@ def worker(args) -> int:
   store, blobs = _store_and_blobs(args)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  worker_lib.run(store, blobs, worker_id=args.worker_id or worker_lib.default_worker_id(),
+  worker_lib.run(store, blobs, _signing_key(args), worker_id=args.worker_id or worker_lib.default_worker_id(),
                  lease_seconds=args.lease_seconds, memory_bytes=int(args.memory_limit_gb * 2**30),
                  time_limit=args.time_limit, once=args.once, stop=stop)
   return 0
@@ -76,6 +95,51 @@ def login(args) -> int:
   TOKEN_FILE.write_text(json.dumps({"token": args.token, "url": args.url}))
   os.chmod(TOKEN_FILE, 0o600)
   print(f"saved the token to {TOKEN_FILE}")
+  return 0
+
+
+def server_key(args) -> int:
+  if args.url:
+    import httpx  # pylint: disable=g-import-not-at-top
+    print(httpx.get(f"{args.url.rstrip('/')}/api/v1/server-key", timeout=30
+                    ).raise_for_status().json()["server_key"])
+    return 0
+  from zkdv import receipt  # pylint: disable=g-import-not-at-top
+  print(receipt.public_key_bytes(_signing_key(args)).hex())
+  return 0
+
+
+def _get(http, path: str):
+  response = http.get(path)
+  if response.status_code != 200:
+    raise SystemExit(f"dvbench download: GET {path} answered HTTP {response.status_code}: "
+                     f"{response.text[:300]}")
+  return response
+
+
+def download(args) -> int:
+  """Writes DIR/records.cborl, DIR/blobs/* (hash checked) and DIR/receipt.cbor."""
+  import httpx  # pylint: disable=g-import-not-at-top
+  from dvbench.server.blobs import BlobStore, hexdigest, write_atomically  # pylint: disable=g-import-not-at-top
+  from zkdv.receipt import RECEIPT_FILE  # pylint: disable=g-import-not-at-top
+  from zkdv.transcript import BLOBS_DIR, RECORDS_FILE  # pylint: disable=g-import-not-at-top
+  url = args.url or os.environ.get("DVBENCH_URL")
+  if not url or not BlobStore.valid_name(args.proof_id):
+    raise SystemExit("dvbench download: give a proof id (64 hex digits) and --url or DVBENCH_URL.")
+  folder, proof = pathlib.Path(args.dir), f"/api/v1/proofs/{args.proof_id}"
+  (folder / BLOBS_DIR).mkdir(parents=True, exist_ok=True)
+  with httpx.Client(base_url=url.rstrip("/"), timeout=120) as http:
+    write_atomically(folder / RECORDS_FILE, _get(http, f"{proof}/transcript").content)
+    for digest in _get(http, f"{proof}/blobs").json():
+      data = _get(http, f"{proof}/blobs/{digest}").content if BlobStore.valid_name(digest) else b""
+      if hexdigest(data) != digest:
+        raise SystemExit(f"dvbench download: blob {digest[:80]!r} is not named by its hash.")
+      write_atomically(folder / BLOBS_DIR / digest, data)
+    receipt = http.get(f"{proof}/receipt")
+  if receipt.status_code != 200:
+    print(f"no receipt: {receipt.text[:300]}", file=sys.stderr)
+    return 0
+  write_atomically(folder / RECEIPT_FILE, receipt.content)
   return 0
 
 
@@ -102,6 +166,12 @@ def main(argv=None) -> int:
   s.add_argument("--workers", type=int, default=1, help="validation worker processes")
   s.add_argument("--max-body-mb", type=int, default=64)
   s.add_argument("--log-level", default="warning")
+  s.add_argument("--min-update-check-probability", type=float, default=0.1,
+                 help="the least update check probability a root may carry")
+  s.add_argument("--min-state-check-probability", type=float, default=0.0)
+  s.add_argument("--min-probe-ratio", type=float, default=0.0)
+  s.add_argument("--max-window", type=int, default=64,
+                 help="the largest rolling window (steps unanswered or undecided) a root may carry")
   s.set_defaults(run=serve)
 
   w = sub.add_parser("worker", help="run one validation worker against the database")
@@ -122,6 +192,17 @@ def main(argv=None) -> int:
   l.add_argument("--token", required=True)
   l.add_argument("--url", default=None)
   l.set_defaults(run=login)
+
+  k = sub.add_parser("server-key", help="print the server's Ed25519 public key (hex)")
+  k.add_argument("--data", default="dvbench-data", help="the server's data folder")
+  k.add_argument("--url", default=None, help="ask a running server instead")
+  k.set_defaults(run=server_key)
+
+  d = sub.add_parser("download", help="write a proof's records, blobs and receipt to DIR")
+  d.add_argument("proof_id")
+  d.add_argument("dir")
+  d.add_argument("--url", default=None, help="the server (default: $DVBENCH_URL)")
+  d.set_defaults(run=download)
 
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO if args.command == "worker" else logging.WARNING)

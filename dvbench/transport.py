@@ -1,4 +1,4 @@
-"""The wire format between the client and the server.
+"""The wire format between the client and the server, and its safe decoding.
 
 Each request to ``/api/v1/proofs/{id}/stream`` carries one CBOR envelope::
 
@@ -9,28 +9,107 @@ Each request to ``/api/v1/proofs/{id}/stream`` carries one CBOR envelope::
   {"client_id": ..., "seq": ..., "kind": "close", "final_record_id": bytes,
    "record_count": int}
 
-and is acknowledged with JSON ``{"seq": n, ...}``. Records larger than
-``CHUNK_BYTES`` travel as chunks; resending an envelope is harmless.
+and is acknowledged with JSON ``{"seq": n, ...}``; an ack that stored (or saw
+again) step records carries ``"challenges"`` (``docs/protocol.md``). Records
+larger than ``CHUNK_BYTES`` travel as chunks; resending an envelope is harmless.
+
+Everything a prover sends is decoded with ``decode_safely``: definite lengths,
+no tags, bounded depth and item count.
+
+Example::
+
+  envelope = decode_safely(body)
+  record = decode_safely(raw, canonical=True)
 """
 
 import io
 
-import blake3
 import cbor2
+
+from zkdv.transcript import record_id  # pylint: disable=unused-import  # re-exported
 
 CHUNK_BYTES = 256 * 1024
 BATCH_BYTES = 1024 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_DEPTH = 16
+MAX_ITEMS = 1 << 20
 ENVELOPE_KINDS = ("records", "chunk", "close")
 BLOB_FIELDS = ("blob", "pre_state_blobs", "batch_blobs", "post_state_blobs")
+_SIMPLE_VALUES = {20, 21, 22}  # false, true, null
+_FLOAT_SIZES = {25: 2, 26: 4, 27: 8}
+
+
+class UnsafeCbor(ValueError):
+  """Bytes that are not one well-formed, tag-free, bounded CBOR item."""
 
 
 def encode(envelope: dict) -> bytes:
   return cbor2.dumps(envelope, canonical=True)
 
 
-def record_id(raw: bytes) -> bytes:
-  return blake3.blake3(raw).digest()
+def _argument(data: bytes, at: int, info: int) -> tuple[int, int]:
+  """(value, next offset) of the argument of the head at ``at``."""
+  if info < 24:
+    return info, at + 1
+  size = {24: 1, 25: 2, 26: 4, 27: 8}.get(info)
+  if size is None:
+    raise UnsafeCbor(f"byte {at}: indefinite lengths and reserved values are not accepted.")
+  if at + 1 + size > len(data):
+    raise UnsafeCbor(f"byte {at}: the item is cut short.")
+  return int.from_bytes(data[at + 1:at + 1 + size], "big"), at + 1 + size
+
+
+def _check_structure(data: bytes, max_depth: int, max_items: int) -> None:
+  """Walks the heads of one CBOR item without building it (raises UnsafeCbor)."""
+  at, items, pending = 0, 0, [1]  # pending: items still to read at each open level
+  while pending:
+    if pending[-1] == 0:
+      pending.pop()
+      continue
+    pending[-1] -= 1
+    if at >= len(data):
+      raise UnsafeCbor(f"byte {at}: the item is cut short.")
+    items += 1
+    if items > max_items:
+      raise UnsafeCbor(f"more than {max_items} items.")
+    major, info = data[at] >> 5, data[at] & 31
+    if major == 7:
+      if info not in _SIMPLE_VALUES and info not in _FLOAT_SIZES:
+        raise UnsafeCbor(f"byte {at}: simple value {info} is not accepted.")
+      at += 1 + _FLOAT_SIZES.get(info, 0)
+      continue
+    if major == 6:
+      raise UnsafeCbor(f"byte {at}: CBOR tags are not accepted.")
+    value, at = _argument(data, at, info)
+    if major in (2, 3):
+      at += value
+      if at > len(data):
+        raise UnsafeCbor(f"byte {at - value}: a string of {value} bytes is cut short.")
+    elif major in (4, 5):
+      if len(pending) > max_depth:
+        raise UnsafeCbor(f"byte {at}: nested deeper than {max_depth} levels.")
+      pending.append(value * (2 if major == 5 else 1))
+  if at != len(data):
+    raise UnsafeCbor(f"{len(data) - at} bytes follow the item.")
+
+
+def decode_safely(data: bytes, *, canonical: bool = False, max_depth: int = MAX_DEPTH,
+                  max_items: int = MAX_ITEMS):
+  """The one CBOR item in ``data``; with ``canonical``, it must be encoded deterministically.
+
+  Raises UnsafeCbor naming what is wrong, e.g.
+  ``decode_safely(b"\\xc1\\x00")`` -> "byte 0: CBOR tags are not accepted."
+  """
+  if not isinstance(data, bytes):
+    raise UnsafeCbor("expected a byte string.")
+  _check_structure(data, max_depth, max_items)
+  try:
+    item = cbor2.loads(data)
+  except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError) as e:
+    raise UnsafeCbor(f"not valid CBOR: {e}") from None
+  if canonical and cbor2.dumps(item, canonical=True) != data:
+    raise UnsafeCbor("not deterministically encoded (RFC 8949 §4.2).")
+  return item
 
 
 def blob_refs(record: dict) -> set[str]:
@@ -45,10 +124,13 @@ def blob_refs(record: dict) -> set[str]:
 
 
 def probe_blobs(record: dict) -> set[str]:
-  """Hex digests of a step record's data-probe rows (each row's BLAKE3)."""
-  probes = record.get("probes") if record.get("type") == "step" else None
-  return {p[2].hex() for p in probes or []
-          if isinstance(p, list) and len(p) == 4 and isinstance(p[2], bytes)}
+  """Hex digests of the probed batch rows a probe check opens (each row's BLAKE3)."""
+  is_probe = record.get("type") == "check" and record.get("kind") == "probe"
+  probes = record.get("probes") if is_probe else None
+  if not isinstance(probes, list):
+    return set()
+  return {p[2].hex() for p in probes
+          if isinstance(p, list) and len(p) == 4 and isinstance(p[2], bytes) and len(p[2]) == 32}
 
 
 class RecordScanner:

@@ -2,7 +2,7 @@
 
 Example::
 
-  server = LocalServer(workers=1).start()
+  server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "0.5")).start()
   token = server.token("alice")
   ...
   server.stop()
@@ -36,12 +36,13 @@ class LocalServer:
 
   def __init__(self, workers: int = 1, lease_seconds: float = 10.0, max_body_mb: int = 64,
                data: pathlib.Path | None = None, port: int | None = None,
-               database_url: str | None = None):
+               database_url: str | None = None, extra_args: tuple[str, ...] = ()):
     self.data = data or pathlib.Path(tempfile.mkdtemp(prefix="dvbench-test-"))
     self.port = port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.args = ["serve", "--port", str(self.port), "--workers", str(workers),
-                 "--lease-seconds", str(lease_seconds), "--max-body-mb", str(max_body_mb)]
+                 "--lease-seconds", str(lease_seconds), "--max-body-mb", str(max_body_mb),
+                 *extra_args]
     self.database_url = database_url
     if database_url:
       self.args += ["--database-url", database_url]

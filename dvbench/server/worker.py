@@ -4,16 +4,21 @@ A job is leased (``SKIP LOCKED`` on PostgreSQL, a conditional update on
 SQLite) and the lease is extended while the verifier runs; a worker killed
 mid-job loses nothing, as the lease expires and another worker takes the job.
 Uploaded programs are untrusted: ``zkdv verify`` runs in a child process with
-memory and CPU-time limits, never in the web process.
+memory and CPU-time limits, never in the web process, on a private folder
+holding the proof's records and only the blobs uploaded for that proof. A
+server-challenged proof is verified with its challenge key K, then gets a
+signed receipt.
 
 Example::
 
-  run(store, blobs, worker_id="w1", once=True)
+  run(store, blobs, signing_key, worker_id="w1", once=True)
 """
 
+import dataclasses
 import json
 import logging
 import os
+import pathlib
 import resource
 import signal
 import subprocess
@@ -22,10 +27,24 @@ import tempfile
 import threading
 import time
 
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from dvbench.server import receipts
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
+from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
 
 logger = logging.getLogger("dvbench.worker")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """A proof's state, the verifier's own verdict (for the receipt), the failure, the checks."""
+
+  state: str
+  verifier_verdict: str
+  failure: str | None
+  rows: list[dict]
 
 
 def _limits(memory_bytes: int, cpu_seconds: int):
@@ -52,45 +71,85 @@ def _run_limited(command: list[str], memory_bytes: int, time_limit: int):
                   f"over the memory limit: {result.stderr.strip()[-300:]}")
 
 
+def _materialize(store: Store, blobs: BlobStore, proof_id: str, folder: pathlib.Path) -> None:
+  """The proof's records and only the blobs uploaded for it, as a transcript folder."""
+  folder.mkdir()
+  with open(folder / RECORDS_FILE, "wb") as f:
+    for data in store.record_data(proof_id):
+      f.write(data)
+  blobs.link_into(folder / BLOBS_DIR, store.proof_blob_digests(proof_id))
+
+
+def _clean_state(challenger: str, update_replayed: int) -> str:
+  """The state a clean verification earns (labels in ``dvbench.server.labels``)."""
+  if challenger == "self":
+    return "self-audited"
+  return "verified" if update_replayed > 0 else "unchallenged"
+
+
 def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes: int,
-                 time_limit: int) -> tuple[str, str | None, list[dict]]:
-  """(state, failure, check rows) from running ``zkdv verify`` on the proof."""
-  with tempfile.TemporaryDirectory(prefix="dvbench-verify-") as folder:
-    with open(os.path.join(folder, "records.cborl"), "wb") as f:
-      for data in store.record_data(proof_id):
-        f.write(data)
-    os.symlink(blobs.folder.resolve(), os.path.join(folder, "blobs"))
-    report, failure = _run_limited(
-        [sys.executable, "-m", "zkdv.cli", "verify", folder, "--json"], memory_bytes, time_limit)
+                 time_limit: int) -> Verdict:
+  """The verdict of ``zkdv verify`` on the proof, given K for a server-challenged one."""
+  challenger = store.challenger(proof_id)
+  with tempfile.TemporaryDirectory(prefix="verify-", dir=blobs.folder.parent) as work:
+    folder = pathlib.Path(work) / "transcript"
+    _materialize(store, blobs, proof_id, folder)
+    command = [sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json"]
+    if challenger["kind"] == "dvbench":
+      key_file = pathlib.Path(work) / "challenge_key"
+      key_file.write_text(challenger["challenge_key"].hex())
+      command += ["--challenge-key-file", str(key_file)]
+    report, failure = _run_limited(command, memory_bytes, time_limit)
   if report is None:
-    return "invalid", failure, []
+    return Verdict("invalid", "could not verify", failure, [])
   rows = [{"step": c["step"], "kind": c["kind"], "mode": c["mode"], "status": c["status"],
            "max_abs_error": c["max_abs_error"], "max_rel_error": c["max_rel_error"],
            "max_ulp_error": c["max_ulp_error"]} for c in report["checks"]]
-  if report["verdict"] == "verified":
-    return "verified", None, rows
-  failure = "; ".join(f"{f['code']} at {f['where']}: {f['message']}"
-                      for f in report["findings"][:3])
-  return "invalid", f"{report['verdict']}: {failure}", rows
+  if report["verdict"] != "verified":
+    failure = "; ".join(f"{f['code']} at {f['where']}: {f['message']}"
+                        for f in report["findings"][:3])
+    return Verdict("invalid", report["verdict"], f"{report['verdict']}: {failure}", rows)
+  required = {r["step"] for r in store.challenge_rows(proof_id) if r["needs_update"]}
+  replayed = sum(r["kind"] == "update" and r["status"] == "verified" and r["step"] in required
+                 for r in rows)
+  return Verdict(_clean_state(challenger["kind"], replayed), "verified", None, rows)
 
 
 def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str, *,
                        memory_bytes: int, time_limit: int) -> tuple[str, str | None]:
   """(state, failure) from replaying a measurement's sampled evaluations."""
-  with tempfile.TemporaryDirectory(prefix="dvbench-measure-") as folder:
-    with open(os.path.join(folder, "measurement.cbor"), "wb") as f:
-      f.write(store.measurement(measurement_id)["record"])
-    os.symlink(blobs.folder.resolve(), os.path.join(folder, "blobs"))
-    verdict, failure = _run_limited([sys.executable, "-m", "dvbench.measurement", folder],
+  measurement = store.measurement(measurement_id)
+  with tempfile.TemporaryDirectory(prefix="measure-", dir=blobs.folder.parent) as work:
+    folder = pathlib.Path(work)
+    (folder / "measurement.cbor").write_bytes(measurement["record"])
+    blobs.link_into(folder / BLOBS_DIR, store.proof_blob_digests(measurement["proof_id"]))
+    verdict, failure = _run_limited([sys.executable, "-m", "dvbench.measurement", str(folder)],
                                     memory_bytes, time_limit)
   if verdict is None:
     return "invalid", failure
   return verdict["state"], verdict["failure"]
 
 
-def run(store: Store, blobs: BlobStore, *, worker_id: str, lease_seconds: float = 60.0,
-        poll_seconds: float = 0.5, memory_bytes: int = 16 << 30, time_limit: int = 3600,
-        once: bool = False, stop: threading.Event | None = None) -> int:
+def _proof_job(store, blobs, signing_key, job, worker_id, limits) -> tuple[bool, str]:
+  verdict = verify_proof(store, blobs, job["subject"], **limits)
+  kept = store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
+                                  verdict.failure, verdict.rows)
+  if kept:
+    replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
+    receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed)
+  return kept, verdict.state
+
+
+def _measurement_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
+  state, failure = verify_measurement(store, blobs, job["subject"], **limits)
+  return store.complete_measurement_job(job["id"], worker_id, job["subject"], state,
+                                        failure), state
+
+
+def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
+        worker_id: str, lease_seconds: float = 60.0, poll_seconds: float = 0.5,
+        memory_bytes: int = 16 << 30, time_limit: int = 3600, once: bool = False,
+        stop: threading.Event | None = None) -> int:
   """Processes jobs until ``stop`` is set (or one job, with ``once``)."""
   done = 0
   stop = stop or threading.Event()
@@ -109,13 +168,9 @@ def run(store: Store, blobs: BlobStore, *, worker_id: str, lease_seconds: float 
     limits = {"memory_bytes": memory_bytes, "time_limit": time_limit}
     try:
       if job["kind"] == "proof":
-        state, failure, rows = verify_proof(store, blobs, job["subject"], **limits)
-        kept = store.complete_proof_job(job["id"], worker_id, job["subject"], state, failure,
-                                        rows)
+        kept, state = _proof_job(store, blobs, signing_key, job, worker_id, limits)
       else:
-        state, failure = verify_measurement(store, blobs, job["subject"], **limits)
-        kept = store.complete_measurement_job(job["id"], worker_id, job["subject"], state,
-                                              failure)
+        kept, state = _measurement_job(store, blobs, job, worker_id, limits)
     finally:
       alive.set()
     if kept:

@@ -1,0 +1,157 @@
+"""Custody at ingest: each record appended once, in chain order, and its challenges derived.
+
+A stored transcript is append-only: a record whose ``prev`` is not the id of the
+last stored record is refused (409, naming the position), a resent record is a
+duplicate, a ``step`` carries the next index, a check answers a stored step
+once per kind, nothing follows ``final``. For a ``dvbench`` proof every stored
+step record gets its challenge ``c_t`` from the proof's secret key.
+
+Example::
+
+  with store.engine.begin() as conn:
+    ingest = Ingest(store, conn, proof_id, ProofChallenger.of(store, proof_id))
+    for n, raw in enumerate(raws):
+      ingest.take(raw, n)
+    ack = ingest.ack()
+"""
+
+import dataclasses
+import json
+
+from starlette.exceptions import HTTPException
+
+from dvbench import transport
+from dvbench.server.service import decode
+from zkdv import challenge
+from zkdv.transcript import record_id
+
+_BYTES32 = 32
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProofChallenger:
+  """Who chooses a proof's checks: ``kind``, the effective policy, the server key K."""
+
+  kind: str
+  policy: challenge.Policy
+  key: bytes | None
+
+  @classmethod
+  def of(cls, store, proof_id: str) -> "ProofChallenger":
+    row = store.challenger(proof_id)
+    if row is None:
+      raise HTTPException(409, f"proof {proof_id} predates server challenges (no challenger "
+                          "recorded); start a new proof.")
+    return cls(row["kind"], challenge.Policy.from_record(json.loads(row["policy"])),
+               row["challenge_key"])
+
+  def needs(self, step: int, record_id_: bytes) -> tuple[bytes, dict[str, bool]]:
+    """(c_t, kind -> required) of the stored step record ``record_id_``."""
+    c = challenge.step_challenge_server(self.key, record_id_)
+    decision = challenge.decide(step, c, self.policy)
+    return c, {"update": decision.update, "state": decision.state,
+               "probe": decision.probe_ratio > 0}
+
+
+class Ingest:
+  """The records of one request, checked and appended inside one transaction."""
+
+  def __init__(self, store, conn, proof_id: str, challenger: ProofChallenger):
+    self.store, self.conn, self.proof_id, self.challenger = store, conn, proof_id, challenger
+    self.head = store.custody_head(conn, proof_id)
+    self.stored = self.duplicates = 0
+    self.steps_seen: list[int] = []
+    self.refs: set[str] = set()
+    self.probes: set[str] = set()
+    self._rules = {"root": self._refuse_root, "step": self._check_step,
+                   "check": self._check_answer, "final": self._check_final}
+
+  def take(self, raw, n: int) -> None:
+    """Stores record ``n`` of the request (bytes) or counts it as a duplicate."""
+    if not isinstance(raw, bytes):
+      raise HTTPException(400, f"record {n} of the envelope is not a byte string.")
+    record = decode(raw, f"record {n} of the envelope", canonical=True)
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+      raise HTTPException(400, f"record {n} of the envelope is not a record map with a type.")
+    rid = record_id(raw)
+    if self.store.record_position(self.conn, self.proof_id, rid) is not None:
+      self.duplicates += 1
+      if record["type"] == "step":
+        self.steps_seen.append(record["index"])
+      return
+    self._check_chain(record, n)
+    self._rules.get(record["type"], self._accept_other)(record, n)
+    self.head = self.store.append_record(self.conn, self.proof_id, self.head, rid,
+                                         record["type"][:20], raw)
+    if record["type"] == "step":
+      self._derive(record["index"], rid)
+    self.stored += 1
+    self.refs |= transport.blob_refs(record)
+    self.probes |= transport.probe_blobs(record)
+
+  def ack(self) -> dict:
+    self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
+    self.store.add_probes(self.conn, self.proof_id, self.probes)
+    rows = self.store.challenges_of(self.conn, self.proof_id, set(self.steps_seen))
+    return {"stored": self.stored, "duplicates": self.duplicates,
+            "challenges": [{"step": r["step"], "record_id": r["record_id"].hex(),
+                            "challenge": r["challenge"].hex()} for r in rows]}
+
+  def _check_chain(self, record: dict, n: int) -> None:
+    head = self.head
+    if head.last_kind == "final":
+      raise HTTPException(409, f"record {n}: the final record is stored at position "
+                          f"{head.records - 1}; nothing follows it and a stored transcript "
+                          "is never re-finalized.")
+    prev = record.get("prev")
+    if not (isinstance(prev, bytes) and len(prev) == _BYTES32):
+      raise HTTPException(400, f"record {n} has no 32-byte 'prev'.")
+    if prev == head.last_id:
+      return
+    earlier = self.store.record_position(self.conn, self.proof_id, prev)
+    if earlier is not None:
+      raise HTTPException(409, f"record {n} would rewrite position {earlier + 1}, which "
+                          "already holds another record: stored transcripts are append-only.")
+    raise HTTPException(409, f"record {n} chains to {prev.hex()}, which is not the last stored "
+                        f"record (position {head.records - 1}, {head.last_id.hex()}): it "
+                        "belongs to another transcript or skips records.")
+
+  def _refuse_root(self, record: dict, n: int) -> None:
+    raise HTTPException(409, f"record {n} is a second root; a proof has one, at position 0.")
+
+  def _check_step(self, record: dict, n: int) -> None:
+    index = record.get("index")
+    if not _is_int(index) or index != self.head.steps:
+      raise HTTPException(409, f"record {n} is step {index!r}, but {self.head.steps} steps "
+                          f"are stored: the next step record is step {self.head.steps}.")
+
+  def _check_answer(self, record: dict, n: int) -> None:
+    step, kind = record.get("step"), record.get("kind")
+    if kind not in challenge.ANSWER_KINDS:
+      raise HTTPException(400, f"record {n} is a check of kind {kind!r}; kinds are "
+                          f"{list(challenge.ANSWER_KINDS)}.")
+    if not _is_int(step) or not 0 <= step < self.head.steps:
+      raise HTTPException(409, f"record {n} answers step {step!r} before its step record "
+                          f"was stored ({self.head.steps} steps stored).")
+    if (self.challenger.kind == "dvbench"
+        and not self.store.answer_challenge(self.conn, self.proof_id, step, kind)):
+      raise HTTPException(409, f"record {n}: step {step}'s {kind} check was already answered "
+                          "by another record.")
+
+  def _check_final(self, record: dict, n: int) -> None:
+    if record.get("steps") != self.head.steps:
+      raise HTTPException(409, f"record {n} is a final record of {record.get('steps')!r} "
+                          f"steps, but {self.head.steps} step records are stored.")
+
+  def _accept_other(self, record: dict, n: int) -> None:
+    """Program records and other types are the verifier's to judge."""
+
+  def _derive(self, step: int, rid: bytes) -> None:
+    self.steps_seen.append(step)
+    if self.challenger.kind == "dvbench":
+      c, needs = self.challenger.needs(step, rid)
+      self.store.add_challenge(self.conn, self.proof_id, step, rid, c, needs)

@@ -1,0 +1,73 @@
+"""Blobs in custody of a proof: uploaded for it (hash checked), listed and read back.
+
+A blob counts for a proof only once it was uploaded for that proof, even when
+the content-addressed store already holds the same bytes for another one.
+
+Example::
+
+  routes = blob_routes(service)  # PUT/HEAD/GET /api/v1/proofs/{proof_id}/blobs/{digest}
+"""
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from dvbench.server.service import Service
+
+
+class BlobRoutes:
+
+  def __init__(self, service: Service):
+    self.service, self.store, self.blobs = service, service.store, service.blobs
+
+  async def put_blob(self, request):
+    digest = self.service.blob_name(request.path_params["digest"])
+    data = await self.service.body(request)
+
+    def put():
+      proof = self.service.proof_for_write(request, request.path_params["proof_id"])
+      if not self.blobs.put(digest, data):
+        failure = (f"blob {digest} uploaded for this proof does not hash to its name: the "
+                   "opening was altered.")
+        if proof["state"] == "receiving":
+          self.store.set_proof_state(proof["id"], "invalid", failure)
+        raise HTTPException(400, failure)
+      self.store.add_proof_blob(proof["id"], digest)
+      return 201
+    return Response(status_code=await run_in_threadpool(put))
+
+  def _custody(self, request) -> tuple[dict, str]:
+    """(proof, digest) when ``digest`` was uploaded for the proof; 404 otherwise."""
+    digest = self.service.blob_name(request.path_params["digest"])
+    proof = self.service.proof_or_404(request.path_params["proof_id"])
+    if not self.store.has_proof_blob(proof["id"], digest):
+      raise HTTPException(404, f"blob {digest} was not uploaded for proof {proof['id']}.")
+    return proof, digest
+
+  async def has_blob(self, request):
+    await run_in_threadpool(self._custody, request)
+    return Response(status_code=200)
+
+  async def get_blob(self, request):
+    _, digest = await run_in_threadpool(self._custody, request)
+    return FileResponse(self.blobs.path(digest), media_type="application/octet-stream")
+
+  async def list_blobs(self, request):
+    def digests():
+      proof = self.service.proof_or_404(request.path_params["proof_id"])
+      return self.store.proof_blob_digests(proof["id"])
+    return JSONResponse(await run_in_threadpool(digests))
+
+
+def blob_routes(service: Service) -> list[Route]:
+  api = BlobRoutes(service)
+  return [
+      Route("/api/v1/proofs/{proof_id}/blobs", api.list_blobs, name="proof_blobs"),
+      Route("/api/v1/proofs/{proof_id}/blobs/{digest}", api.put_blob, methods=["PUT"],
+            name="put_proof_blob"),
+      Route("/api/v1/proofs/{proof_id}/blobs/{digest}", api.has_blob, methods=["HEAD"],
+            name="has_proof_blob"),
+      Route("/api/v1/proofs/{proof_id}/blobs/{digest}", api.get_blob, methods=["GET"],
+            name="proof_blob"),
+  ]

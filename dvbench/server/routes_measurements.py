@@ -1,0 +1,125 @@
+"""Measurements of verified checkpoints and the evaluation sets of metrics.
+
+Example::
+
+  routes = measurement_routes(service)  # POST .../measurements, PUT .../eval-set
+"""
+
+import json
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from dvbench.server.service import NAME, Service, decode
+from zkdv.transcript import record_id
+
+_FIELDS = ("metric", "value", "proof_id", "checkpoint", "batches", "openings", "evaluate",
+           "params_blobs", "outputs", "aggregate")
+_NOT_A_MEASUREMENT = "the body is not a measurement record (see dvbench.measurement)"
+
+
+def _is_digest(value) -> bool:
+  return isinstance(value, bytes) and len(value) == 32
+
+
+def _digest_list(value, what: str) -> list[bytes]:
+  if not isinstance(value, list) or not all(_is_digest(d) for d in value):
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: {what} must be a list of 32-byte digests.")
+  return value
+
+
+def parse_measurement(body: bytes) -> tuple[dict, list[bytes]]:
+  """(record, every blob digest it references); 400 naming the first wrong field."""
+  record = decode(body, "the measurement")
+  if not isinstance(record, dict) or not all(k in record for k in _FIELDS):
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: it needs the fields {list(_FIELDS)}.")
+  if not (isinstance(record["metric"], str) and NAME.fullmatch(record["metric"])):
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: metric names are 1-100 letters, digits, "
+                        "'.', '_' or '-'.")
+  if not isinstance(record["value"], float) or not _is_digest(record["checkpoint"]):
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: value is a float, checkpoint 32 bytes.")
+  if not isinstance(record["batches"], list) or not isinstance(record["openings"], list):
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: batches and openings are lists.")
+  outputs, openings = record["outputs"], record["openings"]
+  if not isinstance(outputs, list) or not all(
+      isinstance(o, list) and len(o) == 2 for o in openings):
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: outputs is a list, openings are pairs.")
+  refs = [*_digest_list([record["evaluate"]], "evaluate"),
+          *_digest_list(record["params_blobs"], "params_blobs"),
+          *[d for out in outputs for d in _digest_list(out, "outputs")],
+          *[d for _, blobs in openings for d in _digest_list(blobs, "openings")]]
+  if record["aggregate"] is not None:
+    refs += _digest_list([record["aggregate"]], "aggregate")
+  return record, refs
+
+
+class MeasurementRoutes:
+
+  def __init__(self, service: Service):
+    self.service, self.store = service, service.store
+
+  async def create_measurement(self, request):
+    body = await self.service.body(request)
+    owner, name = request.path_params["owner"], request.path_params["name"]
+
+    def create():
+      exp = self.service.writable_experiment(request, owner, name)
+      record, refs = parse_measurement(body)
+      proof_id, checkpoint = str(record["proof_id"]), record["checkpoint"]
+      proof = self.store.proof(proof_id)
+      if proof is None or proof["experiment_id"] != exp["id"]:
+        raise HTTPException(404, f"proof {proof_id} is not a proof of {exp['full_name']}.")
+      if proof["state"] != "verified" or proof["final_params"] != checkpoint.hex():
+        raise HTTPException(409, f"the checkpoint is not the final state of a verified proof: "
+                            f"proof {proof_id} is {proof['state']} with final params "
+                            f"{proof['final_params']}.")
+      missing = [b.hex() for b in refs if not self.store.has_proof_blob(proof_id, b.hex())]
+      if missing:
+        raise HTTPException(409, f"{len(missing)} blobs were not uploaded for proof {proof_id} "
+                            f"(first {missing[0]}); upload them first.")
+      return self.store.add_measurement({
+          "id": record_id(body).hex(), "experiment_id": exp["id"],
+          "proof_id": proof_id, "metric": record["metric"], "value": record["value"],
+          "higher_is_better": bool(record.get("higher_is_better", True)),
+          "batches": len(record["batches"]), "sampled": len(record["openings"]),
+          "checkpoint": checkpoint.hex(), "record": body})
+    row = await run_in_threadpool(create)
+    return JSONResponse({k: v for k, v in row.items() if k != "record"}, status_code=201)
+
+  async def get_measurement(self, request):
+    row = await run_in_threadpool(self.store.measurement, request.path_params["measurement_id"])
+    if row is None:
+      raise HTTPException(404, "unknown measurement.")
+    return JSONResponse({k: v for k, v in row.items() if k != "record"})
+
+  async def put_eval_set(self, request):
+    metric = request.path_params["metric"]
+    if not NAME.fullmatch(metric):
+      raise HTTPException(400, "metric names are 1-100 letters, digits, '.', '_' or '-'.")
+    try:
+      digests = json.loads(await self.service.body(request))["row_digests"]
+    except (ValueError, KeyError, TypeError):
+      digests = None
+    if not isinstance(digests, list) or not all(
+        isinstance(d, str) and self.service.blobs.valid_name(d) for d in digests):
+      raise HTTPException(400, "send JSON {\"row_digests\": [hex BLAKE3 of each row]}.")
+
+    def put():
+      owner = self.service.owner(request)
+      if not self.store.set_eval_rows(metric, owner, digests):
+        raise HTTPException(403, f"the evaluation set of {metric} belongs to another owner.")
+    await run_in_threadpool(put)
+    return JSONResponse({"metric": metric, "rows": len(set(digests))})
+
+
+def measurement_routes(service: Service) -> list[Route]:
+  api = MeasurementRoutes(service)
+  return [
+      Route("/api/v1/experiments/{owner}/{name}/measurements", api.create_measurement,
+            methods=["POST"], name="create_measurement"),
+      Route("/api/v1/measurements/{measurement_id}", api.get_measurement, name="measurement"),
+      Route("/api/v1/metrics/{metric}/eval-set", api.put_eval_set, methods=["PUT"],
+            name="eval_set"),
+  ]

@@ -1,0 +1,218 @@
+"""Experiments, proof slots, bound roots, and what anyone may read of a proof.
+
+Example::
+
+  routes = proof_routes(service)  # named routes, e.g. url_path_for("proof", proof_id=...)
+"""
+
+import json
+import secrets
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from dvbench.server import labels
+from dvbench.server.service import Service, check_name, decode
+from dvbench.server.store_custody import SlotTaken
+from zkdv import challenge
+from zkdv.transcript import record_id
+
+_CBOR = "application/cbor"
+_DVBENCH_FIELDS = {"kind", "server_key", "nonce", "key_commitment", "owner", "experiment",
+                   "policy"}
+_SELF_FIELDS = {"kind", "seed_commitment", "policy"}
+
+
+def public_proof(p: dict) -> dict:
+  return {"id": p["id"], "experiment": p.get("experiment"), "name": p["name"],
+          "state": p["state"], "failure": p["failure"], "records": p["records"],
+          "steps": p["steps"], "final_params": p["final_params"],
+          "created_at": p["created_at"], "updated_at": p["updated_at"]}
+
+
+def _policy(challenger: dict) -> challenge.Policy:
+  try:
+    return challenge.Policy.from_record(challenger.get("policy"))
+  except (ValueError, TypeError) as e:
+    raise HTTPException(409, f"the root's challenger policy is not acceptable: {e}") from None
+
+
+class RootBinding:
+  """Checks that a root is bound to this server, experiment and an unused slot."""
+
+  def __init__(self, service: Service, experiment: dict):
+    self.service, self.experiment = service, experiment
+
+  def challenger_row(self, root: dict) -> dict:
+    """``{"kind", "nonce", "policy"}`` to store, or 409 naming what does not match."""
+    challenger = root.get("challenger")
+    if not isinstance(challenger, dict) or challenger.get("kind") not in challenge.CHALLENGER_KINDS:
+      raise HTTPException(409, "the root has no challenger: a proof for DVBench starts from a "
+                          "slot (POST /api/v1/experiments/OWNER/NAME/slots).")
+    if challenger["kind"] == "self":
+      if set(challenger) != _SELF_FIELDS:
+        raise HTTPException(409, f"a self challenger has exactly the fields {sorted(_SELF_FIELDS)}.")
+      return {"kind": "self", "nonce": None, "policy": json.dumps(_policy(challenger).to_record())}
+    if set(challenger) != _DVBENCH_FIELDS:
+      raise HTTPException(409, f"a dvbench challenger has exactly the fields "
+                          f"{sorted(_DVBENCH_FIELDS)}.")
+    nonce = self._slot_nonce(challenger)
+    return {"kind": "dvbench", "nonce": nonce,
+            "policy": json.dumps(_policy(challenger).to_record())}
+
+  def _slot_nonce(self, challenger: dict) -> str:
+    nonce = challenger["nonce"]
+    slot = self.service.store.slot(nonce.hex()) if isinstance(nonce, bytes) else None
+    full = self.experiment["full_name"]
+    if slot is None or slot["experiment_id"] != self.experiment["id"]:
+      raise HTTPException(409, f"the root's nonce was not issued to '{full}' by this server: "
+                          "a root is bound to the slot of its own experiment.")
+    if slot["proof_id"] is not None:
+      raise HTTPException(409, f"the root's nonce was already used by proof {slot['proof_id']}; "
+                          "every proof takes a fresh slot.")
+    expected = {"server_key": self.service.server_key, "owner": full.split("/")[0],
+                "experiment": full,
+                "key_commitment": challenge.key_commitment(slot["challenge_key"])}
+    wrong = sorted(k for k, v in expected.items() if challenger[k] != v)
+    if wrong:
+      raise HTTPException(409, f"the root's challenger does not match its slot in {wrong}.")
+    weaker = _policy(challenger).weaker_than(
+        challenge.Policy.from_record(json.loads(slot["policy"])))
+    if weaker:
+      raise HTTPException(409, f"the root's policy is weaker than the server's minimum in "
+                          f"{weaker}.")
+    return nonce.hex()
+
+
+class ProofRoutes:
+  """Handlers; database work runs in the thread pool."""
+
+  def __init__(self, service: Service):
+    self.service, self.store = service, service.store
+
+  async def list_experiments(self, request):
+    return JSONResponse(await run_in_threadpool(self.store.list_experiments))
+
+  async def create_experiment(self, request):
+    try:
+      full = json.loads(await self.service.body(request))["name"]
+      owner, name = full.split("/")
+    except (ValueError, KeyError, TypeError, AttributeError):
+      raise HTTPException(400, "send JSON {\"name\": \"owner/name\"}.") from None
+    exp = await run_in_threadpool(self.service.writable_experiment, request, owner, name)
+    return JSONResponse(exp)
+
+  async def get_experiment(self, request):
+    full = check_name(request.path_params["owner"], request.path_params["name"])
+    exp = await run_in_threadpool(self.store.experiment, full)
+    if exp is None:
+      raise HTTPException(404, f"unknown experiment '{full}'.")
+    proofs = await run_in_threadpool(self.store.list_proofs, exp["id"])
+    return JSONResponse({**exp, "proofs": [public_proof(p) for p in proofs]})
+
+  async def create_slot(self, request):
+    """A one-time nonce, the commitment to a fresh key K, the server key and minimum policy."""
+    owner, name = request.path_params["owner"], request.path_params["name"]
+
+    def create():
+      exp = self.service.writable_experiment(request, owner, name)
+      nonce, key = secrets.token_bytes(32), challenge.new_key()
+      policy = self.service.minimum_policy.to_record()
+      self.store.create_slot(nonce.hex(), exp["id"], key, json.dumps(policy))
+      return {"nonce": nonce.hex(), "key_commitment": challenge.key_commitment(key).hex(),
+              "server_key": self.service.server_key.hex(), "policy": policy}
+    return JSONResponse(await run_in_threadpool(create), status_code=201)
+
+  async def create_proof(self, request):
+    root = await self.service.body(request)
+    owner, name = request.path_params["owner"], request.path_params["name"]
+
+    def create():
+      exp = self.service.writable_experiment(request, owner, name)
+      record = decode(root, "the root record", canonical=True)
+      if not isinstance(record, dict) or record.get("type") != "root" or "prev" in record:
+        raise HTTPException(400, "a proof starts with its root record (type 'root', no prev).")
+      proof_id = record_id(root).hex()
+      existing = self.store.proof(proof_id)
+      if existing is not None:
+        if existing["experiment_id"] != exp["id"]:
+          raise HTTPException(409, f"proof {proof_id} belongs to experiment "
+                              f"'{existing['experiment']}'.")
+        return existing  # the same root again
+      challenger = RootBinding(self.service, exp).challenger_row(record)
+      try:
+        return self.store.create_proof(exp["id"], proof_id, str(record.get("name", ""))[:400],
+                                       root, challenger)
+      except SlotTaken:
+        raise HTTPException(409, "the root's nonce was used meanwhile by another proof; every "
+                            "proof takes a fresh slot.") from None
+    return JSONResponse(public_proof(await run_in_threadpool(create)), status_code=201)
+
+  def proof_json(self, proof_id: str) -> dict:
+    proof = self.service.proof_or_404(proof_id)
+    checks = self.store.proof_checks(proof_id)
+    summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
+                                       self.store.challenge_rows(proof_id), checks)
+    return {**public_proof(proof), **summary, "checks": len(checks),
+            "checks_verified": sum(c["status"] == "verified" for c in checks)}
+
+  async def get_proof(self, request):
+    return JSONResponse(await run_in_threadpool(self.proof_json, request.path_params["proof_id"]))
+
+  async def get_checks(self, request):
+    return JSONResponse(await run_in_threadpool(self.store.proof_checks,
+                                                request.path_params["proof_id"]))
+
+  async def get_record_ids(self, request):
+    ids = await run_in_threadpool(self.store.record_ids, request.path_params["proof_id"])
+    return JSONResponse([i.hex() for i in ids])
+
+  async def get_challenges(self, request):
+    """Every derived challenge with its decisions and answers (a resuming client's view)."""
+    rows = await run_in_threadpool(self.store.challenge_rows, request.path_params["proof_id"])
+    return JSONResponse([{**{k: v for k, v in r.items() if k != "proof_id"},
+                          "record_id": r["record_id"].hex(), "challenge": r["challenge"].hex()}
+                         for r in rows])
+
+  async def get_transcript(self, request):
+    proof_id = request.path_params["proof_id"]
+
+    def read():
+      self.service.proof_or_404(proof_id)
+      return b"".join(self.store.record_data(proof_id))
+    return Response(await run_in_threadpool(read), media_type=_CBOR)
+
+  async def get_receipt(self, request):
+    proof = await run_in_threadpool(self.service.proof_or_404, request.path_params["proof_id"])
+    data = await run_in_threadpool(self.store.receipt, proof["id"])
+    if data is None:
+      raise HTTPException(404, f"proof {proof['id']} has no receipt: it is {proof['state']} "
+                          "(receipts come after the server's replay, and only for "
+                          "server-challenged proofs).")
+    return Response(data, media_type=_CBOR)
+
+  async def server_key(self, request):
+    return JSONResponse({"server_key": self.service.server_key.hex()})
+
+
+def proof_routes(service: Service) -> list[Route]:
+  api = ProofRoutes(service)
+  return [
+      Route("/api/v1/server-key", api.server_key, name="server_key"),
+      Route("/api/v1/experiments", api.list_experiments, methods=["GET"], name="experiments"),
+      Route("/api/v1/experiments", api.create_experiment, methods=["POST"],
+            name="create_experiment"),
+      Route("/api/v1/experiments/{owner}/{name}", api.get_experiment, name="experiment"),
+      Route("/api/v1/experiments/{owner}/{name}/slots", api.create_slot, methods=["POST"],
+            name="slots"),
+      Route("/api/v1/experiments/{owner}/{name}/proofs", api.create_proof, methods=["POST"],
+            name="create_proof"),
+      Route("/api/v1/proofs/{proof_id}", api.get_proof, name="proof"),
+      Route("/api/v1/proofs/{proof_id}/checks", api.get_checks, name="proof_checks"),
+      Route("/api/v1/proofs/{proof_id}/records", api.get_record_ids, name="proof_records"),
+      Route("/api/v1/proofs/{proof_id}/challenges", api.get_challenges, name="proof_challenges"),
+      Route("/api/v1/proofs/{proof_id}/transcript", api.get_transcript, name="proof_transcript"),
+      Route("/api/v1/proofs/{proof_id}/receipt", api.get_receipt, name="proof_receipt"),
+  ]

@@ -1,0 +1,184 @@
+"""The DVBench schema: every table (SQLAlchemy Core); migrations live in ``db``.
+
+Example::
+
+  conn.execute(sa.select(proofs.c.state).where(proofs.c.id == proof_id))
+"""
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+schema_migrations = sa.Table(
+    "schema_migrations", metadata,
+    sa.Column("version", sa.Integer, primary_key=True),
+    sa.Column("applied_at", sa.Float, nullable=False))
+
+owners = sa.Table(
+    "owners", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("name", sa.String(200), unique=True, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False))
+
+tokens = sa.Table(
+    "tokens", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("owners.id"), nullable=False),
+    sa.Column("token_hash", sa.String(64), unique=True, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False))
+
+experiments = sa.Table(
+    "experiments", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("owners.id"), nullable=False),
+    sa.Column("full_name", sa.String(400), unique=True, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False))
+
+proofs = sa.Table(
+    "proofs", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # the transcript id, hex
+    sa.Column("experiment_id", sa.Integer, sa.ForeignKey("experiments.id"), nullable=False),
+    sa.Column("name", sa.String(400), nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("failure", sa.Text),
+    sa.Column("records", sa.Integer, nullable=False, default=0),
+    sa.Column("steps", sa.Integer, nullable=False, default=0),
+    sa.Column("final_params", sa.String(64)),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False))
+
+records = sa.Table(
+    "records", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("position", sa.Integer, primary_key=True),
+    sa.Column("record_id", sa.LargeBinary(32), nullable=False),
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.UniqueConstraint("proof_id", "record_id"))
+
+streams = sa.Table(
+    "streams", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("client_id", sa.String(64), primary_key=True),
+    sa.Column("next_seq", sa.Integer, nullable=False),
+    sa.Column("last_ack", sa.Text, nullable=False))
+
+chunks = sa.Table(
+    "chunks", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("record_id", sa.LargeBinary(32), primary_key=True),
+    sa.Column("idx", sa.Integer, primary_key=True),
+    sa.Column("count", sa.Integer, nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False))
+
+blob_refs = sa.Table(
+    "blob_refs", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+jobs = sa.Table(
+    "jobs", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("kind", sa.String(20), nullable=False),  # "proof" or "measurement"
+    sa.Column("subject", sa.String(64), nullable=False),  # the proof or measurement id
+    sa.Column("state", sa.String(20), nullable=False),  # queued, running, done
+    sa.Column("lease_owner", sa.String(100)),
+    sa.Column("lease_expires", sa.Float),
+    sa.Column("attempts", sa.Integer, nullable=False, default=0),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.UniqueConstraint("kind", "subject"))
+
+measurements = sa.Table(
+    "measurements", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # BLAKE3 of the submission, hex
+    sa.Column("experiment_id", sa.Integer, sa.ForeignKey("experiments.id"), nullable=False),
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), nullable=False),
+    sa.Column("metric", sa.String(100), nullable=False),
+    sa.Column("value", sa.Float, nullable=False),
+    sa.Column("higher_is_better", sa.Boolean, nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("failure", sa.Text),
+    sa.Column("batches", sa.Integer, nullable=False),
+    sa.Column("sampled", sa.Integer, nullable=False),
+    sa.Column("checkpoint", sa.String(64), nullable=False),
+    sa.Column("record", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False))
+
+probes = sa.Table(
+    "probes", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+eval_sets = sa.Table(
+    "eval_sets", metadata,
+    sa.Column("metric", sa.String(100), primary_key=True),
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("owners.id"), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False))
+
+eval_rows = sa.Table(
+    "eval_rows", metadata,
+    sa.Column("metric", sa.String(100), sa.ForeignKey("eval_sets.metric"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+checks = sa.Table(
+    "checks", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("kind", sa.String(20), primary_key=True),
+    sa.Column("mode", sa.String(20), nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("max_abs_error", sa.Float, nullable=False),
+    sa.Column("max_rel_error", sa.Float, nullable=False),
+    sa.Column("max_ulp_error", sa.BigInteger, nullable=False))
+
+
+# -- migration 2: server challenges, custody of blobs per proof, receipts ------------
+
+settings = sa.Table(
+    "settings", metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False))
+
+slots = sa.Table(
+    "slots", metadata,
+    sa.Column("nonce", sa.String(64), primary_key=True),  # hex
+    sa.Column("experiment_id", sa.Integer, sa.ForeignKey("experiments.id"), nullable=False),
+    sa.Column("challenge_key", sa.LargeBinary(32), nullable=False),  # K: secret until receipt
+    sa.Column("policy", sa.Text, nullable=False),  # the server's minimum when issued, JSON
+    sa.Column("proof_id", sa.String(64), unique=True),  # set once a root used the nonce
+    sa.Column("created_at", sa.Float, nullable=False))
+
+challengers = sa.Table(
+    "challengers", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("kind", sa.String(20), nullable=False),  # "dvbench" or "self"
+    sa.Column("nonce", sa.String(64), sa.ForeignKey("slots.nonce")),  # dvbench only
+    sa.Column("policy", sa.Text, nullable=False))  # the root's effective policy, JSON
+
+challenges = sa.Table(
+    "challenges", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("record_id", sa.LargeBinary(32), nullable=False),
+    sa.Column("challenge", sa.LargeBinary(32), nullable=False),
+    sa.Column("needs_update", sa.Boolean, nullable=False),
+    sa.Column("needs_state", sa.Boolean, nullable=False),
+    sa.Column("needs_probe", sa.Boolean, nullable=False),
+    sa.Column("answered_update", sa.Boolean, nullable=False),
+    sa.Column("answered_state", sa.Boolean, nullable=False),
+    sa.Column("answered_probe", sa.Boolean, nullable=False))
+
+proof_blobs = sa.Table(
+    "proof_blobs", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+receipts = sa.Table(
+    "receipts", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("verdict", sa.String(20), nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),  # the signed receipt, CBOR
+    sa.Column("issued_at", sa.Float, nullable=False))
+
+MIGRATION_2_TABLES = (settings, slots, challengers, challenges, proof_blobs, receipts)

@@ -1,0 +1,107 @@
+"""What every route module shares: the store, the blobs, the server key, request checks.
+
+Example::
+
+  service = Service(store, blobs, signing_key, minimum_policy=Policy(0.1))
+  body = await service.body(request)
+  proof = service.proof_for_write(request, proof_id)
+"""
+
+import dataclasses
+import json
+import re
+
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from dvbench import transport
+from dvbench.server.blobs import BlobStore
+from dvbench.server.db import Store
+from zkdv import challenge
+from zkdv import receipt
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+HEX_ID = re.compile(r"[0-9a-f]{64}")
+MINIMUM_POLICY_SETTING = "minimum_policy"
+
+
+def check_name(owner: str, name: str) -> str:
+  """``owner/name`` after checking both parts, e.g. ``check_name("alice", "mlp")``."""
+  if not (NAME.fullmatch(owner) and NAME.fullmatch(name)):
+    raise HTTPException(400, "experiment names are 'owner/name', each 1-100 characters "
+                        "of letters, digits, '.', '_' or '-'.")
+  return f"{owner}/{name}"
+
+
+def decode(data: bytes, what: str, *, canonical: bool = False):
+  """Prover-sent CBOR, safely decoded; 400 naming ``what`` when it is not acceptable."""
+  try:
+    return transport.decode_safely(data, canonical=canonical)
+  except transport.UnsafeCbor as e:
+    raise HTTPException(400, f"{what} is not acceptable CBOR: {e}") from None
+
+
+@dataclasses.dataclass
+class Service:
+  """The server's state, shared by the route modules of one process."""
+
+  store: Store
+  blobs: BlobStore
+  signing_key: ed25519.Ed25519PrivateKey
+  minimum_policy: challenge.Policy = challenge.Policy(update_check_probability=0.1,
+                                                      rolling_window=64)
+  max_body: int = transport.MAX_BODY_BYTES
+
+  def __post_init__(self):
+    self.server_key = receipt.public_key_bytes(self.signing_key)
+    self.store.put_setting(MINIMUM_POLICY_SETTING, json.dumps(self.minimum_policy.to_record()))
+
+  async def body(self, request: Request) -> bytes:
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit() or int(declared) > self.max_body:
+      raise HTTPException(413, f"request body of {declared} bytes exceeds the limit of "
+                          f"{self.max_body}; records above the chunk threshold go in chunks.")
+    data = bytearray()
+    async for part in request.stream():
+      data += part
+      if len(data) > self.max_body:
+        raise HTTPException(413, f"request body exceeds the limit of {self.max_body} bytes.")
+    return bytes(data)
+
+  def owner(self, request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    if not header.startswith("Bearer "):
+      raise HTTPException(401, "missing API token: send 'Authorization: Bearer <token>' "
+                          "(create one with 'dvbench token create OWNER').")
+    owner = self.store.owner_of_token(header[len("Bearer "):].strip())
+    if owner is None:
+      raise HTTPException(401, "unknown API token.")
+    return owner
+
+  def writable_experiment(self, request: Request, owner: str, name: str) -> dict:
+    full = check_name(owner, name)
+    who = self.owner(request)
+    if who != owner:
+      raise HTTPException(403, f"token of '{who}' cannot write to '{full}'; experiments "
+                          "are written only by their owner.")
+    return self.store.experiment(full, create_for=owner)
+
+  def proof_or_404(self, proof_id: str) -> dict:
+    proof = self.store.proof(proof_id) if HEX_ID.fullmatch(proof_id) else None
+    if proof is None:
+      raise HTTPException(404, f"unknown proof {proof_id[:64]!r}: create it by posting its "
+                          "root record to /api/v1/experiments/OWNER/NAME/proofs.")
+    return proof
+
+  def proof_for_write(self, request: Request, proof_id: str) -> dict:
+    proof = self.proof_or_404(proof_id)
+    who = self.owner(request)
+    if proof["experiment"].split("/")[0] != who:
+      raise HTTPException(403, f"token of '{who}' cannot write to proof {proof_id}.")
+    return proof
+
+  def blob_name(self, digest: str) -> str:
+    if not self.blobs.valid_name(digest):
+      raise HTTPException(400, "blob names are 64 lowercase hex digits.")
+    return digest

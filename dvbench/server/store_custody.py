@@ -1,0 +1,220 @@
+"""Queries of custody: the stream, stored records, slots, challenges, blobs per proof, receipts.
+
+A mixin of ``db.Store``. Example::
+
+  with store.engine.begin() as conn:
+    head = store.custody_head(conn, proof_id)
+"""
+
+import dataclasses
+import time
+
+import sqlalchemy as sa
+
+from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, proof_blobs,
+                                   proofs, receipts, records, slots, streams)
+
+
+class SlotTaken(ValueError):
+  """The nonce was not issued to this experiment, or a root already used it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CustodyHead:
+  """Where a proof's stored records end."""
+
+  records: int
+  steps: int
+  last_id: bytes
+  last_kind: str
+
+
+class CustodyQueries:
+  """Append-only records, one per position, and everything derived from them."""
+
+  # -- the stream --------------------------------------------------------------------
+
+  def stream_position(self, conn, proof_id: str, client_id: str) -> tuple[int, str | None]:
+    row = conn.execute(sa.select(streams.c.next_seq, streams.c.last_ack).where(
+        (streams.c.proof_id == proof_id) & (streams.c.client_id == client_id))).first()
+    return (row[0], row[1]) if row else (0, None)
+
+  def advance_stream(self, conn, proof_id: str, client_id: str, seq: int, ack: str) -> None:
+    if seq == 0:
+      conn.execute(streams.insert().values(proof_id=proof_id, client_id=client_id,
+                                           next_seq=1, last_ack=ack))
+    else:
+      conn.execute(streams.update().where(
+          (streams.c.proof_id == proof_id) & (streams.c.client_id == client_id)
+      ).values(next_seq=seq + 1, last_ack=ack))
+
+  def put_chunk(self, conn, proof_id: str, record_id: bytes, idx: int, count: int,
+                data: bytes) -> bytes | None:
+    """Stores a chunk; returns the whole record once every chunk is here."""
+    exists = conn.execute(sa.select(chunks.c.idx).where(
+        (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
+        & (chunks.c.idx == idx))).first()
+    if not exists:
+      conn.execute(chunks.insert().values(proof_id=proof_id, record_id=record_id, idx=idx,
+                                          count=count, data=data))
+    parts = conn.execute(sa.select(chunks.c.idx, chunks.c.data).where(
+        (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
+    ).order_by(chunks.c.idx)).all()
+    if len(parts) < count:
+      return None
+    conn.execute(chunks.delete().where((chunks.c.proof_id == proof_id)
+                                       & (chunks.c.record_id == record_id)))
+    return b"".join(p[1] for p in parts)
+
+  def record_data(self, proof_id: str) -> list[bytes]:
+    with self.engine.connect() as conn:
+      return [r[0] for r in conn.execute(sa.select(records.c.data).where(
+          records.c.proof_id == proof_id).order_by(records.c.position))]
+
+  def last_record(self, conn, proof_id: str) -> tuple[int, bytes | None, bytes | None]:
+    """(record count, id and bytes of the last record) of a proof."""
+    row = conn.execute(sa.select(records.c.position, records.c.record_id, records.c.data)
+                       .where(records.c.proof_id == proof_id)
+                       .order_by(records.c.position.desc()).limit(1)).first()
+    return (0, None, None) if row is None else (row[0] + 1, row[1], row[2])
+
+  def record_ids(self, proof_id: str) -> list[bytes]:
+    with self.engine.connect() as conn:
+      return [r[0] for r in conn.execute(sa.select(records.c.record_id).where(
+          records.c.proof_id == proof_id).order_by(records.c.position))]
+
+  def blob_digests(self, conn, proof_id: str) -> list[str]:
+    return [r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
+        blob_refs.c.proof_id == proof_id))]
+
+  def custody_head(self, conn, proof_id: str) -> CustodyHead:
+    count, steps = conn.execute(sa.select(proofs.c.records, proofs.c.steps).where(
+        proofs.c.id == proof_id)).first()
+    last_id, last_kind = conn.execute(sa.select(records.c.record_id, records.c.kind).where(
+        (records.c.proof_id == proof_id) & (records.c.position == count - 1))).first()
+    return CustodyHead(count, steps, last_id, last_kind)
+
+  def record_position(self, conn, proof_id: str, record_id: bytes) -> int | None:
+    return conn.execute(sa.select(records.c.position).where(
+        (records.c.proof_id == proof_id) & (records.c.record_id == record_id))).scalar()
+
+  def append_record(self, conn, proof_id: str, head: CustodyHead, record_id: bytes,
+                    kind: str, data: bytes) -> CustodyHead:
+    """Stores a record at ``head.records``; returns the new head."""
+    conn.execute(records.insert().values(proof_id=proof_id, position=head.records,
+                                         record_id=record_id, kind=kind, data=data))
+    steps = head.steps + (kind == "step")
+    conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
+        records=head.records + 1, steps=steps, updated_at=time.time()))
+    return CustodyHead(head.records + 1, steps, record_id, kind)
+
+  def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
+    known = {r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
+        blob_refs.c.proof_id == proof_id))}
+    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
+    if new:
+      conn.execute(blob_refs.insert(), new)
+
+  # -- slots and challengers -----------------------------------------------------------
+
+  def create_slot(self, nonce: str, experiment_id: int, challenge_key: bytes,
+                  policy: str) -> None:
+    with self.engine.begin() as conn:
+      conn.execute(slots.insert().values(nonce=nonce, experiment_id=experiment_id,
+                                         challenge_key=challenge_key, policy=policy,
+                                         created_at=time.time()))
+
+  def slot(self, nonce: str) -> dict | None:
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(slots).where(slots.c.nonce == nonce)).mappings().first()
+    return dict(row) if row else None
+
+  def take_slot(self, conn, nonce: str, experiment_id: int, proof_id: str) -> None:
+    taken = conn.execute(slots.update().where(
+        (slots.c.nonce == nonce) & (slots.c.experiment_id == experiment_id)
+        & slots.c.proof_id.is_(None)).values(proof_id=proof_id))
+    if taken.rowcount != 1:
+      raise SlotTaken(f"nonce {nonce} is not an unused nonce of this experiment.")
+
+  def challenger(self, proof_id: str) -> dict | None:
+    """``{"kind", "nonce", "policy", "challenge_key", "slot_policy"}`` of a proof."""
+    query = (sa.select(challengers, slots.c.challenge_key, slots.c.policy.label("slot_policy"))
+             .select_from(challengers.outerjoin(slots, slots.c.nonce == challengers.c.nonce))
+             .where(challengers.c.proof_id == proof_id))
+    with self.engine.connect() as conn:
+      row = conn.execute(query).mappings().first()
+    return dict(row) if row else None
+
+  # -- challenges ------------------------------------------------------------------------
+
+  def add_challenge(self, conn, proof_id: str, step: int, record_id: bytes,
+                    challenge: bytes, needs: dict[str, bool]) -> None:
+    """Stores step ``step``'s derived challenge once (``needs``: kind -> required)."""
+    if conn.execute(sa.select(challenges.c.step).where(
+        (challenges.c.proof_id == proof_id) & (challenges.c.step == step))).first():
+      return
+    conn.execute(challenges.insert().values(
+        proof_id=proof_id, step=step, record_id=record_id, challenge=challenge,
+        **{f"needs_{k}": v for k, v in needs.items()},
+        **{f"answered_{k}": False for k in needs}))
+
+  def challenges_of(self, conn, proof_id: str, steps=None) -> list[dict]:
+    query = sa.select(challenges).where(challenges.c.proof_id == proof_id)
+    if steps is not None:
+      query = query.where(challenges.c.step.in_(sorted(steps)))
+    return [dict(r) for r in conn.execute(query.order_by(challenges.c.step)).mappings()]
+
+  def challenge_rows(self, proof_id: str) -> list[dict]:
+    with self.engine.connect() as conn:
+      return self.challenges_of(conn, proof_id)
+
+  def answer_challenge(self, conn, proof_id: str, step: int, kind: str) -> bool:
+    """Marks step ``step``'s ``kind`` answered; False when it already was."""
+    flag = challenges.c[f"answered_{kind}"]
+    return conn.execute(challenges.update().where(
+        (challenges.c.proof_id == proof_id) & (challenges.c.step == step) & ~flag
+    ).values({flag: True})).rowcount == 1
+
+  # -- blobs uploaded for a proof ----------------------------------------------------------
+
+  def add_proof_blob(self, proof_id: str, digest: str) -> None:
+    with self.engine.begin() as conn:
+      if not self.has_proof_blob(proof_id, digest, conn):
+        conn.execute(proof_blobs.insert().values(proof_id=proof_id, digest=digest))
+
+  def has_proof_blob(self, proof_id: str, digest: str, conn=None) -> bool:
+    query = sa.select(proof_blobs.c.digest).where(
+        (proof_blobs.c.proof_id == proof_id) & (proof_blobs.c.digest == digest))
+    if conn is not None:
+      return conn.execute(query).first() is not None
+    with self.engine.connect() as c:
+      return c.execute(query).first() is not None
+
+  def proof_blob_digests(self, proof_id: str) -> list[str]:
+    with self.engine.connect() as conn:
+      return [r[0] for r in conn.execute(sa.select(proof_blobs.c.digest).where(
+          proof_blobs.c.proof_id == proof_id).order_by(proof_blobs.c.digest))]
+
+  def missing_blobs(self, conn, proof_id: str) -> list[str]:
+    """Blobs the proof's records reference that were not uploaded for this proof."""
+    uploaded = sa.select(proof_blobs.c.digest).where(proof_blobs.c.proof_id == proof_id)
+    return [r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
+        (blob_refs.c.proof_id == proof_id) & blob_refs.c.digest.not_in(uploaded)
+    ).order_by(blob_refs.c.digest))]
+
+  # -- receipts ------------------------------------------------------------------------------
+
+  def put_receipt(self, proof_id: str, verdict: str, data: bytes, conn=None) -> None:
+    statement = receipts.insert().values(proof_id=proof_id, verdict=verdict, data=data,
+                                         issued_at=time.time())
+    if conn is not None:
+      conn.execute(receipts.delete().where(receipts.c.proof_id == proof_id))
+      conn.execute(statement)
+      return
+    with self.engine.begin() as c:
+      self.put_receipt(proof_id, verdict, data, c)
+
+  def receipt(self, proof_id: str) -> bytes | None:
+    with self.engine.connect() as conn:
+      return conn.execute(sa.select(receipts.c.data).where(
+          receipts.c.proof_id == proof_id)).scalar()

@@ -1,0 +1,174 @@
+"""Queries of validation jobs, measurements, probes, evaluation sets and replayed checks.
+
+A mixin of ``db.Store``. Example::
+
+  job = store.claim_job("w1", lease_seconds=60)
+"""
+
+import time
+
+import sqlalchemy as sa
+
+from dvbench.server.schema import (checks, eval_rows, eval_sets, experiments, jobs,
+                                   measurements, probes, proofs)
+
+MEASUREMENT_STATES = ("pending", "verifying", "verified", "self-reported", "invalid")
+
+
+class JobQueries:
+  """Jobs (leased), measurements and what the leaderboard counts."""
+
+  # -- validation jobs -----------------------------------------------------------------
+
+  def enqueue_job(self, conn, kind: str, subject: str) -> None:
+    if not conn.execute(sa.select(jobs.c.id).where(
+        (jobs.c.kind == kind) & (jobs.c.subject == subject))).first():
+      conn.execute(jobs.insert().values(kind=kind, subject=subject, state="queued",
+                                        attempts=0, created_at=time.time()))
+
+  def claim_job(self, worker: str, lease_seconds: float) -> dict | None:
+    """Takes a queued job, or one whose lease expired, for ``lease_seconds``."""
+    now = time.time()
+    claimable = (jobs.c.state == "queued") | (
+        (jobs.c.state == "running") & (jobs.c.lease_expires < now))
+    with self.engine.begin() as conn:
+      query = sa.select(jobs.c.id).where(claimable).order_by(jobs.c.id).limit(1)
+      if not self.is_sqlite:  # PostgreSQL: workers skip rows another one holds
+        query = query.with_for_update(skip_locked=True)
+      row = conn.execute(query).first()
+      if row is None:
+        return None
+      updated = conn.execute(jobs.update().where((jobs.c.id == row[0]) & claimable).values(
+          state="running", lease_owner=worker, lease_expires=now + lease_seconds,
+          attempts=jobs.c.attempts + 1))
+      if updated.rowcount != 1:
+        return None  # another worker won the race
+      job = dict(conn.execute(sa.select(jobs).where(jobs.c.id == row[0])).mappings().first())
+      if job["kind"] == "proof":
+        self.set_proof_state(job["subject"], "verifying", conn=conn)
+      else:
+        conn.execute(measurements.update().where(measurements.c.id == job["subject"]).values(
+            state="verifying", updated_at=now))
+    return job
+
+  def extend_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
+    with self.engine.begin() as conn:
+      return conn.execute(jobs.update().where(
+          (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
+      ).values(lease_expires=time.time() + lease_seconds)).rowcount == 1
+
+  def _finish_job(self, conn, job_id: int, worker: str) -> bool:
+    return conn.execute(jobs.update().where(
+        (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
+    ).values(state="done")).rowcount == 1
+
+  def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
+                         failure: str | None, check_rows: list[dict]) -> bool:
+    """Stores the verdict; False (nothing written) when the lease was lost."""
+    with self.engine.begin() as conn:
+      if not self._finish_job(conn, job_id, worker):
+        return False
+      conn.execute(checks.delete().where(checks.c.proof_id == proof_id))
+      if check_rows:
+        conn.execute(checks.insert(), [{"proof_id": proof_id, **r} for r in check_rows])
+      self.set_proof_state(proof_id, state, failure, conn=conn)
+    return True
+
+  def complete_measurement_job(self, job_id: int, worker: str, measurement_id: str,
+                               state: str, failure: str | None) -> bool:
+    if state not in MEASUREMENT_STATES:
+      raise ValueError(f"unknown measurement state {state!r}.")
+    with self.engine.begin() as conn:
+      if not self._finish_job(conn, job_id, worker):
+        return False
+      conn.execute(measurements.update().where(measurements.c.id == measurement_id).values(
+          state=state, failure=failure, updated_at=time.time()))
+    return True
+
+  def job(self, kind: str, subject: str) -> dict | None:
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(jobs).where(
+          (jobs.c.kind == kind) & (jobs.c.subject == subject))).mappings().first()
+    return dict(row) if row else None
+
+  # -- measurements, probes, evaluation sets ----------------------------------------
+
+  def add_measurement(self, row: dict) -> dict:
+    """Stores a submission (idempotent by id) and queues its replay."""
+    now = time.time()
+    with self.engine.begin() as conn:
+      if not conn.execute(sa.select(measurements.c.id).where(
+          measurements.c.id == row["id"])).first():
+        conn.execute(measurements.insert().values(**row, state="pending", created_at=now,
+                                                  updated_at=now))
+        self.enqueue_job(conn, "measurement", row["id"])
+    return self.measurement(row["id"])
+
+  def measurement(self, measurement_id: str) -> dict | None:
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(measurements).where(
+          measurements.c.id == measurement_id)).mappings().first()
+    return dict(row) if row else None
+
+  def list_measurements(self) -> list[dict]:
+    query = (sa.select(measurements, experiments.c.full_name.label("experiment"),
+                       proofs.c.state.label("proof_state"), proofs.c.steps)
+             .select_from(measurements.join(experiments).join(
+                 proofs, proofs.c.id == measurements.c.proof_id))
+             .order_by(measurements.c.metric, measurements.c.created_at))
+    with self.engine.connect() as conn:
+      return [dict(r) for r in conn.execute(query).mappings()]
+
+  def add_probes(self, conn, proof_id: str, digests: set[str]) -> None:
+    known = {r[0] for r in conn.execute(sa.select(probes.c.digest).where(
+        probes.c.proof_id == proof_id))}
+    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
+    if new:
+      conn.execute(probes.insert(), new)
+
+  def probe_counts(self) -> dict[str, int]:
+    with self.engine.connect() as conn:
+      return dict(conn.execute(sa.select(probes.c.proof_id, sa.func.count()).group_by(
+          probes.c.proof_id)).all())
+
+  def set_eval_rows(self, metric: str, owner: str, digests: list[str]) -> bool:
+    """Registers (or replaces) a metric's evaluation rows; False for another owner's."""
+    with self.engine.begin() as conn:
+      owner_id = self._owner_id(conn, owner, create=True)
+      current = conn.execute(sa.select(eval_sets.c.owner_id).where(
+          eval_sets.c.metric == metric)).first()
+      if current is not None and current[0] != owner_id:
+        return False
+      if current is None:
+        conn.execute(eval_sets.insert().values(metric=metric, owner_id=owner_id,
+                                               created_at=time.time()))
+      conn.execute(eval_rows.delete().where(eval_rows.c.metric == metric))
+      if digests:
+        conn.execute(eval_rows.insert(), [{"metric": metric, "digest": d}
+                                          for d in sorted(set(digests))])
+    return True
+
+  def contamination(self, metric: str) -> dict[str, int] | None:
+    """Per proof: probed training rows equal to rows of the metric's evaluation set."""
+    with self.engine.connect() as conn:
+      if not conn.execute(sa.select(eval_sets.c.metric).where(
+          eval_sets.c.metric == metric)).first():
+        return None
+      query = (sa.select(probes.c.proof_id, sa.func.count())
+               .select_from(probes.join(eval_rows, eval_rows.c.digest == probes.c.digest))
+               .where(eval_rows.c.metric == metric).group_by(probes.c.proof_id))
+      return dict(conn.execute(query).all())
+
+  def check_counts(self) -> dict[str, tuple[int, int]]:
+    """Per proof: (checks replayed by the server, of which verified)."""
+    query = sa.select(checks.c.proof_id, sa.func.count(),
+                      sa.func.sum(sa.case((checks.c.status == "verified", 1), else_=0))
+                      ).group_by(checks.c.proof_id)
+    with self.engine.connect() as conn:
+      return {p: (n, int(v or 0)) for p, n, v in conn.execute(query).all()}
+
+  def proof_checks(self, proof_id: str) -> list[dict]:
+    with self.engine.connect() as conn:
+      rows = conn.execute(sa.select(checks).where(checks.c.proof_id == proof_id)
+                          .order_by(checks.c.step, checks.c.kind)).mappings()
+      return [{k: v for k, v in r.items() if k != "proof_id"} for r in rows]
