@@ -431,8 +431,11 @@ class ZKDV:
                                                     decision, copy=True)
       job.rows_started = None
     if decision is None or decision.update:
-      # Openings are whole leaves; across processes, gathering them is a collective.
-      job.opened = [arrays.gather(x) for x in leaves]
+      # Openings are whole leaves. A zero-copy host view keeps its input alive (JAX does
+      # not donate a buffer a view holds), so nothing is copied; across processes,
+      # gathering them is a collective.
+      open_leaf = arrays.gather if self._group.multi else arrays.host_view
+      job.opened = [open_leaf(x) for x in leaves]
     return job
 
   def _waiting_for_window(self, seconds: float) -> None:
