@@ -105,7 +105,7 @@ class Runner:
 
   def settle(self):
     if self.proof is not None:
-      self.proof._pipeline.drain()  # pylint: disable=protected-access
+      self.proof.wait_for_commitments()
 
   def step_record_bytes(self) -> tuple[float, float]:
     """(mean bytes of a step record, transcript bytes per step incl. blobs)."""

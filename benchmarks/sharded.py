@@ -103,7 +103,7 @@ def main(argv=None):
     for name, fn in steppers.items():
       for _ in range(args.block):
         times[name].append(common.timed(fn))
-      proof._pipeline.drain()  # pylint: disable=protected-access
+      proof.wait_for_commitments()
   proof.finish()
   if jax.process_index() != 0:
     return 0

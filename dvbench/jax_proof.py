@@ -90,8 +90,8 @@ class DVBenchProof(zkdv.jax.ZKDV):
                             f"{self.experiment.client.url} a DVBench server of this "
                             "version?") from None
     if effective != policy:
-      logger.info("DVBench %s requires %s; the proof uses it.", self.experiment.client.url,
-                  effective)
+      logger.info("DVBench %s raised the proof's policy to its minimum: %s",
+                  self.experiment.client.url, effective)
     return challengers.ServerChallenger(fields, effective, timeout_s=self.challenge_timeout,
                                         describe=self._resume_hint)
 

@@ -13,7 +13,7 @@ decides what a transcript proves:
 
 Example::
 
-  seed = new_seed()
+  seed = new_key()
   c = step_challenge_self(seed, 7)
   decide(c, Policy(update_check_probability=0.5)).update
   probe_rows(c, leaf=0, rows=128, ratio=0.01)

@@ -255,17 +255,26 @@ class ZKDV:
       raise error
     return self.path
 
+  def wait_for_commitments(self) -> None:
+    """Blocks until every step so far is committed and its challenges are answered.
+
+    ``finish()`` does this itself; benchmarks and tests use it to settle a run.
+    Raises ChallengeTimeoutError when a server's challenges do not come.
+    """
+    pipeline = self._committer.pipeline
+    pipeline.drain()
+    if isinstance(self._challenger, challengers.ServerChallenger) and pipeline.error is None:
+      self._challenger.wait_for(self._committer.committed_steps)
+      pipeline.drain()
+
   def _complete_commitments(self) -> errors.ZKDVError | None:
     """Waits for every step record and every late challenge's answer."""
     pipeline = self._committer.pipeline
-    pipeline.drain()
     error = None
-    if isinstance(self._challenger, challengers.ServerChallenger) and pipeline.error is None:
-      try:
-        self._challenger.wait_for(self._committer.committed_steps)
-      except errors.ChallengeTimeoutError as e:
-        error = e
-      pipeline.drain()
+    try:
+      self.wait_for_commitments()
+    except errors.ChallengeTimeoutError as e:
+      error = e
     pipeline.close()
     self._challenger.close()
     try:
