@@ -1,0 +1,191 @@
+"""A pure-Python prover that writes format-2 records by hand and speaks the DVBench protocol.
+
+It needs no JAX: states are 32-byte digests, a step's post-state is a hash of
+its pre-state and batch, and a *faked* step's post-state is anything else. A
+dishonest prover cannot open a faked step, so it leaves the challenges that hit
+one unanswered (or answers them with openings of its own choosing).
+
+Example::
+
+  prover = FakeProver(server.url, token, "alice/run")
+  prover.start()
+  outcome = prover.run(steps=30, faked={3, 4, 5})
+  prover.close().json()["state"]  # "invalid" when a challenge hit a faked step
+"""
+
+import dataclasses
+
+import blake3
+import cbor2
+import httpx
+
+from zkdv import challenge
+from zkdv.transcript import encode_record, record_id
+
+
+def digest(data: bytes) -> bytes:
+  return blake3.blake3(data).digest()
+
+
+@dataclasses.dataclass
+class RunOutcome:
+  """What a run sent: the challenged steps (step -> decision) and the faked ones hit."""
+
+  decisions: dict[int, challenge.Decision] = dataclasses.field(default_factory=dict)
+  faked_hit: list[int] = dataclasses.field(default_factory=list)
+  step_ids: dict[int, bytes] = dataclasses.field(default_factory=dict)
+
+
+class FakeProver:
+  """One proof of ``experiment`` ("owner/name"), sent record by record."""
+
+  def __init__(self, url: str, token: str, experiment: str):
+    self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
+                             timeout=60)
+    self.experiment = experiment
+    self.proof_id: str | None = None
+    self.last_id: bytes | None = None
+    self.policy: challenge.Policy | None = None
+    self.records: list[bytes] = []
+    self.steps = 0
+    self.state = digest(b"initial state")
+    self._seq = 0
+
+  # -- root ----------------------------------------------------------------------
+
+  def slot(self, experiment: str | None = None) -> dict:
+    owner, name = (experiment or self.experiment).split("/")
+    response = self.http.post(f"/api/v1/experiments/{owner}/{name}/slots")
+    response.raise_for_status()
+    return response.json()
+
+  def root(self, slot: dict, name: str = "fake", **challenger_changes) -> dict:
+    """A root bound to ``slot`` asking for the slot's policy (fields replaceable)."""
+    owner = self.experiment.split("/")[0]
+    challenger = {"kind": "dvbench", "server_key": bytes.fromhex(slot["server_key"]),
+                  "nonce": bytes.fromhex(slot["nonce"]),
+                  "key_commitment": bytes.fromhex(slot["key_commitment"]),
+                  "owner": owner, "experiment": self.experiment, "policy": slot["policy"]}
+    challenger.update(challenger_changes)
+    return {"type": "root", "format_version": 2, "prover": "whitebox-jax", "name": name,
+            "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
+            "challenger": challenger}
+
+  def post_root(self, root: dict, experiment: str | None = None) -> httpx.Response:
+    owner, name = (experiment or self.experiment).split("/")
+    raw = encode_record(root)
+    response = self.http.post(f"/api/v1/experiments/{owner}/{name}/proofs", content=raw)
+    if response.status_code == 201:
+      self.proof_id, self.last_id = response.json()["id"], record_id(raw)
+      self.policy = challenge.Policy.from_record(root["challenger"]["policy"])
+      self.records = [raw]
+    return response
+
+  def start(self, name: str = "fake") -> "FakeProver":
+    response = self.post_root(self.root(self.slot(), name))
+    if response.status_code != 201:
+      raise AssertionError(f"root refused: {response.text}")
+    return self
+
+  # -- records -----------------------------------------------------------------------
+
+  def chain(self, fields: dict, prev: bytes | None = None) -> bytes:
+    """``fields`` as an encoded record chained to ``prev`` (default: the last sent)."""
+    return encode_record({**fields, "prev": self.last_id if prev is None else prev})
+
+  def send(self, *raws: bytes) -> httpx.Response:
+    """One envelope of ``raws``; on success the chain continues after the last one."""
+    envelope = {"client_id": "fake", "seq": self._seq, "kind": "records", "records": list(raws)}
+    response = self.http.post(f"/api/v1/proofs/{self.proof_id}/stream",
+                              content=encode_record(envelope))
+    if response.status_code == 200:
+      self._seq += 1
+      self.last_id = record_id(raws[-1]) if raws else self.last_id
+      self.records += raws
+    return response
+
+  def step_record(self, faked: bool = False) -> bytes:
+    batch = digest(b"batch %d" % self.steps)
+    post = digest((b"faked" if faked else b"honest") + self.state + batch)
+    return self.chain({"type": "step", "index": self.steps, "program": 0,
+                       "pre_state": self.state, "batch": batch, "post_state": post})
+
+  def step(self, faked: bool = False) -> dict:
+    """Sends the next step; returns its ack (raises on refusal)."""
+    raw = self.step_record(faked)
+    response = self.send(raw)
+    if response.status_code != 200:
+      raise AssertionError(f"step {self.steps} refused: {response.text}")
+    self.state = cbor2.loads(raw)["post_state"]
+    self.steps += 1
+    return response.json()
+
+  def upload(self, data: bytes) -> bytes:
+    name = digest(data)
+    response = self.http.put(f"/api/v1/proofs/{self.proof_id}/blobs/{name.hex()}", content=data)
+    response.raise_for_status()
+    return name
+
+  def check_record(self, step: int, kind: str) -> bytes:
+    """An answer to step ``step``'s ``kind`` challenge, its openings uploaded."""
+    def put(data: bytes) -> bytes:  # openings of this proof only
+      return self.upload(data + self.proof_id.encode())
+
+    fields = {"type": "check", "step": step, "kind": kind}
+    if kind == "update":
+      fields |= {"pre_state_blobs": [put(b"pre-state of %d" % step)],
+                 "batch_blobs": [put(b"batch of %d" % step)], "result": {"equal": True}}
+    elif kind == "state":
+      fields |= {"post_state_blobs": [put(b"post-state of %d" % step)]}
+    else:
+      fields |= {"batch_roots": [digest(b"root")],
+                 "probes": [[0, 0, put(b"row 0 of %d" % step), []]]}
+    return self.chain(fields)
+
+  def answer(self, decision: challenge.Decision) -> None:
+    for kind, needed in (("update", decision.update), ("state", decision.state),
+                         ("probe", decision.probe_ratio > 0)):
+      if needed:
+        response = self.send(self.check_record(decision.step, kind))
+        if response.status_code != 200:
+          raise AssertionError(f"answer to step {decision.step} refused: {response.text}")
+
+  def decisions(self, ack: dict) -> list[challenge.Decision]:
+    return [challenge.decide(c["step"], bytes.fromhex(c["challenge"]), self.policy)
+            for c in ack["challenges"]]
+
+  def run(self, steps: int, faked=(), skip_answer=()) -> RunOutcome:
+    """``steps`` steps; challenges answered except on faked steps and ``skip_answer``."""
+    outcome = RunOutcome()
+    for _ in range(steps):
+      t = self.steps
+      ack = self.step(faked=t in faked)
+      outcome.step_ids[t] = record_id(self.records[-1])
+      for decision in self.decisions(ack):
+        outcome.decisions[decision.step] = decision
+        if decision.step in faked and decision.any_check:
+          outcome.faked_hit.append(decision.step)
+        elif decision.step not in faked and decision.step not in skip_answer:
+          self.answer(decision)
+    return outcome
+
+  def final_record(self, steps: int | None = None, prev: bytes | None = None) -> bytes:
+    return self.chain({"type": "final", "steps": self.steps if steps is None else steps,
+                       "status": "clean", "discontinuities": [], "final_state": self.state,
+                       "final_state_leaves": []}, prev)
+
+  def finish(self) -> httpx.Response:
+    """Sends the final record and closes."""
+    response = self.send(self.final_record())
+    if response.status_code != 200:
+      raise AssertionError(f"final refused: {response.text}")
+    return self.close()
+
+  def close(self) -> httpx.Response:
+    envelope = {"client_id": "fake", "seq": self._seq, "kind": "close",
+                "final_record_id": self.last_id, "record_count": len(self.records)}
+    response = self.http.post(f"/api/v1/proofs/{self.proof_id}/stream",
+                              content=encode_record(envelope))
+    if response.status_code == 200:
+      self._seq += 1
+    return response

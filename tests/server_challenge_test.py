@@ -1,0 +1,387 @@
+"""Server challenges, custody and receipts against a real `dvbench serve` on loopback.
+
+Each attack of issue 16 is played by a pure-Python prover (tests/fake_prover.py)
+that writes format-2 records by hand; no JAX is involved.
+"""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import blake3
+import cbor2
+import httpx
+from absl.testing import absltest
+
+from dvbench.server import worker
+from dvbench.server.db import Store
+from dvbench.server.local import LocalServer
+from tests.fake_prover import FakeProver, digest
+from zkdv import challenge
+from zkdv import errors
+from zkdv import receipt
+from zkdv.transcript import BLOBS_DIR, RECORDS_FILE, encode_record, record_id
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _verifier_takes_challenge_keys() -> bool:
+  result = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", "--help"], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+  return "--challenge-key-file" in result.stdout
+
+
+class ServerChallengeTestCase(absltest.TestCase):
+  """One server (update check probability at least 0.5, no workers) per test class."""
+
+  workers = 0
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=cls.workers, extra_args=(
+        "--min-update-check-probability", "0.5", "--max-window", "16")).start()
+    cls.token = cls.server.token("alice")
+    cls.mallory = cls.server.token("mallory")
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def prover(self, experiment: str = "alice/run", token: str | None = None) -> FakeProver:
+    prover = FakeProver(self.server.url, token or self.token, experiment)
+    self.addCleanup(prover.http.close)
+    return prover
+
+  def get(self, path: str) -> httpx.Response:
+    return httpx.get(self.server.url + path, timeout=30)
+
+  def proof(self, proof_id: str) -> dict:
+    return self.get(f"/api/v1/proofs/{proof_id}").json()
+
+  def assertRefused(self, response: httpx.Response, status: int, *fragments: str):
+    self.assertEqual(response.status_code, status, response.text)
+    for fragment in fragments:
+      self.assertIn(fragment, response.json()["error"])
+
+  def store(self) -> Store:
+    return Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")
+
+
+class FakedStepsTest(ServerChallengeTestCase):
+
+  def test_faked_unsampled_steps_are_caught_at_p_one_half(self):
+    prover = self.prover().start()
+    faked = set(range(5, 29))  # 24 faked steps: all escape with probability 2**-24
+    outcome = prover.run(steps=30, faked=faked)
+    self.assertNotEmpty(outcome.faked_hit, "no challenge hit any of the 24 faked steps")
+    self.assertTrue(all(outcome.decisions[t].update for t in outcome.faked_hit))
+    response = prover.finish()
+    self.assertEqual(response.status_code, 200, response.text)
+    self.assertEqual(response.json()["state"], "invalid")
+    first = min(outcome.faked_hit)
+    self.assertIn(f"step {first} was challenged for an update check and never answered",
+                  response.json()["failure"])
+    status = self.proof(prover.proof_id)
+    self.assertEqual(status["state"], "invalid")
+    self.assertEqual(status["challenger"], "dvbench")
+    self.assertEqual(status["update_check_probability"], 0.5)
+
+  def test_unanswered_challenge_is_invalid_naming_the_step(self):
+    prover = self.prover().start()
+    outcome = prover.run(steps=12, skip_answer={7, 8, 9, 10, 11})
+    skipped = [t for t in (7, 8, 9, 10, 11) if outcome.decisions[t].update]
+    if not skipped:
+      self.skipTest("no update challenge fell on steps 7-11 (probability 1/32)")
+    response = prover.finish()
+    self.assertEqual(response.json()["state"], "invalid", response.text)
+    self.assertIn(f"step {skipped[0]} was challenged for an update check and never answered",
+                  self.proof(prover.proof_id)["failure"])
+
+  def test_every_challenge_answered_closes_for_replay(self):
+    prover = self.prover().start()
+    outcome = prover.run(steps=10)
+    response = prover.finish()
+    self.assertEqual(response.json()["state"], "closed", response.text)
+    status = self.proof(prover.proof_id)
+    counts = status["server_challenges"]
+    required = sum(d.update for d in outcome.decisions.values())
+    self.assertEqual((counts["update"], counts["answered"]), (required, required))
+    self.assertNotIn("verified", status["label"])
+
+  def test_acks_carry_the_challenges_of_stored_and_resent_steps(self):
+    prover = self.prover().start()
+    raw = prover.step_record()
+    first = prover.send(raw).json()
+    self.assertEqual([c["step"] for c in first["challenges"]], [0])
+    self.assertEqual(first["challenges"][0]["record_id"], record_id(raw).hex())
+    again = prover.send(raw).json()  # a new envelope, the same record: a duplicate
+    self.assertEqual((again["stored"], again["duplicates"]), (0, 1))
+    self.assertEqual(again["challenges"], first["challenges"])
+    listed = self.get(f"/api/v1/proofs/{prover.proof_id}/challenges").json()
+    self.assertEqual(listed[0]["challenge"], first["challenges"][0]["challenge"])
+
+
+class CustodyTest(ServerChallengeTestCase):
+
+  def test_truncation_and_re_final_are_refused(self):
+    prover = self.prover().start()
+    prover.run(steps=8)
+    steps = [r for r in prover.records if cbor2.loads(r)["type"] == "step"]
+    truncated = prover.final_record(steps=6, prev=record_id(steps[5]))
+    position = prover.records.index(steps[5]) + 1
+    self.assertRefused(prover.send(truncated), 409, f"rewrite position {position}")
+    prover.send(prover.final_record())
+    self.assertRefused(prover.send(truncated), 409, "never re-finalized")
+    self.assertEqual(self.get(f"/api/v1/proofs/{prover.proof_id}/records").json(),
+                     [record_id(r).hex() for r in prover.records],
+                     "custody does not hold exactly the records sent")
+
+  def test_a_rewrite_at_a_used_position_is_refused_naming_it(self):
+    prover = self.prover().start()
+    prover.run(steps=4)
+    after_root = prover.records[0]
+    rewrite = prover.chain({"type": "step", "index": 0, "program": 0, "pre_state": digest(b"x"),
+                            "batch": digest(b"y"), "post_state": digest(b"z")},
+                           prev=record_id(after_root))
+    self.assertRefused(prover.send(rewrite), 409, "rewrite position 1")
+
+  def test_editing_and_re_chaining_a_stored_record_is_refused(self):
+    prover = self.prover().start()
+    prover.run(steps=5)
+    steps = [r for r in prover.records if cbor2.loads(r)["type"] == "step"]
+    edited = {**cbor2.loads(steps[2]), "post_state": digest(b"another model")}
+    position = prover.records.index(steps[2])
+    response = prover.send(encode_record(edited))
+    self.assertRefused(response, 409, f"rewrite position {position}")
+
+  def test_splicing_two_runs_is_refused(self):
+    first, second = self.prover().start("first"), self.prover().start("second")
+    first.run(steps=4)
+    second.run(steps=2)
+    spliced = first.records[-1]  # chained to the first run's records
+    self.assertRefused(second.send(spliced), 409, "another transcript")
+
+  def test_steps_must_carry_the_next_index(self):
+    prover = self.prover().start()
+    prover.run(steps=2)
+    skipped = prover.chain({"type": "step", "index": 5, "program": 0, "pre_state": prover.state,
+                            "batch": digest(b"b"), "post_state": digest(b"p")})
+    self.assertRefused(prover.send(skipped), 409, "the next step record is step 2")
+    early = prover.chain({"type": "check", "step": 2, "kind": "update"})
+    self.assertRefused(prover.send(early), 409, "before its step record")
+
+  def test_unsafe_or_non_deterministic_records_are_refused(self):
+    prover = self.prover().start()
+    tagged = cbor2.dumps(cbor2.CBORTag(1, 0))
+    self.assertRefused(prover.send(tagged), 400, "tags are not accepted")
+    unsorted = cbor2.dumps({"type": "step", "index": 0, "prev": prover.last_id})
+    self.assertRefused(prover.send(unsorted), 400, "deterministically")
+    deep = encode_record({"type": "check", "prev": prover.last_id,
+                          "result": [[[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]]})
+    self.assertRefused(prover.send(deep), 400, "deeper than")
+    self.assertLen(self.get(f"/api/v1/proofs/{prover.proof_id}/records").json(), 1)
+
+  def test_no_assert_on_request_data_in_the_server(self):
+    for path in (REPO / "dvbench" / "server").glob("*.py"):
+      tree = ast.parse(path.read_text())
+      asserts = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+      self.assertEqual(asserts, [], f"{path.name} validates with assert at lines {asserts}")
+
+
+class RootBindingTest(ServerChallengeTestCase):
+
+  def test_renaming_another_owners_transcript_is_refused(self):
+    alice = self.prover("alice/model")
+    root = alice.root(alice.slot())
+    mallory = self.prover("mallory/model", token=self.mallory)
+    self.assertRefused(mallory.post_root(root), 409, "not issued to 'mallory/model'")
+    renamed = {**root, "challenger": {**root["challenger"], "owner": "mallory",
+                                      "experiment": "mallory/model"}}
+    self.assertRefused(mallory.post_root(renamed), 409, "not issued to 'mallory/model'")
+    self.assertEqual(alice.post_root(root).status_code, 201)
+
+  def test_foreign_and_reused_nonces_are_refused(self):
+    prover = self.prover("alice/nonces")
+    foreign = prover.slot("alice/another")
+    self.assertRefused(prover.post_root(prover.root(foreign)), 409, "not issued to")
+    made_up = {**prover.slot(), "nonce": os.urandom(32).hex()}
+    self.assertRefused(prover.post_root(prover.root(made_up)), 409, "not issued to")
+    slot = prover.slot()
+    root = prover.root(slot, name="first")
+    first = prover.post_root(root)
+    self.assertEqual(first.status_code, 201, first.text)
+    again = prover.post_root(root)  # the same root again: idempotent
+    self.assertEqual((again.status_code, again.json()["id"]), (201, first.json()["id"]))
+    self.assertRefused(prover.post_root(prover.root(slot, name="second")), 409, "already used")
+
+  def test_a_root_must_match_its_slot_and_policy(self):
+    prover = self.prover("alice/binding")
+    cases = {"server_key": os.urandom(32), "key_commitment": os.urandom(32)}
+    for field, value in cases.items():
+      self.assertRefused(prover.post_root(prover.root(prover.slot(), **{field: value})), 409,
+                         field)
+    slot = prover.slot()
+    weaker = {**slot["policy"], "update_check_probability": 0.1}
+    self.assertRefused(prover.post_root(prover.root(slot, policy=weaker)), 409,
+                       "update_check_probability")
+    wider = {**slot["policy"], "rolling_window": 64}
+    self.assertRefused(prover.post_root(prover.root(slot, policy=wider)), 409, "rolling_window")
+    self.assertRefused(prover.post_root({**prover.root(slot), "challenger": None}), 409,
+                       "no challenger")
+
+  def test_a_self_challenged_root_is_labelled_self_audited(self):
+    prover = self.prover("alice/offline")
+    root = prover.root(prover.slot())
+    root["challenger"] = {"kind": "self", "seed_commitment": digest(b"seed"),
+                          "policy": challenge.Policy(0.01).to_record()}
+    response = prover.post_root(root)
+    self.assertEqual(response.status_code, 201, response.text)
+    status = self.proof(prover.proof_id)
+    self.assertEqual(status["challenger"], "self")
+    self.assertIn("self-audited (detects faults, not a dishonest prover)", status["label"])
+    ack = prover.step()
+    self.assertEqual(ack["challenges"], [], "the server chose checks for a self proof")
+    page = self.get(f"/proofs/{prover.proof_id}").text
+    self.assertIn("self-audited (detects faults, not a dishonest prover)", page)
+
+  def test_clean_states_say_who_chose_and_what_was_replayed(self):
+    self.assertEqual(worker._clean_state("self", 3), "self-audited")
+    self.assertEqual(worker._clean_state("dvbench", 0), "unchallenged")
+    self.assertEqual(worker._clean_state("dvbench", 1), "verified")
+
+
+class BlobCustodyTest(ServerChallengeTestCase):
+
+  def test_a_blob_uploaded_only_for_another_proof_does_not_count(self):
+    owner = self.prover("alice/blobs").start("owner")
+    borrowed = owner.upload(b"the owner's opening")
+    thief = self.prover("alice/blobs").start("thief")
+    thief.run(steps=3)
+    check = thief.chain({"type": "check", "step": 0, "kind": "state",
+                         "post_state_blobs": [borrowed]})
+    self.assertEqual(thief.send(check).status_code, 200)
+    head = httpx.head(f"{self.server.url}/api/v1/proofs/{thief.proof_id}/blobs/{borrowed.hex()}")
+    self.assertEqual(head.status_code, 404)
+    self.assertEqual(self.get(f"/api/v1/proofs/{owner.proof_id}/blobs/{borrowed.hex()}"
+                              ).status_code, 200)
+    self.assertEqual(self.get(f"/api/v1/proofs/{thief.proof_id}/blobs/{borrowed.hex()}"
+                              ).status_code, 404)
+    self.assertNotIn(borrowed.hex(), self.get(f"/api/v1/proofs/{thief.proof_id}/blobs").json())
+    self.assertEqual(thief.send(thief.final_record()).status_code, 200)
+    self.assertRefused(thief.close(), 409, "not uploaded for this proof", borrowed.hex())
+
+  def test_the_verifier_sees_only_the_proofs_own_blobs(self):
+    first = self.prover("alice/private").start("first")
+    first.run(steps=4)
+    second = self.prover("alice/private").start("second")
+    second.upload(b"only mine")
+    folder = pathlib.Path(tempfile.mkdtemp()) / "transcript"
+    store = self.store()
+    from dvbench.server.blobs import BlobStore  # pylint: disable=g-import-not-at-top
+    worker._materialize(store, BlobStore(self.server.data / "blobs"), second.proof_id, folder)
+    blobs = folder / BLOBS_DIR
+    self.assertFalse(blobs.is_symlink())
+    self.assertEqual(sorted(p.name for p in blobs.iterdir()), [digest(b"only mine").hex()])
+    self.assertEqual((folder / RECORDS_FILE).read_bytes(), b"".join(second.records))
+
+
+class ReceiptTest(ServerChallengeTestCase):
+
+  def _invalid_proof(self) -> FakeProver:
+    prover = self.prover("alice/receipts").start()
+    outcome = prover.run(steps=10, faked=set(range(10)))
+    self.assertNotEmpty(outcome.faked_hit)
+    self.assertEqual(prover.finish().json()["state"], "invalid")
+    return prover
+
+  def test_receipt_verifies_with_the_server_key_and_publishes_k(self):
+    prover = self._invalid_proof()
+    key = self.get("/api/v1/server-key").json()["server_key"]
+    cli = subprocess.run([sys.executable, "-m", "dvbench.cli", "server-key", "--data",
+                          str(self.server.data)], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    self.assertEqual(cli, key)
+    encoded = self.get(f"/api/v1/proofs/{prover.proof_id}/receipt").content
+    fields = receipt.open_receipt(encoded, key)
+    self.assertEqual((fields["verdict"], fields["proof_id"], fields["records"]),
+                     ("invalid", prover.proof_id, len(prover.records)))
+    self.assertEqual(fields["last_record_id"], record_id(prover.records[-1]))
+    self.assertEqual(challenge.key_commitment(fields["challenge_key"]),
+                     cbor2.loads(prover.records[0])["challenger"]["key_commitment"])
+    for c in self.get(f"/api/v1/proofs/{prover.proof_id}/challenges").json():
+      self.assertEqual(c["challenge"], challenge.step_challenge_server(
+          fields["challenge_key"], bytes.fromhex(c["record_id"])).hex(),
+                       f"step {c['step']}'s challenge is not derived from K")
+    flipped = bytearray(encoded)
+    flipped[-5] ^= 1
+    with self.assertRaisesRegex(errors.ReceiptError, "does not verify"):
+      receipt.open_receipt(bytes(flipped), key)
+    with self.assertRaisesRegex(errors.ReceiptError, "does not verify"):
+      receipt.open_receipt(encoded, os.urandom(32))
+
+  def test_download_writes_records_blobs_and_receipt(self):
+    prover = self._invalid_proof()
+    folder = pathlib.Path(tempfile.mkdtemp()) / "download"
+    subprocess.run([sys.executable, "-m", "dvbench.cli", "download", prover.proof_id,
+                    str(folder), "--url", self.server.url], cwd=REPO, check=True,
+                   capture_output=True)
+    self.assertEqual((folder / RECORDS_FILE).read_bytes(), b"".join(prover.records))
+    blobs = sorted(p.name for p in (folder / BLOBS_DIR).iterdir())
+    self.assertEqual(blobs, self.get(f"/api/v1/proofs/{prover.proof_id}/blobs").json())
+    for name in blobs:
+      self.assertEqual(blake3.blake3((folder / BLOBS_DIR / name).read_bytes()).hexdigest(), name)
+    self.assertEqual((folder / receipt.RECEIPT_FILE).read_bytes(),
+                     self.get(f"/api/v1/proofs/{prover.proof_id}/receipt").content)
+
+  def test_server_key_file_is_owner_only(self):
+    mode = (self.server.data / "server_key.pem").stat().st_mode & 0o777
+    self.assertEqual(oct(mode), "0o600")
+
+
+class ReplayTest(ServerChallengeTestCase):
+  """Closed proofs go to a worker running `zkdv verify --challenge-key-file`."""
+
+  workers = 1
+
+  def test_openings_that_do_not_match_end_invalid_with_a_signed_receipt(self):
+    if not _verifier_takes_challenge_keys():
+      self.skipTest("zkdv verify has no --challenge-key-file yet")
+    prover = self.prover("alice/replay").start()
+    outcome = prover.run(steps=6)  # answered with openings of made-up bytes
+    self.assertEqual(prover.finish().json()["state"], "closed")
+    status = self._settled(prover.proof_id)
+    self.assertEqual(status["state"], "invalid", status)
+    if any(d.update for d in outcome.decisions.values()):
+      fields = receipt.open_receipt(self.get(f"/api/v1/proofs/{prover.proof_id}/receipt").content,
+                                    self.get("/api/v1/server-key").json()["server_key"])
+      self.assertNotEqual(fields["verdict"], "verified")
+
+  def _settled(self, proof_id: str) -> dict:
+    import time  # pylint: disable=g-import-not-at-top
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+      status = self.proof(proof_id)
+      if status["state"] not in ("closed", "verifying"):
+        return status
+      time.sleep(0.2)
+    raise AssertionError(f"proof {proof_id} was not settled in 120 s")
+
+
+class PagesTest(ServerChallengeTestCase):
+
+  def test_pages_link_through_named_routes(self):
+    prover = self.prover("alice/pages").start()
+    index = self.get("/").text
+    self.assertIn(f"href='/proofs/{prover.proof_id}'", index)
+    self.assertIn('href="/static/style.css"', index)
+    self.assertIn("unchallenged", index)
+    self.assertEqual(self.get("/static/style.css").status_code, 200)
+
+
+if __name__ == "__main__":
+  absltest.main()
