@@ -1,4 +1,11 @@
-"""The few private JAX APIs ZKDV needs, in one place."""
+"""The private JAX APIs ``zkdv.jax`` needs, in one place.
+
+The update finder's one private primitive, ``shard_map_p``, is wrapped in
+``zkdv/interpreters/_compat.py`` instead: importing this package from there
+would be an import cycle (see that module).
+
+Example: ``_compat.distributed_client()`` is None outside ``jax.distributed``.
+"""
 
 from jax._src import distributed
 from jax._src.tree_util import broadcast_prefix

@@ -17,6 +17,14 @@ def is_key(x) -> bool:
   return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
+def unwrap_key(x):
+  """A PRNG key leaf's key data (the bytes committed for it); any other leaf itself.
+
+  Example: ``unwrap_key(jax.random.key(0))`` is ``uint32[2]``.
+  """
+  return jax.random.key_data(x) if is_key(x) else x
+
+
 def as_array(x) -> jax.Array:
   """``x`` as a jax.Array (Python scalars and numpy arrays are converted)."""
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
@@ -46,7 +54,7 @@ def boxes_of(x: jax.Array) -> tuple | None:
 def layout_of(path: str, x: jax.Array, sharded: bool = False) -> LeafLayout:
   """The leaf's layout; with ``sharded``, its pieces are the leaf's shards."""
   if is_key(x):
-    data = jax.eval_shape(jax.random.key_data, x)
+    data = jax.eval_shape(unwrap_key, x)
     return LeafLayout(path, str(data.dtype), tuple(data.shape),
                       key_impl=str(jax.random.key_impl(x)))
   return LeafLayout(path, str(x.dtype), tuple(x.shape),
@@ -60,8 +68,7 @@ def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray | None]:
   gather); a leaf whose shards all live here but are placed otherwise is
   sliced from the whole leaf.
   """
-  if is_key(x):
-    x = jax.random.key_data(x)
+  x = unwrap_key(x)
   if layout.pieces is None and _fully_addressable(x):
     return [host_view(x)]
   shards = shards_by_box(x)
@@ -73,8 +80,7 @@ def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray | None]:
 
 def replica_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, str, jax.Array]]:
   """(piece index, device, data) of each replica (replica_id > 0) held here."""
-  if is_key(x):
-    x = jax.random.key_data(x)
+  x = unwrap_key(x)
   boxes = {box: i for i, box in enumerate(layout.boxes)}
   return [(boxes[index_box(s.index, x.shape)], str(s.device), s.data)
           for s in getattr(x, "addressable_shards", ())
@@ -92,8 +98,7 @@ def row_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, int, jax.Arr
     return [(0, layout.rows, x)]
   if x.ndim == 0:  # a scalar (or a single PRNG key): one row
     return [(0, 1, s.data) for s in x.addressable_shards if s.replica_id == 0]
-  if is_key(x):
-    x = jax.random.key_data(x)
+  x = unwrap_key(x)
   blocks = []
   for s in x.addressable_shards:
     box = index_box(s.index, x.shape)
@@ -110,8 +115,7 @@ def row_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, int, jax.Arr
 
 def gather(x: jax.Array) -> np.ndarray:
   """The whole leaf on the host of every process (a collective across processes)."""
-  if is_key(x):
-    x = jax.random.key_data(x)
+  x = unwrap_key(x)
   if _fully_addressable(x):  # on several devices, np.asarray assembles a fresh copy
     devices = getattr(getattr(x, "sharding", None), "device_set", ())
     return np.asarray(x) if len(devices) > 1 else host_copy(x)
@@ -136,8 +140,7 @@ def host_view(x: jax.Array) -> np.ndarray:
   A DLPack view does not pin the array afterwards, so donating it later works
   once the view is gone (while it lives, JAX copies instead of donating).
   """
-  if is_key(x):
-    x = jax.random.key_data(x)
+  x = unwrap_key(x)
   try:
     return np.from_dlpack(x)
   except (RuntimeError, TypeError, BufferError, ValueError, jax.errors.JaxRuntimeError):

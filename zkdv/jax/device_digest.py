@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zkdv.jax import arrays
+
 IV = np.array([0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A,
                0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19], np.uint32)
 MSG_PERMUTATION = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
@@ -81,8 +83,7 @@ def compress(cv, block, counter, block_len, flags):
 
 def to_bytes(x: jax.Array) -> jax.Array:
   """The leaf's bytes (C order, little-endian) as a flat uint8 array, on device."""
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
+  x = arrays.unwrap_key(x)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
   elif x.dtype in (jnp.int4, jnp.uint4):  # numpy keeps a 4-bit value in the low nibble

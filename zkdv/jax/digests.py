@@ -133,8 +133,7 @@ def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:
 
 def _shard_data(x: jax.Array, layout: LeafLayout) -> list:
   """Each piece's data where this process commits it (replica 0), else None."""
-  if arrays.is_key(x):
-    x = jax.random.key_data(x)
+  x = arrays.unwrap_key(x)
   by_box = arrays.shards_by_box(x)
   if getattr(x, "is_fully_addressable", True) and set(by_box) != set(layout.boxes):
     return [x[tuple(slice(a, b) for a, b in box)] for box in layout.boxes]  # placed otherwise

@@ -5,6 +5,11 @@ found through the marker, its flat inputs are classified into state and batch
 evidence, and the update program is exported with ``jax.export``. Production
 then runs that exported program, compiled exactly as a verifier compiles it,
 so sampled replays are bitwise equal on the same platform.
+
+Example::
+
+  train_step = ProofFunction(proof, step_fn, {"donate_argnums": (0,)})
+  state = train_step(state, batch)  # first call: classify, export, compile, record
 """
 
 import dataclasses
@@ -129,6 +134,16 @@ class Program:
   _replay: Callable | None = None
   _replay_sharded: Any = None
 
+  @functools.cached_property
+  def input_layouts(self) -> list[LeafLayout]:
+    """The layout of each flat input, state and batch leaves in input order.
+
+    Example: ``program.input_layouts[i].path`` names input ``i``.
+    """
+    layouts = dict(zip(self.state_indices, self.state_layouts))
+    layouts.update(zip(self.batch_indices, self.batch_layouts))
+    return [layouts[i] for i in range(len(layouts))]
+
   def place_post_state(self, post: list) -> None:
     """Lays the post-state out as the first run placed it (pieces are its own shards)."""
     self.post_layouts = [l if l.key_impl else arrays.layout_of(l.path, x, sharded=True)
@@ -150,12 +165,54 @@ class Program:
       self._replay_sharded = compile_program(
           jax.export.deserialize(self.blob), compiler_options=self.compiler_options).lower(
           *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.avals]).compile()
-    layouts = dict(zip(self.state_indices, self.state_layouts))
-    layouts.update(zip(self.batch_indices, self.batch_layouts))
     shardings = self._replay_sharded.input_shardings[0]
-    outs = self._replay_sharded(*[arrays.to_global(a, layouts[i], s)
-                                  for i, (a, s) in enumerate(zip(opened, shardings))])
+    outs = self._replay_sharded(*[arrays.to_global(a, l, s) for a, l, s in
+                                  zip(opened, self.input_layouts, shardings)])
     return [arrays.gather(outs[i]) for i in self.post_indices]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call of a step, split as its program sees it.
+
+  Attributes:
+    dyn_args: the dynamic positional arguments.
+    dyn_kwargs: the dynamic keyword arguments.
+    static: ``(position or name, value)`` of each static argument.
+    positions: the positions of ``dyn_args`` among all positional arguments.
+    leaves: the flat dynamic inputs, as jax.Arrays.
+    in_tree: their tree structure.
+    placement: without in_shardings, each leaf's mesh sharding (else None).
+  """
+
+  dyn_args: tuple
+  dyn_kwargs: dict
+  static: tuple
+  positions: tuple
+  leaves: list
+  in_tree: Any
+  placement: tuple | None
+
+  @property
+  def program_key(self) -> tuple:
+    """Calls with equal keys run the same program."""
+    return self.in_tree, self.positions, self.placement
+
+  @property
+  def specs(self) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.leaves]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  """A call's flat inputs classified into state and batch evidence."""
+
+  state: Any  # the state argument: a TrainState, or proof.attest's state
+  state_indices: list[int]
+  batch_indices: list[int]
+  state_layouts: list[LeafLayout]
+  batch_layouts: list[LeafLayout]
+  params_mask: list[bool]
 
 
 def _mesh_sharding(x) -> jax.sharding.NamedSharding | None:
@@ -175,8 +232,35 @@ def _describe_aval(aval) -> str:
   return f"{dtype}{list(shape)}"
 
 
+def _find_nodes(tree, is_node: Callable[[Any], bool]) -> list[tuple[int, Any]]:
+  """``(index of its first flat leaf, node)`` of each node of ``tree`` that ``is_node`` picks.
+
+  Example: ``_find_nodes((x, state), _is_train_state)`` is ``[(1, state)]``.
+  """
+  found, start = [], 0
+  for node in jax.tree.leaves(tree, is_leaf=is_node):
+    if is_node(node):
+      found.append((start, node))
+    start += len(jax.tree.leaves(node))
+  return found
+
+
+def _flat_outputs(fun: Callable) -> Callable:
+  return lambda *flat: tuple(jax.tree.leaves(fun(*flat)))
+
+
+def _paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 class ProofFunction:
-  """A training step compiled by ``proof.jit`` (or ``proof.attest``)."""
+  """A training step compiled by ``proof.jit`` (or ``proof.attest``).
+
+  Example::
+
+    train_step = proof.jit(step_fn, donate_argnums=(0,))  # a ProofFunction
+    state = train_step(state, batch)
+  """
 
   def __init__(self, proof, fun: Callable, jit_options: dict, *,
                state_argnum: int | None = None):
@@ -198,8 +282,19 @@ class ProofFunction:
     return self._state_argnum is not None
 
   def __call__(self, *args, **kwargs):
-    proof = self._proof
-    proof.ensure_started()
+    self._proof.ensure_started()
+    call = self._split(args, kwargs)
+    program = self._programs.get(call.program_key)
+    if program is None:
+      program = self._build(call)
+      self._programs[call.program_key] = program
+      self._static = call.static
+    elif _avals(call.leaves) != program.avals:
+      self._raise_wrong_shapes(program, call.leaves)
+    outs = self._proof.run_step(program, call.leaves)
+    return jax.tree.unflatten(program.out_tree, outs)
+
+  def _split(self, args: tuple, kwargs: dict) -> _Call:
     dyn_args, dyn_kwargs, static, positions = self._spec.split(args, kwargs)
     if self._static is not None and static != self._static:
       raise errors.StaticArgumentError(
@@ -211,133 +306,147 @@ class ProofFunction:
     # (and is traced again when it changes).
     placement = (None if self._options.get("in_shardings") is not None
                  else tuple(_mesh_sharding(x) for x in leaves))
-    program = self._programs.get((in_tree, positions, placement))
-    if program is None:
-      program = self._build(dyn_args, dyn_kwargs, static, positions, leaves, in_tree, placement)
-      self._programs[(in_tree, positions, placement)] = program
-      self._static = static
-    elif _avals(leaves) != program.avals:
-      self._raise_wrong_shapes(program, leaves)
-    outs = proof.run_step(program, leaves)
-    return jax.tree.unflatten(program.out_tree, outs)
+    return _Call(dyn_args, dyn_kwargs, static, positions, leaves, in_tree, placement)
 
   def _raise_wrong_shapes(self, program: Program, leaves) -> None:
-    layouts = {i: l for i, l in zip(program.state_indices, program.state_layouts)}
-    layouts.update(zip(program.batch_indices, program.batch_layouts))
     for i, (got, want) in enumerate(zip(_avals(leaves), program.avals)):
       if got != want:
         kind = "state" if i in program.state_indices else "batch"
         raise errors.StepInputError(
-            f"{self.__name__}: {kind} leaf {layouts[i].path} is "
+            f"{self.__name__}: {kind} leaf {program.input_layouts[i].path} is "
             f"{_describe_aval(got)} but the step was attested for "
             f"{_describe_aval(want)}. Keep input shapes fixed (pad or drop the "
             "last partial batch); nothing was recorded for this call.")
 
-  # -- building the program -------------------------------------------------
+  # -- building the program: classify, trace, export, compile, record ----------
 
-  def _locate_state(self, dyn_args, dyn_kwargs, positions) -> tuple[int, int, Any]:
-    """(first leaf index, leaf count, state object) of the state argument."""
+  def _build(self, call: _Call) -> Program:
+    inputs = self._classify(call)
+    out_shape, post_indices = self._trace(call, inputs)
+    exact = self.manual or inputs.state.attest_apply_fn is None
+    donated = self._spec.donated_leaves(call.dyn_args, call.dyn_kwargs, call.positions)
+    shardings = self._flat_shardings(call, out_shape)
+    exported, blob = self._export(call, shardings, exact)
+    executable = self._compile(call, blob, exact, donated, shardings)
+    self._proof.register(self)
+    program_id = blake3.blake3(blob).digest()
+    return Program(
+        program_id=program_id, blob=blob, exact=exact,
+        record=self._record(program_id, call, inputs, exported, post_indices, exact),
+        avals=_avals(call.leaves), out_tree=jax.tree.structure(out_shape),
+        state_indices=inputs.state_indices, batch_indices=inputs.batch_indices,
+        post_indices=post_indices, state_layouts=inputs.state_layouts,
+        batch_layouts=inputs.batch_layouts, params_mask=inputs.params_mask,
+        donated=donated, overlap=None if self.manual else inputs.state.zkdv_overlap,
+        executable=executable, compiler_options=self._options.get("compiler_options"))
+
+  def _classify(self, call: _Call) -> _Inputs:
+    """Splits the flat inputs into the state's leaves and batch evidence."""
+    start, state = self._locate_state(call)
+    state_paths = _paths(state)
+    state_indices = list(range(start, start + len(state_paths)))
+    batch_indices = [i for i in range(len(call.leaves))
+                     if not start <= i < start + len(state_paths)]
+    all_paths = _paths((call.dyn_args, call.dyn_kwargs))
+    return _Inputs(
+        state=state, state_indices=state_indices, batch_indices=batch_indices,
+        state_layouts=[arrays.layout_of(p, call.leaves[i], sharded=True)
+                       for p, i in zip(state_paths, state_indices)],
+        batch_layouts=[arrays.layout_of(all_paths[i], call.leaves[i]) for i in batch_indices],
+        params_mask=[p.startswith(".params") for p in state_paths])
+
+  def _locate_state(self, call: _Call) -> tuple[int, Any]:
+    """(index of its first flat leaf, state object) of the state argument."""
     if self.manual:
-      if self._state_argnum not in positions:
+      if self._state_argnum not in call.positions:
         raise errors.StepInputError(
             f"{self.__name__}: state_argnum={self._state_argnum} is not a "
             "dynamic positional argument of this call.")
-      k = positions.index(self._state_argnum)
-      start = len(jax.tree.leaves(dyn_args[:k]))
-      state = dyn_args[k]
-      return start, len(jax.tree.leaves(state)), state
-    nodes = jax.tree.leaves((dyn_args, dyn_kwargs), is_leaf=_is_train_state)
-    found = [i for i, n in enumerate(nodes) if _is_train_state(n)]
+      k = call.positions.index(self._state_argnum)
+      return len(jax.tree.leaves(call.dyn_args[:k])), call.dyn_args[k]
+    found = _find_nodes((call.dyn_args, call.dyn_kwargs), _is_train_state)
     if len(found) != 1:
       raise errors.StepInputError(
           f"{self.__name__} received {len(found)} zkdv.jax.contrib.TrainState "
           "arguments; a proof.jit step takes exactly one. Create the state with "
           "zkdv.jax.contrib.TrainState.create(proof=proof, ...), or use "
           "proof.attest(fn, state_argnum=...) for a loop without TrainState.")
-    start = sum(len(jax.tree.leaves(n)) for n in nodes[:found[0]])
-    state = nodes[found[0]]
+    start, state = found[0]
     if state.proof is not self._proof:
       raise errors.ProofIdentityError(
           f"the TrainState passed to {self.__name__} was created with "
           f"{state.proof!r}, not with the proof that compiled it "
           f"({self._proof!r}).")
-    return start, len(jax.tree.leaves(state)), state
+    return start, state
 
-  def _build(self, dyn_args, dyn_kwargs, static, positions, leaves, in_tree,
-             placement) -> Program:
-    proof = self._proof
-    start, count, state = self._locate_state(dyn_args, dyn_kwargs, positions)
-    state_indices = list(range(start, start + count))
-    batch_indices = [i for i in range(len(leaves)) if i not in set(state_indices)]
-    state_paths = [jax.tree_util.keystr(p)
-                   for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    all_paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
-    state_layouts = [arrays.layout_of(p, leaves[i], sharded=True)
-                     for p, i in zip(state_paths, state_indices)]
-    batch_layouts = [arrays.layout_of(all_paths[i], leaves[i]) for i in batch_indices]
+  def _step_on_flat_inputs(self, call: _Call, swap_apply_fn: bool = False) -> Callable:
+    """The step as a function of the call's flat dynamic inputs (static ones bound).
 
-    def structured_step(*flat, swap_apply_fn=False):
-      d_args, d_kwargs = jax.tree.unflatten(in_tree, flat)
+    With ``swap_apply_fn`` the state's ``attest_apply_fn`` replaces ``apply_fn``
+    (the replay program of an equivalent check).
+    """
+    def step(*flat):
+      dyn_args, dyn_kwargs = jax.tree.unflatten(call.in_tree, flat)
       if swap_apply_fn:
-        d_args, d_kwargs = jax.tree.map(
+        dyn_args, dyn_kwargs = jax.tree.map(
             lambda n: n.replace(apply_fn=n.attest_apply_fn) if _is_train_state(n) else n,
-            (d_args, d_kwargs), is_leaf=_is_train_state)
-      a, kw = ArgSpec.merge(d_args, d_kwargs, static, positions)
-      return self._fun(*a, **kw)
+            (dyn_args, dyn_kwargs), is_leaf=_is_train_state)
+      args, kwargs = ArgSpec.merge(dyn_args, dyn_kwargs, call.static, call.positions)
+      return self._fun(*args, **kwargs)
+    return step
 
-    def flat_step(*flat, swap_apply_fn=False):
-      return tuple(jax.tree.leaves(structured_step(*flat, swap_apply_fn=swap_apply_fn)))
+  def _trace(self, call: _Call, inputs: _Inputs) -> tuple[Any, list[int]]:
+    """(the step's output shapes, the flat indices of the post-state among them).
 
-    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    closed, out_shape = jax.make_jaxpr(structured_step, return_shape=True)(*specs)
+    Raises when the step does not perform exactly one update of this proof.
+    """
+    closed, out_shape = jax.make_jaxpr(self._step_on_flat_inputs(call), return_shape=True)(
+        *call.specs)
     self._check_updates(closed)
-    out_tree = jax.tree.structure(out_shape)
-    post_indices = self._locate_post_state(out_shape, state_layouts)
+    return out_shape, self._locate_post_state(out_shape, inputs.state_layouts)
 
-    attest_apply_fn = None if self.manual else state.attest_apply_fn
-    exact = attest_apply_fn is None
-    donated = self._spec.donated_leaves(dyn_args, dyn_kwargs, positions)
-    donate_argnums = [i for i, d in enumerate(donated) if d]
-    shardings = self._flat_shardings(dyn_args, dyn_kwargs, out_shape, placement)
-    compiler_options = self._options.get("compiler_options")
-    export_fn = flat_step if exact else functools.partial(flat_step, swap_apply_fn=True)
+  def _export(self, call: _Call, shardings: dict, exact: bool) -> tuple[Any, bytes]:
+    """(the exported update program, its serialized bytes): the whole step, every input kept."""
+    step = _flat_outputs(self._step_on_flat_inputs(call, swap_apply_fn=not exact))
     try:
-      exported = jax.export.export(
-          jax.jit(export_fn, keep_unused=True, **shardings))(*specs)
-      blob = bytes(exported.serialize())
+      exported = jax.export.export(jax.jit(step, keep_unused=True, **shardings))(*call.specs)
+      return exported, bytes(exported.serialize())
     except Exception as e:  # jax.export raises many types; name what failed
       raise errors.ExportError(
           f"jax.export could not export the update program of "
           f"{self.__name__}: {type(e).__name__}: {e}") from e
-    program_id = blake3.blake3(blob).digest()
-    run_options = {k: self._options[k] for k in
-                   ("device", "backend", "inline") if k in self._options}
+
+  def _compile(self, call: _Call, blob: bytes, exact: bool, donated: list[bool],
+               shardings: dict) -> Callable:
+    """What production runs: the exported program, compiled as a verifier compiles
+    it; for an equivalent check, the step with its production ``apply_fn``."""
+    options = {k: self._options[k] for k in ("device", "backend", "inline") if k in self._options}
+    options.update(shardings, donate_argnums=[i for i, d in enumerate(donated) if d],
+                   compiler_options=self._options.get("compiler_options"))
     if exact:
-      executable = compile_program(
-          jax.export.deserialize(blob), donate_argnums=donate_argnums,
-          compiler_options=compiler_options, **run_options, **shardings)
-    else:
-      executable = jax.jit(flat_step, donate_argnums=donate_argnums,
-                           keep_unused=self._options.get("keep_unused", False),
-                           compiler_options=compiler_options, **run_options,
-                           **shardings)
-    proof.register(self)
-    params_mask = [p.startswith(".params") for p in state_paths]
+      return compile_program(jax.export.deserialize(blob), **options)
+    return jax.jit(_flat_outputs(self._step_on_flat_inputs(call)),
+                   keep_unused=self._options.get("keep_unused", False), **options)
+
+  def _record(self, program_id: bytes, call: _Call, inputs: _Inputs, exported,
+              post_indices: list[int], exact: bool) -> dict:
+    """The transcript's ``program`` record."""
+    compiler_options = self._options.get("compiler_options") or {}
+    state_indices = set(inputs.state_indices)
     record = {
         "type": "program",
         "program_id": program_id,
         "blob": program_id,
         "function": getattr(self._fun, "__qualname__", repr(self._fun)),
         "mode": "exact" if exact else "equivalent",
-        "state_layout": [l.to_record() for l in state_layouts],
-        "batch_layout": [l.to_record() for l in batch_layouts],
-        "inputs": ["state" if i in set(state_indices) else "batch"
-                   for i in range(len(leaves))],
+        "state_layout": [l.to_record() for l in inputs.state_layouts],
+        "batch_layout": [l.to_record() for l in inputs.batch_layouts],
+        "inputs": ["state" if i in state_indices else "batch"
+                   for i in range(len(call.leaves))],
         "post_state_outputs": post_indices,
-        "params_leaves": [i for i, m in enumerate(params_mask) if m],
-        "static_arguments": [[k, repr(v)] for k, v in static],
-        "compiler_options": {str(k): str(v) for k, v in (compiler_options or {}).items()},
+        "params_leaves": [i for i, m in enumerate(inputs.params_mask) if m],
+        "static_arguments": [[k, repr(v)] for k, v in call.static],
+        "compiler_options": {str(k): str(v) for k, v in compiler_options.items()},
         "platforms": list(exported.platforms),
         "nr_devices": exported.nr_devices,
     }
@@ -345,14 +454,7 @@ class ProofFunction:
       record["collectives"] = collectives()
     if jax.process_count() > 1:
       record["processes"] = jax.process_count()
-    return Program(
-        program_id=program_id, blob=blob, exact=exact, record=record,
-        avals=_avals(leaves), out_tree=out_tree, state_indices=state_indices,
-        batch_indices=batch_indices, post_indices=post_indices,
-        state_layouts=state_layouts, batch_layouts=batch_layouts,
-        params_mask=params_mask, donated=donated,
-        overlap=None if self.manual else state.zkdv_overlap,
-        executable=executable, compiler_options=compiler_options)
+    return record
 
   def _check_updates(self, closed) -> None:
     sites = find_updates(closed.jaxpr)
@@ -379,19 +481,16 @@ class ProofFunction:
   def _locate_post_state(self, out_shape, state_layouts) -> list[int]:
     if self.manual:
       state_out = out_shape[0] if isinstance(out_shape, (tuple, list)) else out_shape
-      want = lambda n: n is state_out  # pylint: disable=unnecessary-lambda-assignment
-      nodes = jax.tree.leaves(out_shape, is_leaf=want)
-      found = [i for i, n in enumerate(nodes) if want(n)]
+      found = _find_nodes(out_shape, lambda n: n is state_out)
     else:
-      nodes = jax.tree.leaves(out_shape, is_leaf=_is_train_state)
-      found = [i for i, n in enumerate(nodes) if _is_train_state(n)]
+      found = _find_nodes(out_shape, _is_train_state)
     if len(found) != 1:
       raise errors.StepOutputError(
           f"{self.__name__} must return the updated state "
           "(`return state.apply_gradients(grads=grads)`, optionally with other "
           f"outputs); it returned {len(found)} states.")
-    start = sum(len(jax.tree.leaves(n)) for n in nodes[:found[0]])
-    post = jax.tree.leaves(nodes[found[0]])
+    start, state = found[0]
+    post = jax.tree.leaves(state)
     post_layouts = [(tuple(x.shape), str(x.dtype)) for x in post]
     pre_layouts = [(l.shape if not l.key_impl else None, l.dtype) for l in state_layouts]
     if len(post) != len(state_layouts) or any(
@@ -403,17 +502,17 @@ class ProofFunction:
           "state leaf's shape and dtype.")
     return list(range(start, start + len(post)))
 
-  def _flat_shardings(self, dyn_args, dyn_kwargs, out_shape, placement) -> dict:
+  def _flat_shardings(self, call: _Call, out_shape) -> dict:
+    """jax.jit's in_shardings/out_shardings for the flat inputs and outputs."""
     shardings = {}
-    if placement is not None and any(s is not None for s in placement):
-      shardings["in_shardings"] = placement
-    if self._options.get("in_shardings") is not None:
-      flat = _compat.broadcast_prefix(
-          (tuple(self._options["in_shardings"])
-           if isinstance(self._options["in_shardings"], (list, tuple))
-           else (self._options["in_shardings"],) * len(dyn_args)), dyn_args)
-      flat += [None] * len(jax.tree.leaves(dyn_kwargs))
-      shardings["in_shardings"] = tuple(flat)
+    if call.placement is not None and any(s is not None for s in call.placement):
+      shardings["in_shardings"] = call.placement
+    in_shardings = self._options.get("in_shardings")
+    if in_shardings is not None:
+      per_arg = (tuple(in_shardings) if isinstance(in_shardings, (list, tuple))
+                 else (in_shardings,) * len(call.dyn_args))
+      flat = _compat.broadcast_prefix(per_arg, call.dyn_args)
+      shardings["in_shardings"] = tuple(flat + [None] * len(jax.tree.leaves(call.dyn_kwargs)))
     if self._options.get("out_shardings") is not None:
       shardings["out_shardings"] = tuple(_compat.broadcast_prefix(
           self._options["out_shardings"], out_shape))

@@ -12,9 +12,24 @@ from flax.training import train_state
 from zkdv import overlap as overlap_lib
 from zkdv.interpreters.marker import mark_update
 
+_BOX = "params"  # the key params that are not a mapping are boxed under
+
 
 def _has_overwrite_with_gradient(tree) -> bool:
   return isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree
+
+
+def _boxed(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` for params boxed as ``{_BOX: params}``, with ``tx``'s own state.
+
+  Flax's ``apply_gradients`` asks ``OVERWRITE_WITH_GRADIENT in grads``, which
+  a bare array cannot answer; boxed, Flax's body runs on it unchanged.
+  """
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates[_BOX], state,
+                               None if params is None else params[_BOX])
+    return {_BOX: updates}, state
+  return optax.GradientTransformation(tx.init, update)
 
 
 class TrainState(train_state.TrainState):
@@ -41,18 +56,16 @@ class TrainState(train_state.TrainState):
   zkdv_overlap: overlap_lib.Overlap = struct.field(pytree_node=False)
 
   def apply_gradients(self, *, grads, **kwargs):
-    """Applies ``tx`` to ``grads`` exactly as Flax does, then marks the update."""
-    overwrite = _has_overwrite_with_gradient(grads)
-    grads_with_opt = grads["params"] if overwrite else grads
-    params_with_opt = self.params["params"] if overwrite else self.params
-    updates, new_opt_state = self.tx.update(
-        grads_with_opt, self.opt_state, params_with_opt)
-    new_params = optax.apply_updates(params_with_opt, updates)
-    if overwrite:
-      new_params = {"params": new_params,
-                    OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
-    new_state = self.replace(step=self.step + 1, params=new_params,
-                             opt_state=new_opt_state, **kwargs)
+    """Flax's ``apply_gradients``, with the new state's leaves marked as an update.
+
+    Example: ``state = state.apply_gradients(grads=grads, batch_stats=stats)``.
+    """
+    if isinstance(grads, Mapping):
+      new_state = super().apply_gradients(grads=grads, **kwargs)
+    else:  # a bare array (or a sequence) of params
+      boxed = self.replace(params={_BOX: self.params}, tx=_boxed(self.tx))
+      new_state = train_state.TrainState.apply_gradients(boxed, grads={_BOX: grads}, **kwargs)
+      new_state = new_state.replace(params=new_state.params[_BOX], tx=self.tx)
     leaves, treedef = jax.tree.flatten(new_state)
     proof_id = None if self.proof is None else id(self.proof)
     return jax.tree.unflatten(treedef, mark_update(leaves, proof_id=proof_id))
