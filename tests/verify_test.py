@@ -1,49 +1,185 @@
-"""The verifier fails closed: every tampering is caught and named."""
+"""The verifier fails closed: every tampering is caught and named.
 
+Transcripts here are written record by record (``write_transcript``) in format 2
+with a real exported program, so the verifier is tested on exactly what
+docs/protocol.md specifies.
+"""
+
+import dataclasses
+import functools
 import pathlib
 import random
 import shutil
 import tempfile
 
 import cbor2
+import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tests import testing
-from zkdv import sampling
+from zkdv import challenge
+from zkdv import digest
+from zkdv import merkle
+from zkdv import receipt as receipt_lib
 from zkdv import transcript
 from zkdv import verify
 
-STEPS = 8
-_GOOD: pathlib.Path | None = None
+STATE = (digest.LeafLayout(".params['w']", "float32", (3,)),
+         digest.LeafLayout(".params['b']", "float32", ()))
+BATCH = (digest.LeafLayout("[0]", "float32", (4, 3)),)
+SEED = bytes(range(32))
+STEPS = 6
 
 
+def sgd_step(w, b, x):
+  """The update program: it reads its batch."""
+  return w - 0.1 * jnp.mean(x, axis=0) * w + 0.01, b + jnp.sum(x) * 1e-3
+
+
+def precomputed_step(w, b, x):
+  """A program that ignores its batch and writes fixed weights."""
+  del x
+  return jnp.full_like(w, 0.5), b * 0 + 2.0
+
+
+@functools.cache
+def exported_program(fn=sgd_step) -> tuple[bytes, object]:
+  specs = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in STATE + BATCH]
+  exported = jax.export.export(jax.jit(fn, keep_unused=True))(*specs)
+  return bytes(exported.serialize()), jax.jit(exported.call)
+
+
+def batch_of(i: int) -> np.ndarray:
+  return (np.arange(12, dtype=np.float32).reshape(4, 3) + i) / 7
+
+
+def program_record(program_id: bytes, state=STATE, mode="exact") -> dict:
+  return {"type": "program", "program_id": program_id, "number": 0, "blob": program_id,
+          "function": "sgd_step", "mode": mode,
+          "state_layout": [l.to_record() for l in state],
+          "batch_layout": [l.to_record() for l in BATCH],
+          "inputs": ["state", "state", "batch"], "post_state_outputs": [0, 1],
+          "params_leaves": [0, 1], "static_arguments": [], "compiler_options": {},
+          "platforms": ["cpu"], "nr_devices": 1}
+
+
+class _Dvbench:
+  """A server's side of one proof slot: its signing key and challenge key K."""
+
+  def __init__(self):
+    self.signing_key = receipt_lib.new_signing_key()
+    self.server_key = receipt_lib.public_key_bytes(self.signing_key)
+    self.key = challenge.new_key()
+    self.nonce = bytes(32)
+
+  def challenger(self, policy: dict) -> dict:
+    return {"kind": "dvbench", "server_key": self.server_key, "nonce": self.nonce,
+            "key_commitment": challenge.key_commitment(self.key), "owner": "alice",
+            "experiment": "alice/mnist", "policy": policy}
+
+
+def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=sgd_step,
+                     state=STATE, receipt_verdict="verified") -> pathlib.Path:
+  """An honest format-2 transcript: every challenge answered, blobs and all.
+
+  ``server`` (a ``_Dvbench``) makes it server-challenged, with a signed receipt.
+  """
+  folder = pathlib.Path(folder or tempfile.mkdtemp(prefix="zkdv-verify-")) / "t"
+  policy = challenge.Policy(**(policy or {"update_check_probability": 1.0,
+                                          "state_check_probability": 0.5,
+                                          "probe_ratio": 0.5}))
+  writer = transcript.TranscriptWriter(folder)
+  blob, run = exported_program(fn)
+  challenger = (server.challenger(policy.to_record()) if server else
+                {"kind": "self", "seed_commitment": challenge.key_commitment(SEED),
+                 "policy": policy.to_record()})
+  writer.append({"type": "root", "format_version": transcript.FORMAT_VERSION,
+                 "prover": transcript.PROVER, "name": "hand-written", "versions": {},
+                 "platform": "cpu", "device_kinds": ["cpu"],
+                 "config": {"rtol": 1e-5, "atol": 1e-6}, "challenger": challenger})
+  program_id = writer.put_blob(blob)
+  writer.append(program_record(program_id, state))
+  w, b = np.linspace(-1, 1, 3, dtype=np.float32), np.float32(0.25)
+  for t in range(steps):
+    x = batch_of(t)
+    post = [np.asarray(a) for a in run(w, b, x)]
+    pre_digest, _ = digest.digest_state_arrays(state, [w, np.asarray(b)])
+    post_digest, pieces = digest.digest_state_arrays(state, post)
+    trees = digest.batch_trees(BATCH, [x])
+    step_id = writer.append({"type": "step", "index": t, "program": 0, "pre_state": pre_digest,
+                             "batch": digest.batch_digest(BATCH, [digest.tree_root(l) for l in trees]),
+                             "post_state": post_digest})
+    c = (challenge.step_challenge_server(server.key, step_id) if server
+         else challenge.step_challenge_self(SEED, t))
+    _answer(writer, challenge.decide(t, c, policy), [w, np.asarray(b)], x, post, trees)
+    w, b = post
+  final = {"type": "final", "steps": steps, "status": "clean", "discontinuities": []}
+  if steps:
+    whole = [p[0] for p in pieces] if not any(l.pieces for l in state) else [
+        digest.leaf_digest(a) for a in post]
+    final.update(final_state=post_digest, final_state_leaves=pieces,
+                 final_params=digest.params_digest(
+                     [dataclasses.replace(l, pieces=None) for l in state], whole, [0, 1]))
+  if not server:
+    final["seed"] = SEED
+  writer.append(final)
+  writer.close()
+  if server:
+    write_receipt(folder, server, receipt_verdict)
+  return folder
+
+
+def _answer(writer, decision, pre, x, post, trees) -> None:
+  blob = lambda a: writer.put_blob(digest.byte_view(np.asarray(a)))
+  if decision.update:
+    writer.append({"type": "check", "step": decision.step, "kind": "update",
+                   "pre_state_blobs": [blob(a) for a in pre], "batch_blobs": [blob(x)],
+                   "result": {"equal": True}})
+  if decision.state:
+    writer.append({"type": "check", "step": decision.step, "kind": "state",
+                   "post_state_blobs": [blob(a) for a in post]})
+  rows = decision.probe_rows(0, BATCH[0].rows)
+  if rows:
+    writer.append({"type": "check", "step": decision.step, "kind": "probe",
+                   "batch_roots": [digest.tree_root(t) for t in trees],
+                   "probes": [[0, r, blob(x[r]), merkle.inclusion_proof(trees[0], r)]
+                              for r in rows]})
+
+
+def write_receipt(folder: pathlib.Path, server: _Dvbench, verdict="verified", **changes):
+  records = transcript.read_transcript(folder).records
+  fields = {"format": 1, "proof_id": records[0].record_id.hex(),
+            "transcript_id": records[0].record_id, "server_key": server.server_key,
+            "owner": "alice", "experiment": "alice/mnist", "nonce": server.nonce,
+            "challenge_key": server.key,
+            "policy": records[0].record["challenger"]["policy"], "records": len(records),
+            "last_record_id": records[-1].record_id, "verdict": verdict, "checks": 0,
+            "issued_at": 0.0, **changes}
+  (folder / receipt_lib.RECEIPT_FILE).write_bytes(receipt_lib.sign(fields, server.signing_key))
+
+
+@functools.cache
 def good_transcript() -> pathlib.Path:
-  """One honest transcript (every step update-checked, some state-checked)."""
-  global _GOOD
-  if _GOOD is None:
-    proof = testing.new_proof("tamper-source", update_p=1.0, state_p=0.5)
-    proof.start()
-    state = testing.classifier_state(proof)
-    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
-    for i in range(STEPS):
-      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (i % 2))
-    proof.finish()
-    _GOOD = proof.path
-  return _GOOD
+  return write_transcript()
 
 
-def copy_of_good() -> pathlib.Path:
+def copy_of(src: pathlib.Path) -> pathlib.Path:
   dst = pathlib.Path(tempfile.mkdtemp()) / "t"
-  shutil.copytree(good_transcript(), dst)
+  shutil.copytree(src, dst)
   return dst
+
+
+def records_of(path, kind=None) -> list[dict]:
+  recs = [r.record for r in transcript.read_transcript(path).records]
+  return [r for r in recs if kind is None or r["type"] == kind]
 
 
 def rechained(edit, src: pathlib.Path | None = None) -> pathlib.Path:
   """A copy whose records are edited by ``edit`` and re-chained consistently."""
   src = src or good_transcript()
-  records = [dict(r.record) for r in transcript.read_transcript(src).records]
+  records = [dict(r) for r in records_of(src)]
   for r in records:
     r.pop("prev", None)
   dst = pathlib.Path(tempfile.mkdtemp()) / "t"
@@ -56,16 +192,21 @@ def rechained(edit, src: pathlib.Path | None = None) -> pathlib.Path:
   return dst
 
 
+def first(records, record_type, **match) -> dict:
+  return next(r for r in records if r["type"] == record_type
+              and all(r.get(k) == v for k, v in match.items()))
+
+
 def flip_byte(path: pathlib.Path, position: int) -> None:
   data = bytearray(path.read_bytes())
   data[position] ^= 0x01 << (position % 8)
   path.write_bytes(bytes(data))
 
 
-class VerifierTest(parameterized.TestCase):
+class VerifierTestCase(parameterized.TestCase):
 
-  def assert_fails(self, path, code=None, verdict=verify.INVALID):
-    report = verify.verify(path)
+  def assert_fails(self, path, code=None, verdict=verify.INVALID, **kwargs):
+    report = verify.verify(path, **kwargs)
     self.assertNotEqual(report.verdict, verify.VERIFIED)
     self.assertNotEqual(report.exit_code, 0)
     self.assertNotEmpty(report.findings)
@@ -77,6 +218,9 @@ class VerifierTest(parameterized.TestCase):
       self.assertTrue(f.where and f.message)
     return report
 
+
+class VerifierTest(VerifierTestCase):
+
   def test_honest_transcript_verifies(self):
     report = verify.verify(good_transcript())
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
@@ -84,14 +228,15 @@ class VerifierTest(parameterized.TestCase):
     self.assertEqual(report.steps, STEPS)
     self.assertEqual(sum(c.kind == "update" for c in report.checks), STEPS)
     self.assertTrue(all(c.status == "verified" for c in report.checks))
-    self.assertEqual(verify.verify(good_transcript(), replay="none").verdict, verify.VERIFIED)
+    self.assertGreater(sum(c.kind == "state" for c in report.checks), 0)
+    self.assertEqual(report.probed_rows, STEPS * 2)  # 2 of 4 rows at ratio 0.5
 
   @parameterized.parameters(*range(6))
   def test_any_flipped_record_byte_fails(self, seed):
     rng = random.Random(seed)
     size = (good_transcript() / transcript.RECORDS_FILE).stat().st_size
     for _ in range(8):
-      path = copy_of_good()
+      path = copy_of(good_transcript())
       flip_byte(path / transcript.RECORDS_FILE, rng.randrange(size))
       self.assert_fails(path, verdict=None)
 
@@ -101,17 +246,15 @@ class VerifierTest(parameterized.TestCase):
     blobs = sorted((good_transcript() / transcript.BLOBS_DIR).iterdir())
     for _ in range(6):
       blob = rng.choice(blobs)
-      if blob.stat().st_size == 0:
-        continue
-      path = copy_of_good()
+      path = copy_of(good_transcript())
       flip_byte(path / transcript.BLOBS_DIR / blob.name, rng.randrange(blob.stat().st_size))
       report = self.assert_fails(path)
-      self.assertTrue({f.code for f in report.findings} & {"blob", "program_id"})
+      self.assertTrue({f.code for f in report.findings} & {"blob", "program_id", "probe"})
 
   def test_flipped_program_blob_byte_fails_naming_the_program(self):
-    program = testing.records_of(good_transcript(), "program")[0]
+    program = records_of(good_transcript(), "program")[0]
     for position in (0, 100, 1000, -1):
-      path = copy_of_good()
+      path = copy_of(good_transcript())
       blob = transcript.blob_path(path, program["blob"])
       flip_byte(blob, position % blob.stat().st_size)
       self.assert_fails(path, "program_id")
@@ -127,15 +270,14 @@ class VerifierTest(parameterized.TestCase):
         parts.insert(index, parts[index])
       else:
         parts[index], parts[index + 1] = parts[index + 1], parts[index]
-      path = copy_of_good()
+      path = copy_of(good_transcript())
       (path / transcript.RECORDS_FILE).write_bytes(b"".join(parts))
       self.assert_fails(path, "chain")
 
   def test_edited_digest_with_ids_recomputed_downstream(self):
     for k in (0, 3, STEPS - 1):
       def edit(records, k=k):
-        step = [r for r in records if r["type"] == "step"][k]
-        step["post_state"] = bytes(32)
+        [r for r in records if r["type"] == "step"][k]["post_state"] = bytes(32)
         return records
       report = self.assert_fails(rechained(edit))
       self.assertTrue({f.code for f in report.findings} & {"replay", "discontinuity",
@@ -143,20 +285,20 @@ class VerifierTest(parameterized.TestCase):
 
   def test_edited_batch_digest_fails_the_opening(self):
     def edit(records):
-      [r for r in records if r["type"] == "step"][2]["batch"] = bytes(32)
+      first(records, "step", index=2)["batch"] = bytes(32)
       return records
     self.assert_fails(rechained(edit), "opening")
 
-  def test_unknown_collectives_is_a_format_error_not_an_unverifiable_replay(self):
+  def test_unknown_collectives_is_a_format_error(self):
     def edit(records):
-      next(r for r in records if r["type"] == "program")["collectives"] = "carrier-pigeon"
+      first(records, "program")["collectives"] = "carrier-pigeon"
       return records
     report = self.assert_fails(rechained(edit), "schema")
     self.assertIn("unknown collectives 'carrier-pigeon'", report.dumps())
 
   def test_post_state_layout_must_describe_the_same_leaves(self):
     def edit(records):
-      program = next(r for r in records if r["type"] == "program")
+      program = first(records, "program")
       program["post_state_layout"] = [dict(l) for l in program["state_layout"]]
       program["post_state_layout"][0]["shape"] = [7]
       return records
@@ -169,23 +311,28 @@ class VerifierTest(parameterized.TestCase):
       return records
     self.assert_fails(rechained(edit), "seed")
 
-  def test_dropped_sampled_check(self):
-    for kind in ("update", "state"):
-      def edit(records, kind=kind):
-        drop = next(i for i, r in enumerate(records)
-                    if r["type"] == "check" and r["kind"] == kind)
-        return records[:drop] + records[drop + 1:]
-      self.assert_fails(rechained(edit), "missing_check")
+  @parameterized.parameters("update", "state", "probe")
+  def test_dropped_challenged_check_names_step_and_kind(self, kind):
+    dropped = first(records_of(good_transcript()), "check", kind=kind)
+    def edit(records):
+      return [r for r in records if (r.get("step"), r.get("kind")) != (dropped["step"], kind)]
+    report = self.assert_fails(rechained(edit),
+                               "missing_probe" if kind == "probe" else "missing_check")
+    message = next(f.message for f in report.findings if f.code.startswith("missing"))
+    self.assertIn(f"step {dropped['step']}", message)
+    self.assertIn("data probes" if kind == "probe" else f"a {kind} check", message)
 
-  def test_sampling_decisions_are_recomputed(self):
-    final = testing.records_of(good_transcript(), "final")[0]
-    checks = {(c["step"], c["kind"]) for c in testing.records_of(good_transcript(), "check")}
+  def test_check_decisions_are_recomputed_from_the_seed(self):
+    policy = challenge.Policy.from_record(records_of(good_transcript())[0]["challenger"]["policy"])
+    checks = {(c["step"], c["kind"]) for c in records_of(good_transcript(), "check")}
     for t in range(STEPS):
-      self.assertEqual((t, "state") in checks,
-                       sampling.is_sampled(final["seed"], "state", t, 0.5))
+      decision = challenge.decide(t, challenge.step_challenge_self(SEED, t), policy)
+      self.assertEqual((t, "state") in checks, decision.state)
+    report = verify.verify(good_transcript())
+    self.assertTrue(all(c.challenged for c in report.checks))
 
   def test_torn_or_unfinished_transcript_is_never_a_success(self):
-    path = copy_of_good()
+    path = copy_of(good_transcript())
     records = path / transcript.RECORDS_FILE
     records.write_bytes(records.read_bytes()[:-7])
     report = self.assert_fails(path, "torn_tail", verify.UNVERIFIABLE)
@@ -195,62 +342,61 @@ class VerifierTest(parameterized.TestCase):
     self.assertTrue(all(c.status == "verified" for c in report.checks))
 
   def test_missing_blob_could_not_verify(self):
-    path = copy_of_good()
-    check = testing.records_of(path, "check")[0]
-    blobs = check.get("pre_state_blobs") or check["post_state_blobs"]
-    transcript.blob_path(path, blobs[-1]).unlink()
+    path = copy_of(good_transcript())
+    check = records_of(path, "check")[0]
+    transcript.blob_path(path, check["pre_state_blobs"][-1]).unlink()
     self.assertEqual(self.assert_fails(path, "missing_blob", verify.UNVERIFIABLE).exit_code, 2)
 
+  def test_check_before_its_step_fails(self):
+    def edit(records):
+      check = first(records, "check", step=2)
+      records.remove(check)
+      records.insert(records.index(first(records, "step", index=2)), check)
+      return records
+    self.assert_fails(rechained(edit), "check_step")
 
-class ProbeTamperTest(parameterized.TestCase):
-  """Data probes: each step opens the seed's rows, each with its Merkle proof."""
+  def test_second_check_of_the_same_kind_fails(self):
+    def edit(records):
+      check = first(records, "check", step=1, kind="update")
+      records.insert(records.index(check), dict(check))
+      return records
+    report = self.assert_fails(rechained(edit), "schema")
+    self.assertIn("a second update check of step 1", report.dumps())
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    proof = testing.new_proof("probes", update_p=0.0)
-    proof.start(probe_ratio=0.5)
-    state = testing.classifier_state(proof)
-    train_step = proof.jit(testing.classifier_step)
-    for i in range(4):
-      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
-    cls.path = proof.finish()
 
-  def test_probes_verify_and_are_counted(self):
-    report = verify.verify(self.path)
-    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
-    # 4 steps x (2 of 4 rows of the batch) : one batch leaf.
-    self.assertEqual(report.probed_rows, 4 * 2)
-    step = testing.records_of(self.path, "step")[0]
-    rows = [p[1] for p in step["probes"]]
-    seed = testing.records_of(self.path, "final")[0]["seed"]
-    self.assertEqual(rows, sampling.probe_rows(seed, 0, 0, 4, 0.5))
-
-  def test_flipped_probe_blob(self):
-    path = pathlib.Path(tempfile.mkdtemp()) / "t"
-    shutil.copytree(self.path, path)
-    probe = testing.records_of(path, "step")[1]["probes"][0]
-    flip_byte(transcript.blob_path(path, probe[2]), 0)
-    report = verify.verify(path)
-    self.assertEqual(report.verdict, verify.INVALID)
-    self.assertIn("probe", {f.code for f in report.findings})
+class ProbeTamperTest(VerifierTestCase):
+  """Data probes: each step opens the rows its challenge selects, with Merkle proofs."""
 
   @parameterized.named_parameters(
-      ("dropped_probe", lambda s: s["probes"].pop()),
-      ("moved_probe", lambda s: s["probes"][0].__setitem__(1, (s["probes"][0][1] + 1) % 4)),
-      ("bad_proof", lambda s: s["probes"][0][3].__setitem__(0, bytes(32))),
-      ("bad_roots", lambda s: s["batch_roots"].__setitem__(0, bytes(32))),
+      ("dropped_probe", lambda c: c["probes"].pop()),
+      ("moved_probe", lambda c: c["probes"][0].__setitem__(1, (c["probes"][0][1] + 1) % 4)),
+      ("duplicated_probe", lambda c: c["probes"].__setitem__(1, c["probes"][0])),
+      ("bad_proof", lambda c: c["probes"][0][3].__setitem__(0, bytes(32))),
+      ("bad_roots", lambda c: c["batch_roots"].__setitem__(0, bytes(32))),
+      ("row_out_of_range", lambda c: c["probes"][0].__setitem__(1, 2**40)),
   )
   def test_edited_probes_fail(self, change):
     def edit(records):
-      change([r for r in records if r["type"] == "step"][2])
+      change(first(records, "check", kind="probe", step=2))
       return records
-    report = verify.verify(rechained(edit, self.path))
-    self.assertEqual(report.verdict, verify.INVALID, report.dumps())
-    self.assertIn("probe", {f.code for f in report.findings})
+    self.assert_fails(rechained(edit), "probe")
+
+  def test_flipped_probe_blob(self):
+    path = copy_of(good_transcript())
+    probe = first(records_of(path), "check", kind="probe")["probes"][0]
+    flip_byte(transcript.blob_path(path, probe[2]), 0)
+    self.assert_fails(path, "probe")
+
+  def test_hostile_row_counts_are_refused_before_drawing(self):
+    huge = digest.LeafLayout("[0]", "float32", (2**39, 1))
+    def edit(records):
+      first(records, "program")["batch_layout"] = [huge.to_record()]
+      return records
+    report = self.assert_fails(rechained(edit))  # bounded: returns, does not hang
+    self.assertTrue({f.code for f in report.findings} & {"probe", "blob", "opening"})
 
 
-class UntrustedInputTest(absltest.TestCase):
+class UntrustedInputTest(VerifierTestCase):
 
   def _write(self, data: bytes) -> pathlib.Path:
     folder = pathlib.Path(tempfile.mkdtemp())
@@ -268,11 +414,12 @@ class UntrustedInputTest(absltest.TestCase):
                  b"\x81" * 100000 + b"\x00"):
       report = verify.verify(self._write(data))
       self.assertNotEqual(report.verdict, verify.VERIFIED)
-      self.assertIn(report.findings[0].code, {"unreadable", "torn_tail"})
+      self.assertIn(report.findings[0].code, {"unreadable", "torn_tail", "no_root"})
 
   def test_record_of_the_wrong_type(self):
     good = transcript.read_transcript(good_transcript()).records
-    for bad in ({"type": "step", "index": "zero"}, {"type": "nonsense"}, {"no": "type"}):
+    for bad in ({"type": "step", "index": "zero"}, {"type": "nonsense"}, {"no": "type"},
+                {"type": "check", "step": 0, "kind": "sideways"}):
       folder = self._write(good[0].raw + cbor2.dumps({**bad, "prev": good[0].record_id},
                                                      canonical=True))
       report = verify.verify(folder)
@@ -281,17 +428,22 @@ class UntrustedInputTest(absltest.TestCase):
 
   def test_blob_path_escaping_the_transcript(self):
     def edit(records):
-      check = next(r for r in records if r["type"] == "check")
-      key = "pre_state_blobs" if "pre_state_blobs" in check else "post_state_blobs"
-      check[key][0] = b"../../../../etc/passwd"
+      first(records, "check", kind="update")["pre_state_blobs"][0] = b"../../../../etc/passwd"
       return records
-    report = verify.verify(rechained(edit))
-    self.assertEqual(report.verdict, verify.INVALID)
+    report = self.assert_fails(rechained(edit))
     self.assertIn("not a blob digest", report.dumps())
 
   def test_missing_path(self):
     report = verify.verify("/nonexistent/zkdv/transcript")
     self.assertEqual(report.verdict, verify.UNVERIFIABLE)
+    self.assertEqual(report.exit_code, 2)
+
+  def test_format_1_could_not_verify(self):
+    def edit(records):
+      records[0]["format_version"] = 1
+      return records
+    report = self.assert_fails(rechained(edit), "format_version", verify.UNVERIFIABLE)
+    self.assertIn("could not verify: format 1 is not supported by this zkdv", report.dumps())
 
 
 if __name__ == "__main__":

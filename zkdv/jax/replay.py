@@ -1,11 +1,15 @@
 """Compiling and comparing exported update programs.
 
 Production and replay compile the *same* serialized program through
-``compile_program``, so on one platform their results are bitwise equal.
+``compile_program``, so on one platform their results are bitwise equal. A
+verifier loads an untrusted program with ``load_program``: it is screened
+(``zkdv.jax.stablehlo.check_safe``) before anything compiles it, and only
+compiler options on ``REPLAY_COMPILER_OPTIONS`` are kept.
 
 Example::
 
-  run = compile_program(jax.export.deserialize(blob))
+  exported, summary = load_program(blob)
+  run = compile_program(exported, compiler_options=replay_compiler_options(recorded)[0])
   outputs = run(*inputs)
 """
 
@@ -19,6 +23,19 @@ from zkdv import errors
 from zkdv.config import Tolerance
 from zkdv.digest import LeafLayout, byte_view
 from zkdv.jax import _compat
+from zkdv.jax import stablehlo
+
+# Compiler options a transcript may carry into a replay: flags that change
+# numerics (so a program compiled with them replays bitwise only with them),
+# each a boolean. Every other option (dump folders, autotuning caches, ...) is
+# ignored: nothing a transcript says may make the verifier write or read files.
+REPLAY_COMPILER_OPTIONS = frozenset({
+    "xla_cpu_enable_fast_math", "xla_cpu_fast_math_honor_nans",
+    "xla_cpu_fast_math_honor_infs", "xla_cpu_fast_math_honor_division",
+    "xla_cpu_fast_math_honor_functions", "xla_cpu_enable_fast_min_max",
+    "xla_gpu_enable_fast_min_max", "xla_allow_excess_precision",
+})
+_BOOLEANS = {"true": True, "false": False}
 
 
 def replay_mesh(exported: jax.export.Exported) -> jax.sharding.Mesh | None:
@@ -78,6 +95,40 @@ def use_cpu_collectives(name: str) -> None:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+
+
+def load_program(blob: bytes) -> tuple[jax.export.Exported, stablehlo.ModuleSummary]:
+  """Deserializes an untrusted program and screens it before it may compile.
+
+  Raises UnsafeProgramError for a blob that does not deserialize, custom calls
+  off the allow-list, host callbacks or transfers, and side effects.
+  """
+  try:
+    exported = jax.export.deserialize(bytearray(blob))
+  except Exception as e:  # a malformed blob is a refusal, never a crash
+    raise stablehlo.UnsafeProgramError(
+        f"the program blob does not deserialize: {type(e).__name__}") from None
+  summary = stablehlo.analyze(exported)
+  stablehlo.check_safe(exported, summary)
+  return exported, summary
+
+
+def replay_compiler_options(recorded) -> tuple[dict, list[str]]:
+  """(the options a replay uses, the names it ignores) of a program record's options.
+
+  Example: ``{"xla_cpu_enable_fast_math": "False", "xla_dump_to": "/x"}`` gives
+  ``({"xla_cpu_enable_fast_math": False}, ["xla_dump_to"])``.
+  """
+  if not isinstance(recorded, dict):
+    return {}, [] if recorded is None else ["compiler_options"]
+  kept, ignored = {}, []
+  for name, value in recorded.items():
+    flag = _BOOLEANS.get(str(value).lower())
+    if name in REPLAY_COMPILER_OPTIONS and flag is not None:
+      kept[name] = flag
+    else:
+      ignored.append(str(name))
+  return kept, sorted(ignored)
 
 
 def compile_program(exported: jax.export.Exported, *, donate_argnums=(),

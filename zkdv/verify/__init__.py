@@ -1,0 +1,112 @@
+"""The offline, fail-closed transcript verifier (DESIGN §7, docs/protocol.md).
+
+``verify(path)`` checks every record, the hash chain, continuity, the root's
+challenger and policy, re-derives every challenge, checks that each has its
+answer, opens every check against its commitments and replays it through the
+screened, deserialized program. It never raises on bad input: every problem is
+a finding, and only a transcript without findings is ``verified``. The report
+states each claim of DESIGN §10; the exit code is 0 only when the verdict is
+verified and every required claim holds.
+
+Modules, one per concern: ``structure`` (records, chain, schemas), ``policy``
+(the verifier's requirements, the root's challenger), ``receipt`` (the
+challenge key of a dvbench transcript), ``decisions`` (which checks were
+chosen), ``final``, ``programs`` (screening, replay), ``checks``, ``probes``,
+``claims``, ``report``.
+
+Example::
+
+  report = verify("zkdv-proofs/my-run-...", required=("chain", "replays", "challenges"))
+  print(report.verdict, report.exit_code, report.claim("challenges").detail)
+"""
+
+import os
+import pathlib
+from collections.abc import Callable
+
+from zkdv import errors
+from zkdv import transcript
+from zkdv.config import Tolerance
+from zkdv.verify import checks
+from zkdv.verify import claims
+from zkdv.verify import decisions
+from zkdv.verify import final
+from zkdv.verify import policy
+from zkdv.verify import receipt
+from zkdv.verify import structure
+from zkdv.verify.context import Verification
+from zkdv.verify.programs import ProgramLoader
+from zkdv.verify.report import (CLAIMS, COULD_NOT_VERIFY, DEFAULT_REQUIRED, DOES_NOT_HOLD,
+                                EXIT_CODES, HOLDS, INVALID, UNVERIFIABLE, VERIFIED,
+                                CheckOutcome, Claim, Finding, Report)
+
+__all__ = ["verify", "Report", "Finding", "CheckOutcome", "Claim", "VERIFIED", "INVALID",
+           "UNVERIFIABLE", "EXIT_CODES", "CLAIMS", "DEFAULT_REQUIRED", "HOLDS",
+           "DOES_NOT_HOLD", "COULD_NOT_VERIFY"]
+
+
+def verify(path: str | os.PathLike, *, replay: str = "sampled",
+           tolerance: Tolerance | None = None, min_checks: int = 1,
+           required=DEFAULT_REQUIRED, strict: bool = False,
+           server_key: bytes | None = None, challenge_key: bytes | None = None,
+           progress: Callable[[int, int], None] | None = None) -> Report:
+  """Verifies the transcript at ``path`` (a folder or its records file).
+
+  ``server_key`` (32 bytes) checks ``receipt.cbor`` beside the records;
+  ``challenge_key`` (the server's ``K``) is for DVBench's own workers. Raises
+  ValueError only for bad arguments, never for a bad transcript.
+  """
+  options = policy.VerifierPolicy(replay, tolerance or Tolerance(), min_checks,
+                                  tuple(required), strict)
+  path = pathlib.Path(path)
+  ctx = Verification(Report(path=str(path), required=options.required), options)
+  try:
+    contents = transcript.read_transcript(path)
+  except (OSError, errors.TranscriptFormatError) as e:
+    ctx.report.fail("unreadable", str(path), str(e),
+                    UNVERIFIABLE if isinstance(e, OSError) else INVALID)
+  else:
+    try:
+      _run(ctx, contents, transcript.records_path(path).parent, server_key, challenge_key,
+           progress)
+    except Exception as e:  # pylint: disable=broad-except  # fail closed, never crash
+      ctx.report.fail("malformed", "transcript", f"verification stopped on malformed "
+                      f"content: {type(e).__name__}: {e}")
+  claims.build_claims(ctx)
+  return ctx.report
+
+
+def _run(ctx: Verification, contents, folder, server_key, challenge_key, progress) -> None:
+  report = ctx.report
+  ctx.model = structure.read(contents, folder, report)
+  if ctx.model is None or ctx.model.root is None:
+    return
+  ctx.challenger = policy.parse_challenger(ctx.model.root, report)
+  if ctx.challenger is not None:
+    report.challenger = ctx.challenger.label
+  policy.check_tolerance(ctx.model.root["config"], ctx.options.tolerance, report)
+  ctx.keys = receipt.challenge_key(ctx, server_key=server_key, challenge_key=challenge_key)
+  ctx.decisions = decisions.derive(ctx)
+  final.continuity(ctx)
+  final.check_final(ctx)
+  ctx.programs = ProgramLoader(report)
+  for program in ctx.model.programs.values():
+    ctx.programs.load(program)
+  decisions.require_answers(ctx, ctx.decisions)
+  checks.run_checks(ctx, progress)
+  _enough_replays(ctx)
+  receipt.compare_verdicts(ctx)
+
+
+def _enough_replays(ctx: Verification) -> None:
+  updates = [c for c in ctx.report.checks if c.kind == "update" and c.challenged]
+  if any(c.status == "not replayed" for c in updates):
+    ctx.report.fail("not_replayed", "checks", f"{len(updates)} update checks were opened "
+                    "but not replayed (--replay none): nothing shows the updates were "
+                    "computed.", UNVERIFIABLE)
+    return
+  replayed = sum(c.status == "verified" for c in updates)
+  if replayed < ctx.options.min_checks:
+    ctx.report.fail("too_few_checks", "checks", f"{replayed} challenged update checks "
+                    f"replayed; this verifier requires at least {ctx.options.min_checks} "
+                    "(--min-checks).", UNVERIFIABLE)

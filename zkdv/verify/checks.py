@@ -1,0 +1,155 @@
+"""Answered checks: openings against their commitments, and replays.
+
+An update check opens the pre-state and the batch, which must hash to the
+step's commitments, and replays the program on them: an exact program must
+reproduce the committed post-state bit for bit, an equivalent one the opened
+post-state within the verifier's tolerance. A state check opens the post-state.
+Check records are dispatched by kind through ``CHECKERS``.
+
+Example::
+
+  run_checks(ctx, progress=None)
+"""
+
+import dataclasses
+
+import numpy as np
+
+from zkdv import digest
+from zkdv import errors
+from zkdv import transcript
+from zkdv.verify import probes
+from zkdv.verify.context import Verification
+from zkdv.verify.report import UNVERIFIABLE, CheckOutcome
+
+
+def _bad_pieces(folder, blob, layout, pieces) -> list:
+  """The boxes of a sharded leaf whose bytes in ``blob`` differ from ``pieces``."""
+  try:
+    data = transcript.blob_path(folder, blob).read_bytes()
+    array = np.frombuffer(data, digest.numpy_dtype(layout.dtype)).reshape(layout.shape)
+    return [box for box, got, want in zip(layout.boxes, digest.piece_digests(layout, array),
+                                          pieces) if got != want]
+  except (OSError, ValueError, TypeError, errors.TranscriptFormatError):
+    return []
+
+
+def open_blobs(ctx: Verification, blobs, layouts, where: str, what: str, pieces=None):
+  """The arrays ``blobs`` name, each checked against its name; None with a finding."""
+  if not isinstance(blobs, list) or len(blobs) != len(layouts):
+    ctx.report.fail("schema", where, f"{what} blobs do not match the program layout.")
+    return None
+  arrays = []
+  for b, l in zip(blobs, layouts):
+    try:
+      arrays.append(transcript.read_blob(ctx.model.folder, b, l.dtype, l.shape))
+    except FileNotFoundError:
+      ctx.report.fail("missing_blob", where, f"{what} blob for {l.path} is missing.",
+                      UNVERIFIABLE)
+      return None
+    except (OSError, errors.TranscriptFormatError, TypeError, AttributeError) as e:
+      bad = (_bad_pieces(ctx.model.folder, b, l, pieces[len(arrays)])
+             if pieces and l.pieces else [])
+      named = "".join(f"; shard {l.pieces.index(box)} {list(map(list, box))} differs from "
+                      "its commitment" for box in bad)
+      ctx.report.fail("blob", where, f"{what} blob for {l.path}: {e}{named}")
+      return None
+  return arrays
+
+
+def state_matches(ctx, blobs, arrays, layouts, committed, where, what) -> bool:
+  """Opened blobs were checked against their names, the whole-leaf digests; a
+  sharded leaf's pieces are hashed from the opened array."""
+  pieces = [[b] if l.pieces is None else digest.piece_digests(l, a)
+            for b, a, l in zip(blobs, arrays, layouts)]
+  if digest.state_digest_from_pieces(layouts, pieces) != committed:
+    ctx.report.fail("opening", where, f"opened {what} does not match its commitment.")
+    return False
+  return True
+
+
+def _open_post(ctx, check, step, program, where):
+  blobs = check.fields.get("post_state_blobs")
+  post = open_blobs(ctx, blobs, program.post, where, "post-state")
+  if post is None or not state_matches(ctx, blobs, post, program.post, step.post_state,
+                                       where, "post-state"):
+    return None
+  return post
+
+
+def state_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
+  post = _open_post(ctx, check, step, program, where)
+  return CheckOutcome(step.index, "state", "opening", "failed" if post is None else "verified")
+
+
+def _open_update(ctx, check, step, program, where):
+  """(pre-state, batch) opened and matched to the step's commitments, or None."""
+  fields = check.fields
+  pieces = fields.get("pre_state_pieces")
+  if pieces is not None and digest.state_digest_from_pieces(program.state,
+                                                            pieces) != step.pre_state:
+    ctx.report.fail("opening", where, "pre_state_pieces do not make up the pre-state digest.")
+    return None
+  pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state", pieces)
+  batch = open_blobs(ctx, fields["batch_blobs"], program.batch, where, "batch")
+  if pre is None or batch is None or not state_matches(
+      ctx, fields["pre_state_blobs"], pre, program.state, step.pre_state, where, "pre-state"):
+    return None
+  if digest.digest_batch_arrays(program.batch, batch) != step.batch:
+    ctx.report.fail("opening", where, "opened batch does not match its commitment.")
+    return None
+  return pre, batch
+
+
+def update_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
+  outcome = CheckOutcome(step.index, "update", program.mode, "failed")
+  opened = _open_update(ctx, check, step, program, where)
+  post = None if program.exact else _open_post(ctx, check, step, program, where)
+  if opened is None or (post is None and not program.exact):
+    return outcome
+  if ctx.options.replay == "none":
+    outcome.status = "not replayed"
+    return outcome
+  replayed = ctx.programs.replay(program, *opened, where)
+  if replayed is None:
+    return outcome
+  if program.exact:
+    ok = digest.digest_state_arrays(program.post, replayed)[0] == step.post_state
+    if not ok:
+      ctx.report.fail("replay", where, "replaying the update program does not reproduce "
+                      "the committed post-state bit for bit.")
+    outcome.status = "verified" if ok else "failed"
+    return outcome
+  result = ctx.programs.compare(program.state, replayed, post, exact=False,
+                                tolerance=ctx.options.tolerance)
+  outcome.max_abs_error = result["max_abs_error"]
+  outcome.max_rel_error = result["max_rel_error"]
+  outcome.max_ulp_error = result["max_ulp_error"]
+  outcome.status = "verified" if result["equal"] else "failed"
+  if not result["equal"]:
+    ctx.report.fail("replay", where, f"replay differs beyond tolerance in "
+                    f"{result['mismatched_leaves']} (max abs {result['max_abs_error']:.3g}).")
+  return outcome
+
+
+CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_check}
+
+
+def run_checks(ctx: Verification, progress=None) -> None:
+  """Every check record, in transcript order, through its kind's checker."""
+  checks = sorted(ctx.model.checks.values(), key=lambda c: int(c.where.split()[-1]))
+  for n, check in enumerate(checks):
+    if progress:
+      progress(n, len(checks))
+    step = ctx.model.steps[check.step]
+    program = ctx.model.program_of(step)
+    where = f"{check.where} ({check.kind} check of step {check.step})"
+    if program is None:
+      ctx.report.fail("check_step", where, "the step's program is unknown.")
+      continue
+    outcome = CHECKERS[check.kind](ctx, check, step, program, where)
+    if outcome is not None:
+      ctx.report.checks.append(dataclasses.replace(
+          outcome, challenged=ctx.decisions.challenged(check.step, check.kind)))
+  if progress:
+    progress(len(checks), len(checks))

@@ -1,0 +1,153 @@
+"""The claims of DESIGN §10, each with its status and what it rests on.
+
+A claim does not hold when a finding it rests on is invalid, could not be
+verified when such a finding could not be, and otherwise holds only when what it
+says was shown: ``challenges`` needs dvbench's key confirmed (a receipt or the
+server's key), ``start`` an attested initial state, ``program`` every
+post-state depending on the batch, ``data`` probed rows. With ``--strict`` the
+``replays`` claim also needs bitwise (exact) replays.
+
+Example::
+
+  build_claims(ctx)
+  ctx.report.claim("replays").status   # "holds"
+"""
+
+from zkdv import challenge
+from zkdv.verify.context import Verification
+from zkdv.verify.programs import parameter_count
+from zkdv.verify.report import (COULD_NOT_VERIFY, DOES_NOT_HOLD, HOLDS, INVALID, Claim)
+
+_ANY = frozenset({"unreadable", "no_root", "format_version", "malformed"})
+_RECORDS = frozenset({"torn_tail", "encoding", "chain", "schema", "after_final", "step_index",
+                      "program_id", "discontinuity", "unfinished", "aborted", "step_count",
+                      "final", "final_state", "final_params", "no_steps", "check_step"})
+_KEYS = frozenset({"challenger", "policy", "seed", "server_key", "challenge_key", "receipt",
+                   "receipt_verdict"})
+# The finding codes each claim rests on.
+CLAIM_CODES = {
+    "chain": _ANY | _RECORDS | {"challenger", "server_key", "receipt"},
+    "challenges": _ANY | _KEYS,
+    "replays": _ANY | _RECORDS | _KEYS | {
+        "missing_check", "opening", "blob", "missing_blob", "replay", "replay_error",
+        "replay_environment", "platform", "no_jax", "no_program", "not_replayed",
+        "too_few_checks", "unsafe_program"},
+    "start": _ANY,
+    "program": _ANY | {"program_id", "missing_blob", "unsafe_program"},
+    "data": _ANY | _KEYS | {"probe", "missing_probe"},
+}
+
+
+def _blocked(ctx: Verification, name: str) -> Claim | None:
+  """The claim as its findings decide it, or None when none of them failed."""
+  findings = [f for f in ctx.report.findings if f.code in CLAIM_CODES[name]]
+  if not findings:
+    return None
+  worst = next((f for f in findings if f.blocks == INVALID), findings[0])
+  status = DOES_NOT_HOLD if worst.blocks == INVALID else COULD_NOT_VERIFY
+  return Claim(name, status, f"{worst.code} at {worst.where}: {worst.message}")
+
+
+def _chain(ctx: Verification) -> Claim:
+  model, challenger = ctx.model, ctx.challenger
+  detail = f"{model.records} records in one hash chain from root {model.transcript_id.hex()[:16]}"
+  if challenger.kind == "self":
+    return Claim("chain", HOLDS, f"{detail}; self-challenged, bound to no server")
+  f = challenger.fields
+  bound = (f"dvbench {f['server_key'].hex()[:16]}, {f['experiment']} (owner {f['owner']}), "
+           f"nonce {f['nonce'].hex()[:16]}")
+  if ctx.keys.key is None:
+    return Claim("chain", COULD_NOT_VERIFY,
+                 f"{detail}; the root names {bound}, unconfirmed ({ctx.keys.missing})")
+  return Claim("chain", HOLDS, f"{detail}; bound to {bound} (confirmed by the "
+               f"{ctx.keys.source})")
+
+
+def _challenges(ctx: Verification) -> Claim:
+  challenger = ctx.challenger
+  facts = {"challenger": challenger.kind, "by": challenger.label}
+  if challenger.kind == "self":
+    return Claim("challenges", DOES_NOT_HOLD, challenger.label, facts)
+  if ctx.keys.key is None:
+    return Claim("challenges", COULD_NOT_VERIFY,
+                 f"chosen by {challenger.label}: could not verify ({ctx.keys.missing})", facts)
+  return Claim("challenges", HOLDS, f"chosen by {challenger.label} after each step was "
+               f"stored; key from the {ctx.keys.source}", facts)
+
+
+def _replays(ctx: Verification) -> Claim:
+  p = ctx.challenger.policy.update_check_probability
+  replayed = [c for c in ctx.report.checks if c.kind == "update" and c.challenged
+              and c.status == "verified"]
+  exact = all(c.mode == "exact" for c in replayed)
+  facts = {"count": len(replayed), "p": p, "escape_probability": challenge.escape_probability(p),
+           "exact": exact, "steps": len(ctx.model.steps)}
+  detail = (f"{len(replayed)} challenged update checks replayed "
+            f"{'bit for bit' if exact else 'within tolerance'} over {len(ctx.model.steps)} "
+            f"steps at p={p:g}; one faked step escapes with probability {1 - p:g}")
+  if not ctx.decisions.known:
+    return Claim("replays", COULD_NOT_VERIFY, f"{detail}; whether every challenge was "
+                 f"answered could not be verified ({ctx.decisions.unknown})", facts)
+  if ctx.options.strict and not exact:
+    return Claim("replays", DOES_NOT_HOLD, f"{detail}; --strict requires exact replays", facts)
+  return Claim("replays", HOLDS, detail, facts)
+
+
+def _start(ctx: Verification) -> Claim:
+  # The seam for attested starts: an init program from a committed key or a declared
+  # checkpoint digest, named by a root field "start_state" (DESIGN §10).
+  if "start_state" not in ctx.model.root:
+    return Claim("start", DOES_NOT_HOLD, "unattested: nothing shows where the initial "
+                 "state came from", {"start": "unattested"})
+  return Claim("start", COULD_NOT_VERIFY, "the root declares a start_state, which this zkdv "
+               "does not check yet", {"start": "declared"})
+
+
+def _program(ctx: Verification) -> Claim:
+  rows, status = [], HOLDS
+  for program in ctx.model.programs.values():
+    info = ctx.programs.load(program)
+    depends = info.batch_dependent(program)
+    rows.append({"number": program.number, "program_id": program.program_id.hex(),
+                 "mode": program.mode, "parameters": parameter_count(program),
+                 "batch_dependent": depends,
+                 "operations": sum(info.summary.op_counts.values()) if info.summary else None})
+    if depends is False:
+      status = DOES_NOT_HOLD
+    elif depends is None and status == HOLDS:
+      status = COULD_NOT_VERIFY
+  ids = ", ".join(r["program_id"][:16] for r in rows) or "none"
+  if not rows:
+    status = COULD_NOT_VERIFY
+  detail = {HOLDS: f"disclosed ({ids}); every post-state depends on the batch",
+            DOES_NOT_HOLD: f"disclosed ({ids}); a post-state does not depend on the batch "
+                           "(see zkdv inspect)",
+            COULD_NOT_VERIFY: f"programs {ids} could not be analyzed"}[status]
+  return Claim("program", status, detail, {"programs": rows})
+
+
+def _data(ctx: Verification) -> Claim:
+  ratio = ctx.challenger.policy.probe_ratio
+  facts = {"probe_ratio": ratio, "rows": ctx.report.probed_rows}
+  if ratio == 0:
+    return Claim("data", DOES_NOT_HOLD, "no batch rows were probed (probe_ratio 0)", facts)
+  if not ctx.decisions.known:
+    return Claim("data", COULD_NOT_VERIFY, f"{ctx.report.probed_rows} rows opened; whether "
+                 f"the challenger chose them could not be verified ({ctx.decisions.unknown})",
+                 facts)
+  return Claim("data", HOLDS, f"{ctx.report.probed_rows} challenger-chosen batch rows opened "
+               f"with Merkle proofs (ratio {ratio:g})", facts)
+
+
+BUILDERS = {"chain": _chain, "challenges": _challenges, "replays": _replays,
+            "start": _start, "program": _program, "data": _data}
+
+
+def build_claims(ctx: Verification) -> None:
+  """Fills ``ctx.report.claims``, one per claim, in report order."""
+  for name, build in BUILDERS.items():
+    claim = _blocked(ctx, name)
+    if claim is None and (ctx.model is None or ctx.model.root is None
+                          or ctx.challenger is None or ctx.programs is None):
+      claim = Claim(name, COULD_NOT_VERIFY, "the verification stopped before this claim")
+    ctx.report.claims.append(claim or build(ctx))

@@ -1,0 +1,107 @@
+"""Which checks the challenger chose, re-derived with ``zkdv.challenge``.
+
+``self``: each step's challenge is keyed by the seed revealed in ``final``
+(checked against the root's commitment). ``dvbench``: keyed by the server's key
+``K`` (from a receipt, or the server's own worker) and the id of the step's
+record. Every decided update check, state check and probe set must have its
+check record.
+
+Example::
+
+  decisions = derive(ctx)
+  require_answers(ctx, decisions)
+  decisions.challenged(3, "update")
+"""
+
+import dataclasses
+import math
+
+from zkdv import challenge
+from zkdv.verify.context import Verification
+
+
+@dataclasses.dataclass(frozen=True)
+class Decisions:
+  """Each step's Decision, or None with the reason they are unknown."""
+
+  by_step: tuple | None
+  unknown: str | None = None
+
+  @property
+  def known(self) -> bool:
+    return self.by_step is not None
+
+  def challenged(self, step: int, kind: str) -> bool:
+    """Whether ``kind`` was chosen for ``step`` (True when the decisions are unknown)."""
+    if not self.known:
+      return True
+    decision = self.by_step[step]
+    return {"update": decision.update, "state": decision.state,
+            "probe": decision.probe_ratio > 0}[kind]
+
+
+def probe_count(layout, ratio: float) -> int:
+  """How many rows of a batch leaf a challenge probes (no draws: bounds the work)."""
+  if layout.key_impl is not None or not layout.shape or ratio <= 0 or layout.rows <= 0:
+    return 0
+  return min(layout.rows, math.ceil(ratio * layout.rows))
+
+
+def _self_challenges(ctx: Verification) -> Decisions | list:
+  final = ctx.model.final
+  if final is None:
+    return Decisions(None, "no final record reveals the seed")
+  seed = final.get("seed")
+  if not isinstance(seed, bytes) or len(seed) != challenge.KEY_BYTES:
+    ctx.report.fail("seed", "final", "a self-challenged final must reveal its 32-byte seed.")
+    return Decisions(None, "no seed")
+  if challenge.key_commitment(seed) != ctx.challenger.fields["seed_commitment"]:
+    ctx.report.fail("seed", "final", "the revealed seed does not match the root's seed "
+                    "commitment; the challenges cannot be re-derived.")
+    return Decisions(None, "the seed does not match its commitment")
+  return [challenge.step_challenge_self(seed, s.index) for s in ctx.model.steps]
+
+
+def _server_challenges(ctx: Verification) -> Decisions | list:
+  final = ctx.model.final
+  if final is not None and "seed" in final:
+    ctx.report.fail("schema", "final", "the final record of a dvbench transcript carries "
+                    "no seed (the server chose the challenges).")
+  if ctx.keys.key is None:
+    return Decisions(None, ctx.keys.missing)
+  return [challenge.step_challenge_server(ctx.keys.key, s.record_id) for s in ctx.model.steps]
+
+
+_CHALLENGES = {"self": _self_challenges, "dvbench": _server_challenges}
+
+
+def derive(ctx: Verification) -> Decisions:
+  """The challenger's decisions for every step of the transcript."""
+  if ctx.challenger is None:
+    return Decisions(None, "the challenger is malformed")
+  challenges = _CHALLENGES[ctx.challenger.kind](ctx)
+  if isinstance(challenges, Decisions):
+    return challenges
+  policy = ctx.challenger.policy
+  return Decisions(tuple(challenge.decide(s.index, c, policy)
+                         for s, c in zip(ctx.model.steps, challenges)))
+
+
+def require_answers(ctx: Verification, decisions: Decisions) -> None:
+  """A finding for every decided check that has no check record."""
+  if not decisions.known:
+    return
+  model = ctx.model
+  for step, decision in zip(model.steps, decisions.by_step):
+    program = model.program_of(step)
+    wanted = [kind for kind, chosen in (("update", decision.update), ("state", decision.state))
+              if chosen]
+    if program is not None and any(probe_count(l, decision.probe_ratio) for l in program.batch):
+      wanted.append("probe")
+    for kind in wanted:
+      if (step.index, kind) not in model.checks:
+        ctx.report.fail("missing_probe" if kind == "probe" else "missing_check",
+                        f"step {step.index}", f"step {step.index} was challenged for "
+                        f"{'data probes' if kind == 'probe' else f'a {kind} check'} "
+                        "but has no check record answering it.")
+

@@ -1,0 +1,101 @@
+"""Continuity, the final record, and the final state and params it names.
+
+Every step starts from the post-state of the step before it; ``final`` counts
+the steps, lists the discontinuities, and names the final state (its piece
+digests must make it up) and ``final_params``, which the verifier derives
+itself: from the final state's leaves, or for sharded params from a state check
+of the last step. A claim it cannot derive is never verified.
+
+Example::
+
+  continuity(ctx)
+  check_final(ctx)
+"""
+
+import dataclasses
+
+from zkdv import digest
+from zkdv.verify.context import Verification
+from zkdv.verify.report import UNVERIFIABLE
+
+_FINAL_STATE_FIELDS = ("final_state", "final_state_leaves", "final_params")
+
+
+def continuity(ctx: Verification) -> None:
+  steps, report = ctx.model.steps, ctx.report
+  report.steps = len(steps)
+  for prev, step in zip(steps, steps[1:]):
+    if step.pre_state != prev.post_state:
+      report.discontinuities.append(step.index)
+      report.fail("discontinuity", f"step {step.index}",
+                  f"pre-state of step {step.index} is not the post-state of step "
+                  f"{prev.index}: the state was changed outside proof.jit.")
+
+
+def check_final(ctx: Verification) -> None:
+  report, final, steps = ctx.report, ctx.model.final, ctx.model.steps
+  if final is None:
+    report.fail("unfinished", "end", "no final record: the transcript did not finish "
+                "(training crashed or finish() was not called).", UNVERIFIABLE)
+    return
+  report.finished = True
+  if final["status"] != "clean":
+    report.fail("aborted", "final", f"the prover ended with status {final['status']!r}.")
+  if final["steps"] != len(steps):
+    report.fail("step_count", "final",
+                f"final says {final['steps']} steps, the transcript has {len(steps)}.")
+  if final.get("discontinuities", []) != report.discontinuities:
+    report.fail("final", "final", f"final lists discontinuities "
+                f"{final.get('discontinuities')}, the steps show {report.discontinuities}.")
+  if not steps:
+    report.fail("no_steps", "final", "the transcript has no steps: nothing was trained "
+                "or checked.", UNVERIFIABLE)
+    named = [f for f in _FINAL_STATE_FIELDS if f in final]
+    if named:
+      report.fail("final_state", "final", f"final names {named}, but no step produced a "
+                  "state.")
+    return
+  _final_state(ctx, final, steps[-1])
+
+
+def _final_state(ctx: Verification, final: dict, last_step) -> None:
+  report, program = ctx.report, ctx.model.program_of(last_step)
+  if final.get("final_state") != last_step.post_state:
+    report.fail("final_state", "final", "final state digest is not the last step's post-state.")
+    return
+  leaves = final.get("final_state_leaves")
+  if program is None:
+    return  # the step's unknown program is already a finding
+  layouts = program.post
+  if (not isinstance(leaves, list) or len(leaves) != len(layouts)
+      or not all(isinstance(p, list) and len(p) == len(l.boxes)
+                 and all(isinstance(d, bytes) for d in p) for p, l in zip(leaves, layouts))
+      or digest.state_digest_from_pieces(layouts, leaves) != final["final_state"]):
+    report.fail("final_state", "final", "final state piece digests do not make up the "
+                "final state digest.")
+    return
+  if "final_params" not in final:
+    return
+  whole = _whole_leaf_digests(ctx, last_step, program, leaves)
+  if whole is None:
+    report.fail("final_params", "final", f"final_params names sharded params, which only a "
+                f"state check of the last step (step {last_step.index}) can open, and it "
+                "has none: the params cannot be derived.", UNVERIFIABLE)
+    return
+  params = digest.params_digest([dataclasses.replace(l, pieces=None) for l in layouts],
+                                whole, program.params_leaves)
+  if final["final_params"] != params:
+    report.fail("final_params", "final", "final params digest is not the digest of the "
+                "final state's params.")
+
+
+def _whole_leaf_digests(ctx, last_step, program, leaves) -> list | None:
+  """Each leaf's whole digest: its single piece, or for sharded params the blob name a
+  state check of the last step opened (checked against the state by that check)."""
+  if not any(program.post[i].pieces is not None for i in program.params_leaves):
+    return [p[0] for p in leaves]
+  check = ctx.model.checks.get((last_step.index, "state"))
+  opened = None if check is None else check.fields.get("post_state_blobs")
+  if not isinstance(opened, list) or len(opened) != len(program.post):
+    return None
+  return opened

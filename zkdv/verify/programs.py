@@ -1,0 +1,133 @@
+"""Programs, screened before they run: loaded, summarized, compiled once, replayed.
+
+Each program blob is deserialized and screened (``zkdv.jax.replay.load_program``:
+custom calls on an allow-list, no host callbacks or transfers, no effects); a
+refused program is an invalid finding, never compiled. Its summary (operation
+counts, parameters, whether the post-state depends on the batch) is derived from
+its StableHLO, never read from a prover field. Compiler options from the
+transcript are reduced to ``zkdv.jax.replay.REPLAY_COMPILER_OPTIONS``. JAX is
+imported on first use.
+
+Example::
+
+  loader = ProgramLoader(ctx.report)
+  info = loader.load(program)
+  outputs = loader.replay(program, pre, batch, "record 9")
+"""
+
+import dataclasses
+
+from zkdv import errors
+from zkdv.verify.report import INVALID, UNVERIFIABLE, Report
+from zkdv.verify.structure import Program
+
+
+@dataclasses.dataclass
+class ProgramInfo:
+  """What the verifier derived about one program (``error``: why it could not)."""
+
+  exported: object = None
+  summary: object = None  # zkdv.jax.stablehlo.ModuleSummary
+  refused: bool = False
+  error: str | None = None
+
+  def batch_dependent(self, program: Program) -> bool | None:
+    """Whether any post-state output reads any batch input; None when unknown."""
+    if self.summary is None:
+      return None
+    batch = program.input_indices("batch")
+    return any(self.summary.depends_on(o, batch) for o in program.post_state_outputs
+               if o < len(self.summary.dependencies))
+
+
+def parameter_count(program: Program) -> int:
+  count = 0
+  for i in program.params_leaves:
+    elements = 1
+    for n in program.state[i].shape:
+      elements *= n
+    count += elements
+  return count
+
+
+class ProgramLoader:
+  """Loads each program once; compiles it on its first replay."""
+
+  def __init__(self, report: Report):
+    self._report = report
+    self._infos, self._compiled = {}, {}
+    self._jax = self._arrays = self._replay = None
+    self._import_error = None
+
+  def _modules(self) -> bool:
+    if self._replay is None and self._import_error is None:
+      try:
+        import jax  # pylint: disable=g-import-not-at-top
+        from zkdv.jax import arrays, replay  # pylint: disable=g-import-not-at-top
+        self._jax, self._arrays, self._replay = jax, arrays, replay
+      except ImportError as e:
+        self._import_error = f"reading programs needs JAX: {e}. Install dvbench[jax]."
+    return self._replay is not None
+
+  def load(self, program: Program) -> ProgramInfo:
+    """The program's info, with a finding the first time it is refused or unreadable."""
+    if program.number in self._infos:
+      return self._infos[program.number]
+    info = ProgramInfo()
+    if program.blob is None:
+      info.error = "its blob is missing or does not match its id"
+    elif not self._modules():
+      info.error = self._import_error
+    else:
+      from zkdv.jax import stablehlo  # pylint: disable=g-import-not-at-top
+      try:
+        info.exported, info.summary = self._replay.load_program(program.blob)
+      except stablehlo.UnsafeProgramError as e:
+        info.refused, info.error = True, str(e)
+        self._report.fail("unsafe_program", program.where, str(e))
+    self._infos[program.number] = info
+    return info
+
+  def platform(self) -> str:
+    return self._jax.devices()[0].platform
+
+  def replay(self, program: Program, pre, batch, where: str):
+    """The post-state the program computes from ``pre`` and ``batch``; None (with a
+    finding) when it cannot run here."""
+    info = self.load(program)
+    if info.exported is None:
+      if not info.refused:
+        self._report.fail("no_program" if self._replay else "no_jax", where,
+                          f"cannot replay: {info.error}.", UNVERIFIABLE)
+      return None
+    if self.platform() not in program.platforms:
+      self._report.fail("platform", where, f"program was exported for "
+                        f"{list(program.platforms)}, this machine runs {self.platform()}.",
+                        UNVERIFIABLE)
+      return None
+    state, rows = iter(zip(pre, program.state)), iter(zip(batch, program.batch))
+    inputs = [next(state if kind == "state" else rows) for kind in program.inputs]
+    try:
+      run = self._compile(program, info)
+      outs = run(*[self._arrays.from_host(a, l) for a, l in inputs])
+      return [self._arrays.host_view(outs[i]) for i in program.post_state_outputs]
+    except errors.ReplayError as e:  # fewer devices, or other collectives, than it needs
+      self._report.fail("replay_environment", where, str(e), UNVERIFIABLE)
+    except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding
+      self._report.fail("replay_error", where, f"replay raised {type(e).__name__}: "
+                        f"{str(e)[:500]}", INVALID)
+    return None
+
+  def _compile(self, program: Program, info: ProgramInfo):
+    if program.number not in self._compiled:
+      self._replay.check_collectives(program.collectives)
+      options, ignored = self._replay.replay_compiler_options(program.compiler_options)
+      if ignored:
+        self._report.notes.append(f"program {program.number}: ignored compiler options "
+                                  f"{ignored} (a replay keeps only numerics flags).")
+      self._compiled[program.number] = self._replay.compile_program(
+          info.exported, compiler_options=options or None)
+    return self._compiled[program.number]
+
+  def compare(self, *args, **kwargs) -> dict:
+    return self._replay.compare(*args, **kwargs)

@@ -1,0 +1,311 @@
+"""Records into the verifier's own model: encoding, the hash chain, schemas.
+
+Each record is checked against its schema and handed to the reader of its type
+(an explicit table). What the verifier derives (layouts, record ids, where a
+record sits) lives in its own dataclasses; the prover's record dicts are never
+written to.
+
+Example::
+
+  transcript = read(contents, folder, report)
+  transcript.steps[0].record_id, transcript.programs[0].state
+"""
+
+import dataclasses
+import pathlib
+
+import blake3
+
+from zkdv import digest
+from zkdv import errors
+from zkdv import transcript as transcript_lib
+from zkdv.verify.report import INVALID, UNVERIFIABLE, Report
+
+MODES = ("exact", "equivalent")
+# How a multi-device program's collectives ran (``zkdv.jax.replay.collectives``).
+COLLECTIVES = ("default", "in-process", "gloo", "mpi", "megascale")
+MAX_LEAF_ELEMENTS = 1 << 40  # a layout larger than this is malformed, not allocated
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+  """Fields a record must carry (with their types) and those it may carry."""
+
+  required: dict
+  optional: frozenset = frozenset()
+
+  def problems(self, record: dict) -> list[str]:
+    wrong = [f"{k} ({t.__name__})" for k, t in self.required.items()
+             if not isinstance(record.get(k), t) or isinstance(record.get(k), bool)]
+    unknown = set(record) - set(self.required) - self.optional - {"type", "prev"}
+    return ([f"lacks or mistypes {wrong}"] if wrong else []) + (
+        [f"has unknown fields {sorted(map(repr, unknown))}"] if unknown else [])
+
+
+SCHEMAS = {
+    "root": Schema({"format_version": int, "prover": str, "name": str, "versions": dict,
+                    "platform": str, "config": dict, "challenger": dict},
+                   frozenset({"device_kinds", "processes", "start_state"})),
+    "program": Schema({"program_id": bytes, "number": int, "blob": bytes, "mode": str,
+                       "state_layout": list, "batch_layout": list, "inputs": list,
+                       "post_state_outputs": list, "platforms": list},
+                      frozenset({"function", "params_leaves", "static_arguments",
+                                 "compiler_options", "nr_devices", "collectives",
+                                 "processes", "post_state_layout"})),
+    "step": Schema({"index": int, "program": int, "pre_state": bytes, "batch": bytes,
+                    "post_state": bytes}),
+    "check": Schema({"step": int, "kind": str},
+                    frozenset({"pre_state_blobs", "batch_blobs", "result", "pre_state_pieces",
+                               "post_state_blobs", "batch_roots", "probes"})),
+    "final": Schema({"steps": int, "status": str},
+                    frozenset({"discontinuities", "final_state", "final_state_leaves",
+                               "final_params", "seed"})),
+}
+# A check record of each kind (docs/protocol.md), beyond "step" and "kind".
+CHECK_SCHEMAS = {
+    "update": Schema({"pre_state_blobs": list, "batch_blobs": list, "result": dict},
+                     frozenset({"pre_state_pieces", "post_state_blobs"})),
+    "state": Schema({"post_state_blobs": list}),
+    "probe": Schema({"batch_roots": list, "probes": list}),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A program record as the verifier reads it: parsed layouts and its blob."""
+
+  number: int
+  program_id: bytes
+  mode: str
+  state: tuple  # LeafLayout per state leaf, as the program reads them
+  post: tuple  # LeafLayout per state leaf, as the program writes them
+  batch: tuple
+  inputs: tuple  # "state" / "batch" per flat input
+  post_state_outputs: tuple
+  params_leaves: tuple
+  platforms: tuple
+  collectives: str | None
+  compiler_options: dict | None
+  blob: bytes | None  # None: missing or not matching its id (already a finding)
+  where: str
+
+  @property
+  def exact(self) -> bool:
+    return self.mode == "exact"
+
+  def input_indices(self, kind: str) -> list[int]:
+    return [i for i, k in enumerate(self.inputs) if k == kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  index: int
+  program: int
+  pre_state: bytes
+  batch: bytes
+  post_state: bytes
+  record_id: bytes
+  where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """A check record: the prover's fields, read-only, and where it sits."""
+
+  step: int
+  kind: str
+  fields: dict
+  where: str
+
+
+@dataclasses.dataclass
+class Transcript:
+  """The verifier's model of a transcript (built by ``read``)."""
+
+  folder: pathlib.Path
+  records: int = 0
+  transcript_id: bytes | None = None
+  last_record_id: bytes | None = None
+  root: dict | None = None
+  programs: dict = dataclasses.field(default_factory=dict)  # number -> Program
+  steps: list = dataclasses.field(default_factory=list)
+  checks: dict = dataclasses.field(default_factory=dict)  # (step, kind) -> Check
+  final: dict | None = None
+
+  def program_of(self, step: Step) -> Program | None:
+    return self.programs.get(step.program)
+
+
+def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
+         report: Report) -> Transcript | None:
+  """The model of ``contents``; None when there is nothing this verifier can read."""
+  model = Transcript(folder, records=len(contents.records))
+  report.records = model.records
+  if contents.torn_tail is not None:
+    tail = contents.torn_tail
+    report.fail("torn_tail", f"byte {tail.offset}",
+                f"the last {tail.nbytes} bytes are not a complete record "
+                f"({tail.reason}); the transcript did not finish.", UNVERIFIABLE)
+  if not contents.records or contents.records[0].record.get("type") != "root":
+    report.fail("no_root", "record 0", "the transcript does not start with a root record.")
+    return None
+  version = contents.records[0].record.get("format_version")
+  if version != transcript_lib.FORMAT_VERSION:
+    report.fail("format_version", "record 0",
+                f"could not verify: format {version!r} is not supported by this zkdv; it "
+                f"verifies format {transcript_lib.FORMAT_VERSION} (challenges chosen by a "
+                "committed seed or by DVBench, docs/protocol.md). Verify it with the zkdv "
+                "release that wrote it.", UNVERIFIABLE)
+    return None
+  _chain(contents, model, report)
+  return model
+
+
+def _chain(contents, model: Transcript, report: Report) -> None:
+  prev = None
+  for i, parsed in enumerate(contents.records):
+    rec, where = parsed.record, f"record {i}"
+    if transcript_lib.encode_record(rec) != parsed.raw:
+      report.fail("encoding", where, "record is not in deterministic CBOR encoding.")
+    if i == 0:
+      if "prev" in rec:
+        report.fail("chain", where, "the root must not carry prev.")
+      model.transcript_id = parsed.record_id
+      report.transcript_id = parsed.record_id.hex()
+    elif rec.get("prev") != prev:
+      report.fail("chain", where, "prev does not match the id of the record before it "
+                  "(a record was removed, inserted, reordered or edited).")
+    prev = model.last_record_id = parsed.record_id
+    kind = rec.get("type")
+    if kind not in SCHEMAS:
+      report.fail("schema", where, f"unknown record type {kind!r}.")
+      continue
+    problems = SCHEMAS[kind].problems(rec)
+    if problems:
+      report.fail("schema", where, f"{kind} record {'; '.join(problems)}.")
+      if any(p.startswith("lacks") for p in problems):
+        continue
+    if model.final is not None:
+      report.fail("after_final", where, f"a {kind} record follows the final record.")
+    _READERS[kind](model, parsed, where, report)
+
+
+def _read_root(model, parsed, where, report) -> None:
+  rec = parsed.record
+  if model.root is not None:
+    report.fail("schema", where, "a second root record.")
+    return
+  model.root = rec
+  report.name = rec["name"]
+  if rec["prover"] != transcript_lib.PROVER:
+    report.fail("schema", where, f"unknown prover {rec['prover']!r}.")
+
+
+def _read_program(model, parsed, where, report) -> None:
+  rec = parsed.record
+  try:
+    program = _parse_program(rec, _program_blob(model.folder, rec, where, report), where)
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    report.fail("schema", where, f"program layout is malformed: {e!r}.")
+    return
+  if program.number != len(model.programs):
+    report.fail("program_id", where,
+                f"program number {program.number}, expected {len(model.programs)}.")
+  model.programs[program.number] = program
+
+
+def _program_blob(folder, rec, where, report) -> bytes | None:
+  pid = rec["program_id"]
+  if rec["blob"] != pid:
+    report.fail("program_id", where, "program blob and program id differ.")
+  try:
+    data = transcript_lib.blob_path(folder, pid).read_bytes()
+  except (OSError, errors.TranscriptFormatError) as e:
+    report.fail("missing_blob", where, f"program blob {pid.hex()}: {e}", UNVERIFIABLE)
+    return None
+  if blake3.blake3(data).digest() != pid:
+    report.fail("program_id", where,
+                f"program blob {pid.hex()[:16]}… does not hash to the program id.")
+    return None
+  return data
+
+
+def _layouts(records) -> tuple:
+  layouts = tuple(digest.LeafLayout.from_record(l) for l in records)
+  for l in layouts:
+    digest.numpy_dtype(l.dtype)
+    if not all(isinstance(n, int) and 0 <= n < MAX_LEAF_ELEMENTS for n in l.shape):
+      raise ValueError(f"shape {l.shape} of {l.path}")
+    elements = 1
+    for n in l.shape:
+      elements *= n
+    if elements >= MAX_LEAF_ELEMENTS:
+      raise ValueError(f"{l.path} has more than 2**40 elements")
+  return layouts
+
+
+def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
+  state, batch = _layouts(rec["state_layout"]), _layouts(rec["batch_layout"])
+  # The post-state is laid out as the program places its outputs (by default as its inputs).
+  post = _layouts(rec.get("post_state_layout", rec["state_layout"]))
+  if [(l.path, l.dtype, l.shape) for l in post] != [(l.path, l.dtype, l.shape) for l in state]:
+    raise ValueError("post_state_layout does not match state_layout")
+  if sorted(rec["inputs"]) != sorted(["state"] * len(state) + ["batch"] * len(batch)):
+    raise ValueError("inputs do not match the layouts")
+  params = rec.get("params_leaves", [])
+  if not all(isinstance(i, int) and 0 <= i < len(state) for i in params):
+    raise ValueError("params_leaves out of range")
+  outputs = rec["post_state_outputs"]
+  if len(outputs) != len(state) or not all(isinstance(i, int) and i >= 0 for i in outputs):
+    raise ValueError("post_state_outputs do not match the state layout")
+  if rec["mode"] not in MODES:
+    raise ValueError(f"mode {rec['mode']!r} is not one of {MODES}")
+  if rec.get("collectives", "default") not in COLLECTIVES:
+    raise ValueError(f"unknown collectives {rec['collectives']!r}")
+  if not all(isinstance(p, str) for p in rec["platforms"]):
+    raise ValueError("platforms must be names")
+  return Program(rec["number"], rec["program_id"], rec["mode"], state, post, batch,
+                 tuple(rec["inputs"]), tuple(outputs), tuple(params),
+                 tuple(rec["platforms"]), rec.get("collectives"),
+                 rec.get("compiler_options"), blob, where)
+
+
+def _read_step(model, parsed, where, report) -> None:
+  rec = parsed.record
+  expected = len(model.steps)
+  if rec["index"] != expected:
+    report.fail("step_index", where, f"step index {rec['index']}, expected {expected}.")
+  if rec["program"] not in model.programs:
+    report.fail("program_id", where, "step refers to a program not declared before it.")
+  model.steps.append(Step(expected, rec["program"], rec["pre_state"], rec["batch"],
+                          rec["post_state"], parsed.record_id, where))
+
+
+def _read_check(model, parsed, where, report) -> None:
+  rec = parsed.record
+  kind, step = rec["kind"], rec["step"]
+  if kind not in CHECK_SCHEMAS:
+    report.fail("schema", where, f"unknown check kind {kind!r}.")
+    return
+  problems = CHECK_SCHEMAS[kind].problems(
+      {k: v for k, v in rec.items() if k not in ("step", "kind")})
+  if problems:
+    report.fail("schema", where, f"{kind} check {'; '.join(problems)}.")
+    return
+  if not 0 <= step < len(model.steps):
+    report.fail("check_step", where, f"a {kind} check of step {step} comes before that "
+                "step's record (or names no step).")
+    return
+  if (step, kind) in model.checks:
+    report.fail("schema", where, f"a second {kind} check of step {step}.")
+    return
+  model.checks[(step, kind)] = Check(step, kind, rec, where)
+
+
+def _read_final(model, parsed, where, report) -> None:
+  del where, report  # its fields are checked by zkdv.verify.final
+  model.final = parsed.record
+
+
+_READERS = {"root": _read_root, "program": _read_program, "step": _read_step,
+            "check": _read_check, "final": _read_final}
