@@ -143,6 +143,19 @@ def download(args) -> int:
   return 0
 
 
+def _add_receipt_commands(sub) -> None:
+  """``server-key`` and ``download``: what anyone needs to check a proof independently."""
+  k = sub.add_parser("server-key", help="print the server's Ed25519 public key (hex)")
+  k.add_argument("--data", default="dvbench-data", help="the server's data folder")
+  k.add_argument("--url", default=None, help="ask a running server instead")
+  k.set_defaults(run=server_key)
+  d = sub.add_parser("download", help="write a proof's records, blobs and receipt to DIR")
+  d.add_argument("proof_id")
+  d.add_argument("dir")
+  d.add_argument("--url", default=None, help="the server (default: $DVBENCH_URL)")
+  d.set_defaults(run=download)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="dvbench", description="The DVBench service.")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -193,17 +206,7 @@ def main(argv=None) -> int:
   l.add_argument("--url", default=None)
   l.set_defaults(run=login)
 
-  k = sub.add_parser("server-key", help="print the server's Ed25519 public key (hex)")
-  k.add_argument("--data", default="dvbench-data", help="the server's data folder")
-  k.add_argument("--url", default=None, help="ask a running server instead")
-  k.set_defaults(run=server_key)
-
-  d = sub.add_parser("download", help="write a proof's records, blobs and receipt to DIR")
-  d.add_argument("proof_id")
-  d.add_argument("dir")
-  d.add_argument("--url", default=None, help="the server (default: $DVBENCH_URL)")
-  d.set_defaults(run=download)
-
+  _add_receipt_commands(sub)
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO if args.command == "worker" else logging.WARNING)
   return args.run(args)

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dvbench.server import labels
-from dvbench.server.service import Service, check_name, decode
+from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name, decode
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
 from zkdv.transcript import record_id
@@ -194,7 +194,10 @@ class ProofRoutes:
     return Response(data, media_type=_CBOR)
 
   async def server_key(self, request):
-    return JSONResponse({"server_key": self.service.server_key.hex()})
+    """The public key receipts are signed with, and the minimum policy slots carry."""
+    policy = await run_in_threadpool(self.store.setting, MINIMUM_POLICY_SETTING)
+    return JSONResponse({"server_key": self.service.server_key.hex(),
+                         "policy": json.loads(policy)})
 
 
 def proof_routes(service: Service) -> list[Route]:

@@ -83,10 +83,6 @@ class CustodyQueries:
       return [r[0] for r in conn.execute(sa.select(records.c.record_id).where(
           records.c.proof_id == proof_id).order_by(records.c.position))]
 
-  def blob_digests(self, conn, proof_id: str) -> list[str]:
-    return [r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
-        blob_refs.c.proof_id == proof_id))]
-
   def custody_head(self, conn, proof_id: str) -> CustodyHead:
     count, steps = conn.execute(sa.select(proofs.c.records, proofs.c.steps).where(
         proofs.c.id == proof_id)).first()
