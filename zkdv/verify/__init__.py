@@ -12,7 +12,7 @@ Modules, one per concern: ``structure`` (records, chain, schemas), ``policy``
 (the verifier's requirements, the root's challenger), ``receipt`` (the
 challenge key of a dvbench transcript), ``decisions`` (which checks were
 chosen), ``final``, ``programs`` (screening, replay), ``checks``, ``probes``,
-``claims``, ``report``.
+``start`` (the attested start), ``claims``, ``report``.
 
 Example::
 
@@ -33,6 +33,7 @@ from zkdv.verify import decisions
 from zkdv.verify import final
 from zkdv.verify import policy
 from zkdv.verify import receipt
+from zkdv.verify import start
 from zkdv.verify import structure
 from zkdv.verify.context import Verification
 from zkdv.verify.programs import ProgramLoader
@@ -93,6 +94,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
   for program in ctx.model.programs.values():
     ctx.programs.load(program)
   decisions.require_answers(ctx, ctx.decisions)
+  start.require_start(ctx)
   checks.run_checks(ctx, progress)
   _enough_replays(ctx)
   receipt.compare_verdicts(ctx)

@@ -19,6 +19,7 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import transcript
 from zkdv.verify import probes
+from zkdv.verify import start
 from zkdv.verify.context import Verification
 from zkdv.verify.report import UNVERIFIABLE, CheckOutcome
 
@@ -132,7 +133,8 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   return outcome
 
 
-CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_check}
+CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_check,
+            "start": start.start_check}
 
 
 def run_checks(ctx: Verification, progress=None) -> None:
@@ -150,6 +152,7 @@ def run_checks(ctx: Verification, progress=None) -> None:
     outcome = CHECKERS[check.kind](ctx, check, step, program, where)
     if outcome is not None:
       ctx.report.checks.append(dataclasses.replace(
-          outcome, challenged=ctx.decisions.challenged(check.step, check.kind)))
+          outcome, challenged=check.kind == "start"
+          or ctx.decisions.challenged(check.step, check.kind)))
   if progress:
     progress(len(checks), len(checks))

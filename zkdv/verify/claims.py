@@ -3,7 +3,7 @@
 A claim does not hold when a finding it rests on is invalid, could not be
 verified when such a finding could not be, and otherwise holds only when what it
 says was shown: ``challenges`` needs dvbench's key confirmed (a receipt or the
-server's key), ``start`` an attested initial state, ``program`` every
+server's key), ``start`` an init program replayed to step 0's params, ``program`` every
 post-state depending on the batch, ``data`` probed rows. With ``--strict`` the
 ``replays`` claim also needs bitwise (exact) replays.
 
@@ -32,7 +32,7 @@ CLAIM_CODES = {
         "missing_check", "opening", "blob", "missing_blob", "replay", "replay_error",
         "replay_environment", "platform", "no_jax", "no_program", "not_replayed",
         "too_few_checks", "unsafe_program"},
-    "start": _ANY,
+    "start": _ANY | {"start"},
     "program": _ANY | {"program_id", "missing_blob", "unsafe_program"},
     "data": _ANY | _KEYS | {"probe", "missing_probe"},
 }
@@ -94,13 +94,17 @@ def _replays(ctx: Verification) -> Claim:
 
 
 def _start(ctx: Verification) -> Claim:
-  # The seam for attested starts: an init program from a committed key or a declared
-  # checkpoint digest, named by a root field "start_state" (DESIGN §10).
-  if "start_state" not in ctx.model.root:
+  init = ctx.model.init
+  if init is None:
     return Claim("start", DOES_NOT_HOLD, "unattested: nothing shows where the initial "
                  "state came from", {"start": "unattested"})
-  return Claim("start", COULD_NOT_VERIFY, "the root declares a start_state, which this zkdv "
-               "does not check yet", {"start": "declared"})
+  facts = {"start": "attested", "init_program": init.program_id.hex()}
+  if not any(c.kind == "start" and c.status == "verified" for c in ctx.report.checks):
+    return Claim("start", COULD_NOT_VERIFY, f"the init program {init.program_id.hex()[:16]} "
+                 "could not be replayed here (see the findings)", facts)
+  return Claim("start", HOLDS, f"attested: step 0's params are outputs of the init program "
+               f"{init.program_id.hex()[:16]}, replayed bit for bit from its recorded inputs",
+               facts)
 
 
 def _program(ctx: Verification) -> Claim:

@@ -37,7 +37,7 @@ class Decisions:
       return True
     decision = self.by_step[step]
     return {"update": decision.update, "state": decision.state,
-            "probe": decision.probe_ratio > 0}[kind]
+            "probe": decision.probe_ratio > 0}.get(kind, False)
 
 
 def probe_count(layout, ratio: float) -> int:

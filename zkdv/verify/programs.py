@@ -69,10 +69,12 @@ class ProgramLoader:
         self._import_error = f"reading programs needs JAX: {e}. Install dvbench[jax]."
     return self._replay is not None
 
-  def load(self, program: Program) -> ProgramInfo:
-    """The program's info, with a finding the first time it is refused or unreadable."""
-    if program.number in self._infos:
-      return self._infos[program.number]
+  def load(self, program) -> ProgramInfo:
+    """The info of a Program (or the Init program), with a finding the first time it is
+    refused or unreadable."""
+    key = program.number
+    if key in self._infos:
+      return self._infos[key]
     info = ProgramInfo()
     if program.blob is None:
       info.error = "its blob is missing or does not match its id"
@@ -85,7 +87,7 @@ class ProgramLoader:
       except stablehlo.UnsafeProgramError as e:
         info.refused, info.error = True, str(e)
         self._report.fail("unsafe_program", program.where, str(e))
-    self._infos[program.number] = info
+    self._infos[key] = info
     return info
 
   def platform(self) -> str:
@@ -94,6 +96,14 @@ class ProgramLoader:
   def replay(self, program: Program, pre, batch, where: str):
     """The post-state the program computes from ``pre`` and ``batch``; None (with a
     finding) when it cannot run here."""
+    state, rows = iter(zip(pre, program.state)), iter(zip(batch, program.batch))
+    inputs = [next(state if kind == "state" else rows) for kind in program.inputs]
+    outs = self.run(program, inputs, where)
+    return None if outs is None else [outs[i] for i in program.post_state_outputs]
+
+  def run(self, program, inputs, where: str):
+    """Every output of ``program`` (a Program or the Init) on ``inputs``, [(array,
+    layout)], on the host; None (with a finding) when it cannot run here."""
     info = self.load(program)
     if info.exported is None:
       if not info.refused:
@@ -105,12 +115,9 @@ class ProgramLoader:
                         f"{list(program.platforms)}, this machine runs {self.platform()}.",
                         UNVERIFIABLE)
       return None
-    state, rows = iter(zip(pre, program.state)), iter(zip(batch, program.batch))
-    inputs = [next(state if kind == "state" else rows) for kind in program.inputs]
     try:
-      run = self._compile(program, info)
-      outs = run(*[self._arrays.from_host(a, l) for a, l in inputs])
-      return [self._arrays.host_view(outs[i]) for i in program.post_state_outputs]
+      outs = self._compile(program, info)(*[self._arrays.from_host(a, l) for a, l in inputs])
+      return [self._arrays.host_view(x) for x in outs]
     except errors.ReplayError as e:  # fewer devices, or other collectives, than it needs
       self._report.fail("replay_environment", where, str(e), UNVERIFIABLE)
     except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding
@@ -118,16 +125,17 @@ class ProgramLoader:
                         f"{str(e)[:500]}", INVALID)
     return None
 
-  def _compile(self, program: Program, info: ProgramInfo):
-    if program.number not in self._compiled:
+  def _compile(self, program, info: ProgramInfo):
+    key = program.number
+    if key not in self._compiled:
       self._replay.check_collectives(program.collectives)
       options, ignored = self._replay.replay_compiler_options(program.compiler_options)
       if ignored:
-        self._report.notes.append(f"program {program.number}: ignored compiler options "
-                                  f"{ignored} (a replay keeps only numerics flags).")
-      self._compiled[program.number] = self._replay.compile_program(
-          info.exported, compiler_options=options or None)
-    return self._compiled[program.number]
+        self._report.notes.append(f"program {key}: ignored compiler options {ignored} "
+                                  "(a replay keeps only numerics flags).")
+      self._compiled[key] = self._replay.compile_program(info.exported,
+                                                         compiler_options=options or None)
+    return self._compiled[key]
 
   def compare(self, *args, **kwargs) -> dict:
     return self._replay.compare(*args, **kwargs)

@@ -57,6 +57,9 @@ SCHEMAS = {
     "check": Schema({"step": int, "kind": str},
                     frozenset({"pre_state_blobs", "batch_blobs", "result", "pre_state_pieces",
                                "post_state_blobs", "batch_roots", "probes"})),
+    "init": Schema({"program_id": bytes, "input_layout": list, "input_blobs": list,
+                    "output_layout": list, "outputs": list, "platforms": list},
+                   frozenset({"function"})),
     "final": Schema({"steps": int, "status": str},
                     frozenset({"discontinuities", "final_state", "final_state_leaves",
                                "final_params", "seed"})),
@@ -67,6 +70,7 @@ CHECK_SCHEMAS = {
                      frozenset({"pre_state_pieces", "post_state_blobs"})),
     "state": Schema({"post_state_blobs": list}),
     "probe": Schema({"batch_roots": list, "probes": list}),
+    "start": Schema({"pre_state_pieces": list}),
 }
 
 
@@ -95,6 +99,23 @@ class Program:
 
   def input_indices(self, kind: str) -> list[int]:
     return [i for i, k in enumerate(self.inputs) if k == kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Init:
+  """The init program of an attested start: its opened inputs and output digests."""
+
+  program_id: bytes
+  inputs: tuple  # LeafLayout per input (the PRNG key, example arguments)
+  input_blobs: tuple
+  outputs: tuple  # leaf digest per output
+  platforms: tuple
+  blob: bytes | None
+  where: str
+  # As a Program names them, so one loader screens, compiles and runs both.
+  number: str = "init"
+  collectives: str | None = None
+  compiler_options: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +148,7 @@ class Transcript:
   transcript_id: bytes | None = None
   last_record_id: bytes | None = None
   root: dict | None = None
+  init: Init | None = None
   programs: dict = dataclasses.field(default_factory=dict)  # number -> Program
   steps: list = dataclasses.field(default_factory=list)
   checks: dict = dataclasses.field(default_factory=dict)  # (step, kind) -> Check
@@ -203,8 +225,11 @@ def _read_root(model, parsed, where, report) -> None:
 
 def _read_program(model, parsed, where, report) -> None:
   rec = parsed.record
+  if rec["blob"] != rec["program_id"]:
+    report.fail("program_id", where, "program blob and program id differ.")
   try:
-    program = _parse_program(rec, _program_blob(model.folder, rec, where, report), where)
+    program = _parse_program(rec, _program_blob(model.folder, rec["program_id"], where, report),
+                             where)
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     report.fail("schema", where, f"program layout is malformed: {e!r}.")
     return
@@ -214,10 +239,8 @@ def _read_program(model, parsed, where, report) -> None:
   model.programs[program.number] = program
 
 
-def _program_blob(folder, rec, where, report) -> bytes | None:
-  pid = rec["program_id"]
-  if rec["blob"] != pid:
-    report.fail("program_id", where, "program blob and program id differ.")
+def _program_blob(folder, pid: bytes, where, report) -> bytes | None:
+  """The blob named ``pid``; None (with a finding) when it is missing or differs."""
   try:
     data = transcript_lib.blob_path(folder, pid).read_bytes()
   except (OSError, errors.TranscriptFormatError) as e:
@@ -270,6 +293,24 @@ def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
                  rec.get("compiler_options"), blob, where)
 
 
+def _read_init(model, parsed, where, report) -> None:
+  rec = parsed.record
+  if model.init is not None or model.programs or model.steps:
+    report.fail("schema", where, "an init record comes once, before any program or step.")
+    return
+  try:
+    inputs = _layouts(rec["input_layout"])
+    if len(rec["input_blobs"]) != len(inputs) or len(rec["outputs"]) != len(
+        rec["output_layout"]) or not all(isinstance(d, bytes) for d in rec["outputs"]):
+      raise ValueError("input blobs or outputs do not match their layouts")
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    report.fail("schema", where, f"init record is malformed: {e!r}.")
+    return
+  model.init = Init(rec["program_id"], inputs, tuple(rec["input_blobs"]),
+                    tuple(rec["outputs"]), tuple(map(str, rec["platforms"])),
+                    _program_blob(model.folder, rec["program_id"], where, report), where)
+
+
 def _read_step(model, parsed, where, report) -> None:
   rec = parsed.record
   expected = len(model.steps)
@@ -307,5 +348,5 @@ def _read_final(model, parsed, where, report) -> None:
   model.final = parsed.record
 
 
-_READERS = {"root": _read_root, "program": _read_program, "step": _read_step,
+_READERS = {"root": _read_root, "init": _read_init, "program": _read_program, "step": _read_step,
             "check": _read_check, "final": _read_final}
