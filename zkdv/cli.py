@@ -3,17 +3,24 @@
 Example::
 
   $ zkdv verify zkdv-proofs/my-run-20261202-101010-ab12cd --json
+  $ zkdv verify downloaded/ --server-key 3b6a27bc... --strict
+  $ zkdv inspect zkdv-proofs/my-run-20261202-101010-ab12cd --stablehlo programs/
 """
 
 import argparse
 import contextlib
 import json
 import os
+import pathlib
 import sys
 
+from zkdv import challenge
 from zkdv import errors
+from zkdv import inspect as inspect_lib
+from zkdv import receipt
 from zkdv import transcript
 from zkdv import verify as verify_lib
+from zkdv.config import Tolerance
 
 
 def progress_bar(stream, label: str):
@@ -36,54 +43,37 @@ def _human_report(report: verify_lib.Report) -> str:
     by_mode.setdefault((c.kind, c.mode, c.status), 0)
     by_mode[(c.kind, c.mode, c.status)] += 1
   rows = [("transcript", report.path), ("transcript id", report.transcript_id or "-"),
-          ("name", report.name or "-"), ("records", str(report.records)),
-          ("steps", str(report.steps)), ("finished", "yes" if report.finished else "no")]
+          ("name", report.name or "-"), ("challenger", report.challenger or "-"),
+          ("records", str(report.records)), ("steps", str(report.steps)),
+          ("finished", "yes" if report.finished else "no")]
   rows += [(f"{kind} checks ({mode}, {status})", str(n))
            for (kind, mode, status), n in sorted(by_mode.items())]
-  worst = max((c.max_ulp_error for c in report.checks), default=0)
   if any(c.mode == "equivalent" for c in report.checks):
     rows.append(("max error (equivalent)",
                  f"abs {max(c.max_abs_error for c in report.checks):.3g}, "
-                 f"rel {max(c.max_rel_error for c in report.checks):.3g}, ulp {worst}"))
+                 f"rel {max(c.max_rel_error for c in report.checks):.3g}, "
+                 f"ulp {max(c.max_ulp_error for c in report.checks)}"))
   rows.append(("probed batch rows", str(report.probed_rows)))
   rows.append(("discontinuities", ", ".join(map(str, report.discontinuities)) or "none"))
+  if report.receipt:
+    rows.append(("receipt", f"signed by {report.receipt['server_key'][:16]}, says "
+                 f"{report.receipt['verdict']!r} "
+                 f"({'agrees' if report.receipt['agrees'] else 'DISAGREES'})"))
   rows.append(("verdict", report.verdict.upper()))
   width = max(len(k) for k, _ in rows)
   lines = [f"{k:<{width}}  {v}" for k, v in rows]
-  for f in report.findings:
-    lines.append(f"FAILED {f.code} at {f.where}: {f.message}")
+  lines.append(f"claims (required: {', '.join(report.required) or 'none'}):")
+  for c in report.claims:
+    mark = "*" if c.name in report.required else " "
+    lines.append(f" {mark}{c.name:<11} {c.status:<17} {c.detail}")
+  unmet = report.unmet
+  lines.append(f"exit {report.exit_code}: " + (
+      "verified, every required claim holds" if report.exit_code == 0 else
+      f"verdict {report.verdict}" + (f"; required claims not holding: "
+                                     f"{', '.join(c.name for c in unmet)}" if unmet else "")))
+  lines += [f"note: {n}" for n in report.notes]
+  lines += [f"FAILED {f.code} at {f.where}: {f.message}" for f in report.findings]
   return "\n".join(lines)
-
-
-def _inspect(path) -> dict:
-  contents = transcript.read_transcript(path)
-  out = {"records": len(contents.records), "torn_tail": None, "root": None,
-         "programs": [], "steps": 0, "checks": {}, "final": None}
-  if contents.torn_tail:
-    out["torn_tail"] = {"offset": contents.torn_tail.offset,
-                        "bytes": contents.torn_tail.nbytes}
-  for parsed in contents.records:
-    rec = parsed.record
-    kind = rec.get("type")
-    if kind == "root":
-      out["root"] = {"transcript_id": parsed.record_id.hex(),
-                     **{k: rec.get(k) for k in ("name", "prover", "format_version",
-                                                "platform", "versions", "config", "start")}}
-    elif kind == "program":
-      out["programs"].append({
-          "program_id": rec.get("program_id", b"").hex(), "function": rec.get("function"),
-          "mode": rec.get("mode"), "state_leaves": len(rec.get("state_layout", [])),
-          "batch_leaves": len(rec.get("batch_layout", [])),
-          "static_arguments": rec.get("static_arguments")})
-    elif kind == "step":
-      out["steps"] += 1
-    elif kind == "check":
-      key = str(rec.get("kind"))
-      out["checks"][key] = out["checks"].get(key, 0) + 1
-    elif kind == "final":
-      out["final"] = {"steps": rec.get("steps"), "status": rec.get("status"),
-                      "discontinuities": rec.get("discontinuities")}
-  return out
 
 
 @contextlib.contextmanager
@@ -130,32 +120,118 @@ def prepare_replay(path) -> None:
       print(f"zkdv verify: cannot set up CPU collectives here: {e}", file=sys.stderr)
 
 
-def main(argv=None) -> int:
+_VERIFY_HELP = f"""Verify a transcript: chain, challenges, openings, replays.
+
+Exit codes: 0 verified and every required claim holds; 1 invalid, or a required
+claim does not hold; 2 could not verify (the transcript or a required claim).
+
+Claims (DESIGN §10): {", ".join(verify_lib.CLAIMS)}. By default only chain and
+replays are required: an offline, self-audited run that replays is accepted
+(exit 0) and says "self-audited: detects faults, not a dishonest prover". Use
+--require to name the claims an audit needs, or --strict for all of them with
+exact replays (what DVBench ranks).
+"""
+
+
+def _key_bytes(text: str, what: str, parse) -> bytes:
+  """A key from hex on the command line or from a file holding hex (or raw bytes)."""
+  path = pathlib.Path(text)
+  try:
+    data = path.read_bytes() if path.is_file() else text
+    if isinstance(data, bytes) and len(data) != 32:
+      data = data.decode("ascii")
+    return parse(data)
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise argparse.ArgumentTypeError(f"{what}: {e}") from None
+
+
+def _server_key(text: str) -> bytes:
+  return _key_bytes(text, "--server-key", receipt.parse_public_key)
+
+
+def _parse_challenge_key(data: str | bytes) -> bytes:
+  key = bytes.fromhex(data.strip()) if isinstance(data, str) else data
+  if len(key) != challenge.KEY_BYTES:
+    raise ValueError(f"a challenge key has {challenge.KEY_BYTES} bytes (64 hex digits).")
+  return key
+
+
+def _challenge_key(text: str) -> bytes:
+  if not pathlib.Path(text).is_file():
+    raise argparse.ArgumentTypeError(f"--challenge-key-file: no file {text!r}.")
+  return _key_bytes(text, "--challenge-key-file", _parse_challenge_key)
+
+
+def _claims(text: str) -> tuple:
+  names = tuple(n.strip() for n in text.split(",") if n.strip())
+  unknown = set(names) - set(verify_lib.CLAIMS)
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown claims {sorted(unknown)}; choose from "
+                                     f"{', '.join(verify_lib.CLAIMS)}.")
+  return names
+
+
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="zkdv", description="Verify and inspect ZKDV transcripts.")
   sub = parser.add_subparsers(dest="command", required=True)
-  v = sub.add_parser("verify", help="verify a transcript (exit 0 only if verified; "
-                     "1 invalid; 2 could not verify)")
+  v = sub.add_parser("verify", help="verify a transcript (exit 0 only if verified with every "
+                     "required claim; 1 invalid; 2 could not verify)", description=_VERIFY_HELP,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
   v.add_argument("path")
-  v.add_argument("--replay", choices=("sampled", "none"), default="sampled")
+  v.add_argument("--replay", choices=("sampled", "none"), default="sampled",
+                 help="none: open checks without replaying them (never exit 0)")
   v.add_argument("--json", action="store_true", help="print the report as JSON")
   v.add_argument("--quiet", action="store_true", help="print nothing; use the exit code")
-  i = sub.add_parser("inspect", help="summarize a transcript without replaying it")
+  v.add_argument("--tolerance", nargs=2, type=float, metavar=("RTOL", "ATOL"),
+                 help="loosest tolerance accepted for equivalent replays (default: "
+                 f"{Tolerance().rtol:g} {Tolerance().atol:g})")
+  v.add_argument("--min-checks", type=int, default=1, metavar="N",
+                 help="challenged update checks that must replay (default 1)")
+  v.add_argument("--require", type=_claims, default=verify_lib.DEFAULT_REQUIRED,
+                 metavar="CLAIM,...", help="claims that must hold for exit 0 (default: "
+                 f"{','.join(verify_lib.DEFAULT_REQUIRED)})")
+  v.add_argument("--strict", action="store_true", help="require every claim: server-chosen "
+                 "challenges, exact replays, attested start, batch-dependent program, probes")
+  v.add_argument("--server-key", type=_server_key, metavar="HEX|FILE",
+                 help="DVBench's public key: check DIR/receipt.cbor and re-derive every "
+                 "challenge from the key it publishes")
+  v.add_argument("--challenge-key-file", type=_challenge_key, metavar="FILE",
+                 help="the challenge key K in hex (DVBench's own workers, before a receipt)")
+  i = sub.add_parser("inspect", help="summarize a transcript and its programs without "
+                     "running them")
   i.add_argument("path")
-  args = parser.parse_args(argv)
+  i.add_argument("--json", action="store_true", help="print the summary as JSON")
+  i.add_argument("--stablehlo", metavar="OUT", help="write each program's StableHLO text "
+                 "into the folder OUT")
+  return parser
+
+
+def _run_inspect(args) -> int:
+  try:
+    summary = inspect_lib.inspect_transcript(args.path)
+    written = inspect_lib.write_stablehlo(args.path, args.stablehlo) if args.stablehlo else []
+  except (OSError, ValueError, errors.TranscriptFormatError) as e:
+    print(f"zkdv inspect: {e}", file=sys.stderr)
+    return 2
+  print(json.dumps(summary, indent=2) if args.json else inspect_lib.human(summary))
+  for path in written:
+    print(f"wrote {path}", file=sys.stderr)
+  return 0
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
   if args.command == "inspect":
-    try:
-      print(json.dumps(_inspect(args.path), indent=2, default=lambda b: b.hex()))
-    except (OSError, errors.TranscriptFormatError) as e:
-      print(f"zkdv inspect: {e}", file=sys.stderr)
-      return 2
-    return 0
+    return _run_inspect(args)
   show_progress = not (args.quiet or args.json) and sys.stderr.isatty()
   with _stdout_to_stderr():  # native libraries (gloo) print; stdout carries the report
     if args.replay != "none":
       prepare_replay(args.path)
-    report = verify_lib.verify(args.path, replay=args.replay,
-                               progress=progress_bar(sys.stderr, "replaying checks")
-                               if show_progress else None)
+    report = verify_lib.verify(
+        args.path, replay=args.replay, min_checks=args.min_checks, required=args.require,
+        strict=args.strict, server_key=args.server_key, challenge_key=args.challenge_key_file,
+        tolerance=Tolerance(*args.tolerance) if args.tolerance else None,
+        progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None)
   if args.json:
     print(report.dumps())
   elif not args.quiet:
