@@ -396,6 +396,44 @@ class ProbeTamperTest(VerifierTestCase):
     self.assertTrue({f.code for f in report.findings} & {"probe", "blob", "opening"})
 
 
+class DriverTranscriptTest(VerifierTestCase):
+  """Transcripts the driver writes: an attested start holds; other weights do not."""
+
+  def _run(self, swap_params=False, init=True) -> pathlib.Path:
+    import optax  # pylint: disable=g-import-not-at-top
+    from tests import testing  # pylint: disable=g-import-not-at-top
+    import zkdv  # pylint: disable=g-import-not-at-top
+    proof = testing.new_proof("driver", update_p=1.0, state_p=0.5)
+    proof.start(probe_ratio=0.5)
+    model = testing.TinyClassifier()
+    example = jnp.ones((1, 4), jnp.uint32)
+    params = (proof.init(model.init, jax.random.key(0), example) if init
+              else model.init(jax.random.key(0), example))["params"]
+    if swap_params:
+      params = jax.tree.map(lambda p: p + 1, params)
+    state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
+                                               params=params, tx=optax.adam(1e-2))
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    for i in range(3):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
+    return proof.finish()
+
+  def test_attested_start_holds(self):
+    report = verify.verify(self._run())
+    self.assertEqual(report.exit_code, 0, report.dumps())
+    self.assertEqual(report.claim("start").status, verify.HOLDS)
+    self.assertEqual(report.claim("data").status, verify.HOLDS)
+    self.assertEqual(report.claim("program").status, verify.HOLDS)
+
+  def test_other_weights_are_not_attested(self):
+    report = self.assert_fails(self._run(swap_params=True), "start")
+    self.assertIn("is not an output of the init program", report.dumps())
+    self.assertEqual(report.claim("start").status, verify.DOES_NOT_HOLD)
+    unattested = verify.verify(self._run(init=False))
+    self.assertEqual(unattested.exit_code, 0, unattested.dumps())
+    self.assertIn("unattested", unattested.claim("start").detail)
+
+
 class UntrustedInputTest(VerifierTestCase):
 
   def _write(self, data: bytes) -> pathlib.Path:
