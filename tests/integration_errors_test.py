@@ -187,7 +187,9 @@ class IntegrationErrorsTest(absltest.TestCase):
     state = testing.classifier_state(proof)
     state = train_step(state, BATCH)
     root = testing.records_of(proof.path, "root")[0]
-    self.assertEqual(root["start"], {"rolling_window": 4, "probe_ratio": 0.0})
+    self.assertEqual(root["challenger"]["policy"], {
+        "update_check_probability": 1.0, "state_check_probability": 0.0,
+        "probe_ratio": 0.0, "rolling_window": 4})
     with self.assertRaisesRegex(errors.ProofStateError, "already started"):
       proof.start()
     path = proof.finish()
@@ -220,7 +222,7 @@ class IntegrationErrorsTest(absltest.TestCase):
 class DiscontinuityTest(absltest.TestCase):
 
   def test_plain_jit_step_between_proof_steps_is_a_discontinuity(self):
-    proof = testing.new_proof("discontinuity", update_p=0.0)
+    proof = testing.new_proof("discontinuity")
     proof.start()
     state = testing.classifier_state(proof)
     proof_step = proof.jit(testing.classifier_step, donate_argnums=0)

@@ -14,7 +14,7 @@ from absl.testing import parameterized
 from zkdv import digest
 from zkdv import errors
 from zkdv import merkle
-from zkdv import sampling
+from zkdv import challenge
 from zkdv import transcript
 
 
@@ -98,17 +98,22 @@ class SamplingTest(absltest.TestCase):
 
   def test_rates_and_determinism(self):
     seed = bytes(range(32))
-    draws = [sampling.is_sampled(seed, "update", t, 0.1) for t in range(20000)]
+    policy = challenge.Policy(update_check_probability=0.1, state_check_probability=0.1)
+
+    def decisions(key):
+      return [challenge.decide(t, challenge.step_challenge_self(key, t), policy)
+              for t in range(20000)]
+    draws = [d.update for d in decisions(seed)]
     self.assertBetween(sum(draws), 1800, 2200)  # 0.1 +- 5 sigma
-    self.assertEqual(draws, [sampling.is_sampled(seed, "update", t, 0.1) for t in range(20000)])
-    self.assertFalse(any(sampling.is_sampled(seed, "update", t, 0.0) for t in range(1000)))
-    self.assertTrue(all(sampling.is_sampled(seed, "update", t, 1.0) for t in range(1000)))
-    other = [sampling.is_sampled(b"\x01" * 32, "update", t, 0.1) for t in range(20000)]
-    self.assertNotEqual(draws, other)
-    kinds = [sampling.is_sampled(seed, "state", t, 0.1) for t in range(20000)]
-    self.assertNotEqual(draws, kinds)
-    with self.assertRaises(ValueError):
-      sampling.is_sampled(seed, "bogus", 0, 0.5)
+    self.assertEqual(draws, [d.update for d in decisions(seed)])
+    self.assertNotEqual(draws, [d.update for d in decisions(b"\x01" * 32)])
+    self.assertNotEqual(draws, [d.state for d in decisions(seed)])
+    never = challenge.Policy(update_check_probability=0.0)
+    always = challenge.Policy(update_check_probability=1.0)
+    self.assertFalse(any(challenge.decide(t, challenge.step_challenge_self(seed, t),
+                                          never).update for t in range(1000)))
+    self.assertTrue(all(challenge.decide(t, challenge.step_challenge_self(seed, t),
+                                         always).update for t in range(1000)))
 
 
 class TranscriptFileTest(absltest.TestCase):

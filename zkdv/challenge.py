@@ -123,6 +123,15 @@ class Decision:
   def probe_rows(self, leaf: int, rows: int) -> list[int]:
     return probe_rows(self.challenge, leaf, rows, self.probe_ratio)
 
+  def leaf_probe_rows(self, leaf: int, layout) -> list[int]:
+    """The rows of batch leaf ``leaf`` (its ``zkdv.digest.LeafLayout``) opened as probes.
+
+    PRNG keys and scalars are never probed.
+    """
+    if layout.key_impl is not None or not layout.shape:
+      return []
+    return self.probe_rows(leaf, layout.rows)
+
   @property
   def any_check(self) -> bool:
     return self.update or self.state

@@ -276,11 +276,10 @@ class Committer:
     held = []
     if decision is not None:
       for leaf, layout in enumerate(layouts):
-        if layout.key_impl is None and layout.shape:
-          for row in decision.probe_rows(leaf, layout.rows):
-            data = self.digests.row_bytes(rows[leaf], row)
-            if data is not None:
-              held.append([leaf, row, bytes(data) if copy else data])
+        for row in decision.leaf_probe_rows(leaf, layout):
+          data = self.digests.row_bytes(rows[leaf], row)
+          if data is not None:
+            held.append([leaf, row, bytes(data) if copy else data])
     hashes = self.digests.row_hashes(rows, layouts)
     self.committed_here["rows"] += sum(h is not None for leaf in hashes for h in leaf)
     return HashedBatch(hashes, held)
@@ -302,9 +301,7 @@ class Committer:
     layouts = program.batch_layouts
     probes = []
     for leaf, layout in enumerate(layouts):
-      if layout.key_impl is not None or not layout.shape:
-        continue
-      for row in decision.probe_rows(leaf, layout.rows):
+      for row in decision.leaf_probe_rows(leaf, layout):
         data = row_data.get((leaf, row))
         if data is None:  # a pending decision: the row comes from the opened batch
           data = _row_bytes(job.opened[program.batch_indices[leaf]], layout.rows, row)
