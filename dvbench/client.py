@@ -23,6 +23,7 @@ from dvbench import errors
 TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
                                          pathlib.Path.home() / ".config" / "dvbench")) / "token"
 _RETRY_STATUS = {502, 503, 504}
+SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid")
 
 
 def _read_token_file() -> tuple[str | None, str | None]:
@@ -182,11 +183,16 @@ class Client:
     return self.http.request("GET", f"/api/v1/proofs/{proof_id}").json()
 
   def wait_for_verdict(self, proof_id: str, timeout: float = 300.0) -> dict:
-    """Polls until the proof is verified or invalid."""
+    """Polls until the server has settled the proof; returns its status.
+
+    A settled proof is ``verified`` (server-chosen checks replayed),
+    ``unchallenged`` (no update check was chosen), ``self-audited`` (the prover
+    chose its own checks) or ``invalid`` (with ``failure``).
+    """
     deadline = time.monotonic() + timeout
     while True:
       status = self.proof_status(proof_id)
-      if status["state"] in ("verified", "invalid") or time.monotonic() > deadline:
+      if status["state"] in SETTLED_STATES or time.monotonic() > deadline:
         return status
       time.sleep(0.25)
 
