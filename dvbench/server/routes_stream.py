@@ -7,6 +7,7 @@ Example::
 
 import json
 
+import sqlalchemy as sa
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -56,7 +57,11 @@ class StreamRoutes:
 
   async def stream(self, request):
     envelope = _envelope(await self.service.body(request))
-    return JSONResponse(await run_in_threadpool(self._ingest, request, envelope))
+    try:
+      return JSONResponse(await run_in_threadpool(self._ingest, request, envelope))
+    except sa.exc.IntegrityError:  # another envelope took the same position meanwhile
+      raise HTTPException(503, "another envelope of this proof was stored at the same "
+                          "time; resend this one (nothing of it was kept).") from None
 
   def _ingest(self, request, envelope) -> dict:
     proof = self.service.proof_for_write(request, request.path_params["proof_id"])
