@@ -41,7 +41,8 @@ class Decisions:
 
 
 def probe_count(layout, ratio: float) -> int:
-  """How many rows of a batch leaf a challenge probes (no draws: bounds the work)."""
+  """How many rows ``Decision.leaf_probe_rows`` opens, without drawing them: the
+  verifier compares counts first, so hostile row counts cost nothing."""
   if layout.key_impl is not None or not layout.shape or ratio <= 0 or layout.rows <= 0:
     return 0
   return min(layout.rows, math.ceil(ratio * layout.rows))

@@ -58,7 +58,7 @@ def _rows_chosen(ctx, step, layouts, opened, where) -> bool:
   for leaf, layout in enumerate(layouts):
     rows = sorted(opened.get(leaf, []))
     count = probe_count(layout, decision.probe_ratio)
-    if len(rows) != count or rows != decision.probe_rows(leaf, layout.rows):
+    if len(rows) != count or rows != decision.leaf_probe_rows(leaf, layout):
       ctx.report.fail("probe", where, f"opened rows {rows[:16]} of {layout.path}, but the "
                       f"challenge selects {count} rows"
                       f"{'' if len(rows) != count else ' (others)'}.")
