@@ -131,13 +131,37 @@ def replay_compiler_options(recorded) -> tuple[dict, list[str]]:
   return kept, sorted(ignored)
 
 
+def placement(jit_options: dict) -> dict:
+  """``jit_options`` with ``device``/``backend`` (deprecated on ``jax.jit``) given
+  as shardings: the computation runs on that device (the backend's first local
+  one) and its inputs move there, as they did with those arguments.
+
+  Example: ``placement({"backend": "cpu"})`` gives
+  ``{"in_shardings": s, "out_shardings": s}`` with
+  ``s = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])``.
+  """
+  options = dict(jit_options)
+  device, backend = options.pop("device", None), options.pop("backend", None)
+  if device is None and backend is None:
+    return options
+  if device is not None and backend is not None:
+    raise ValueError("pass either device or backend to jit, not both.")
+  if "in_shardings" in options or "out_shardings" in options:
+    raise ValueError("pass either device/backend or in_shardings/out_shardings to jit.")
+  sharding = jax.sharding.SingleDeviceSharding(
+      device if device is not None else jax.local_devices(backend=backend)[0])
+  return {**options, "in_shardings": sharding, "out_shardings": sharding}
+
+
 def compile_program(exported: jax.export.Exported, *, donate_argnums=(),
                     compiler_options=None, **jit_options):
   """A jitted callable running ``exported`` (flat arguments, flat results).
 
   A program exported for several devices runs with its own shardings on a mesh
-  of as many local devices, unless the caller passes shardings.
+  of as many local devices, unless the caller passes shardings (or a ``device``
+  or ``backend``, see ``placement``).
   """
+  jit_options = placement(jit_options)
   if exported.nr_devices > 1 and "in_shardings" not in jit_options:
     mesh = replay_mesh(exported)
     if mesh is not None:
