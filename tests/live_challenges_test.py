@@ -1,0 +1,148 @@
+"""Real JAX training challenged live by a real `dvbench serve`: independent verification
+of downloaded proofs, and a server that restarts mid-run."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+
+import httpx
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest
+
+import dvbench
+import zkdv
+from dvbench.server.local import LocalServer
+from tests import testing
+from zkdv import receipt
+from zkdv import transcript
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None = None,
+           on_step=None):
+  """The tutorial model trained through ``experiment.proof``; returns the proof."""
+  proof = experiment.proof(config=zkdv.ZKDVConfig(
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p)))
+  proof.start(rolling_window=3, probe_ratio=0.25)
+  state = testing.classifier_state(proof)
+  train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+  for t in range(steps):
+    if t == tamper_at:  # weights changed outside proof.jit: the chain breaks here
+      state = state.replace(params=jax.tree.map(lambda x: x + 1.0, state.params))
+    state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (t % 2))
+    if on_step is not None:
+      on_step(t)
+  try:
+    proof.finish()
+  except zkdv.errors.ZKDVError:
+    pass  # a tampered run still finishes its transcript
+  return proof
+
+
+def _zkdv_verify(folder, *args) -> tuple[int, dict]:
+  result = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json",
+                           *args], cwd=REPO, capture_output=True, text=True)
+  return result.returncode, json.loads(result.stdout)
+
+
+class IndependentVerificationTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=1, extra_args=(
+        "--min-update-check-probability", "0.5")).start()
+    cls.client = dvbench.Client(cls.server.url, token=cls.server.token("alice"))
+    cls.key = httpx.get(f"{cls.server.url}/api/v1/server-key").json()["server_key"]
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.client.close()
+    cls.server.stop()
+    super().tearDownClass()
+
+  def _download(self, proof_id) -> pathlib.Path:
+    folder = pathlib.Path(tempfile.mkdtemp()) / "proof"
+    subprocess.run([sys.executable, "-m", "dvbench.cli", "download", proof_id, str(folder),
+                    "--url", self.server.url], cwd=REPO, check=True, capture_output=True)
+    return folder
+
+  def test_downloaded_proof_verifies_with_the_server_key_as_the_server_did(self):
+    proof = _train(self.client.experiment("alice/independent"), steps=12)
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "verified", status)
+    self.assertEqual(status["challenger"], "dvbench")
+    folder = self._download(proof.proof_id)
+    code, report = _zkdv_verify(folder, "--server-key", self.key)
+    self.assertEqual((code, report["verdict"]), (0, "verified"), report)
+    claims = {c["name"]: c for c in report["claims"]}
+    self.assertEqual(claims["challenges"]["status"], "holds", claims["challenges"])
+    self.assertIn("dvbench", claims["challenges"]["detail"])
+    replayed = [c for c in report["checks"] if c["kind"] == "update"]
+    self.assertLen(replayed, proof.checks["update"])
+    self.assertGreater(len(replayed), 0)
+    self.assertTrue(all(c["status"] == "verified" for c in replayed))
+    # Without the server's word, the challenges cannot be re-derived.
+    code, report = _zkdv_verify(folder)
+    self.assertEqual(code, 2, report)
+    # Another server's key, or a flipped receipt byte, is reported.
+    code, report = _zkdv_verify(folder, "--server-key", os.urandom(32).hex())
+    self.assertNotEqual(code, 0)
+    self.assertIn("another server challenged it", json.dumps(report["findings"]))
+    path = folder / receipt.RECEIPT_FILE
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    code, report = _zkdv_verify(folder, "--server-key", self.key)
+    self.assertNotEqual(code, 0)
+    self.assertTrue(report["findings"], report)
+
+  def test_an_invalid_proof_is_invalid_for_both(self):
+    proof = _train(self.client.experiment("alice/tampered"), steps=6, tamper_at=3)
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "invalid", status)
+    self.assertIn("step 3", status["failure"])
+    code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key)
+    self.assertEqual((code, report["verdict"]), (1, "invalid"), report)
+    self.assertIn("discontinuity", [f["code"] for f in report["findings"]])
+
+
+class ServerRestartTest(absltest.TestCase):
+
+  def test_a_server_restarted_mid_run_does_not_invalidate_an_honest_proof(self):
+    server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "0.5"))
+    server.start()
+    self.addCleanup(server.stop)
+    client = dvbench.Client(server.url, token=server.token("alice"))
+    self.addCleanup(client.close)
+    killed, restarted = threading.Event(), threading.Event()
+
+    def restart(step):
+      if step == 4:  # the server dies; training runs into the window and waits
+        server.kill()
+        killed.set()
+        threading.Timer(3.0, lambda: (server.start(), restarted.set())).start()
+
+    proof = _train(client.experiment("alice/restart"), steps=12, on_step=restart)
+    self.assertTrue(killed.is_set() and restarted.is_set())
+    self.assertEqual(proof.steps, 12)
+    status = client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "verified", status)
+    records = transcript.read_transcript(self._server_copy(server, proof.proof_id)).records
+    self.assertEqual(sum(r.record["type"] == "step" for r in records), 12)
+
+  def _server_copy(self, server, proof_id) -> pathlib.Path:
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / transcript.RECORDS_FILE).write_bytes(
+        httpx.get(f"{server.url}/api/v1/proofs/{proof_id}/transcript").content)
+    return folder
+
+
+if __name__ == "__main__":
+  absltest.main()
