@@ -8,10 +8,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+from unittest import mock
 
 import httpx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 
 import dvbench
@@ -20,6 +22,7 @@ from dvbench.server.local import LocalServer
 from tests import testing
 from zkdv import receipt
 from zkdv import transcript
+from zkdv.jax import committer as committer_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -111,6 +114,24 @@ class IndependentVerificationTest(absltest.TestCase):
     code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key)
     self.assertEqual((code, report["verdict"]), (1, "invalid"), report)
     self.assertIn("discontinuity", [f["code"] for f in report["findings"]])
+
+
+  def test_a_check_answered_with_other_openings_is_invalid_naming_it(self):
+    honest = committer_lib.Committer._update_check  # pylint: disable=protected-access
+
+    def forged(committer, program, index, opened, post_views, replayed=None):
+      # The prover answers with a pre-state it did not commit (e.g. the weights it wished
+      # it had trained from); its own replay of them is what it reports.
+      forged_state = [np.array(a, copy=True) for a in opened]
+      forged_state[program.state_indices[-1]] += 1
+      return honest(committer, program, index, forged_state, post_views, replayed)
+
+    with mock.patch.object(committer_lib.Committer, "_update_check", forged):
+      proof = _train(self.client.experiment("alice/forged-openings"), steps=6, update_p=1.0)
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "invalid", status)
+    self.assertRegex(status["failure"], r"opening.*check of step 0|check of step 0.*opening")
+    self.assertIn("does not match its commitment", status["failure"])
 
 
 class ServerRestartTest(absltest.TestCase):
