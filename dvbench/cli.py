@@ -120,9 +120,9 @@ def _get(http, path: str):
 def download(args) -> int:
   """Writes DIR/records.cborl, DIR/blobs/* (hash checked) and DIR/receipt.cbor."""
   import httpx  # pylint: disable=g-import-not-at-top
-  from dvbench.server.blobs import BlobStore, hexdigest, write_atomically  # pylint: disable=g-import-not-at-top
+  from dvbench.server.blobs import BlobStore, hexdigest  # pylint: disable=g-import-not-at-top
   from zkdv.receipt import RECEIPT_FILE  # pylint: disable=g-import-not-at-top
-  from zkdv.transcript import BLOBS_DIR, RECORDS_FILE  # pylint: disable=g-import-not-at-top
+  from zkdv.transcript import BLOBS_DIR, RECORDS_FILE, write_atomically  # pylint: disable=g-import-not-at-top
   url = args.url or os.environ.get("DVBENCH_URL")
   if not url or not BlobStore.valid_name(args.proof_id):
     raise SystemExit("dvbench download: give a proof id (64 hex digits) and --url or DVBENCH_URL.")

@@ -18,6 +18,7 @@ import io
 import os
 import pathlib
 import re
+import uuid
 
 import blake3
 import cbor2
@@ -39,6 +40,23 @@ def encode_record(record: dict) -> bytes:
 
 def record_id(encoded: bytes) -> bytes:
   return blake3.blake3(encoded).digest()
+
+
+def write_atomically(path: pathlib.Path, data: bytes, mode: int = 0o644) -> None:
+  """Writes ``path`` through a uniquely named temporary file, fsynced, then renamed.
+
+  Readers see the old file or the whole new one, never a part.
+  """
+  path = pathlib.Path(path)
+  tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+  try:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
 
 
 class TranscriptWriter:
@@ -78,12 +96,7 @@ class TranscriptWriter:
     digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
     path = self.folder / BLOBS_DIR / digest.hex()
     if not path.exists():
-      tmp = path.with_suffix(".tmp")
-      with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, path)
+      write_atomically(path, data)
     return digest
 
   def sync(self) -> None:

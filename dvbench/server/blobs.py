@@ -1,4 +1,4 @@
-"""The local content-addressed blob store ``DIR/<hex BLAKE3>`` and the one atomic file write.
+"""The local content-addressed blob store ``DIR/<hex BLAKE3>``.
 
 Example::
 
@@ -11,28 +11,12 @@ import os
 import pathlib
 import re
 import shutil
-import uuid
 
 import blake3
 
+from zkdv.transcript import write_atomically
+
 _HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def write_atomically(path: pathlib.Path, data: bytes, mode: int = 0o644) -> None:
-  """Writes ``path`` through a uniquely named temporary file, fsynced, then renamed.
-
-  Readers see the old file or the whole new one, never a part.
-  """
-  path = pathlib.Path(path)
-  tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-  try:
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    tmp.unlink(missing_ok=True)
 
 
 def hexdigest(data: bytes) -> str:
