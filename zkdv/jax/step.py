@@ -246,7 +246,11 @@ def _find_nodes(tree, is_node: Callable[[Any], bool]) -> list[tuple[int, Any]]:
 
 
 def _flat_outputs(fun: Callable) -> Callable:
-  return lambda *flat: tuple(jax.tree.leaves(fun(*flat)))
+  """``fun`` returning its outputs' flat leaves; it keeps ``fun``'s name."""
+  def flat(*inputs):
+    return tuple(jax.tree.leaves(fun(*inputs)))
+  flat.__name__ = flat.__qualname__ = fun.__name__
+  return flat
 
 
 def _paths(tree) -> list[str]:
@@ -275,6 +279,7 @@ class ProofFunction:
     self._state_argnum = state_argnum
     self._static = None
     self._programs: dict[Any, Program] = {}
+    self.__name__ = type(fun).__name__  # for callables without one (functools.partial)
     functools.update_wrapper(self, fun)
 
   @property
@@ -393,6 +398,7 @@ class ProofFunction:
             (dyn_args, dyn_kwargs), is_leaf=_is_train_state)
       args, kwargs = ArgSpec.merge(dyn_args, dyn_kwargs, call.static, call.positions)
       return self._fun(*args, **kwargs)
+    step.__name__ = self.__name__  # names the exported program and its executables
     return step
 
   def _trace(self, call: _Call, inputs: _Inputs) -> tuple[Any, list[int]]:

@@ -1,0 +1,130 @@
+"""Overlap policies and the rolling window: what a training call waits for.
+
+The commit thread is held back by a gate (a job that waits for an event) and
+the training calls run on another thread, so a call that must wait for its
+commitment is seen not to return until the gate opens.
+"""
+
+import threading
+
+import jax.numpy as jnp
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import zkdv
+from tests import testing
+
+BATCH = jnp.asarray(testing.TUTORIAL_BATCH)
+HELD_FOR = 1.0  # seconds a waiting call is watched not returning while the gate is shut
+TIMEOUT = 120.0  # seconds anything expected to happen may take
+
+
+class HeldCommitThread:
+  """Holds a proof's commit thread until ``release()`` (or the end of the ``with``).
+
+  Example::
+
+    with HeldCommitThread(proof) as held:
+      ...  # every commitment queued now waits
+      held.release()
+  """
+
+  def __init__(self, proof):
+    proof.wait_for_commitments()
+    self._gate = threading.Event()
+    proof._committer.pipeline.submit(lambda job: self._gate.wait())  # pylint: disable=protected-access
+
+  def release(self) -> None:
+    self._gate.set()
+
+  def __enter__(self) -> "HeldCommitThread":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()  # a failed assertion must not leave the commit thread waiting
+
+
+class StepsOnAThread:
+  """Calls ``train_step(state, BATCH)`` ``count`` times on a thread, chaining the state.
+
+  ``returned[i]`` is set when call ``i`` returns; ``join()`` re-raises a failure.
+  """
+
+  def __init__(self, train_step, state, count: int):
+    self.returned = [threading.Event() for _ in range(count)]
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, args=(train_step, state), daemon=True)
+    self._thread.start()
+
+  def _run(self, train_step, state) -> None:
+    try:
+      for returned in self.returned:
+        state = train_step(state, BATCH)
+        returned.set()
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised by join()
+      self._error = e
+
+  def join(self) -> None:
+    self._thread.join(TIMEOUT)
+    if self._thread.is_alive():
+      raise AssertionError(f"the training thread did not finish in {TIMEOUT} s")
+    if self._error is not None:
+      raise self._error
+
+
+def _compiled_step(test_name: str, policy, update_p: float, window: int = 4):
+  """A started proof and a step already traced, compiled and committed once."""
+  proof = testing.new_proof(test_name, update_p=update_p)
+  proof.start(rolling_window=window)
+  state = testing.classifier_state(proof, zkdv_overlap=policy)
+  train_step = proof.jit(testing.classifier_step)  # no donation: nothing else holds a call
+  return proof, train_step, train_step(state, BATCH)
+
+
+class OverlapPolicyTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("never_waits_for_every_commitment", zkdv.overlap.NEVER, 0.0, True),
+      ("unchecked_fences_a_checked_step", zkdv.overlap.UNCHECKED, 1.0, True),
+      ("unchecked_pipelines_an_unchecked_step", zkdv.overlap.UNCHECKED, 0.0, False),
+      ("always_checks_beside_training", zkdv.overlap.ALWAYS, 1.0, False),
+  )
+  def test_whether_a_step_waits_for_its_commitment(self, policy, update_p, waits):
+    proof, train_step, state = _compiled_step(f"overlap-{policy.value}", policy, update_p)
+    with HeldCommitThread(proof) as held:
+      steps = StepsOnAThread(train_step, state, count=1)
+      if waits:
+        self.assertFalse(steps.returned[0].wait(HELD_FOR),
+                         f"{policy} returned before its commitment was written")
+        held.release()
+      self.assertTrue(steps.returned[0].wait(TIMEOUT),
+                      f"{policy} waited for a commitment it need not wait for")
+    steps.join()
+    proof.finish()
+    self.assertEqual(proof.steps, 2)
+    self.assertEqual(proof.checks["update"], 2 if update_p else 0)
+    self.assertEqual(proof.failed_checks, [])
+
+
+class RollingWindowTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 3)
+  def test_training_runs_ahead_by_the_window_and_no_further(self, window):
+    proof, train_step, state = _compiled_step(f"window-{window}", zkdv.overlap.ALWAYS,
+                                              update_p=0.0, window=window)
+    with HeldCommitThread(proof) as held:
+      steps = StepsOnAThread(train_step, state, count=window + 2)
+      for returned in steps.returned[:window]:
+        self.assertTrue(returned.wait(TIMEOUT))
+      self.assertFalse(steps.returned[window].wait(HELD_FOR),
+                       f"step {window + 1} ran with {window} steps uncommitted")
+      self.assertEqual(proof._committer.pipeline.in_flight, window)  # pylint: disable=protected-access
+      held.release()
+    steps.join()
+    proof.finish()
+    self.assertEqual(proof.steps, window + 3)
+    self.assertLen(testing.records_of(proof.path, "step"), window + 3)
+
+
+if __name__ == "__main__":
+  absltest.main()
