@@ -1,14 +1,20 @@
-"""zkdv verify on the command line: claims, requirements and exit codes."""
+"""The zkdv command line: claims, requirements, exit codes, help and messages."""
 
+import argparse
+import io
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 
+import cbor2
 from absl.testing import absltest
 
 from tests.verify_test import _Dvbench, good_transcript, write_transcript
+from zkdv import __version__, cli
+from zkdv import transcript
 
 
 def zkdv(*args) -> subprocess.CompletedProcess:
@@ -29,7 +35,7 @@ class VerifyCliTest(absltest.TestCase):
     self.assertEqual(zkdv("verify", good_transcript(), "--strict", "--quiet").returncode, 1)
     self.assertEqual(zkdv("verify", good_transcript(), "--replay", "none").returncode, 2)
     bad = zkdv("verify", good_transcript(), "--require", "vibes")
-    self.assertEqual(bad.returncode, 2)
+    self.assertEqual(bad.returncode, cli.EXIT_USAGE)
     self.assertIn("unknown claims", bad.stderr)
 
   def test_json_lists_every_claim(self):
@@ -55,7 +61,123 @@ class VerifyCliTest(absltest.TestCase):
     k_file = key_file.with_name("k")
     k_file.write_text(server.key.hex())
     self.assertEqual(zkdv("verify", path, "--challenge-key-file", k_file).returncode, 0)
-    self.assertEqual(zkdv("verify", path, "--server-key", "abcd").returncode, 2)
+    self.assertEqual(zkdv("verify", path, "--server-key", "abcd").returncode, cli.EXIT_USAGE)
+
+
+class _Terminal(io.StringIO):
+
+  def isatty(self):
+    return True
+
+
+class CommandLineTest(absltest.TestCase):
+  """--version, help, usage errors, and paths that hold no transcript."""
+
+  def tempdir(self) -> pathlib.Path:
+    return pathlib.Path(self.enterContext(tempfile.TemporaryDirectory(prefix="zkdv-cli-")))
+
+  def test_version(self):
+    result = zkdv("--version")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertEqual(result.stdout.strip(), f"zkdv {__version__}")
+
+  def test_help_documents_every_argument_its_default_and_the_exit_codes(self):
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for p in (parser, *commands.choices.values()):
+      for action in p._actions:
+        self.assertTrue(action.help, f"{p.prog} {action.dest} has no help")
+    helps = {command: zkdv(*command, "--help") for command in ((), ("verify",), ("inspect",))}
+    for result in helps.values():
+      self.assertEqual(result.returncode, 0, result.stderr)
+      self.assertIn("64  usage error", result.stdout)
+      self.assertIn("66  no transcript at PATH", result.stdout)
+    verify_help = " ".join(helps[("verify",)].stdout.split())
+    for text in ("0 verified: every required claim holds", "2 could not verify",
+                 "(default: sampled)", "(default: chain,replays)", "(default: 1)",
+                 "(default: 1e-05 1e-06)"):
+      self.assertIn(text, verify_help)
+
+  def test_usage_errors_exit_64_not_2(self):
+    for args in ([], ["verify", "x", "--no-such-option"], ["verify", "x", "--require", "vibes"],
+                 ["verify", "x", "--min-checks", "one"]):
+      result = zkdv(*args)
+      self.assertEqual(result.returncode, cli.EXIT_USAGE, (args, result.stderr))
+      self.assertIn("usage: zkdv", result.stderr)
+      self.assertEqual(result.stdout, "")
+
+  def test_missing_path_is_one_line_naming_it_and_exits_66(self):
+    missing = self.tempdir() / "no-such-run"
+    for command in ("verify", "inspect"):
+      result = zkdv(command, missing)
+      self.assertEqual(result.returncode, cli.EXIT_NO_TRANSCRIPT, result.stderr)
+      self.assertEqual(result.stdout, "")
+      self.assertEqual(result.stderr, f"zkdv {command}: no such file or folder: "
+                       f"{str(missing)!r}\n")
+
+  def test_a_file_or_folder_that_is_not_a_transcript_is_not_called_invalid(self):
+    folder = self.tempdir()
+    (folder / "notes.txt").write_text("hello")
+    (folder / "list.cbor").write_bytes(cbor2.dumps([1, 2, 3]))
+    (folder / "empty").mkdir()
+    (folder / "not-root").mkdir()
+    (folder / "not-root" / transcript.RECORDS_FILE).write_bytes(cbor2.dumps({"type": "step"}))
+    for name, args in (("notes.txt", ["verify"]), ("list.cbor", ["verify", "--json"]),
+                       ("empty", ["verify"]), ("not-root", ["inspect"])):
+      result = zkdv(*args, folder / name)
+      with self.subTest(name):
+        self.assertEqual(result.returncode, cli.EXIT_NO_TRANSCRIPT, result.stderr)
+        self.assertIn(f"{str(folder / name)!r} is not a ZKDV transcript", result.stderr)
+        self.assertIn("\nhint: ", result.stderr)
+        self.assertNotIn("invalid", (result.stdout + result.stderr).lower())
+
+  def test_a_damaged_transcript_is_still_invalid(self):
+    path = write_transcript(self.tempdir(), steps=2)
+    records = path / transcript.RECORDS_FILE
+    data = bytearray(records.read_bytes())
+    data[-20] ^= 1
+    records.write_bytes(bytes(data))
+    result = zkdv("verify", path)
+    self.assertEqual(result.returncode, 1, result.stdout + result.stderr)
+    self.assertRegex(result.stdout, r"\nverdict +INVALID\n")
+
+  def test_a_folder_of_transcripts_lists_them_newest_first(self):
+    proofs = self.tempdir() / "zkdv-proofs"
+    proofs.mkdir()
+    (proofs / "stray-file").write_text("")
+    (proofs / "not-a-run").mkdir()
+    root = transcript.encode_record({"type": "root"})
+    for n in range(12):
+      run = proofs / f"run-{n:02d}"
+      run.mkdir()
+      (run / transcript.RECORDS_FILE).write_bytes(root)
+      os.utime(run / transcript.RECORDS_FILE, (1_700_000_000 + n * (-1) ** n,) * 2)
+    newest = sorted(range(12), key=lambda n: -n * (-1) ** n)
+    for command in ("verify", "inspect"):
+      result = zkdv(command, proofs)
+      self.assertEqual(result.returncode, cli.EXIT_NO_TRANSCRIPT, result.stderr)
+      lines = result.stderr.splitlines()
+      self.assertEqual(lines[0], f"zkdv {command}: {str(proofs)!r} is a folder of 12 "
+                       "transcripts, not a transcript. Pick one of them (newest first):")
+      self.assertEqual(lines[1:11], [f"  zkdv {command} {proofs}/run-{n:02d}"
+                                     for n in newest[:10]])
+      self.assertEqual(lines[11:], ["  ... and 2 more"])
+
+  def test_progress_bar_redraws_only_on_a_terminal(self):
+    terminal, log = _Terminal(), io.StringIO()
+    for stream in (terminal, log):
+      show = cli.progress_bar(stream, "replaying checks")
+      for done in range(101):
+        show(done, 100)
+    self.assertEqual(terminal.getvalue().count("\r"), 101)
+    self.assertTrue(terminal.getvalue().endswith("] 100/100\n"))
+    self.assertNotIn("\r", log.getvalue())
+    self.assertEqual(log.getvalue().splitlines(),
+                     [f"replaying checks: {n}/100" for n in range(0, 101, 10)])
+    result = zkdv("verify", write_transcript(self.tempdir(), steps=3))
+    self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+    self.assertNotIn("\r", result.stderr)
+    self.assertRegex(result.stderr, r"^replaying checks: 0/(\d+)\n(.*\n)*replaying checks: \1/\1\n$")
 
 
 if __name__ == "__main__":

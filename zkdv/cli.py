@@ -12,8 +12,12 @@ import contextlib
 import json
 import os
 import pathlib
+import shlex
 import sys
 
+import cbor2
+
+import zkdv
 from zkdv import challenge
 from zkdv import errors
 from zkdv import inspect as inspect_lib
@@ -23,18 +27,91 @@ from zkdv import verify as verify_lib
 from zkdv.config import Tolerance
 
 
+EXIT_USAGE = 64  # sysexits.h EX_USAGE: the command line is wrong
+EXIT_NO_TRANSCRIPT = 66  # sysexits.h EX_NOINPUT: no transcript at PATH
+_EXIT_CODES = """exit codes:
+  0   verified: every required claim holds
+  1   invalid, or a required claim does not hold
+  2   could not verify (the transcript, or a required claim)
+  64  usage error (unknown option, bad argument)
+  66  no transcript at PATH: it does not exist or is not a ZKDV transcript
+"""
+_INSPECT_EXIT_CODES = """exit codes:
+  0   summarized
+  2   the transcript or one of its programs cannot be read
+  64  usage error (unknown option, bad argument)
+  66  no transcript at PATH: it does not exist or is not a ZKDV transcript
+"""
+MAX_LISTED = 10  # transcripts named in the hint for a folder of transcripts
+
+
 def progress_bar(stream, label: str):
-  """A ``show(done, total)`` that draws a one-line progress bar on ``stream``."""
+  """A ``show(done, total)`` that redraws one line on a terminal (``\\r``) and,
+  on anything else (a log file, a pipe), writes a full line per tenth done.
+
+  Example: ``show = progress_bar(sys.stderr, "replaying checks"); show(3, 12)``.
+  """
+  terminal = stream.isatty()
+  tenths = set()
+
   def show(done: int, total: int) -> None:
     if total == 0:
       return
-    width = 30
-    filled = width * done // total
-    stream.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done == total:
-      stream.write("\n")
+    if terminal:
+      width = 30
+      filled = width * done // total
+      stream.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+                   + ("\n" if done == total else ""))
+    elif (tenth := 10 * done // total) not in tenths:
+      tenths.add(tenth)
+      stream.write(f"{label}: {done}/{total}\n")
     stream.flush()
   return show
+
+
+def _is_transcript(folder: pathlib.Path) -> bool:
+  return (folder / transcript.RECORDS_FILE).is_file()
+
+
+def _starts_with_root(records: pathlib.Path) -> bool:
+  """Whether the file's first CBOR item is a ZKDV root record (unreadable: assumed so,
+  and left to the verifier to report)."""
+  try:
+    with open(records, "rb") as f:
+      first = cbor2.CBORDecoder(f).decode()
+  except OSError:
+    return True
+  except (cbor2.CBORDecodeError, EOFError, MemoryError, OverflowError, ValueError):
+    return False
+  return isinstance(first, dict) and first.get("type") == "root"
+
+
+def _no_transcript(command: str, path: pathlib.Path) -> str | None:
+  """Why there is no transcript at ``path`` to ``command``, with what to run
+  instead; None when there is one.
+
+  Example: ``_no_transcript("verify", pathlib.Path("zkdv-proofs"))`` lists the
+  transcripts in ``zkdv-proofs``, newest first.
+  """
+  if not path.exists():
+    return f"zkdv {command}: no such file or folder: {str(path)!r}"
+  if path.is_dir() and not _is_transcript(path):
+    found = sorted((p for p in path.iterdir() if p.is_dir() and _is_transcript(p)),
+                   key=lambda p: (p / transcript.RECORDS_FILE).stat().st_mtime, reverse=True)
+    if not found:
+      return (f"zkdv {command}: {str(path)!r} is not a ZKDV transcript: it has no "
+              f"{transcript.RECORDS_FILE}.\nhint: a transcript is the folder a run logs as "
+              "'transcript at ...', by default ./zkdv-proofs/<name>-<stamp>-<id>.")
+    more = f"\n  ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""
+    return (f"zkdv {command}: {str(path)!r} is a folder of {len(found)} transcript"
+            f"{'s' if len(found) > 1 else ''}, not a transcript. Pick one of them "
+            "(newest first):\n" + "\n".join(
+                f"  zkdv {command} {shlex.quote(str(p))}" for p in found[:MAX_LISTED]) + more)
+  if not _starts_with_root(transcript.records_path(path)):
+    return (f"zkdv {command}: {str(path)!r} is not a ZKDV transcript: it does not start "
+            "with a root record.\nhint: pass the transcript folder (the one holding "
+            f"{transcript.RECORDS_FILE} and blobs/) or its {transcript.RECORDS_FILE}.")
+  return None
 
 
 def _human_report(report: verify_lib.Report) -> str:
@@ -122,14 +199,11 @@ def prepare_replay(path) -> None:
 
 _VERIFY_HELP = f"""Verify a transcript: chain, challenges, openings, replays.
 
-Exit codes: 0 verified and every required claim holds; 1 invalid, or a required
-claim does not hold; 2 could not verify (the transcript or a required claim).
-
-Claims (DESIGN §10): {", ".join(verify_lib.CLAIMS)}. By default only chain and
-replays are required: an offline, self-audited run that replays is accepted
-(exit 0) and says "self-audited: detects faults, not a dishonest prover". Use
---require to name the claims an audit needs, or --strict for all of them with
-exact replays (what DVBench ranks).
+Claims (DESIGN §10): {", ".join(verify_lib.CLAIMS)}.
+By default only chain and replays are required: an offline, self-audited run
+that replays is accepted (exit 0) and says "self-audited: detects faults, not a
+dishonest prover". Use --require to name the claims an audit needs, or --strict
+for all of them with exact replays (what DVBench ranks).
 """
 
 
@@ -171,35 +245,59 @@ def _claims(text: str) -> tuple:
   return names
 
 
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose usage errors exit with EXIT_USAGE, not 2 ("could not verify")."""
+
+  def error(self, message):
+    self.print_usage(sys.stderr)
+    self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """Help text as written, with each option's default (unless it is None or False)."""
+
+  def _get_help_string(self, action):
+    if action.default is None or action.default is False:
+      return action.help
+    return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="zkdv", description="Verify and inspect ZKDV transcripts.")
-  sub = parser.add_subparsers(dest="command", required=True)
+  parser = _Parser(prog="zkdv", description="Verify and inspect ZKDV transcripts.",
+                   epilog=_EXIT_CODES, formatter_class=_Formatter)
+  parser.add_argument("--version", action="version", version=f"zkdv {zkdv.__version__}")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                             help="zkdv COMMAND --help shows its options")
   v = sub.add_parser("verify", help="verify a transcript (exit 0 only if verified with every "
-                     "required claim; 1 invalid; 2 could not verify)", description=_VERIFY_HELP,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-  v.add_argument("path")
+                     "required claim)", description=_VERIFY_HELP, epilog=_EXIT_CODES,
+                     formatter_class=_Formatter)
+  v.add_argument("path", metavar="PATH", help="a transcript folder (holding "
+                 f"{transcript.RECORDS_FILE}) or its {transcript.RECORDS_FILE}")
   v.add_argument("--replay", choices=("sampled", "none"), default="sampled",
-                 help="none: open checks without replaying them (never exit 0)")
+                 help="sampled: replay every challenged check; none: open checks without "
+                 "replaying them (never exit 0)")
   v.add_argument("--json", action="store_true", help="print the report as JSON")
   v.add_argument("--quiet", action="store_true", help="print nothing; use the exit code")
   v.add_argument("--tolerance", nargs=2, type=float, metavar=("RTOL", "ATOL"),
                  help="loosest tolerance accepted for equivalent replays (default: "
                  f"{Tolerance().rtol:g} {Tolerance().atol:g})")
   v.add_argument("--min-checks", type=int, default=1, metavar="N",
-                 help="challenged update checks that must replay (default 1)")
-  v.add_argument("--require", type=_claims, default=verify_lib.DEFAULT_REQUIRED,
-                 metavar="CLAIM,...", help="claims that must hold for exit 0 (default: "
-                 f"{','.join(verify_lib.DEFAULT_REQUIRED)})")
+                 help="challenged update checks that must replay")
+  v.add_argument("--require", type=_claims, default=",".join(verify_lib.DEFAULT_REQUIRED),
+                 metavar="CLAIM,...", help="claims that must hold for exit 0")
   v.add_argument("--strict", action="store_true", help="require every claim: server-chosen "
                  "challenges, exact replays, attested start, batch-dependent program, probes")
   v.add_argument("--server-key", type=_server_key, metavar="HEX|FILE",
-                 help="DVBench's public key: check DIR/receipt.cbor and re-derive every "
+                 help="DVBench's public key: check PATH/receipt.cbor and re-derive every "
                  "challenge from the key it publishes")
   v.add_argument("--challenge-key-file", type=_challenge_key, metavar="FILE",
                  help="the challenge key K in hex (DVBench's own workers, before a receipt)")
   i = sub.add_parser("inspect", help="summarize a transcript and its programs without "
-                     "running them")
-  i.add_argument("path")
+                     "running them", description="Summarize a transcript and its programs "
+                     "without running them.", epilog=_INSPECT_EXIT_CODES,
+                     formatter_class=_Formatter)
+  i.add_argument("path", metavar="PATH", help="a transcript folder (holding "
+                 f"{transcript.RECORDS_FILE}) or its {transcript.RECORDS_FILE}")
   i.add_argument("--json", action="store_true", help="print the summary as JSON")
   i.add_argument("--stablehlo", metavar="OUT", help="write each program's StableHLO text "
                  "into the folder OUT")
@@ -221,9 +319,13 @@ def _run_inspect(args) -> int:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
+  missing = _no_transcript(args.command, pathlib.Path(args.path))
+  if missing:
+    print(missing, file=sys.stderr)
+    return EXIT_NO_TRANSCRIPT
   if args.command == "inspect":
     return _run_inspect(args)
-  show_progress = not (args.quiet or args.json) and sys.stderr.isatty()
+  show_progress = not (args.quiet or args.json)
   with _stdout_to_stderr():  # native libraries (gloo) print; stdout carries the report
     if args.replay != "none":
       prepare_replay(args.path)
