@@ -179,6 +179,12 @@ class Client:
     info = self.http.request("POST", "/api/v1/experiments", json={"name": name}).json()
     return Experiment(self, name, info)
 
+  def benchmark(self, name: str):
+    """The benchmark ``owner/name`` (``dvbench.benchmark.Benchmark``): its owner registers it,
+    anyone with a verified proof submits to it."""
+    from dvbench.benchmark import Benchmark  # pylint: disable=g-import-not-at-top
+    return Benchmark(self, name)
+
   def proof_status(self, proof_id: str) -> dict:
     return self.http.request("GET", f"/api/v1/proofs/{proof_id}").json()
 

@@ -1,4 +1,4 @@
-"""Verified measurements of a checkpoint: evaluate, aggregate, submit.
+"""Self-reported measurements of a checkpoint: evaluate, aggregate, submit.
 
 Example::
 
@@ -16,8 +16,10 @@ Example::
 
 The evaluation is exported once (``jax.export``) and run through the same
 compiled program the server replays; each batch and its output are committed,
-and a sample of batches chosen by a hash of all commitments (so it cannot be
-picked after the fact) is opened for the server to replay.
+then the server draws the sample of batches to open (``sample`` of them, at least
+a quarter) and replays them. The program and the batches are the submitter's, so
+a measurement is labelled self-reported and never ranked: a ranked score comes from
+a benchmark (``dvbench.benchmark``), where the server runs the owner's program.
 """
 
 import os
@@ -32,7 +34,6 @@ from flax import serialization
 
 from dvbench import errors
 from zkdv import digest
-from zkdv import sampling
 from zkdv.cli import progress_bar
 from zkdv.jax import arrays
 from zkdv.jax.replay import compile_program
@@ -57,12 +58,6 @@ def tree_layouts(tree) -> tuple[list[digest.LeafLayout], list[np.ndarray]]:
 def params_digest(tree) -> bytes:
   layouts, values = tree_layouts(tree)
   return digest.digest_state_arrays(layouts, values)[0]
-
-
-def sample_indices(batches: list, fraction: float) -> tuple[bytes, list[int]]:
-  """The opened batches: a seeded sample, the seed being a hash of every commitment."""
-  seed = blake3.blake3(cbor2.dumps(batches, canonical=True)).digest()
-  return seed, sampling.probe_rows(seed, 0, 0, len(batches), fraction)
 
 
 class Measurement:
@@ -172,15 +167,12 @@ class Measurement:
 
   def submit(self, metric: str, value: float, *, higher_is_better: bool = True,
              sample: float = 0.25) -> dict:
-    """Uploads the measurement with openings of a seeded sample of batches."""
+    """Uploads the commitments, then opens the batches the server drew (``sample`` of them)."""
     if self._result is None:
       raise errors.MeasurementError("call measurement.run(checkpoint, batches) before submit().")
-    if not 0 < sample <= 1:
-      raise ValueError(f"sample must be in (0, 1], got {sample!r}.")
     r = self._result
     http = self.experiment.client.http
     params_layouts, params_values = tree_layouts(r["params"])
-    _, opened = sample_indices(r["commitments"], sample)
 
     def put(data) -> bytes:
       data = bytes(digest.byte_view(data)) if isinstance(data, np.ndarray) else data
@@ -201,16 +193,22 @@ class Measurement:
         "batches": r["commitments"],
         "outputs": [[put(o) for o in out] for out in r["outputs"]],
         "sample": float(sample),
-        "openings": [[i, [put(np.asarray(arrays.host_view(arrays.as_array(x))))
-                          for x in jax.tree.leaves(r["batches"][i])]] for i in opened],
     }
     owner, name = self.experiment.name.split("/")
-    return http.request("POST", f"/api/v1/experiments/{owner}/{name}/measurements",
-                        content=cbor2.dumps(record, canonical=True)).json()
+    committed = http.request("POST", f"/api/v1/experiments/{owner}/{name}/measurements",
+                             content=cbor2.dumps(record, canonical=True)).json()
+    openings = [[i, [put(np.asarray(arrays.host_view(arrays.as_array(x))))
+                     for x in jax.tree.leaves(r["batches"][i])]] for i in committed["open"]]
+    return http.request("POST", f"/api/v1/measurements/{committed['id']}/openings",
+                        content=cbor2.dumps(openings, canonical=True)).json()
 
 
-def replay(record: dict, blob_folder: pathlib.Path) -> tuple[str, str | None]:
-  """The server's check of a submission: (state, failure). Runs in a worker child."""
+def replay(record: dict, opened: list[int], openings: list,
+           blob_folder: pathlib.Path) -> tuple[str, str | None]:
+  """The server's check of a submission: (state, failure). Runs in a worker child.
+
+  ``opened``: the batches the server chose; ``openings``: their ``[index, blobs]``.
+  """
   def read(name, layout):
     from zkdv import transcript  # pylint: disable=g-import-not-at-top
     return transcript.read_blob(blob_folder.parent, name, layout.dtype, layout.shape)
@@ -226,15 +224,13 @@ def replay(record: dict, blob_folder: pathlib.Path) -> tuple[str, str | None]:
   for i, (out, (_, out_digest)) in enumerate(zip(record["outputs"], batches)):
     if digest.state_digest_from_leaves(layouts["output"], out) != out_digest:
       return "invalid", f"the opened output of batch {i} is not its committed output."
-  _, expected = sample_indices(batches, record["sample"])
-  if [o[0] for o in record["openings"]] != expected:
-    return "invalid", f"opened batches {[o[0] for o in record['openings']]}, the commitments " \
-                      f"select {expected}."
+  if [o[0] for o in openings] != opened:
+    return "invalid", f"opened batches {[o[0] for o in openings]}, the server chose {opened}."
   params = [arrays.from_host(read(b, l), l) for b, l in
             zip(record["params_blobs"], layouts["params"])]
   evaluate = compile_program(jax.export.deserialize(bytearray(
       (blob_folder / record["evaluate"].hex()).read_bytes())))
-  for index, blobs in record["openings"]:
+  for index, blobs in openings:
     batch = [read(b, l) for b, l in zip(blobs, layouts["batch"])]
     if digest.digest_batch_arrays(layouts["batch"], batch) != batches[index][0]:
       return "invalid", f"the opened batch {index} is not its committed batch."
@@ -244,7 +240,7 @@ def replay(record: dict, blob_folder: pathlib.Path) -> tuple[str, str | None]:
       return "invalid", (f"replaying batch {index} does not give its reported output: the "
                          "reported outputs were altered.")
   if record["aggregate"] is None:
-    return "self-reported", ("the aggregate could not be exported; the sampled evaluations "
+    return "self-reported", ("the aggregate could not be exported: the sampled evaluations "
                              "were replayed, the value is the submitter's.")
   flat = [arrays.from_host(read(b, l), l) for out in record["outputs"]
           for b, l in zip(out, layouts["output"])]
@@ -254,16 +250,20 @@ def replay(record: dict, blob_folder: pathlib.Path) -> tuple[str, str | None]:
   if value != record["value"]:
     return "invalid", f"the aggregate of the outputs is {value!r}, the submission says " \
                       f"{record['value']!r}."
-  return "verified", None
+  return "self-reported", None
 
 
 def main(argv=None) -> int:
-  """``python -m dvbench.measurement FOLDER``: prints the replay verdict as JSON."""
+  """``python -m dvbench.measurement FOLDER``: prints the replay verdict as JSON.
+
+  FOLDER holds ``measurement.cbor``, ``sample.cbor`` (``[opened, openings]``) and ``blobs/``.
+  """
   import json  # pylint: disable=g-import-not-at-top
   folder = pathlib.Path((argv or sys.argv[1:])[0])
   record = cbor2.loads((folder / "measurement.cbor").read_bytes())
+  opened, openings = cbor2.loads((folder / "sample.cbor").read_bytes())
   try:
-    state, failure = replay(record, folder / "blobs")
+    state, failure = replay(record, opened, openings, folder / "blobs")
   except Exception as e:  # a malformed submission is invalid, never a crash
     state, failure = "invalid", f"the submission could not be replayed: {type(e).__name__}: {e}"
   print(json.dumps({"state": state, "failure": failure}))

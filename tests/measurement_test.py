@@ -23,11 +23,20 @@ EVAL_BATCHES = [np.asarray(np.random.default_rng(i).integers(0, 2, (4, 5)), np.u
                 for i in range(6)]
 
 
-def train(server_url: str, experiment: str, steps: int) -> tuple[pathlib.Path, str]:
-  """The tutorial (with data probes and every step checked); returns (checkpoint, proof id)."""
-  code = (tutorial_steps.STEPS_2_TO_6
+def train(server_url: str, experiment: str, steps: int, batch=None,
+          update_check_probability: float = 1.0) -> tuple[pathlib.Path, str]:
+  """The tutorial (with data probes and every step checked); returns (checkpoint, proof id).
+
+  ``batch``: rows (uint32, 4 tokens and a label) trained on instead of the tutorial's.
+  """
+  code = tutorial_steps.STEPS_2_TO_6
+  if batch is not None:  # row for row, so that no line moves (programs record locations)
+    for old, new in zip(tutorial_steps_batch().tolist(), np.asarray(batch).tolist(), strict=True):
+      code = code.replace(f"        {old},", f"        {new},")
+  code = (code
           .replace("your-name/jax-train-state", experiment)
-          .replace("update_check_probability=0.01", "update_check_probability=1.0")
+          .replace("update_check_probability=0.01",
+                   f"update_check_probability={update_check_probability}")
           .replace("proof = experiment.proof(backend=\"jax\", config=config)",
                    "proof = experiment.proof(backend=\"jax\", config=config)\n"
                    "proof.start(probe_ratio=0.5)")
@@ -71,17 +80,47 @@ def _model():
   return TinyClassifier()
 
 
-class _Rows(html.parser.HTMLParser):
-  """The leaderboard rows (their data- attributes) of a page's DOM."""
+class Rows(html.parser.HTMLParser):
+  """The rows (``tr`` attributes) carrying ``attribute``, and every ``th`` text, of a DOM."""
 
-  def __init__(self):
+  def __init__(self, dom: str, attribute: str):
     super().__init__()
-    self.rows = []
+    self.attribute, self.rows, self.headers, self._in_th = attribute, [], [], False
+    self.feed(dom)
 
   def handle_starttag(self, tag, attrs):
     attrs = dict(attrs)
-    if tag == "tr" and "data-experiment" in attrs:
+    if tag == "tr" and self.attribute in attrs:
       self.rows.append(attrs)
+    if tag == "th":
+      self._in_th = True
+      self.headers.append("")
+
+  def handle_endtag(self, tag):
+    if tag == "th":
+      self._in_th = False
+
+  def handle_data(self, data):
+    if self._in_th:
+      self.headers[-1] += data
+
+
+def browse(test: absltest.TestCase, url: str, name: str) -> tuple[str, pathlib.Path]:
+  """(the DOM headless Chromium rendered, its screenshot ``name``.png) of ``url``."""
+  chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+  test.assertIsNotNone(chromium, "Debian's chromium package is needed (.ci/run installs it)")
+  out = pathlib.Path(os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR", tempfile.mkdtemp()))
+  flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1400,1000"]
+  dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  screenshot = out / f"{name}.png"
+  subprocess.run(flags + [f"--screenshot={screenshot}", url], capture_output=True, timeout=120,
+                 check=True)
+  test.assertEqual(screenshot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+  test.assertGreater(screenshot.stat().st_size, 5000)
+  return dom, screenshot
 
 
 class MeasurementTest(DVBenchTestCase):
@@ -136,24 +175,6 @@ class MeasurementTest(DVBenchTestCase):
     proof_page = httpx.get(f"{self.server.url}/proofs/{self.proof_id}").text
     self.assertIn("<svg class='checks'", proof_page)
     self.assertIn("10 verified", proof_page)
-
-  def browse(self, path: str):
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    self.assertIsNotNone(chromium, "Debian's chromium package is needed (.ci/run installs it)")
-    out = pathlib.Path(os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR", tempfile.mkdtemp()))
-    profile = tempfile.mkdtemp()
-    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update",
-             "--disable-sync", f"--user-data-dir={profile}", "--window-size=1280,1000"]
-    dom = subprocess.run(flags + ["--dump-dom", self.server.url + path], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    screenshot = out / "leaderboard.png"
-    subprocess.run(flags + [f"--screenshot={screenshot}", self.server.url + path],
-                   capture_output=True, timeout=120, check=True)
-    self.assertEqual(screenshot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
-    parser = _Rows()
-    parser.feed(dom)
-    return parser.rows, screenshot
 
   def test_checkpoint_trained_further_is_refused(self):
     params = serialization.msgpack_restore(self.checkpoint.read_bytes())

@@ -1,8 +1,8 @@
 """The DVBench ASGI app: the route modules of each area under one Starlette app.
 
 Areas: ``routes_proofs`` (experiments, slots, roots, downloads), ``routes_stream``
-(custody and challenges), ``routes_blobs`` (blobs per proof), ``routes_measurements``
-and ``routes_pages``. Every route is named, so pages build links with
+(custody and challenges), ``routes_blobs`` (blobs per proof), ``routes_measurements``,
+``routes_benchmarks`` and ``routes_pages``. Every route is named, so pages build links with
 ``url_path_for``.
 
 Example::
@@ -21,6 +21,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from dvbench.server import page
+from dvbench.server.routes_benchmarks import benchmark_routes
 from dvbench.server.routes_blobs import blob_routes
 from dvbench.server.routes_measurements import measurement_routes
 from dvbench.server.routes_pages import page_routes
@@ -36,6 +37,6 @@ async def _http_error(request, exc: HTTPException):
 def create_app(service: Service) -> Starlette:
   static = StaticFiles(directory=pathlib.Path(page.__file__).parent / "static")
   routes = [*page_routes(service), *proof_routes(service), *stream_routes(service),
-            *blob_routes(service), *measurement_routes(service),
+            *blob_routes(service), *measurement_routes(service), *benchmark_routes(service),
             Mount("/static", static, name="static")]
   return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -19,9 +19,10 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
-    MIGRATION_2_TABLES, blob_refs, challengers, challenges, checks, chunks, eval_rows,
+    MIGRATION_2_TABLES, MIGRATION_3_TABLES, blob_refs, challengers, challenges, checks, chunks, eval_rows,
     eval_sets, experiments, jobs, measurements, metadata, owners, probes, proof_blobs, proofs,
     receipts, records, schema_migrations, settings, slots, streams, tokens)
+from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import MEASUREMENT_STATES, JobQueries  # pylint: disable=unused-import
 
@@ -38,7 +39,20 @@ def _migration_2(conn) -> None:
     table.create(conn)
 
 
-MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2)]
+def _migration_3(conn) -> None:
+  """Benchmarks, submissions scored by the server, server-chosen measurement samples.
+
+  Measurements run the submitter's own program on its own data: ones stored as
+  "verified" before are relabelled "self-reported".
+  """
+  for table in MIGRATION_3_TABLES:
+    table.create(conn)
+  conn.execute(measurements.update().where(measurements.c.state == "verified").values(
+      state="self-reported"))
+
+
+MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
+                                          (3, _migration_3)]
 
 # "verified": replayed with at least one server-chosen update check; "unchallenged": a
 # clean server-challenged proof that no update check happened to hit; "self-audited": a
@@ -61,7 +75,7 @@ def hash_token(token: str) -> str:
   return hashlib.sha256(token.encode()).hexdigest()
 
 
-class Store(CustodyQueries, JobQueries):
+class Store(CustodyQueries, JobQueries, BenchmarkQueries):
   """All reads and writes of the service; one instance per process."""
 
   def __init__(self, engine: sa.Engine):

@@ -17,7 +17,6 @@ from dvbench.server.labels import SELF_AUDITED
 
 e = html.escape
 Url = Callable[..., str]
-_STATE_ORDER = {"verified": 0, "self-reported": 1, "verifying": 2, "pending": 2, "invalid": 3}
 _STATES = f"""<p>States say who chose the checks. <span class='state verified'>verified</span>:
 DVBench chose the checks after storing each step and replayed at least one update check.
 <span class='state unchallenged'>unchallenged</span>: DVBench chose the checks, but none hit an
@@ -67,66 +66,105 @@ def index(url: Url, experiments: list[dict], proofs: list[dict]) -> str:
 
 
 def _bars(rows: list[dict]) -> str:
-  """A horizontal bar chart of measurement values, coloured by state."""
+  """A horizontal bar chart of the ranked entries' values."""
   if not rows:
     return ""
   top = max(abs(r["value"]) for r in rows) or 1.0
-  colour = {"verified": "#1a7f37", "self-reported": "#0969da"}
   height, bar = 26 * len(rows) + 10, []
   for i, r in enumerate(rows):
     width = 360 * abs(r["value"]) / top
     bar.append(
         f"<text x='0' y='{26 * i + 22}' font-size='12'>{e(r['experiment'])}</text>"
-        f"<rect x='220' y='{26 * i + 8}' width='{width:.1f}' height='18' "
-        f"fill='{colour.get(r['state'], '#8c959f')}'><title>{r['value']:.6g} "
-        f"({e(r['state'])})</title></rect>"
+        f"<rect x='220' y='{26 * i + 8}' width='{width:.1f}' height='18' fill='#1a7f37'>"
+        f"<title>{r['value']:.6g}</title></rect>"
         f"<text x='{226 + width:.1f}' y='{26 * i + 22}' font-size='12'>{r['value']:.4g}</text>")
   return (f"<svg class='values' width='680' height='{height}' role='img' "
-          f"aria-label='measurement values'>{''.join(bar)}</svg>")
+          f"aria-label='ranked values'>{''.join(bar)}</svg>")
 
 
-def leaderboard(url: Url, rows: list[dict], checks: dict, probes: dict,
-                contamination: dict) -> str:
-  sections = []
-  for metric in sorted({r["metric"] for r in rows}):
-    ranked = [r for r in rows if r["metric"] == metric]
-    higher = ranked[0]["higher_is_better"]
-    ranked.sort(key=lambda r: (_STATE_ORDER.get(r["state"], 2),
-                               -r["value"] if higher else r["value"]))
-    dirty = contamination.get(metric)
-    body, rank = [], 0
-    for r in ranked:
-      counted = r["state"] == "verified"
-      rank += counted
-      replayed, verified = checks.get(r["proof_id"], (0, 0))
-      overlap = "—" if dirty is None else str(dirty.get(r["proof_id"], 0))
-      body.append(
-          f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
-          f"data-proof-state='{e(r['proof_state'])}'>"
-          f"<td class='num'>{rank if counted else ''}</td><td>{e(r['experiment'])}</td>"
-          f"<td class='num'>{r['value']:.6g}</td><td>{_badge(r['state'])}</td>"
-          f"<td>{_badge(r['proof_state'])}</td>"
-          f"<td><code title='{e(r['checkpoint'])}'>{e(r['checkpoint'][:12])}…</code></td>"
-          f"<td class='num'>{r['steps']}</td><td class='num'>{verified} / {replayed}</td>"
-          f"<td class='num'>{r['sampled']} / {r['batches']}</td>"
-          f"<td class='num'>{probes.get(r['proof_id'], 0)}</td><td class='num'>{overlap}</td>"
-          f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'>transcript</a>"
-          f"{'<br><span class=muted>' + e(r['failure']) + '</span>' if r['failure'] else ''}"
-          f"</td></tr>")
-    plotted = [r for r in ranked if r["state"] in ("verified", "self-reported")]
-    sections.append(f"""
-<h2 id="metric-{e(metric)}">{e(metric)} <span class="muted">({'higher' if higher else 'lower'}
- is better)</span></h2>
-{_bars(plotted)}
-<table class="leaderboard" data-metric="{e(metric)}"><tr><th>rank</th><th>experiment</th>
-<th>value</th><th>measurement</th><th>proof</th><th>checkpoint</th><th>steps</th>
-<th>server-replayed checks</th><th>replayed batches</th><th>distinct probed rows</th>
-<th>probes in eval set</th><th></th></tr>{''.join(body)}</table>""")
+def leaderboards(url: Url, benchmarks: list[dict], measurements: list[dict]) -> str:
+  """The benchmarks (each links to its leaderboard) and the self-reported measurements."""
+  bench_rows = "".join(
+      f"<tr data-benchmark='{e(b['full_name'])}'><td><a href='"
+      f"{e(url('benchmark_page', owner=b['full_name'].split('/')[0], name=b['full_name'].split('/')[1]))}'>"
+      f"{e(b['full_name'])}</a></td><td>{e(b['metric'])}</td>"
+      f"<td>{'higher' if b['higher_is_better'] else 'lower'}</td><td class='num'>{b['rows']}</td>"
+      f"<td class='num'>{b['min_update_check_probability']:g}</td></tr>" for b in benchmarks)
+  measured = "".join(
+      f"<tr data-measurement='{e(m['id'])}' data-state='{e(m['state'])}'>"
+      f"<td>{e(m['experiment'])}</td><td>{e(m['metric'])}</td>"
+      f"<td class='num'>{m['value']:.6g}</td><td>{_badge(m['state'])}</td>"
+      f"<td class='num'>{m['sampled']} / {m['batches']}</td>"
+      f"<td><a href='{e(url('proof_page', proof_id=m['proof_id']))}'>proof</a>"
+      f"{'<br><span class=muted>' + e(m['failure']) + '</span>' if m['failure'] else ''}"
+      f"</td></tr>" for m in measurements)
   return _page(url, "Leaderboard", f"""
-<p>Only {_badge('verified')} measurements are ranked: the server replayed the sampled
-evaluations and recomputed the aggregate on the checkpoint that a verified transcript produced.
-{_badge('self-reported')} values passed the replayed evaluations but their aggregate could
-not be recomputed.</p>{''.join(sections) or '<p>No measurements yet.</p>'}""")
+<p>Rankings belong to benchmarks: the owner registers the evaluation program, the rows and
+the audit a proof needs; the server scores each verified checkpoint itself.</p>
+<table id="benchmarks"><tr><th>benchmark</th><th>metric</th><th>better</th><th>rows</th>
+<th>minimum p</th></tr>{bench_rows}</table>
+<h2>Self-reported measurements</h2>
+<p>{_badge('self-reported')}: the submitter's own program on its own batches; the server
+replayed the batches it chose after the outputs were committed. Never ranked.</p>
+<table id="measurements"><tr><th>experiment</th><th>metric</th><th>value</th><th>state</th>
+<th>replayed batches</th><th></th></tr>{measured}</table>""")
+
+
+# (column key, header) of a benchmark's leaderboard.
+_COLUMNS = (("rank", "rank"), ("experiment", "experiment"), ("value", "value"),
+            ("state", "state"), ("challenger", "challenged by"),
+            ("checks_replayed", "checks replayed"), ("update_check_probability", "p"),
+            ("escape_probability", "escape (1 − p)"), ("start_attested", "start"),
+            ("program_pinned", "program"), ("contamination", "contamination"),
+            ("proof", "proof"))
+
+
+def _entry(url: Url, r: dict) -> str:
+  value = "—" if r["value"] is None else f"{r['value']:.6g}"
+  dirty = (f"<span class='state invalid'>contaminated: {r['contamination']} probed training "
+           f"rows in the evaluation set</span>" if r["contamination"] else "0")
+  state = _badge(r["state"]) + (
+      f"<br><span class=muted>{e(r['failure'])}</span>" if r["failure"] else "")
+  challenger = "DVBench" if r["challenger"] == "dvbench" else e(r["challenger"])
+  return (f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
+          f"data-ranked='{str(r['ranked']).lower()}' data-contamination='{r['contamination']}'>"
+          f"<td class='num'>{r['rank'] or ''}</td><td>{e(r['experiment'])}</td>"
+          f"<td class='num'>{value}</td><td>{state}</td><td>{challenger}</td>"
+          f"<td class='num'>{r['checks_replayed']}</td>"
+          f"<td class='num'>{r['update_check_probability']:g}</td>"
+          f"<td class='num'>{r['escape_probability']:.3g}</td>"
+          f"<td>{'attested' if r['start_attested'] else 'unattested'}</td>"
+          f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}</td><td>{dirty}</td>"
+          f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'><code>"
+          f"{e(r['proof_id'][:12])}…</code></a></td></tr>")
+
+
+def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> str:
+  """A benchmark's definition and its leaderboard (``routes_benchmarks.leaderboard_entries``);
+  the headers of the columns in ``sorts`` link to the page sorted by them."""
+  owner, name = bench["name"].split("/")
+  here = url("benchmark_page", owner=owner, name=name)
+  heads = "".join(
+      f"<th data-column='{key}'>"
+      + (f"<a href='{e(here)}?sort={key}'>{e(title)}</a>{' ▾' if key == sort else ''}"
+         if key in sorts else e(title)) + "</th>" for key, title in _COLUMNS)
+  pins = bench["allowed_programs"]
+  return _page(url, f"Benchmark {bench['name']}", f"""
+<table id="definition">
+<tr><th>metric</th><td>{e(bench['metric'])} ({'higher' if bench['higher_is_better'] else 'lower'}
+ is better), the {e(bench['aggregate'])} of the program's output on every row</td></tr>
+<tr><th>evaluation rows</th><td>{bench['rows']} ({'published' if bench['public_rows'] else
+ 'private to the server; digests public'})</td></tr>
+<tr><th>evaluation program</th><td><code>{e(bench['program'])}</code></td></tr>
+<tr><th>required audit</th><td>server-chosen update checks at p ≥
+ {bench['min_update_check_probability']:g}</td></tr>
+<tr><th>training programs</th><td>{'pinned: ' + ', '.join(e(p[:16]) + '…' for p in pins)
+ if pins is not None else 'not pinned (any)'}</td></tr></table>
+<p>Ranked: scored by the server and no probed training row in the evaluation set. A
+contaminated entry is shown with its count and not ranked.</p>
+{_bars([r for r in entries if r['ranked']])}
+<table class="leaderboard" data-benchmark="{e(bench['name'])}"><tr>{heads}</tr>
+{''.join(_entry(url, r) for r in entries)}</table>""")
 
 
 def _checks_strip(steps: int, checks: list[dict]) -> str:

@@ -1,17 +1,19 @@
-"""HTML pages: proofs, a proof, the leaderboard; links come from the named routes.
+"""HTML pages: proofs, a proof, the leaderboards of benchmarks; links come from the named routes.
 
 Example::
 
-  routes = page_routes(service)  # "/", "/leaderboard", "/proofs/{proof_id}"
+  routes = page_routes(service)  # "/", "/leaderboard", "/benchmarks/{owner}/{name}", "/proofs/{id}"
 """
 
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
 from dvbench.server import labels
 from dvbench.server import page
-from dvbench.server.service import Service
+from dvbench.server import routes_benchmarks
+from dvbench.server.service import Service, check_name
 
 
 def _url(request) -> page.Url:
@@ -30,11 +32,21 @@ class PageRoutes:
 
   async def leaderboard(self, request):
     def gather():
-      rows = self.store.list_measurements()
-      metrics = sorted({r["metric"] for r in rows})
-      return page.leaderboard(_url(request), rows, self.store.check_counts(),
-                              self.store.probe_counts(),
-                              {m: self.store.contamination(m) for m in metrics})
+      return page.leaderboards(_url(request), self.store.list_benchmarks(),
+                               self.store.list_measurements())
+    return HTMLResponse(await run_in_threadpool(gather))
+
+  async def benchmark_page(self, request):
+    sort = routes_benchmarks.sort_key(request.query_params.get("sort", "rank"))
+
+    def gather():
+      full = check_name(request.path_params["owner"], request.path_params["name"])
+      bench = self.store.benchmark(full)
+      if bench is None:
+        raise HTTPException(404, f"unknown benchmark '{full}'.")
+      entries = routes_benchmarks.leaderboard_entries(self.store, bench, sort)
+      return page.benchmark(_url(request), routes_benchmarks.public_benchmark(bench), entries,
+                            sort, routes_benchmarks.SORTS)
     return HTMLResponse(await run_in_threadpool(gather))
 
   async def proof_page(self, request):
@@ -59,5 +71,6 @@ def page_routes(service: Service) -> list[Route]:
       Route("/", api.index, name="index"),
       Route("/api/v1/health", api.health, name="health"),
       Route("/leaderboard", api.leaderboard, name="leaderboard"),
+      Route("/benchmarks/{owner}/{name}", api.benchmark_page, name="benchmark_page"),
       Route("/proofs/{proof_id}", api.proof_page, name="proof_page"),
   ]

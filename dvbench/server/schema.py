@@ -182,3 +182,55 @@ receipts = sa.Table(
     sa.Column("issued_at", sa.Float, nullable=False))
 
 MIGRATION_2_TABLES = (settings, slots, challengers, challenges, proof_blobs, receipts)
+
+
+# -- migration 3: benchmarks, server-run scoring, server-chosen measurement samples ----
+
+benchmarks = sa.Table(
+    "benchmarks", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("owner_id", sa.Integer, sa.ForeignKey("owners.id"), nullable=False),
+    sa.Column("full_name", sa.String(400), unique=True, nullable=False),  # owner/name
+    sa.Column("metric", sa.String(100), nullable=False),
+    sa.Column("higher_is_better", sa.Boolean, nullable=False),
+    sa.Column("aggregate", sa.String(20), nullable=False),  # "mean" or "sum"
+    sa.Column("program", sa.String(64), nullable=False),  # the evaluation program's blob
+    sa.Column("rows", sa.Integer, nullable=False),
+    sa.Column("min_update_check_probability", sa.Float, nullable=False),
+    sa.Column("allowed_programs", sa.Text),  # JSON list of training program ids; None: any
+    sa.Column("public_rows", sa.Boolean, nullable=False),
+    sa.Column("definition", sa.LargeBinary, nullable=False),  # the registered CBOR
+    sa.Column("created_at", sa.Float, nullable=False))
+
+benchmark_blobs = sa.Table(  # blobs uploaded by a benchmark's owner for it
+    "benchmark_blobs", metadata,
+    sa.Column("benchmark", sa.String(400), primary_key=True),  # owner/name
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+benchmark_rows = sa.Table(  # BLAKE3 of each evaluation row of each leaf, computed by the server
+    "benchmark_rows", metadata,
+    sa.Column("benchmark_id", sa.Integer, sa.ForeignKey("benchmarks.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+submissions = sa.Table(
+    "submissions", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # BLAKE3 of benchmark and submission
+    sa.Column("benchmark_id", sa.Integer, sa.ForeignKey("benchmarks.id"), nullable=False),
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),  # pending, scoring, scored, failed
+    sa.Column("value", sa.Float),
+    sa.Column("failure", sa.Text),
+    sa.Column("record", sa.LargeBinary, nullable=False),  # params layout and blobs, CBOR
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False))
+
+measurement_samples = sa.Table(  # the batches the server chose to open, after the commitment
+    "measurement_samples", metadata,
+    sa.Column("measurement_id", sa.String(64), sa.ForeignKey("measurements.id"),
+              primary_key=True),
+    sa.Column("seed", sa.LargeBinary(32), nullable=False),
+    sa.Column("opened", sa.Text, nullable=False),  # JSON list of batch indices
+    sa.Column("openings", sa.LargeBinary))  # CBOR [[index, [blob digests]]...] once sent
+
+MIGRATION_3_TABLES = (benchmarks, benchmark_blobs, benchmark_rows, submissions,
+                      measurement_samples)

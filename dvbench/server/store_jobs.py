@@ -5,14 +5,20 @@ A mixin of ``db.Store``. Example::
   job = store.claim_job("w1", lease_seconds=60)
 """
 
+import json
 import time
 
 import sqlalchemy as sa
 
 from dvbench.server.schema import (checks, eval_rows, eval_sets, experiments, jobs,
-                                   measurements, probes, proofs)
+                                   measurement_samples, measurements, probes, proofs,
+                                   submissions)
 
-MEASUREMENT_STATES = ("pending", "verifying", "verified", "self-reported", "invalid")
+# "committed": outputs committed, the server chose the batches to open; "self-reported":
+# the opened batches replayed and the aggregate recomputed, on the submitter's own program
+# and data (never ranked); "invalid": what failed.
+MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "invalid")
+_RUNNING = {"measurement": (measurements, "verifying"), "score": (submissions, "scoring")}
 
 
 class JobQueries:
@@ -47,8 +53,9 @@ class JobQueries:
       if job["kind"] == "proof":
         self.set_proof_state(job["subject"], "verifying", conn=conn)
       else:
-        conn.execute(measurements.update().where(measurements.c.id == job["subject"]).values(
-            state="verifying", updated_at=now))
+        table, state = _RUNNING[job["kind"]]
+        conn.execute(table.update().where(table.c.id == job["subject"]).values(
+            state=state, updated_at=now))
     return job
 
   def extend_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
@@ -93,16 +100,37 @@ class JobQueries:
 
   # -- measurements, probes, evaluation sets ----------------------------------------
 
-  def add_measurement(self, row: dict) -> dict:
-    """Stores a submission (idempotent by id) and queues its replay."""
+  def add_measurement(self, row: dict, seed: bytes, opened: list[int]) -> dict:
+    """Stores a committed submission (idempotent by id) with the batches the server chose."""
     now = time.time()
     with self.engine.begin() as conn:
       if not conn.execute(sa.select(measurements.c.id).where(
           measurements.c.id == row["id"])).first():
-        conn.execute(measurements.insert().values(**row, state="pending", created_at=now,
+        conn.execute(measurements.insert().values(**row, state="committed", created_at=now,
                                                   updated_at=now))
-        self.enqueue_job(conn, "measurement", row["id"])
+        conn.execute(measurement_samples.insert().values(
+            measurement_id=row["id"], seed=seed, opened=json.dumps(opened)))
     return self.measurement(row["id"])
+
+  def measurement_sample(self, measurement_id: str) -> dict | None:
+    """``{"seed", "opened" (list), "openings" (CBOR or None)}`` of a measurement."""
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(measurement_samples).where(
+          measurement_samples.c.measurement_id == measurement_id)).mappings().first()
+    return None if row is None else {**row, "opened": json.loads(row["opened"])}
+
+  def open_measurement(self, measurement_id: str, openings: bytes) -> bool:
+    """Stores the openings of a committed measurement and queues its replay; False if not
+    committed (already opened)."""
+    with self.engine.begin() as conn:
+      if conn.execute(measurements.update().where(
+          (measurements.c.id == measurement_id) & (measurements.c.state == "committed")
+      ).values(state="pending", updated_at=time.time())).rowcount != 1:
+        return False
+      conn.execute(measurement_samples.update().where(
+          measurement_samples.c.measurement_id == measurement_id).values(openings=openings))
+      self.enqueue_job(conn, "measurement", measurement_id)
+    return True
 
   def measurement(self, measurement_id: str) -> dict | None:
     with self.engine.connect() as conn:

@@ -1,4 +1,4 @@
-"""Validation workers: take closed proofs and measurements as jobs and replay them.
+"""Validation workers: take closed proofs, measurements and benchmark submissions as jobs.
 
 A job is leased (``SKIP LOCKED`` on PostgreSQL, a conditional update on
 SQLite) and the lease is extended while the verifier runs; a worker killed
@@ -7,7 +7,8 @@ Uploaded programs are untrusted: ``zkdv verify`` runs in a child process with
 memory and CPU-time limits, never in the web process, on a private folder
 holding the proof's records and only the blobs uploaded for that proof. A
 server-challenged proof is verified with its challenge key K, then gets a
-signed receipt.
+signed receipt. A benchmark submission is scored the same way: the owner's
+screened program runs on every evaluation row in a limited child.
 
 Example::
 
@@ -27,6 +28,7 @@ import tempfile
 import threading
 import time
 
+import cbor2
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dvbench.server import receipts
@@ -122,12 +124,37 @@ def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str, *,
   with tempfile.TemporaryDirectory(prefix="measure-", dir=blobs.folder.parent) as work:
     folder = pathlib.Path(work)
     (folder / "measurement.cbor").write_bytes(measurement["record"])
+    sample = store.measurement_sample(measurement_id)
+    (folder / "sample.cbor").write_bytes(cbor2.dumps(
+        [sample["opened"], cbor2.loads(sample["openings"])]))
     blobs.link_into(folder / BLOBS_DIR, store.proof_blob_digests(measurement["proof_id"]))
     verdict, failure = _run_limited([sys.executable, "-m", "dvbench.measurement", str(folder)],
                                     memory_bytes, time_limit)
   if verdict is None:
     return "invalid", failure
   return verdict["state"], verdict["failure"]
+
+
+def score_submission(store: Store, blobs: BlobStore, submission_id: str, *,
+                     memory_bytes: int, time_limit: int) -> tuple[str, float | None, str | None]:
+  """(state, value, failure): the benchmark's program run on every row in a limited child,
+  on a private folder holding only the program, the checkpoint's blobs and the rows."""
+  submission = store.submission(submission_id)
+  definition = cbor2.loads(store.benchmark_by_id(submission["benchmark_id"])["definition"])
+  record = cbor2.loads(submission["record"])
+  job = {k: definition[k] for k in ("program", "batch_rows", "aggregate", "params_layout",
+                                    "data_layout", "data_blobs")}
+  job["params_blobs"] = record["params_blobs"]
+  with tempfile.TemporaryDirectory(prefix="score-", dir=blobs.folder.parent) as work:
+    folder = pathlib.Path(work)
+    (folder / "job.cbor").write_bytes(cbor2.dumps(job))
+    blobs.link_into(folder / BLOBS_DIR, sorted({d.hex() for d in [
+        job["program"], *job["data_blobs"], *job["params_blobs"]]}))
+    result, failure = _run_limited([sys.executable, "-m", "dvbench.benchmark", str(folder)],
+                                   memory_bytes, time_limit)
+  if result is None or result["failure"] is not None:
+    return "failed", None, failure or result["failure"]
+  return "scored", result["value"], None
 
 
 def _proof_job(store, blobs, signing_key, job, worker_id, limits) -> tuple[bool, str]:
@@ -144,6 +171,12 @@ def _measurement_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
   state, failure = verify_measurement(store, blobs, job["subject"], **limits)
   return store.complete_measurement_job(job["id"], worker_id, job["subject"], state,
                                         failure), state
+
+
+def _score_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
+  state, value, failure = score_submission(store, blobs, job["subject"], **limits)
+  return store.complete_score_job(job["id"], worker_id, job["subject"], state, value,
+                                  failure), state
 
 
 def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
@@ -169,6 +202,8 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
     try:
       if job["kind"] == "proof":
         kept, state = _proof_job(store, blobs, signing_key, job, worker_id, limits)
+      elif job["kind"] == "score":
+        kept, state = _score_job(store, blobs, job, worker_id, limits)
       else:
         kept, state = _measurement_job(store, blobs, job, worker_id, limits)
     finally:
