@@ -1,6 +1,7 @@
-"""Every sampled check replays bitwise-equal: optimizers x models x options."""
+"""Every sampled check replays bitwise-equal: optimizers x models; donation.
 
-import functools
+The tests that also run the verifier are in ``ExactReplayVerifiedTest``.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 from flax.training import train_state as flax_train_state
 
+import zkdv
 from tests import testing
 from zkdv import verify
 
@@ -19,7 +21,7 @@ STEPS = 3
 def _mlp_setup(proof, tx):
   model = testing.MLP(width=512)
   params = model.init(jax.random.key(0), jnp.ones((1, 64)))["params"]
-  state = testing.zkdv.jax.contrib.TrainState.create(
+  state = zkdv.jax.contrib.TrainState.create(
       proof=proof, apply_fn=model.apply, params=params, tx=tx)
   x = jax.random.normal(jax.random.key(1), (32, 64))
   y = jnp.arange(32) % 10
@@ -61,66 +63,58 @@ def _cnn_setup(proof, tx):
 MODELS = {"dense": _dense_setup, "mlp512": _mlp_setup, "cnn_bn_dropout": _cnn_setup}
 
 
+def _train(model: str, optimizer: str, donate: bool, update_p: float = 1.0,
+           overlap=zkdv.overlap.UNCHECKED, on_step=None):
+  """STEPS steps of ``model``; ``on_step(inputs, outputs)`` sees each call's states."""
+  proof = testing.new_proof(f"{model}-{optimizer}", update_p=update_p, state_p=0.5)
+  proof.start()
+  state, step, batch_for = MODELS[model](proof, testing.OPTIMIZERS[optimizer]())
+  state = state.replace(zkdv_overlap=overlap)
+  train_step = proof.jit(step, donate_argnums=(0,) if donate else ())
+  for i in range(STEPS):
+    new_state = train_step(state, *batch_for(i))
+    if on_step is not None:
+      on_step(state, new_state)
+    state = new_state
+  proof.finish()
+  return proof, state
+
+
+def _assert_all_checks_exact(test, proof) -> None:
+  test.assertEqual(proof.steps, STEPS)
+  test.assertEqual(proof.checks["update"], STEPS)
+  test.assertEqual(proof.failed_checks, [])
+  checks = [r for r in testing.records_of(proof.path, "check") if r["kind"] == "update"]
+  test.assertLen(checks, STEPS)
+  for c in checks:
+    test.assertEqual(c["result"]["mode"], "exact")
+    test.assertTrue(c["result"]["equal"], c["result"])
+    test.assertEqual(c["result"]["max_ulp_error"], 0)
+
+
 class ExactReplayTest(parameterized.TestCase):
 
-  def _train(self, model, optimizer, donate):
-    proof = testing.new_proof(f"{model}-{optimizer}", update_p=1.0, state_p=0.5)
-    proof.start()
-    state, step, batch_for = MODELS[model](proof, testing.OPTIMIZERS[optimizer]())
-    train_step = proof.jit(step, donate_argnums=(0,) if donate else ())
-    for i in range(STEPS):
-      state = train_step(state, *batch_for(i))
-    proof.finish()
-    return proof, state
+  @parameterized.product(donate=[True, False], checked=[True, False])
+  def test_donated_state_is_deleted_unless_the_step_is_opened(self, donate, checked):
+    """An update check opens the step's inputs as zero-copy views, and JAX does not
+    donate a viewed buffer: a checked step keeps its inputs, an unchecked one
+    gives its donated inputs up (NEVER: no view of an earlier step is alive)."""
+    deleted = []
 
-  def _assert_all_checks_exact(self, proof):
-    self.assertEqual(proof.steps, STEPS)
-    self.assertEqual(proof.checks["update"], STEPS)
+    def on_step(state, new_state):
+      deleted.append({x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)})
+      self.assertFalse(any(x.is_deleted() for x in jax.tree.leaves(new_state)))
+
+    proof, _ = _train("mlp512", "adafactor", donate=donate, update_p=1.0 if checked else 0.0,
+                      overlap=zkdv.overlap.NEVER, on_step=on_step)
+    self.assertEqual(deleted, [{donate and not checked}] * STEPS)
     self.assertEqual(proof.failed_checks, [])
-    checks = [r for r in testing.records_of(proof.path, "check") if r["kind"] == "update"]
-    self.assertLen(checks, STEPS)
-    for c in checks:
-      self.assertEqual(c["result"]["mode"], "exact")
-      self.assertTrue(c["result"]["equal"], c["result"])
-      self.assertEqual(c["result"]["max_ulp_error"], 0)
-    report = verify.verify(proof.path)
-    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
-    replayed = [c for c in report.checks if c.kind == "update"]
-    self.assertLen(replayed, STEPS)
-    self.assertTrue(all(c.status == "verified" and c.mode == "exact" for c in replayed))
-
-  @parameterized.product(model=sorted(MODELS), optimizer=sorted(testing.OPTIMIZERS))
-  def test_every_check_replays_bitwise(self, model, optimizer):
-    proof, _ = self._train(model, optimizer, donate=True)
-    self._assert_all_checks_exact(proof)
-
-  @parameterized.parameters(True, False)
-  def test_with_and_without_donation(self, donate):
-    proof, state = self._train("mlp512", "adafactor", donate=donate)
-    self._assert_all_checks_exact(proof)
-    self.assertFalse(any(x.is_deleted() for x in jax.tree.leaves(state)))
-
-  def test_static_argument(self):
-    proof = testing.new_proof("static", update_p=1.0)
-    proof.start()
-    state = testing.classifier_state(proof)
-
-    @functools.partial(proof.jit, static_argnames=("scale",), donate_argnums=0)
-    def train_step(state, batch, scale):
-      grads = jax.grad(lambda p: scale * testing.classifier_loss(state, batch, p))(state.params)
-      return state.apply_gradients(grads=grads)
-
-    for _ in range(STEPS):
-      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH), scale=2.0)
-    proof.finish()
-    self._assert_all_checks_exact(proof)
-    program = testing.records_of(proof.path, "program")[0]
-    self.assertEqual(program["static_arguments"], [["scale", "2.0"]])
+    self.assertEqual(proof.checks["update"], STEPS if checked else 0)
 
   @parameterized.parameters("adam", "sgd_momentum")
   def test_same_update_as_flax_train_state(self, optimizer):
     """The transition is Flax's: the same params as flax TrainState + jax.jit."""
-    proof, state = self._train("dense", optimizer, donate=False)
+    _, state = _train("dense", optimizer, donate=False)
     model = testing.TinyClassifier()
     params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
     flax_state = flax_train_state.TrainState.create(
@@ -131,7 +125,19 @@ class ExactReplayTest(parameterized.TestCase):
     self.assertEqual(int(state.step), int(flax_state.step))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  state.params, flax_state.params)
-    del proof
+
+
+class ExactReplayVerifiedTest(parameterized.TestCase):
+
+  @parameterized.product(model=sorted(MODELS), optimizer=sorted(testing.OPTIMIZERS))
+  def test_every_check_replays_bitwise(self, model, optimizer):
+    proof, _ = _train(model, optimizer, donate=True)
+    _assert_all_checks_exact(self, proof)
+    report = verify.verify(proof.path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    replayed = [c for c in report.checks if c.kind == "update"]
+    self.assertLen(replayed, STEPS)
+    self.assertTrue(all(c.status == "verified" and c.mode == "exact" for c in replayed))
 
 
 if __name__ == "__main__":
