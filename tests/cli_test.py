@@ -109,7 +109,7 @@ class CommandLineTest(absltest.TestCase):
   def test_missing_path_is_one_line_naming_it_and_exits_66(self):
     missing = self.tempdir() / "no-such-run"
     for command in ("verify", "inspect"):
-      result = zkdv(command, missing)
+      result = zkdv(command, missing, "--json")
       self.assertEqual(result.returncode, cli.EXIT_NO_TRANSCRIPT, result.stderr)
       self.assertEqual(result.stdout, "")
       self.assertEqual(result.stderr, f"zkdv {command}: no such file or folder: "

@@ -29,19 +29,19 @@ from zkdv.config import Tolerance
 
 EXIT_USAGE = 64  # sysexits.h EX_USAGE: the command line is wrong
 EXIT_NO_TRANSCRIPT = 66  # sysexits.h EX_NOINPUT: no transcript at PATH
-_EXIT_CODES = """exit codes:
+_NO_REPORT_CODES = f"""  {EXIT_USAGE}  usage error (unknown option, bad argument)
+  {EXIT_NO_TRANSCRIPT}  no transcript at PATH: it does not exist or is not a ZKDV transcript
+{EXIT_USAGE} and {EXIT_NO_TRANSCRIPT} write to stderr only: no report on stdout, even with --json.
+"""
+_EXIT_CODES = f"""exit codes:
   0   verified: every required claim holds
   1   invalid, or a required claim does not hold
   2   could not verify (the transcript, or a required claim)
-  64  usage error (unknown option, bad argument)
-  66  no transcript at PATH: it does not exist or is not a ZKDV transcript
-"""
-_INSPECT_EXIT_CODES = """exit codes:
+{_NO_REPORT_CODES}"""
+_INSPECT_EXIT_CODES = f"""exit codes:
   0   summarized
   2   the transcript or one of its programs cannot be read
-  64  usage error (unknown option, bad argument)
-  66  no transcript at PATH: it does not exist or is not a ZKDV transcript
-"""
+{_NO_REPORT_CODES}"""
 MAX_LISTED = 10  # transcripts named in the hint for a folder of transcripts
 
 
