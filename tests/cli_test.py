@@ -65,6 +65,7 @@ class VerifyCliTest(absltest.TestCase):
 
 
 class _Terminal(io.StringIO):
+  """A stream that says it is a terminal, e.g. ``cli.progress_bar(_Terminal(), "x")``."""
 
   def isatty(self):
     return True
