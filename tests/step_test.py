@@ -1,0 +1,108 @@
+"""proof.jit's programs: one update per call, a program per static state, inputs in order.
+
+The tests that also run the verifier are in ``StepVerifiedTest``.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl.testing import absltest
+
+from tests import testing
+from zkdv import errors
+from zkdv import verify
+
+BATCH = jnp.asarray(testing.TUTORIAL_BATCH)
+
+
+def _steps_with_tx_change(name: str):
+  """Two steps with adam(1e-2), then two with adam(1e-3) set by ``state.replace(tx=...)``."""
+  proof = testing.new_proof(name, update_p=1.0)
+  proof.start()
+  state = testing.classifier_state(proof, tx=optax.adam(1e-2))
+  train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+  for _ in range(2):
+    state = train_step(state, BATCH)
+  state = state.replace(tx=optax.adam(1e-3))  # the same optimizer state, another static tx
+  for _ in range(2):
+    state = train_step(state, BATCH)
+  proof.finish()
+  return proof
+
+
+class StepTest(absltest.TestCase):
+
+  def test_two_updates_in_one_step_are_refused_and_nothing_is_recorded(self):
+    proof = testing.new_proof("two-updates")
+    proof.start()
+    state = testing.classifier_state(proof)
+
+    @proof.jit
+    def two_updates(state, batch):
+      return testing.classifier_step(testing.classifier_step(state, batch), batch)
+
+    with self.assertRaisesRegex(errors.UnsupportedUpdateError,
+                                r"calls apply_gradients\(\) 2 times"):
+      two_updates(state, BATCH)
+    self.assertEqual(proof.steps, 0)
+    proof.jit(testing.classifier_step)(state, BATCH)  # a correct step still records
+    proof.finish()
+    self.assertLen(testing.records_of(proof.path, "program"), 1)
+    self.assertLen(testing.records_of(proof.path, "step"), 1)
+
+  def test_changed_tx_records_a_new_program_and_the_chain_continues(self):
+    proof = _steps_with_tx_change("tx-change")
+    programs = testing.records_of(proof.path, "program")
+    self.assertLen(programs, 2)
+    self.assertNotEqual(programs[0]["program_id"], programs[1]["program_id"])
+    self.assertEqual([s["program"] for s in testing.records_of(proof.path, "step")],
+                     [0, 0, 1, 1])
+    self.assertEqual(proof.discontinuities, [])
+    self.assertEqual(proof.failed_checks, [])
+
+  def test_the_same_tx_reuses_its_program(self):
+    proof = testing.new_proof("same-tx")
+    proof.start()
+    tx = optax.adam(1e-2)
+    state = testing.classifier_state(proof, tx=tx)
+    train_step = proof.jit(testing.classifier_step)
+    for _ in range(3):
+      state = train_step(state.replace(tx=tx), BATCH)
+    proof.finish()
+    self.assertLen(testing.records_of(proof.path, "program"), 1)
+
+  def test_inputs_are_classified_and_named_in_call_order(self):
+    proof = testing.new_proof("input-order")
+    proof.start()
+    state = testing.classifier_state(proof)
+
+    @proof.jit
+    def train_step(batch, state, *, scale):
+      return testing.classifier_step(state, batch * scale)
+
+    train_step(BATCH, state, scale=jnp.uint32(1))
+    with self.assertRaisesRegex(errors.StepInputError,
+                                r"batch leaf \[1\]\['scale'\] is uint32\[2\]"):
+      train_step(BATCH, state, scale=jnp.ones(2, jnp.uint32))
+    proof.finish()
+    program = testing.records_of(proof.path, "program")[0]
+    leaves = len(jax.tree.leaves(state))
+    self.assertEqual(program["inputs"], ["batch"] + ["state"] * leaves + ["batch"])
+    self.assertEqual([l["path"] for l in program["batch_layout"]], ["[0][0]", "[1]['scale']"])
+    self.assertEqual(program["state_layout"][0]["path"], ".step")
+    self.assertEqual(program["post_state_outputs"], list(range(leaves)))
+    (built,) = train_step._programs.values()  # pylint: disable=protected-access
+    self.assertEqual([l.path for l in built.input_layouts],
+                     ["[0][0]"] + [l["path"] for l in program["state_layout"]] + ["[1]['scale']"])
+
+
+class StepVerifiedTest(absltest.TestCase):
+
+  def test_a_run_with_a_changed_tx_verifies(self):
+    report = verify.verify(_steps_with_tx_change("tx-change").path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual(report.steps, 4)
+
+
+if __name__ == "__main__":
+  absltest.main()
