@@ -17,7 +17,7 @@ from dvbench.server.service import Service, check_name
 
 
 def _url(request) -> page.Url:
-  return lambda name, **params: str(request.app.url_path_for(name, **params))
+  return lambda route, /, **params: str(request.app.url_path_for(route, **params))
 
 
 class PageRoutes:
