@@ -32,7 +32,6 @@ import cbor2
 import jax
 import numpy as np
 
-from dvbench import errors
 from dvbench.measurement import load_checkpoint, tree_layouts
 from zkdv import digest
 from zkdv import transcript

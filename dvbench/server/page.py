@@ -84,9 +84,12 @@ def _bars(rows: list[dict]) -> str:
 
 def leaderboards(url: Url, benchmarks: list[dict], measurements: list[dict]) -> str:
   """The benchmarks (each links to its leaderboard) and the self-reported measurements."""
+  def link(full_name: str) -> str:
+    owner, name = full_name.split("/")
+    return e(url("benchmark_page", owner=owner, name=name))
+
   bench_rows = "".join(
-      f"<tr data-benchmark='{e(b['full_name'])}'><td><a href='"
-      f"{e(url('benchmark_page', owner=b['full_name'].split('/')[0], name=b['full_name'].split('/')[1]))}'>"
+      f"<tr data-benchmark='{e(b['full_name'])}'><td><a href='{link(b['full_name'])}'>"
       f"{e(b['full_name'])}</a></td><td>{e(b['metric'])}</td>"
       f"<td>{'higher' if b['higher_is_better'] else 'lower'}</td><td class='num'>{b['rows']}</td>"
       f"<td class='num'>{b['min_update_check_probability']:g}</td></tr>" for b in benchmarks)

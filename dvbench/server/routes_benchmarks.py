@@ -24,7 +24,6 @@ from starlette.routing import Route
 from dvbench.server import labels
 from dvbench.server.service import HEX_ID, NAME, Service, check_name, decode
 from zkdv import digest
-from zkdv import transcript
 
 _DEFINITION = {"type", "metric", "higher_is_better", "aggregate", "batch_rows", "program",
                "params_layout", "data_layout", "data_blobs", "min_update_check_probability",

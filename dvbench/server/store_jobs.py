@@ -176,17 +176,6 @@ class JobQueries:
                                           for d in sorted(set(digests))])
     return True
 
-  def contamination(self, metric: str) -> dict[str, int] | None:
-    """Per proof: probed training rows equal to rows of the metric's evaluation set."""
-    with self.engine.connect() as conn:
-      if not conn.execute(sa.select(eval_sets.c.metric).where(
-          eval_sets.c.metric == metric)).first():
-        return None
-      query = (sa.select(probes.c.proof_id, sa.func.count())
-               .select_from(probes.join(eval_rows, eval_rows.c.digest == probes.c.digest))
-               .where(eval_rows.c.metric == metric).group_by(probes.c.proof_id))
-      return dict(conn.execute(query).all())
-
   def check_counts(self) -> dict[str, tuple[int, int]]:
     """Per proof: (checks replayed by the server, of which verified)."""
     query = sa.select(checks.c.proof_id, sa.func.count(),
