@@ -1,4 +1,10 @@
-"""zkdv.jax.contrib.TrainState behaves like Flax's and records only under proof.jit."""
+"""zkdv.jax.contrib.TrainState behaves like Flax's and records only under proof.jit.
+
+The tests that also run the verifier are in ``TrainStateVerifiedTest``.
+"""
+
+import re
+from unittest import mock
 
 import chex
 import jax
@@ -13,6 +19,19 @@ import zkdv
 from tests import testing
 from zkdv import verify
 from zkdv.jax.contrib import TrainState
+
+
+def _lowered_step(state) -> str:
+  """The StableHLO of the tutorial step on ``state`` under jax.jit, without its module name."""
+  lowered = jax.jit(testing.classifier_step).lower(state, jnp.asarray(testing.TUTORIAL_BATCH))
+  return re.sub(r"^module @\S+", "module", lowered.as_text(debug_info=False))
+
+
+def _classifier_states(tx) -> tuple[TrainState, flax_train_state.TrainState]:
+  model = testing.TinyClassifier()
+  params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+  return (TrainState.create(apply_fn=model.apply, params=params, tx=tx),
+          flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx))
 
 
 class TrainStateTest(chex.TestCase):
@@ -40,15 +59,43 @@ class TrainStateTest(chex.TestCase):
     chex.assert_trees_all_equal(ours.opt_state, theirs.opt_state)
     self.assertEqual(int(ours.step), 3)
 
+  def test_runs_flax_apply_gradients(self):
+    flax_apply = flax_train_state.TrainState.apply_gradients
+    with mock.patch.object(flax_train_state.TrainState, "apply_gradients", autospec=True,
+                           side_effect=flax_apply) as spy:
+      TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1)
+                        ).apply_gradients(grads={"w": jnp.ones(2)})
+      TrainState.create(apply_fn=None, params=jnp.ones(2), tx=optax.sgd(0.1)
+                        ).apply_gradients(grads=jnp.ones(2))
+    self.assertEqual(spy.call_count, 2)
+
+  def test_step_lowers_to_the_same_program_as_flax(self):
+    ours, theirs = _classifier_states(optax.adamw(1e-2))
+    self.assertEqual(_lowered_step(ours), _lowered_step(theirs))
+
+  @chex.variants(with_jit=True, without_jit=True)
   def test_bare_array_params_of_the_quick_start(self):
     state = TrainState.create(params=jnp.arange(8, dtype=jnp.float32),
                               apply_fn=lambda v, b: v["params"] * b, tx=optax.sgd(0.5))
-    new = jax.jit(lambda s: s.apply_gradients(grads=jnp.ones(8)))(state)
+    new = self.variant(lambda s: s.apply_gradients(grads=jnp.ones(8)))(state)
     np.testing.assert_array_equal(new.params, np.arange(8, dtype=np.float32) - 0.5)
+    self.assertIs(new.tx, state.tx)
     with self.assertRaises(Exception):  # Flax's own class raises on bare arrays
       flax_train_state.TrainState.create(
           params=jnp.arange(8.0), apply_fn=None, tx=optax.sgd(0.5)
       ).apply_gradients(grads=jnp.ones(8))
+
+  def test_bare_array_params_update_as_the_same_params_in_a_dict(self):
+    tx = optax.adam(1e-1)
+    bare = TrainState.create(apply_fn=None, params=jnp.arange(4.0), tx=tx)
+    boxed = flax_train_state.TrainState.create(apply_fn=None, params={"w": jnp.arange(4.0)},
+                                               tx=tx)
+    for grads in (jnp.ones(4), jnp.arange(4.0) - 2):
+      bare = bare.apply_gradients(grads=grads)
+      boxed = boxed.apply_gradients(grads={"w": grads})
+    chex.assert_trees_all_equal(bare.params, boxed.params["w"])
+    chex.assert_trees_all_equal(jax.tree.leaves(bare.opt_state), jax.tree.leaves(boxed.opt_state))
+    self.assertEqual(int(bare.step), 2)
 
   def test_overwrite_with_gradient_convention(self):
     params = {"params": {"w": jnp.ones(3)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(())}}
@@ -80,24 +127,38 @@ class TrainStateTest(chex.TestCase):
     self.assertEqual(testing.records_of(proof.path, "step"), [])
 
   def test_bare_array_quick_start_under_proof_jit(self):
-    proof = testing.new_proof("quick-start", update_p=1.0)
-    proof.start()
-    state = TrainState.create(proof=proof, params=jnp.arange(8, dtype=jnp.float32),
-                              apply_fn=lambda v, b: v["params"] * b, tx=optax.sgd(0.1))
-
-    @proof.jit
-    def train_step(state, batch):
-      grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, batch)))(state.params)
-      return state.apply_gradients(grads=grads)
-
-    for i in range(3):
-      state = train_step(state, jnp.full(8, float(i)))
-    proof.finish()
-    np.testing.assert_allclose(state.params, np.arange(8) - 0.1 * (0 + 1 + 2), rtol=1e-6)
-    self.assertEqual(verify.verify(proof.path).verdict, verify.VERIFIED)
+    proof, state = _bare_array_run()
+    np.testing.assert_allclose(state.params, np.arange(8) - 0.1 * (0 + 1 + 2),
+                               rtol=1e-6)
     program = testing.records_of(proof.path, "program")[0]
     self.assertEqual([l["path"] for l in program["state_layout"]], [".step", ".params"])
     self.assertEqual(program["params_leaves"], [1])
+    self.assertEqual(proof.failed_checks, [])
+
+
+def _bare_array_run():
+  """Three proof.jit steps on bare-array params; returns (proof, last state)."""
+  proof = testing.new_proof("quick-start", update_p=1.0)
+  proof.start()
+  state = TrainState.create(proof=proof, params=jnp.arange(8, dtype=jnp.float32),
+                            apply_fn=lambda v, b: v["params"] * b, tx=optax.sgd(0.1))
+
+  @proof.jit
+  def train_step(state, batch):
+    grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, batch)))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  for i in range(3):
+    state = train_step(state, jnp.full(8, float(i)))
+  proof.finish()
+  return proof, state
+
+
+class TrainStateVerifiedTest(absltest.TestCase):
+
+  def test_bare_array_quick_start_verifies(self):
+    report = verify.verify(_bare_array_run()[0].path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
 
 
 if __name__ == "__main__":
