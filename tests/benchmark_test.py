@@ -111,7 +111,7 @@ class BenchmarkTest(DVBenchTestCase):
     rows = {r["data-experiment"]: r for r in page.rows}
     self.assertEqual(rows["your-name/honest"]["data-ranked"], "true")
     self.assertEqual(rows["your-name/on-eval-set"]["data-ranked"], "false")
-    self.assertIn(f"contaminated: {contaminated['contamination']} probed training rows", dom)
+    self.assertIn(f"evaluation set\">contaminated: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"/proofs/{self.honest_proof}", dom)
     self.assertIn("<svg class=\"values\"", dom)
     self.assertIn("/benchmarks/alice/tiny-accuracy", httpx.get(

@@ -124,8 +124,8 @@ _COLUMNS = (("rank", "rank"), ("experiment", "experiment"), ("value", "value"),
 
 def _entry(url: Url, r: dict) -> str:
   value = "—" if r["value"] is None else f"{r['value']:.6g}"
-  dirty = (f"<span class='state invalid'>contaminated: {r['contamination']} probed training "
-           f"rows in the evaluation set</span>" if r["contamination"] else "0")
+  dirty = (f"<span class='state invalid' title='probed training rows found in the evaluation "
+           f"set'>contaminated: {r['contamination']}</span>" if r["contamination"] else "0")
   state = _badge(r["state"]) + (
       f"<br><span class=muted>{e(r['failure'])}</span>" if r["failure"] else "")
   challenger = "DVBench" if r["challenger"] == "dvbench" else e(r["challenger"])
