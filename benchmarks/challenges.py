@@ -1,12 +1,13 @@
 """What live server challenges cost: DVBench-chosen checks against self-sampling.
 
-  python -m benchmarks.challenges [--batch 1024 128] [--rounds 6] [--block 5] [--p 0.1]
+  python -m benchmarks.challenges [--batch 1024 128] [--p 0.1] [--window 8] [--rounds 6] [--block 5]
 
 On the benchmark MLP (784-1024x4-10, Adam), in one process and alternating in
 blocks of ``--block`` steps: ``jax.jit``; ``proof.jit`` with self-sampled
 checks at p (offline, no upload); ``proof.jit`` through a live ``dvbench serve``
 on loopback (no workers, so the server only stores, challenges and acks) with
-the server's p. Each step is timed to its outputs being ready; *throughput*
+the server's p, once keeping every unanswered step's buffers (``retention="window"``)
+and once a snapshot per window (``retention="snapshot"``). Each step is timed to its outputs being ready; *throughput*
 also counts the time to settle the block (every step committed and, with the
 server, every challenge answered). Peak RSS comes from a fresh subprocess per
 configuration; "generations" is its excess over ``jax.jit`` in units of the
@@ -28,13 +29,14 @@ from flax.training import train_state
 import zkdv
 from benchmarks import common
 
-ROWS = ("jax.jit", "proof.jit self-sampled", "proof.jit DVBench live")
+ROWS = ("jax.jit", "proof.jit self-sampled", "proof.jit DVBench live",
+        "proof.jit DVBench live, snapshot")
 
 
 class Runner:
   """One configuration's state and step."""
 
-  def __init__(self, row: str, batch_size: int, p: float, folder: str):
+  def __init__(self, row: str, batch_size: int, p: float, folder: str, window: int = 4):
     model, params, self.batch = common.mlp_workload(batch_size)
     self.proof = None
     if row == "jax.jit":
@@ -43,14 +45,15 @@ class Runner:
       self._step = jax.jit(common.train_step, donate_argnums=0)
       return
     config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
-                             output_dir=f"{folder}/{row.split()[1]}-{batch_size}")
+                             output_dir=f"{folder}/{row.replace(' ', '_')}-{batch_size}",
+                             retention="snapshot" if row.endswith("snapshot") else "window")
     if row == "proof.jit self-sampled":
       self.proof = zkdv.jax.ZKDV("challenges-benchmark", config)
     else:
       import dvbench  # pylint: disable=g-import-not-at-top
       client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
       self.proof = client.experiment("bench/challenges").proof(config=config)
-    self.proof.start(rolling_window=4)
+    self.proof.start(rolling_window=window)
     self.state = zkdv.jax.contrib.TrainState.create(
         proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
     self._step = self.proof.jit(common.train_step, donate_argnums=0)
@@ -69,19 +72,20 @@ def state_bytes(batch_size: int) -> int:
   return 3 * sum(x.nbytes for x in jax.tree.leaves(params))  # params + Adam's mu and nu
 
 
-def peak_rss_mb(row: str, batch_size: int, p: float, steps: int) -> float:
+def peak_rss_mb(row: str, batch_size: int, p: float, window: int, steps: int) -> float:
   """Peak RSS (VmHWM) of a fresh process running ``steps`` steps of one configuration."""
   code = (f"import jax; from benchmarks import challenges;"
-          f"r = challenges.Runner({row!r}, {batch_size}, {p}, {tempfile.mkdtemp()!r})\n"
+          f"r = challenges.Runner({row!r}, {batch_size}, {p}, {tempfile.mkdtemp()!r}, "
+          f"{window})\n"
           f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
           f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return int(out.stdout.split()[-1]) / 1024
 
 
-def measure(batch_size: int, p: float, rounds: int, block: int) -> list[list]:
+def measure(batch_size: int, p: float, window: int, rounds: int, block: int) -> list[list]:
   folder = tempfile.mkdtemp(prefix="zkdv-challenges-")
-  runners = {row: Runner(row, batch_size, p, folder) for row in ROWS}
+  runners = {row: Runner(row, batch_size, p, folder, window) for row in ROWS}
   for r in runners.values():  # warm-up: compile, first commitments
     for _ in range(3):
       jax.block_until_ready(r.step())
@@ -101,7 +105,7 @@ def measure(batch_size: int, p: float, rounds: int, block: int) -> list[list]:
     if r.proof is not None:
       r.proof.finish()
   base_step, base_block = common.median(steps["jax.jit"]), common.median(blocks["jax.jit"])
-  rss = {row: peak_rss_mb(row, batch_size, p, 24) for row in ROWS}
+  rss = {row: peak_rss_mb(row, batch_size, p, window, 4 * window + 8) for row in ROWS}
   generation = state_bytes(batch_size) / 2**20
   table = []
   for row in ROWS:
@@ -116,19 +120,22 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, nargs="+", default=[1024, 128])
   parser.add_argument("--p", type=float, default=0.1, help="update check probability")
+  parser.add_argument("--window", type=int, default=8, help="rolling window")
   parser.add_argument("--rounds", type=int, default=6)
   parser.add_argument("--block", type=int, default=5)
   args = parser.parse_args(argv)
   from dvbench.server.local import LocalServer  # pylint: disable=g-import-not-at-top
   server = LocalServer(workers=0, extra_args=(
-      "--min-update-check-probability", str(args.p))).start()
+      "--min-update-check-probability", str(args.p), "--max-window", str(args.window))).start()
   try:
     os.environ.update(DVBENCH_URL=server.url, DVBENCH_TOKEN=server.token("bench"))
-    tables = [row for b in args.batch for row in measure(b, args.p, args.rounds, args.block)]
+    tables = [row for b in args.batch
+              for row in measure(b, args.p, args.window, args.rounds, args.block)]
   finally:
     server.stop()
   common.print_table(
-      f"Live challenges on the MLP, p={args.p}, window 4, {args.rounds * args.block} steps "
+      f"Live challenges on the MLP, p={args.p}, window {args.window}, "
+      f"{args.rounds * args.block} steps "
       f"per row, {jax.devices()[0].platform}",
       ["configuration", "median step ms", "step ratio", "throughput ratio (incl. settle)",
        "update checks", "peak RSS MB", "generations over jax.jit"], tables)

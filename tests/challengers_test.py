@@ -15,6 +15,7 @@ from zkdv import challenge
 from zkdv import challengers
 from zkdv import errors
 from zkdv import transcript
+from zkdv import verify
 
 
 class ChallengeFunctionsTest(parameterized.TestCase):
@@ -102,11 +103,12 @@ class _LateProof(zkdv.jax.ZKDV):
     return delivered
 
 
-def _late_proof(update_p=1.0, window=2, timeout_s=30.0):
+def _late_proof(update_p=1.0, window=2, timeout_s=30.0, retention="window", state_p=0.0):
   folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-test-")) / "late"
   proof = _LateProof("late", zkdv.ZKDVConfig(
-      sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p),
-      output_dir=folder))
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p,
+                                          state_check_probability=state_p),
+      output_dir=folder, retention=retention))
   proof.timeout_s = timeout_s
   proof.start(rolling_window=window, probe_ratio=0.5)
   return proof
@@ -141,7 +143,7 @@ def _wait(predicate, timeout=30.0):
     time.sleep(0.02)
 
 
-class LateDecisionsTest(absltest.TestCase):
+class LateDecisionsTest(parameterized.TestCase):
 
   def _train(self, proof, steps):
     state = testing.classifier_state(proof)
@@ -172,13 +174,17 @@ class LateDecisionsTest(absltest.TestCase):
     self.assertEqual(proof.checks["update"], 5)
     self.assertEqual(proof.failed_checks, [])
 
-  def test_only_decided_checks_are_answered(self):
-    proof = _late_proof(update_p=0.5, window=3)
+  @parameterized.parameters("window", "snapshot")
+  def test_only_decided_checks_are_answered_and_verify(self, retention):
+    proof = _late_proof(update_p=0.5, state_p=0.3, window=3, retention=retention)
     with _Serving(proof):
       self._train(proof, 12)
       proof.finish()
+    self.assertEqual(proof.failed_checks, [])
+    report = verify.verify(proof.path, challenge_key=proof.key)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     records = transcript.read_transcript(proof.path).records
-    policy = challenge.Policy(0.5, 0.0, 0.5, 3)
+    policy = challenge.Policy(0.5, 0.3, 0.5, 3)
     expected = [t for t, r in enumerate(r for r in records if r.record["type"] == "step")
                 if challenge.decide(t, challenge.step_challenge_server(proof.key, r.record_id),
                                     policy).update]

@@ -10,6 +10,7 @@ import dataclasses
 import os
 
 DIGEST_BACKENDS = ("auto", "host", "device")
+RETENTIONS = ("window", "snapshot")
 
 
 def _check_probability(name: str, value: float) -> float:
@@ -66,6 +67,13 @@ class ZKDVConfig:
       replicated leaf after each step and raise ``ReplicaDivergenceError`` when
       one differs from the committed copy (replicas are otherwise hashed once;
       across processes, process 0 raises it from ``finish()``).
+    retention: what a step keeps while its challenge is pending (a server's
+      challenges arrive after the step ran): ``"window"`` keeps zero-copy views
+      of each unanswered step's inputs and outputs (up to ``rolling_window`` + 1
+      generations of state alive, nothing recomputed); ``"snapshot"`` keeps one
+      snapshot of the state per window plus each step's batch and recomputes a
+      challenged step's pre- and post-state exactly on demand (about two
+      generations; up to ``rolling_window`` extra steps run per challenge).
   """
 
   sampling_policy: SamplingPolicy = SamplingPolicy()
@@ -73,6 +81,7 @@ class ZKDVConfig:
   digest_backend: str = "auto"
   output_dir: str | os.PathLike | None = None
   cross_check_replicas: bool = False
+  retention: str = "window"
 
   def __post_init__(self):
     if not isinstance(self.sampling_policy, SamplingPolicy):
@@ -84,6 +93,8 @@ class ZKDVConfig:
     if not isinstance(self.cross_check_replicas, bool):
       raise TypeError("cross_check_replicas must be a bool, got "
                       f"{self.cross_check_replicas!r}.")
+    if self.retention not in RETENTIONS:
+      raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}.")
     if self.digest_backend not in DIGEST_BACKENDS:
       raise ValueError(f"digest_backend must be one of {DIGEST_BACKENDS}, got "
                        f"{self.digest_backend!r}.")
@@ -95,4 +106,5 @@ class ZKDVConfig:
         "atol": self.tolerance.atol,
         "digest_backend": self.digest_backend,
         "cross_check_replicas": self.cross_check_replicas,
+        "retention": self.retention,
     }

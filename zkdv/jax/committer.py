@@ -49,11 +49,14 @@ class StepJob:
       before donation (then ``pre_started`` is None).
     rows_started: the batch rows' started hashes (None when hashed already).
     batch_hashed: the batch's row hashes when computed before donation.
-    opened: host copies of every input leaf, kept when an update check is
-      decided or may be (a pending decision).
+    opened: host views of every input leaf, kept when an update check is
+      decided or may be (a pending decision); with ``retention="snapshot"``,
+      of the batch leaves alone (None for state leaves) except at a snapshot.
     decision: the challenger's decision, or None while it is pending.
     checked: in a multi-process run, (whole post-state, replayed post-state)
       gathered on the training thread for the checks.
+    snapshot: whether ``opened`` holds the whole inputs a pending step's
+      successors are recomputed from (``retention="snapshot"``).
   """
 
   index: int
@@ -67,6 +70,7 @@ class StepJob:
   opened: list | None = None
   decision: challenge.Decision | None = None
   checked: tuple | None = None
+  snapshot: bool = False
 
 
 @dataclasses.dataclass
@@ -90,11 +94,13 @@ class CommittedState:
 
 @dataclasses.dataclass
 class _Pending:
-  """What a step whose decision is pending keeps to answer any challenge."""
+  """What a step whose decision is pending keeps to answer any challenge
+  (``post_views`` is None when it is recomputed from a snapshot)."""
 
   job: StepJob
-  post_views: list
+  post_views: list | None
   trees: list
+  post_digest: bytes
 
 
 class Committer:
@@ -122,6 +128,7 @@ class Committer:
     self.last: CommittedState | None = None
     self._program_numbers: dict[bytes, int] = {}
     self._pending: dict[int, _Pending] = {}
+    self._kept: dict[int, StepJob] = {}  # steps a pending step is recomputed through
     self._init = None
 
   # -- the training thread's side ---------------------------------------------
@@ -184,7 +191,9 @@ class Committer:
     whole post-state and replayed outputs, gathered on the training thread).
     """
     program, decision = job.program, job.decision
-    checks_post = decision is None or decision.any_check
+    recomputed = decision is None and self.config.retention == "snapshot"
+    checks_post = (decision is None and not recomputed) or (decision is not None
+                                                             and decision.any_check)
     # Checks need the post-state on the host: take views before the next step may donate it.
     post_views = ([arrays.host_view(x) for x in job.post]
                   if checks_post and job.checked is None else None)
@@ -224,7 +233,9 @@ class Committer:
     if job.checked is not None:
       post_views = job.checked[0]
     if decision is None:
-      self._pending[job.index] = _Pending(job, post_views, trees)
+      self._pending[job.index] = _Pending(job, post_views, trees, post_digest)
+      if recomputed:
+        self._kept[job.index] = job
     else:
       self._answer(job, decision, post_views, trees)
     _cross_check_replicas(job.index, program.post_layouts, post_pieces,
@@ -242,11 +253,46 @@ class Committer:
     return pre_digest
 
   def _answer_pending(self, decision: challenge.Decision) -> None:
-    pending = self._pending.pop(decision.step, None)
+    pending = self._pending.get(decision.step)
     if pending is None:
       raise errors.CommitmentError(
           f"a challenge arrived for step {decision.step}, which is not awaiting one.")
-    self._answer(pending.job, decision, pending.post_views, pending.trees)
+    job, post_views = pending.job, pending.post_views
+    if post_views is None and (decision.update or decision.state):
+      job, post_views = self._recompute(pending)
+    self._answer(job, decision, post_views, pending.trees)
+    del self._pending[decision.step]
+    self._release_kept()
+
+  def _recompute(self, pending: _Pending):
+    """(job with whole inputs, post-state) of a step, recomputed exactly from the last
+    snapshot before it by the executable production ran (``retention="snapshot"``)."""
+    target, program = pending.job, pending.job.program
+    start = max(i for i, job in self._kept.items() if i <= target.index and job.snapshot)
+    layouts = program.input_layouts
+    state = [self._kept[start].opened[i] for i in program.state_indices]
+    for index in range(start, target.index + 1):
+      opened = list(self._kept[index].opened)
+      for i, value in zip(program.state_indices, state):
+        opened[i] = value
+      outs = program.executable(*[arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)])
+      state = [arrays.host_copy(outs[i]) for i in program.post_indices]
+    if digest.digest_state_arrays(program.post_layouts, state)[0] != pending.post_digest:
+      raise errors.ReplayError(
+          f"recomputing step {target.index} from the snapshot of step {start} does not "
+          "reproduce its committed post-state: the step is not deterministic here. Use "
+          'ZKDVConfig(retention="window").')
+    return dataclasses.replace(target, opened=opened), state
+
+  def _release_kept(self) -> None:
+    """Drops the kept steps that no unanswered or future step is recomputed through."""
+    if not self._kept:
+      return
+    anchor = min(self._pending) if self._pending else max(self._kept) + 1
+    start = max((i for i, job in self._kept.items() if i <= anchor and job.snapshot),
+                default=anchor)
+    for index in [i for i in self._kept if i < start]:
+      del self._kept[index]
 
   def _answer(self, job: StepJob, decision, post_views, trees) -> None:
     """Writes the check records that answer ``decision``; then the openings go."""

@@ -91,6 +91,7 @@ class ZKDV:
     self._registered: dict[str, ProofFunction] = {}
     self._last_post_leaves: list | None = None
     self._last_program = None
+    self._snapshot_at = None  # (step, program) of the last snapshot (retention="snapshot")
     self._lock = threading.Lock()
 
   def __repr__(self):
@@ -439,13 +440,28 @@ class ZKDV:
       job.batch_hashed = self._committer.hash_batch(program, index, job.rows_started,
                                                     decision, copy=True)
       job.rows_started = None
-    if decision is None or decision.update:
+    if decision is None and self.config.retention == "snapshot":
+      self._keep_for_recomputation(job, leaves, continuous)
+    elif decision is None or decision.update:
       # Openings are whole leaves. A zero-copy host view keeps its input alive (JAX does
       # not donate a buffer a view holds), so nothing is copied; across processes,
       # gathering them is a collective.
       open_leaf = arrays.gather if self._group.multi else arrays.host_view
       job.opened = [open_leaf(x) for x in leaves]
     return job
+
+  def _keep_for_recomputation(self, job: StepJob, leaves: list, continuous: bool) -> None:
+    """``retention="snapshot"``: views of the whole inputs at a window's first step (or
+    where the chain of identical programs breaks), of the batch alone elsewhere."""
+    program, window = job.program, self.policy.rolling_window
+    snapshot = self._snapshot_at
+    job.snapshot = (snapshot is None or not continuous or snapshot[1] is not program
+                    or job.index - snapshot[0] >= window)
+    if job.snapshot:
+      self._snapshot_at = (job.index, program)
+    batch = set(program.batch_indices)
+    job.opened = [arrays.host_view(x) if job.snapshot or i in batch else None
+                  for i, x in enumerate(leaves)]
 
   def _waiting_for_window(self, seconds: float) -> None:
     if not self._group.multi:
