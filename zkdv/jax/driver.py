@@ -24,25 +24,21 @@ import logging
 import os
 import pathlib
 import re
-import threading
 
 import jax
 import jaxlib
-import numpy as np
 
 from zkdv import __version__
 from zkdv import challenge
 from zkdv import challengers
 from zkdv import config as config_lib
 from zkdv import errors
-from zkdv import overlap as overlap_lib
 from zkdv import transcript
-from zkdv.jax import arrays
 from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
 from zkdv.jax import start as start_lib
 from zkdv.jax.committer import Committer
-from zkdv.jax.committer import StepJob
+from zkdv.jax.dispatch import Dispatcher
 from zkdv.jax.step import ProofFunction
 
 logger = logging.getLogger("zkdv")
@@ -52,6 +48,22 @@ def _default_folder(name: str) -> pathlib.Path:
   slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "proof"
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   return pathlib.Path.cwd() / "zkdv-proofs" / f"{slug}-{stamp}-{os.urandom(3).hex()}"
+
+
+def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger) -> dict:
+  devices = jax.devices()
+  return {
+      "type": "root",
+      "format_version": transcript.FORMAT_VERSION,
+      "prover": transcript.PROVER,
+      "name": name,
+      "versions": {"zkdv": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
+      "platform": devices[0].platform,
+      "device_kinds": sorted({d.device_kind for d in devices}),
+      "config": config.to_record(),
+      "challenger": challenger.root_fields(),
+      **({"processes": group.count} if group.multi else {}),
+  }
 
 
 class ZKDV:
@@ -79,7 +91,6 @@ class ZKDV:
     self.config = config
     self.path: pathlib.Path | None = None
     self.policy: challenge.Policy | None = None
-    self.steps = 0
     self._writer: transcript.TranscriptWriter | None = None  # process 0 only
     self._group: processes.ProcessGroup | None = None
     self._committer: Committer | None = None
@@ -89,10 +100,7 @@ class ZKDV:
     self._aborted = False
     self._finish_error: errors.ZKDVError | None = None
     self._registered: dict[str, ProofFunction] = {}
-    self._last_post_leaves: list | None = None
-    self._last_program = None
-    self._snapshot_at = None  # (step, program) of the last snapshot (retention="snapshot")
-    self._lock = threading.Lock()
+    self._dispatcher: Dispatcher | None = None
 
   def __repr__(self):
     return f"ZKDV({self.name!r})"
@@ -102,6 +110,11 @@ class ZKDV:
     """Whether this process writes the transcript: in a multi-process run only
     process 0 does; the others send it the digests of what they hold."""
     return self._writer is not None
+
+  @property
+  def steps(self) -> int:
+    """The number of steps recorded so far."""
+    return 0 if self._dispatcher is None else self._dispatcher.steps
 
   @property
   def checks(self) -> dict:
@@ -153,7 +166,7 @@ class ZKDV:
               else _default_folder(self.name))
       writer = transcript.TranscriptWriter(path)  # refuses a folder that holds a transcript
       try:
-        self._write_root(writer, group, challenger)
+        writer.append(_root_record(self.name, self.config, group, challenger), durable=True)
       except BaseException:
         writer.close()
         raise
@@ -175,6 +188,8 @@ class ZKDV:
                                 self.policy.rolling_window, on_error=self._report_failure)
     if isinstance(self._challenger, challengers.ServerChallenger):
       self._challenger.on_decision = self._committer.answer
+    self._dispatcher = Dispatcher(self._committer, self._challenger, self._digests, group,
+                                  self.config)
     self._group = group
     return self
 
@@ -182,22 +197,6 @@ class ZKDV:
     """The challenger of this proof: self-chosen checks (DVBench proofs override it)."""
     del group
     return challengers.SelfChallenger(policy, seed)
-
-  def _write_root(self, writer, group, challenger) -> None:
-    devices = jax.devices()
-    writer.append({
-        "type": "root",
-        "format_version": transcript.FORMAT_VERSION,
-        "prover": transcript.PROVER,
-        "name": self.name,
-        "versions": {"zkdv": __version__, "jax": jax.__version__,
-                     "jaxlib": jaxlib.__version__},
-        "platform": devices[0].platform,
-        "device_kinds": sorted({d.device_kind for d in devices}),
-        "config": self.config.to_record(),
-        "challenger": challenger.root_fields(),
-        **({"processes": group.count} if group.multi else {}),
-    }, durable=True)
 
   def _report_failure(self, error: BaseException) -> None:
     if isinstance(self._challenger, challengers.ServerChallenger):
@@ -232,7 +231,7 @@ class ZKDV:
           f"proof {self.name!r} finished without recording any update: the "
           "training step still uses jax.jit.")
     try:
-      whole_params = self._gather_sharded_params()
+      whole_params = self._dispatcher.gather_sharded_params()
     except Exception as e:  # pylint: disable=broad-except  # e.g. the final state was deleted
       whole_params = None
       error = error or errors.CommitmentError(
@@ -246,7 +245,7 @@ class ZKDV:
     except Exception as e:  # pylint: disable=broad-except  # the others still hear the outcome
       error = error or errors.CommitmentError(
           f"could not write the final record to {self.path}: {type(e).__name__}: {e}")
-    error = self._agree_on_outcome(error)
+    error = self._group.agree_on_outcome(error, self.path, self._committer.committed_steps)
     self._finished = True
     self._finish_error = error
     logger.info("ZKDV proof %r: %d steps, %d update, %d state and %d probe checks at %s",
@@ -282,19 +281,6 @@ class ZKDV:
       pipeline.raise_if_failed()
     except errors.ZKDVError as e:
       error = e
-    return error
-
-  def _agree_on_outcome(self, error):
-    """Process 0's failure, raised on every process of a multi-process run."""
-    if not self._group.multi:
-      return error
-    reported = self._group.broadcast("finish", None if error is None else
-                                     f"{type(error).__name__}: {error}")
-    if self._committer.committed_steps or not self._group.is_writer:
-      self._group.close_run()
-    if error is None and reported is not None:
-      error = errors.CommitmentError(
-          f"process 0 could not complete the transcript at {self.path}: {reported}")
     return error
 
   def __enter__(self) -> "ZKDV":
@@ -389,93 +375,4 @@ class ZKDV:
 
   def run_step(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
-    committer, multi = self._committer, self._group.multi
-    if not multi:  # across processes, failures wait for finish(): see _agree_on_outcome
-      committer.pipeline.raise_if_failed()
-    # A step that cannot enter the window raises before anything is taken: call it again.
-    committer.pipeline.reserve(waiting=self._waiting_for_window)
-    with self._lock:
-      index = self.steps
-      self.steps += 1
-    decision = self._challenger.decision_now(index)
-    job = self._prepare(program, index, leaves, decision)
-    last = committer.pipeline.last_job
-    if any(program.donated) and last is not None:
-      last.views_ready.wait()  # no donation of a buffer being hashed
-    outs = program.executable(*leaves)
-    post = [outs[i] for i in program.post_indices]
-    if program.post_layouts is None:  # as the first run of this program placed it
-      program.place_post_state(post)
-    if committer.program_number(program) is None:
-      committer.submit_program(program)
-    job.post, job.post_started = post, self._digests.start_state(post, program.post_layouts)
-    if multi and decision.any_check:  # collectives stay on this thread
-      job.checked = ([arrays.gather(x) for x in post],
-                     program.replay_sharded(job.opened) if decision.update else None)
-    submitted = committer.submit_step(job)
-    self._last_post_leaves, self._last_program = post, program
-    overlap = program.overlap or overlap_lib.UNCHECKED
-    if overlap is overlap_lib.NEVER or (
-        overlap is overlap_lib.UNCHECKED and decision is not None and decision.any_check):
-      submitted.done.wait()
-    if not multi:
-      committer.pipeline.raise_if_failed()
-    return outs
-
-  def _prepare(self, program, index: int, leaves: list, decision) -> StepJob:
-    """The step's job before dispatch: what must be hashed or copied before donation."""
-    digests = self._digests
-    state = [leaves[i] for i in program.state_indices]
-    batch = [leaves[i] for i in program.batch_indices]
-    job = StepJob(index, program, post=[], post_started=None, decision=decision)
-    continuous = (self._last_post_leaves is not None and len(state) == len(self._last_post_leaves)
-                  and all(a is b for a, b in zip(state, self._last_post_leaves)))
-    if not continuous:  # otherwise the previous post-state, not hashed again
-      job.pre_started = digests.start_state(state, program.state_layouts)
-      if any(program.donated[i] for i in program.state_indices):  # hash before donation
-        job.pre_hashed = digests.state_digests(digests.materialize(job.pre_started))
-        job.pre_started = None
-    job.rows_started = digests.start_rows(batch, program.batch_layouts)
-    if any(program.donated[i] for i in program.batch_indices):
-      job.batch_hashed = self._committer.hash_batch(program, index, job.rows_started,
-                                                    decision, copy=True)
-      job.rows_started = None
-    if decision is None and self.config.retention == "snapshot":
-      self._keep_for_recomputation(job, leaves, continuous)
-    elif decision is None or decision.update:
-      # Openings are whole leaves. A zero-copy host view keeps its input alive (JAX does
-      # not donate a buffer a view holds), so nothing is copied; across processes,
-      # gathering them is a collective.
-      open_leaf = arrays.gather if self._group.multi else arrays.host_view
-      job.opened = [open_leaf(x) for x in leaves]
-    return job
-
-  def _keep_for_recomputation(self, job: StepJob, leaves: list, continuous: bool) -> None:
-    """``retention="snapshot"``: views of the whole inputs at a window's first step (or
-    where the chain of identical programs breaks), of the batch alone elsewhere."""
-    program, window = job.program, self.policy.rolling_window
-    snapshot = self._snapshot_at
-    job.snapshot = (snapshot is None or not continuous or snapshot[1] is not program
-                    or job.index - snapshot[0] >= window)
-    if job.snapshot:
-      self._snapshot_at = (job.index, program)
-    batch = set(program.batch_indices)
-    job.opened = [arrays.host_view(x) if job.snapshot or i in batch else None
-                  for i, x in enumerate(leaves)]
-
-  def _waiting_for_window(self, seconds: float) -> None:
-    if not self._group.multi:
-      self._committer.pipeline.raise_if_failed()
-    if isinstance(self._challenger, challengers.ServerChallenger):
-      self._challenger.waiting(seconds, f"step {self.steps} to enter the window of "
-                               f"{self.policy.rolling_window} unanswered steps")
-
-  def _gather_sharded_params(self) -> dict[int, np.ndarray]:
-    """The whole value of each sharded params leaf (a collective across processes)."""
-    program = self._last_program
-    if program is None:
-      return {}
-    return {i: arrays.gather(x) for i, (x, l, is_param) in enumerate(zip(
-        self._last_post_leaves, program.post_layouts, program.params_mask))
-            if is_param and l.pieces is not None}
-
+    return self._dispatcher.run(program, leaves)

@@ -118,6 +118,23 @@ class ProcessGroup:
       return value
     return cbor2.loads(self._get(key, f"{topic} from process 0", source=0, patient=True))
 
+  def agree_on_outcome(self, error, path, committed_steps: int):
+    """Process 0's failure, raised on every process of a multi-process run.
+
+    Returns ``error``, or on another process the CommitmentError that quotes
+    process 0's failure to complete the transcript at ``path``.
+    """
+    if not self.multi:
+      return error
+    reported = self.broadcast("finish", None if error is None else
+                              f"{type(error).__name__}: {error}")
+    if committed_steps:  # every process has read the start message by now
+      self.close_run()
+    if error is None and reported is not None:
+      error = errors.CommitmentError(
+          f"process 0 could not complete the transcript at {path}: {reported}")
+    return error
+
   def report_failure(self, message: str) -> None:
     """Tells the other processes that this one stopped committing, and why."""
     if self.multi and self._prefix is not None:
