@@ -19,6 +19,11 @@ HELD_FOR = 1.0  # seconds a waiting call is watched not returning while the gate
 TIMEOUT = 120.0  # seconds anything expected to happen may take
 
 
+def _pipeline(proof):
+  """The proof's commit pipeline: one thread running its jobs in order."""
+  return proof._committer.pipeline  # pylint: disable=protected-access
+
+
 class HeldCommitThread:
   """Holds a proof's commit thread until ``release()`` (or the end of the ``with``).
 
@@ -32,7 +37,7 @@ class HeldCommitThread:
   def __init__(self, proof):
     proof.wait_for_commitments()
     self._gate = threading.Event()
-    proof._committer.pipeline.submit(lambda job: self._gate.wait())  # pylint: disable=protected-access
+    _pipeline(proof).submit(lambda job: self._gate.wait())
 
   def release(self) -> None:
     self._gate.set()
@@ -118,7 +123,7 @@ class RollingWindowTest(parameterized.TestCase):
         self.assertTrue(returned.wait(TIMEOUT))
       self.assertFalse(steps.returned[window].wait(HELD_FOR),
                        f"step {window + 1} ran with {window} steps uncommitted")
-      self.assertEqual(proof._committer.pipeline.in_flight, window)  # pylint: disable=protected-access
+      self.assertEqual(_pipeline(proof).in_flight, window)
       held.release()
     steps.join()
     proof.finish()

@@ -28,8 +28,7 @@ from zkdv.interpreters.find import find_updates
 from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.contrib.train_state import TrainState
-from zkdv.jax.replay import collectives
-from zkdv.jax.replay import compile_program
+from zkdv.jax import replay
 
 JIT_OPTIONS = frozenset({
     "in_shardings", "out_shardings", "static_argnums", "static_argnames",
@@ -154,7 +153,7 @@ class Program:
   def replay(self, *inputs):
     """Runs the update program compiled from its serialized form, as a verifier does."""
     if self._replay is None:
-      self._replay = compile_program(jax.export.deserialize(self.blob),
+      self._replay = replay.compile_program(jax.export.deserialize(self.blob),
                                      compiler_options=self.compiler_options)
     return self._replay(*inputs)
 
@@ -162,7 +161,7 @@ class Program:
     """``replay`` on whole host inputs, placed as the program takes them; returns
     the whole post-state. Every process of a multi-process run calls it."""
     if self._replay_sharded is None:
-      self._replay_sharded = compile_program(
+      self._replay_sharded = replay.compile_program(
           jax.export.deserialize(self.blob), compiler_options=self.compiler_options).lower(
           *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.avals]).compile()
     shardings = self._replay_sharded.input_shardings[0]
@@ -430,9 +429,10 @@ class ProofFunction:
     options.update(shardings, donate_argnums=[i for i, d in enumerate(donated) if d],
                    compiler_options=self._options.get("compiler_options"))
     if exact:
-      return compile_program(jax.export.deserialize(blob), **options)
+      return replay.compile_program(jax.export.deserialize(blob), **options)
     return jax.jit(_flat_outputs(self._step_on_flat_inputs(call)),
-                   keep_unused=self._options.get("keep_unused", False), **options)
+                   keep_unused=self._options.get("keep_unused", False),
+                   **replay.placement(options))
 
   def _record(self, program_id: bytes, call: _Call, inputs: _Inputs, exported,
               post_indices: list[int], exact: bool) -> dict:
@@ -457,7 +457,7 @@ class ProofFunction:
         "nr_devices": exported.nr_devices,
     }
     if exported.nr_devices > 1:  # how it sums across devices decides its bits
-      record["collectives"] = collectives()
+      record["collectives"] = replay.collectives()
     if jax.process_count() > 1:
       record["processes"] = jax.process_count()
     return record
