@@ -88,7 +88,10 @@ class ShardingTest(parameterized.TestCase):
 
   def assert_verified(self, result):
     self.assertEqual(result["verdict"], "verified", result)
-    self.assertEqual(result["checks"], ["verified"] * 3)
+    # Three update checks, and for sharded params the opening of the last post-state
+    # that final_params is derived from.
+    self.assertIn(len(result["checks"]), (3, 4))
+    self.assertEqual(set(result["checks"]), {"verified"})
     self.assertEqual(result["failed"], [])
     self.assertTrue(result["close"], "sharded training differs from the unsharded run")
 

@@ -128,6 +128,7 @@ class Committer:
     self.last: CommittedState | None = None
     self._program_numbers: dict[bytes, int] = {}
     self._pending: dict[int, _Pending] = {}
+    self._state_checked: set[int] = set()
     self._kept: dict[int, StepJob] = {}  # steps a pending step is recomputed through
     self._init = None
 
@@ -391,6 +392,7 @@ class Committer:
       self.failed_checks.append({"step": index, **result})
 
   def _state_check(self, index, post_views) -> None:
+    self._state_checked.add(index)
     blobs = [self.writer.put_blob(digest.byte_view(a)) for a in post_views]
     self.writer.append({"type": "check", "step": index, "kind": "state",
                         "post_state_blobs": blobs}, durable=True)
@@ -398,18 +400,23 @@ class Committer:
 
   # -- final ----------------------------------------------------------------------
 
-  def write_final(self, steps: int, clean: bool, whole_params: dict | None,
+  def write_final(self, steps: int, clean: bool, whole_state: list | None,
                   challenger_fields: dict) -> None:
+    """Writes ``final``; with ``whole_state`` (the last post-state when its params are
+    sharded) it first opens that state, so a verifier can derive ``final_params``."""
     final = {"type": "final", "steps": steps, "status": "clean" if clean else "aborted",
              "discontinuities": list(self.discontinuities), **challenger_fields}
     if self.last is not None:
       last = self.last
       final["final_state"] = last.digest
       final["final_state_leaves"] = [list(p) for p in last.pieces]
-      if whole_params is not None and self.committed_steps == steps:
-        params = [i for i, m in enumerate(last.params_mask) if m]
-        whole = [digest.leaf_digest(whole_params[i]) if i in whole_params else p[0]
+      if self.committed_steps == steps and (whole_state is not None or not any(
+          l.pieces is not None for l, m in zip(last.layouts, last.params_mask) if m)):
+        if whole_state is not None and steps - 1 not in self._state_checked:
+          self._state_check(steps - 1, whole_state)
+        whole = [p[0] if whole_state is None else digest.leaf_digest(whole_state[i])
                  for i, p in enumerate(last.pieces)]
+        params = [i for i, m in enumerate(last.params_mask) if m]
         final["final_params"] = digest.params_digest(
             [dataclasses.replace(l, pieces=None) for l in last.layouts], whole, params)
     self.writer.append(final, durable=True)

@@ -120,12 +120,11 @@ class Dispatcher:
       self._challenger.waiting(seconds, f"step {self.steps} to enter the window of "
                                f"{self._challenger.policy.rolling_window} unanswered steps")
 
-  def gather_sharded_params(self) -> dict[int, np.ndarray]:
-    """The whole value of each sharded params leaf (a collective across processes)."""
+  def gather_last_state(self) -> list[np.ndarray] | None:
+    """The whole last post-state, when some params leaf of it is sharded (then only an
+    opening can derive ``final_params``); None otherwise. A collective across processes."""
     program = self._last_program
-    if program is None:
-      return {}
-    return {i: arrays.gather(x) for i, (x, l, is_param) in enumerate(zip(
-        self._last_post_leaves, program.post_layouts, program.params_mask))
-            if is_param and l.pieces is not None}
-
+    if program is None or not any(is_param and l.pieces is not None for l, is_param in zip(
+        program.post_layouts, program.params_mask)):
+      return None
+    return [arrays.gather(x) for x in self._last_post_leaves]

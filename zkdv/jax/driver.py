@@ -231,16 +231,16 @@ class ZKDV:
           f"proof {self.name!r} finished without recording any update: the "
           "training step still uses jax.jit.")
     try:
-      whole_params = self._dispatcher.gather_sharded_params()
+      whole_state = self._dispatcher.gather_last_state()
     except Exception as e:  # pylint: disable=broad-except  # e.g. the final state was deleted
-      whole_params = None
+      whole_state = None
       error = error or errors.CommitmentError(
           f"could not gather the sharded params for final_params: {type(e).__name__}: {e}. "
           "Keep the state the last step returned alive until finish().")
     try:
       if self._writer is not None:
         self._committer.write_final(self.steps, error is None and not self._aborted,
-                                    whole_params, self._challenger.final_fields())
+                                    whole_state, self._challenger.final_fields())
         self._writer.close()
     except Exception as e:  # pylint: disable=broad-except  # the others still hear the outcome
       error = error or errors.CommitmentError(
