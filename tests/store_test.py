@@ -1,5 +1,7 @@
 """The database layer on SQLite and on PostgreSQL: migrations, tokens, leases."""
 
+import dataclasses
+import json
 import pathlib
 import tempfile
 import threading
@@ -10,6 +12,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from dvbench.server import db
+from zkdv import challenge
 from tests.postgres import PostgresCluster
 
 _PG: PostgresCluster | None = None
@@ -41,7 +44,9 @@ class StoreTest(parameterized.TestCase):
 
   def _proof(self, store, name="alice/run"):
     exp = store.experiment(name, create_for=name.split("/")[0])
-    return store.create_proof(exp["id"], "ab" * 32, name, b"root", "root")["id"]
+    challenger = {"kind": "self", "nonce": None, "policy": json.dumps(
+        challenge.Policy().to_record())}
+    return store.create_proof(exp["id"], "ab" * 32, name, b"root", challenger)["id"]
 
   def test_migrations_apply_once_and_record_their_version(self, backend):
     url = _fresh_url(backend)
@@ -62,16 +67,24 @@ class StoreTest(parameterized.TestCase):
     self.assertNotIn(token, stored)
     self.assertEqual(stored, [db.hash_token(token)])
 
-  def test_records_are_deduplicated_by_id(self, backend):
+  def test_records_append_at_the_head_one_per_position(self, backend):
     store = db.Store.open(_fresh_url(backend))
     proof = self._proof(store)
     items = [(bytes([i]) * 32, "step", b"r%d" % i) for i in range(5)]
     with store.engine.begin() as conn:
-      self.assertEqual(store.append_records(conn, proof, items[:3], {"cd" * 32}), (3, 0))
+      head = store.custody_head(conn, proof)
+      for record_id, kind, data in items[:3]:
+        head = store.append_record(conn, proof, head, record_id, kind, data)
     with store.engine.begin() as conn:
-      self.assertEqual(store.append_records(conn, proof, items, {"cd" * 32}), (2, 3))
-    self.assertEqual(store.record_data(proof), [b"root"] + [i[2] for i in items])
-    self.assertEqual(store.proof(proof)["steps"], 5)
+      head = store.custody_head(conn, proof)
+      self.assertEqual((head.records, head.steps, head.last_id), (4, 3, items[2][0]))
+      self.assertEqual(store.record_position(conn, proof, items[1][0]), 2)
+      self.assertIsNone(store.record_position(conn, proof, items[3][0]))
+      stale = dataclasses.replace(head, records=2)  # a writer that lost a race for position 2
+      with self.assertRaises(sa.exc.IntegrityError):
+        store.append_record(conn, proof, stale, items[3][0], "step", b"other")
+    self.assertEqual(store.record_data(proof), [b"root"] + [i[2] for i in items[:3]])
+    self.assertEqual(store.proof(proof)["steps"], 3)
 
   def test_one_job_one_worker_and_expired_leases_move_on(self, backend):
     store = db.Store.open(_fresh_url(backend))
