@@ -365,8 +365,7 @@ class Committer:
 
   def _update_check(self, program, index, opened, post_views, replayed=None) -> None:
     if replayed is None:
-      layouts = dict(zip(program.state_indices, program.state_layouts))
-      layouts.update(zip(program.batch_indices, program.batch_layouts))
+      layouts = program.input_layouts
       inputs = [arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)]
       outs = program.replay(*inputs)
       replayed = [arrays.host_view(outs[i]) for i in program.post_indices]

@@ -210,8 +210,11 @@ def compare(layouts: Sequence[LeafLayout], actual: Sequence[np.ndarray],
       if np.issubdtype(a.dtype, np.floating) or a.dtype.kind == "V" or "float" in str(a.dtype):
         ulp = np.abs(_ordered_int(a) - _ordered_int(e))
         max_ulp = max(max_ulp, int(ulp.max(initial=0)))
-      within = bool(np.all((abs_err <= tolerance.atol + tolerance.rtol * np.abs(ef))
-                           | (np.isnan(af) & np.isnan(ef))))
+      with np.errstate(invalid="ignore"):
+        close = abs_err <= tolerance.atol + tolerance.rtol * np.abs(ef)
+      # As numpy.isclose: an infinity is close only to itself, NaN only to NaN.
+      finite = np.isfinite(af) & np.isfinite(ef)
+      within = bool(np.all(np.where(finite, close, (af == ef) | (np.isnan(af) & np.isnan(ef)))))
     if not (same_bytes if exact else within):
       mismatched.append(layout.path)
   return {
