@@ -3,11 +3,14 @@
 The tests that also run the verifier are in ``StepVerifiedTest``.
 """
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import optax
 from absl.testing import absltest
 
+import zkdv
 from tests import testing
 from zkdv import errors
 from zkdv import verify
@@ -94,6 +97,27 @@ class StepTest(absltest.TestCase):
     (built,) = train_step._programs.values()  # pylint: disable=protected-access
     self.assertEqual([l.path for l in built.input_layouts],
                      ["[0][0]"] + [l["path"] for l in program["state_layout"]] + ["[1]['scale']"])
+
+
+  def test_exported_programs_carry_no_paths_of_the_provers_machine(self):
+    proof = testing.new_proof("no-paths")
+    proof.start()
+    model = testing.TinyClassifier()
+    params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+    state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
+                                               params=params, tx=optax.adam(1e-2))
+    train_step = proof.jit(testing.classifier_step)
+    state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH))
+    proof.finish()
+    programs = [testing.records_of(proof.path, kind)[0]["program_id"]
+                for kind in ("init", "program")]
+    here = pathlib.Path(__file__).resolve()
+    for program_id in programs:
+      blob = (proof.path / "blobs" / program_id.hex()).read_bytes()
+      self.assertNotIn(here.name.encode(), blob)
+      self.assertNotIn(str(here.parent).encode(), blob)
+      self.assertNotIn(b".py", blob)
+      self.assertNotIn("loc(\"/", jax.export.deserialize(bytearray(blob)).mlir_module())
 
 
 class StepVerifiedTest(absltest.TestCase):

@@ -7,10 +7,32 @@ would be an import cycle (see that module).
 Example: ``_compat.distributed_client()`` is None outside ``jax.distributed``.
 """
 
+import dataclasses
+
+import jax
 from jax._src import distributed
+from jax._src.export import _export
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import passmanager
 from jax._src.tree_util import broadcast_prefix
 
-__all__ = ["broadcast_prefix", "distributed_client", "exported_abstract_mesh"]
+__all__ = ["broadcast_prefix", "distributed_client", "exported_abstract_mesh",
+           "without_locations"]
+
+
+def without_locations(exported: jax.export.Exported) -> jax.export.Exported:
+  """``exported`` with its module's debug locations stripped.
+
+  Locations name the source files (paths on the prover's machine) and lines
+  of the traced code; they do not change what XLA compiles. JAX serializes a
+  module only through a private function.
+  """
+  with mlir.make_ir_context():
+    module = ir.Module.parse(exported.mlir_module())
+    passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(module.operation)
+    return dataclasses.replace(exported,
+                               mlir_module_serialized=_export._module_to_bytecode(module))  # pylint: disable=protected-access
 
 
 def exported_abstract_mesh(exported):

@@ -24,6 +24,7 @@ import jax
 
 from zkdv import digest
 from zkdv import errors
+from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.replay import compile_program
 
@@ -55,7 +56,8 @@ def run_init(init_fn, args: tuple, kwargs: dict) -> InitProgram:
   try:
     out_shape = jax.eval_shape(structured_init, *leaves)
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    exported = jax.export.export(jax.jit(flat_init, keep_unused=True))(*specs)
+    exported = _compat.without_locations(
+        jax.export.export(jax.jit(flat_init, keep_unused=True))(*specs))
     blob = bytes(exported.serialize())
   except Exception as e:  # jax.export raises many types; name what failed
     raise errors.ExportError(

@@ -414,7 +414,8 @@ class ProofFunction:
     """(the exported update program, its serialized bytes): the whole step, every input kept."""
     step = _flat_outputs(self._step_on_flat_inputs(call, swap_apply_fn=not exact))
     try:
-      exported = jax.export.export(jax.jit(step, keep_unused=True, **shardings))(*call.specs)
+      exported = _compat.without_locations(  # no paths of the prover's machine
+          jax.export.export(jax.jit(step, keep_unused=True, **shardings))(*call.specs))
       return exported, bytes(exported.serialize())
     except Exception as e:  # jax.export raises many types; name what failed
       raise errors.ExportError(
