@@ -22,7 +22,6 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 import optax
 from flax.training import train_state
 

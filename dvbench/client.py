@@ -128,18 +128,6 @@ class Experiment:
     from dvbench.measurement import Measurement  # pylint: disable=g-import-not-at-top
     return Measurement(self, checkpoint)
 
-  def register_eval_set(self, metric: str, rows) -> None:
-    """Uploads the row digests of ``metric``'s evaluation data (rows: arrays or digests).
-
-    DVBench then counts how many probed training rows equal evaluation rows.
-    """
-    import blake3  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    digests = [r.hex() if isinstance(r, bytes) else
-               blake3.blake3(np.ascontiguousarray(r).tobytes()).hexdigest() for r in rows]
-    self.client.http.request("PUT", f"/api/v1/metrics/{metric}/eval-set",
-                             json={"row_digests": digests})
-
   def proofs(self) -> list[dict]:
     owner, name = self.name.split("/")
     return self.client.http.request("GET", f"/api/v1/experiments/{owner}/{name}").json()["proofs"]

@@ -55,7 +55,7 @@ class DeviceBlake3Test(parameterized.TestCase):
 class BackendsAgreeTest(absltest.TestCase):
 
   def _train(self, backend):
-    proof = testing.new_proof(f"backend-{backend}", update_p=0.5, state_p=0.5,
+    proof = testing.new_proof(f"backend-{backend}", update_p=1.0, state_p=0.5,
                               digest_backend=backend)
     proof.start(probe_ratio=0.5)
     state = testing.classifier_state(proof)

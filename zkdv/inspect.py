@@ -133,7 +133,7 @@ def human(summary: dict) -> str:
               f"{'/'.join(p['platforms'])})",
               f"  parameters: {p['parameters']:,}",
               f"  post-state: {depends}",
-              f"  inputs: " + ", ".join(f"{i['role']} {i['path']} {i['dtype']}{i['shape']}"
+              "  inputs: " + ", ".join(f"{i['role']} {i['path']} {i['dtype']}{i['shape']}"
                                        for i in p["inputs"]),
               f"  operations: {sum(ops.values())} ("
               + ", ".join(f"{k.split('.')[-1]} {v}" for k, v in top) + ")",

@@ -11,7 +11,6 @@ Example::
   routes = measurement_routes(service)  # POST .../measurements, POST .../openings
 """
 
-import json
 import secrets
 
 from starlette.concurrency import run_in_threadpool
@@ -142,25 +141,6 @@ class MeasurementRoutes:
       raise HTTPException(404, "unknown measurement.")
     return JSONResponse(await run_in_threadpool(self._public, row))
 
-  async def put_eval_set(self, request):
-    metric = request.path_params["metric"]
-    if not NAME.fullmatch(metric):
-      raise HTTPException(400, "metric names are 1-100 letters, digits, '.', '_' or '-'.")
-    try:
-      digests = json.loads(await self.service.body(request))["row_digests"]
-    except (ValueError, KeyError, TypeError):
-      digests = None
-    if not isinstance(digests, list) or not all(
-        isinstance(d, str) and self.service.blobs.valid_name(d) for d in digests):
-      raise HTTPException(400, "send JSON {\"row_digests\": [hex BLAKE3 of each row]}.")
-
-    def put():
-      owner = self.service.owner(request)
-      if not self.store.set_eval_rows(metric, owner, digests):
-        raise HTTPException(403, f"the evaluation set of {metric} belongs to another owner.")
-    await run_in_threadpool(put)
-    return JSONResponse({"metric": metric, "rows": len(set(digests))})
-
 
 def measurement_routes(service: Service) -> list[Route]:
   api = MeasurementRoutes(service)
@@ -170,6 +150,4 @@ def measurement_routes(service: Service) -> list[Route]:
       Route("/api/v1/measurements/{measurement_id}", api.get_measurement, name="measurement"),
       Route("/api/v1/measurements/{measurement_id}/openings", api.open_measurement,
             methods=["POST"], name="measurement_openings"),
-      Route("/api/v1/metrics/{metric}/eval-set", api.put_eval_set, methods=["PUT"],
-            name="eval_set"),
   ]

@@ -10,7 +10,7 @@ import time
 
 import sqlalchemy as sa
 
-from dvbench.server.schema import (checks, eval_rows, eval_sets, experiments, jobs,
+from dvbench.server.schema import (checks, experiments, jobs,
                                    measurement_samples, measurements, probes, proofs,
                                    submissions)
 
@@ -158,23 +158,6 @@ class JobQueries:
     with self.engine.connect() as conn:
       return dict(conn.execute(sa.select(probes.c.proof_id, sa.func.count()).group_by(
           probes.c.proof_id)).all())
-
-  def set_eval_rows(self, metric: str, owner: str, digests: list[str]) -> bool:
-    """Registers (or replaces) a metric's evaluation rows; False for another owner's."""
-    with self.engine.begin() as conn:
-      owner_id = self._owner_id(conn, owner, create=True)
-      current = conn.execute(sa.select(eval_sets.c.owner_id).where(
-          eval_sets.c.metric == metric)).first()
-      if current is not None and current[0] != owner_id:
-        return False
-      if current is None:
-        conn.execute(eval_sets.insert().values(metric=metric, owner_id=owner_id,
-                                               created_at=time.time()))
-      conn.execute(eval_rows.delete().where(eval_rows.c.metric == metric))
-      if digests:
-        conn.execute(eval_rows.insert(), [{"metric": metric, "digest": d}
-                                          for d in sorted(set(digests))])
-    return True
 
   def check_counts(self) -> dict[str, tuple[int, int]]:
     """Per proof: (checks replayed by the server, of which verified)."""

@@ -103,6 +103,47 @@ class _Pending:
   post_digest: bytes
 
 
+class _Snapshots:
+  """With ``retention="snapshot"``: the steps that pending steps are recomputed through
+  (each window's snapshot of the whole inputs, and every step's batch)."""
+
+  def __init__(self):
+    self._jobs: dict[int, StepJob] = {}
+
+  def keep(self, job: StepJob) -> None:
+    self._jobs[job.index] = job
+
+  def recompute(self, target: StepJob, post_digest: bytes):
+    """(job with whole inputs, post-state) of ``target``, recomputed exactly from the last
+    snapshot before it by the executable production ran."""
+    program = target.program
+    start = max(i for i, job in self._jobs.items() if i <= target.index and job.snapshot)
+    layouts = program.input_layouts
+    state = [self._jobs[start].opened[i] for i in program.state_indices]
+    for index in range(start, target.index + 1):
+      opened = list(self._jobs[index].opened)
+      for i, value in zip(program.state_indices, state):
+        opened[i] = value
+      outs = program.executable(*[arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)])
+      state = [arrays.host_copy(outs[i]) for i in program.post_indices]
+    if digest.digest_state_arrays(program.post_layouts, state)[0] != post_digest:
+      raise errors.ReplayError(
+          f"recomputing step {target.index} from the snapshot of step {start} does not "
+          "reproduce its committed post-state: the step is not deterministic here. Use "
+          'ZKDVConfig(retention="window").')
+    return dataclasses.replace(target, opened=opened), state
+
+  def release(self, oldest_pending: int | None) -> None:
+    """Drops the steps that no unanswered or future step is recomputed through."""
+    if not self._jobs:
+      return
+    anchor = max(self._jobs) + 1 if oldest_pending is None else oldest_pending
+    start = max((i for i, job in self._jobs.items() if i <= anchor and job.snapshot),
+                default=anchor)
+    for index in [i for i in self._jobs if i < start]:
+      del self._jobs[index]
+
+
 class Committer:
   """Owns the commit thread: step records, checks, late answers, ``final``.
 
@@ -129,7 +170,7 @@ class Committer:
     self._program_numbers: dict[bytes, int] = {}
     self._pending: dict[int, _Pending] = {}
     self._state_checked: set[int] = set()
-    self._kept: dict[int, StepJob] = {}  # steps a pending step is recomputed through
+    self._kept = _Snapshots()  # steps a pending step is recomputed through
     self._init = None
 
   # -- the training thread's side ---------------------------------------------
@@ -236,7 +277,7 @@ class Committer:
     if decision is None:
       self._pending[job.index] = _Pending(job, post_views, trees, post_digest)
       if recomputed:
-        self._kept[job.index] = job
+        self._kept.keep(job)
     else:
       self._answer(job, decision, post_views, trees)
     _cross_check_replicas(job.index, program.post_layouts, post_pieces,
@@ -260,40 +301,10 @@ class Committer:
           f"a challenge arrived for step {decision.step}, which is not awaiting one.")
     job, post_views = pending.job, pending.post_views
     if post_views is None and (decision.update or decision.state):
-      job, post_views = self._recompute(pending)
+      job, post_views = self._kept.recompute(job, pending.post_digest)
     self._answer(job, decision, post_views, pending.trees)
     del self._pending[decision.step]
-    self._release_kept()
-
-  def _recompute(self, pending: _Pending):
-    """(job with whole inputs, post-state) of a step, recomputed exactly from the last
-    snapshot before it by the executable production ran (``retention="snapshot"``)."""
-    target, program = pending.job, pending.job.program
-    start = max(i for i, job in self._kept.items() if i <= target.index and job.snapshot)
-    layouts = program.input_layouts
-    state = [self._kept[start].opened[i] for i in program.state_indices]
-    for index in range(start, target.index + 1):
-      opened = list(self._kept[index].opened)
-      for i, value in zip(program.state_indices, state):
-        opened[i] = value
-      outs = program.executable(*[arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)])
-      state = [arrays.host_copy(outs[i]) for i in program.post_indices]
-    if digest.digest_state_arrays(program.post_layouts, state)[0] != pending.post_digest:
-      raise errors.ReplayError(
-          f"recomputing step {target.index} from the snapshot of step {start} does not "
-          "reproduce its committed post-state: the step is not deterministic here. Use "
-          'ZKDVConfig(retention="window").')
-    return dataclasses.replace(target, opened=opened), state
-
-  def _release_kept(self) -> None:
-    """Drops the kept steps that no unanswered or future step is recomputed through."""
-    if not self._kept:
-      return
-    anchor = min(self._pending) if self._pending else max(self._kept) + 1
-    start = max((i for i, job in self._kept.items() if i <= anchor and job.snapshot),
-                default=anchor)
-    for index in [i for i in self._kept if i < start]:
-      del self._kept[index]
+    self._kept.release(min(self._pending, default=None))
 
   def _answer(self, job: StepJob, decision, post_views, trees) -> None:
     """Writes the check records that answer ``decision``; then the openings go."""

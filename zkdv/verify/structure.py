@@ -19,7 +19,7 @@ import blake3
 from zkdv import digest
 from zkdv import errors
 from zkdv import transcript as transcript_lib
-from zkdv.verify.report import INVALID, UNVERIFIABLE, Report
+from zkdv.verify.report import UNVERIFIABLE, Report
 
 MODES = ("exact", "equivalent")
 # How a multi-device program's collectives ran (``zkdv.jax.replay.collectives``).
