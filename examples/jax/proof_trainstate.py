@@ -4,10 +4,10 @@ It uses ``zkdv.jax.ZKDV`` directly, so it runs without a DVBench server:
 
   python examples/jax/proof_trainstate.py [--steps 10] [--output-dir DIR]
 
-It trains the tutorial's classifier, then the tutorial's variants (a subclass
-carrying BatchNorm ``batch_stats``, a PRNG key as a dynamic argument, an
-``attest_apply_fn``, and each overlap policy), and prints where each transcript
-is and how many checks ran. ``zkdv verify PATH`` checks any of them.
+It trains the tutorial's classifier (its start attested with ``proof.init``), then the
+tutorial's variants (a subclass carrying BatchNorm ``batch_stats``, a PRNG key as a
+dynamic argument, an ``attest_apply_fn``, and each overlap policy), and prints where each
+transcript is, how many checks ran and the ``zkdv verify PATH`` that checks it.
 """
 
 import argparse
@@ -68,7 +68,8 @@ def new_proof(name, args, probability):
 
 def report(proof):
   print(f"{proof.name}: {proof.steps} steps, {proof.checks['update']} update "
-        f"checks, {proof.checks['state']} state checks -> {proof.path}")
+        f"checks, {proof.checks['state']} state checks -> {proof.path}\n"
+        f"  next: zkdv verify {proof.path}")
 
 
 def tutorial(args):
@@ -76,7 +77,9 @@ def tutorial(args):
   proof = new_proof("jax-train-state", args, args.probability)
 
   model = TinyClassifier()
-  params = model.init(
+  # proof.init in place of model.init attests the start: the verifier replays it.
+  params = proof.init(
+      model.init,
       jax.random.key(0),
       jnp.ones((1, 4), dtype=jnp.uint32),
   )["params"]
@@ -196,7 +199,7 @@ def overlap_policies(args):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--probability", type=float, default=0.3,
+  parser.add_argument("--probability", type=float, default=0.5,
                       help="update check probability (the tutorial uses 0.01)")
   parser.add_argument("--output-dir", type=pathlib.Path, default=None)
   args = parser.parse_args(argv)
