@@ -54,10 +54,13 @@ class BenchmarkTest(DVBenchTestCase):
     cls.honest, cls.honest_proof = train(url, "your-name/honest", 3)
     cls.dirty, cls.dirty_proof = train(url, "your-name/on-eval-set", 3, batch=EVAL_ROWS[:4])
     cls.weak, cls.weak_proof = train(url, "your-name/weak", 3, update_check_probability=0.9)
-    for proof_id in (cls.honest_proof, cls.dirty_proof, cls.weak_proof):
+    cls.unattested, cls.unattested_proof = train(url, "your-name/unattested", 3,
+                                                 attested_start=False)
+    for proof_id in (cls.honest_proof, cls.dirty_proof, cls.weak_proof, cls.unattested_proof):
       assert cls.submitter.wait_for_verdict(proof_id, 120)["state"] == "verified"
-    # The owner allows the training programs it reviewed (ids differ between these runs).
-    cls.pinned = program_ids(url, cls.honest_proof) + program_ids(url, cls.dirty_proof)
+    # The owner allows the training programs it reviewed.
+    cls.pinned = sorted({*program_ids(url, cls.honest_proof), *program_ids(url, cls.dirty_proof),
+                         *program_ids(url, cls.unattested_proof)})
     cls.params = _model().init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
     cls.bench = cls.register(cls.owner, "alice/tiny-accuracy", min_update_check_probability=1.0,
                              allowed_programs=cls.pinned)
@@ -85,7 +88,10 @@ class BenchmarkTest(DVBenchTestCase):
   def test_end_to_end_honest_ranked_contaminated_shown_unranked_in_a_browser(self):
     honest = self.entry.wait(self.entry.submit(self.honest_proof, self.honest)["id"])
     dirty = self.entry.wait(self.entry.submit(self.dirty_proof, self.dirty)["id"])
-    self.assertEqual((honest["state"], dirty["state"]), ("scored", "scored"), str((honest, dirty)))
+    unattested = self.entry.wait(self.entry.submit(self.unattested_proof,
+                                                   self.unattested)["id"])
+    self.assertEqual((honest["state"], dirty["state"], unattested["state"]),
+                     ("scored", "scored", "scored"), str((honest, dirty, unattested)))
     self.assertAlmostEqual(honest["value"], self.expected(self.honest), places=6)
     board = {e["experiment"]: e for e in self.bench.leaderboard()}
     self.assertEqual(board["your-name/honest"]["rank"], 1)
@@ -94,11 +100,18 @@ class BenchmarkTest(DVBenchTestCase):
     self.assertFalse(contaminated["ranked"])
     self.assertIsNone(contaminated["rank"])
     self.assertGreater(contaminated["contamination"], 0)  # its probed rows are eval rows
+    # A run from weights no init program attests is scored and shown, not ranked: its
+    # proof does not pass --strict.
+    loose = board["your-name/unattested"]
+    self.assertEqual((loose["ranked"], loose["rank"], loose["strict"]), (False, None, False))
+    self.assertEqual(loose["unmet_claims"], ["start: does not hold"])
+    self.assertTrue(board["your-name/honest"]["strict"])
     for entry in board.values():
       self.assertEqual((entry["challenger"], entry["update_check_probability"],
                         entry["escape_probability"], entry["checks_replayed"],
                         entry["program_pinned"], entry["start_attested"]),
-                       ("dvbench", 1.0, 0.0, 3, True, False))
+                       ("dvbench", 1.0, 0.0, 3, True,
+                        entry["experiment"] != "your-name/unattested"))
     by_dirt = self.bench.leaderboard(sort="contamination")
     self.assertEqual(by_dirt[-1]["experiment"], "your-name/on-eval-set")
     with self.refused(400, "sort is one of"):
@@ -111,6 +124,9 @@ class BenchmarkTest(DVBenchTestCase):
     rows = {r["data-experiment"]: r for r in page.rows}
     self.assertEqual(rows["your-name/honest"]["data-ranked"], "true")
     self.assertEqual(rows["your-name/on-eval-set"]["data-ranked"], "false")
+    self.assertEqual((rows["your-name/unattested"]["data-ranked"],
+                      rows["your-name/unattested"]["data-strict"]), ("false", "false"))
+    self.assertIn("unranked: the proof does not pass --strict (start: does not hold)", dom)
     self.assertIn(f"evaluation set\">contaminated: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"/proofs/{self.honest_proof}", dom)
     self.assertIn("<svg class=\"values\"", dom)

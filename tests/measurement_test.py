@@ -25,10 +25,13 @@ EVAL_BATCHES = [np.asarray(np.random.default_rng(i).integers(0, 2, (4, 5)), np.u
 
 
 def train(server_url: str, experiment: str, steps: int, batch=None,
-          update_check_probability: float = 1.0) -> tuple[pathlib.Path, str]:
+          update_check_probability: float = 1.0,
+          attested_start: bool = True) -> tuple[pathlib.Path, str]:
   """The tutorial (with data probes and every step checked); returns (checkpoint, proof id).
 
   ``batch``: rows (uint32, 4 tokens and a label) trained on instead of the tutorial's.
+  ``attested_start``: the one-line change ``model.init(...)`` -> ``proof.init(model.init,
+  ...)`` that attests the initial params.
   """
   code = tutorial_steps.STEPS_2_TO_6
   if batch is not None:  # row for row, so that no line moves (programs record locations)
@@ -42,6 +45,8 @@ def train(server_url: str, experiment: str, steps: int, batch=None,
                    "proof = experiment.proof(backend=\"jax\", config=config)\n"
                    "proof.start(probe_ratio=0.5)")
           .replace("for _ in range(10):", f"for _ in range({steps}):"))
+  if attested_start:
+    code = code.replace("params = model.init(", "params = proof.init(model.init, ")
   workdir = pathlib.Path(tempfile.mkdtemp())
   cwd = os.getcwd()
   os.chdir(workdir)

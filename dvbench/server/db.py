@@ -19,9 +19,10 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
-    MIGRATION_2_TABLES, MIGRATION_3_TABLES, blob_refs, challengers, challenges, checks, chunks, eval_rows,
-    eval_sets, experiments, jobs, measurements, metadata, owners, probes, proof_blobs, proofs,
-    receipts, records, schema_migrations, settings, slots, streams, tokens)
+    MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, blob_refs, challengers,
+    challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs, measurements, metadata,
+    owners, probes, proof_blobs, proof_claims, proofs, receipts, records, schema_migrations,
+    settings, slots, streams, tokens)
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import MEASUREMENT_STATES, JobQueries  # pylint: disable=unused-import
@@ -51,8 +52,14 @@ def _migration_3(conn) -> None:
       state="self-reported"))
 
 
+def _migration_4(conn) -> None:
+  """The claims each server verification showed; rankings need every claim (--strict)."""
+  for table in MIGRATION_4_TABLES:
+    table.create(conn)
+
+
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
-                                          (3, _migration_3)]
+                                          (3, _migration_3), (4, _migration_4)]
 
 # "verified": replayed with at least one server-chosen update check; "unchallenged": a
 # clean server-challenged proof that no update check happened to hit; "self-audited": a

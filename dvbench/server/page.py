@@ -126,11 +126,15 @@ def _entry(url: Url, r: dict) -> str:
   value = "—" if r["value"] is None else f"{r['value']:.6g}"
   dirty = (f"<span class='state invalid' title='probed training rows found in the evaluation "
            f"set'>contaminated: {r['contamination']}</span>" if r["contamination"] else "0")
+  unmet = "" if r["strict"] else (
+      "<br><span class=muted>unranked: the proof does not pass --strict ("
+      + e("; ".join(r["unmet_claims"])) + ")</span>")
   state = _badge(r["state"]) + (
-      f"<br><span class=muted>{e(r['failure'])}</span>" if r["failure"] else "")
+      f"<br><span class=muted>{e(r['failure'])}</span>" if r["failure"] else "") + unmet
   challenger = "DVBench" if r["challenger"] == "dvbench" else e(r["challenger"])
   return (f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
-          f"data-ranked='{str(r['ranked']).lower()}' data-contamination='{r['contamination']}'>"
+          f"data-ranked='{str(r['ranked']).lower()}' data-strict='{str(r['strict']).lower()}' "
+          f"data-contamination='{r['contamination']}'>"
           f"<td class='num'>{r['rank'] or ''}</td><td>{e(r['experiment'])}</td>"
           f"<td class='num'>{value}</td><td>{state}</td><td>{challenger}</td>"
           f"<td class='num'>{r['checks_replayed']}</td>"
@@ -163,8 +167,10 @@ def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> s
  {bench['min_update_check_probability']:g}</td></tr>
 <tr><th>training programs</th><td>{'pinned: ' + ', '.join(e(p[:16]) + '…' for p in pins)
  if pins is not None else 'not pinned (any)'}</td></tr></table>
-<p>Ranked: scored by the server and no probed training row in the evaluation set. A
-contaminated entry is shown with its count and not ranked.</p>
+<p>Ranked: scored by the server, the proof passes <code>zkdv verify --strict</code> (server
+challenges, exact replays, an attested start, a program whose update reads the batch, probes),
+and no probed training row is in the evaluation set. Any other entry is shown with what it
+lacks and not ranked.</p>
 {_bars([r for r in entries if r['ranked']])}
 <table class="leaderboard" data-benchmark="{e(bench['name'])}"><tr>{heads}</tr>
 {''.join(_entry(url, r) for r in entries)}</table>""")

@@ -362,11 +362,21 @@ def audit(store, proof_id: str) -> dict:
           "escape_probability": summary["escape_probability_one_faked_step"],
           "start_attested": any(c["kind"] == "start" and c["status"] == "verified"
                                 for c in checks),
-          "proof_state": proof["state"], "steps": proof["steps"]}
+          "proof_state": proof["state"], "steps": proof["steps"], **_strictness(store, proof_id)}
+
+
+def _strictness(store, proof_id: str) -> dict:
+  """Whether the proof passed ``zkdv verify --strict`` on the server, and what it lacks."""
+  shown = store.proof_claims(proof_id) or {"claims": {}, "strict": False}
+  unmet = [f"{name}: {status}" for name, status in shown["claims"].items() if status != "holds"]
+  return {"strict": shown["strict"], "unmet_claims": unmet or (
+      [] if shown["strict"] else ["replays: not exact"])}
 
 
 def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
-  """Every submission with its audit; ranked: scored and no probed row in the evaluation set."""
+  """Every submission with its audit; ranked: scored, its proof passed ``--strict`` (every
+  claim holds: server challenges, exact replays, attested start, a program that reads the
+  batch, probes) and no probed row is in the evaluation set."""
   dirty = store.benchmark_contamination(bench["id"])
   entries = []
   for s in store.list_submissions(bench["id"]):
@@ -375,7 +385,9 @@ def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
                     **audit(store, s["proof_id"]),
                     "program_pinned": bench["allowed_programs"] is not None,
                     "contamination": contamination,
-                    "ranked": s["state"] == "scored" and contamination == 0, "rank": None})
+                    "rank": None})
+    entries[-1]["ranked"] = (s["state"] == "scored" and contamination == 0
+                             and entries[-1]["strict"])
   sign = -1 if bench["higher_is_better"] else 1
   ranked = sorted((e for e in entries if e["ranked"]), key=lambda e: sign * e["value"])
   for i, e in enumerate(ranked):

@@ -10,7 +10,7 @@ import time
 
 import sqlalchemy as sa
 
-from dvbench.server.schema import (checks, experiments, jobs,
+from dvbench.server.schema import (checks, experiments, jobs, proof_claims,
                                    measurement_samples, measurements, probes, proofs,
                                    submissions)
 
@@ -70,16 +70,29 @@ class JobQueries:
     ).values(state="done")).rowcount == 1
 
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
-                         failure: str | None, check_rows: list[dict]) -> bool:
-    """Stores the verdict; False (nothing written) when the lease was lost."""
+                         failure: str | None, check_rows: list[dict],
+                         claims: dict | None = None, strict: bool = False) -> bool:
+    """Stores the verdict and the claims; False (nothing written) when the lease was lost."""
     with self.engine.begin() as conn:
       if not self._finish_job(conn, job_id, worker):
         return False
       conn.execute(checks.delete().where(checks.c.proof_id == proof_id))
       if check_rows:
         conn.execute(checks.insert(), [{"proof_id": proof_id, **r} for r in check_rows])
+      conn.execute(proof_claims.delete().where(proof_claims.c.proof_id == proof_id))
+      if claims is not None:
+        conn.execute(proof_claims.insert().values(proof_id=proof_id, claims=json.dumps(claims),
+                                                  strict=strict))
       self.set_proof_state(proof_id, state, failure, conn=conn)
     return True
+
+  def proof_claims(self, proof_id: str) -> dict | None:
+    """``{"claims": {claim: status}, "strict": bool}`` of the server's verification."""
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(proof_claims).where(
+          proof_claims.c.proof_id == proof_id)).mappings().first()
+    return None if row is None else {"claims": json.loads(row["claims"]),
+                                     "strict": bool(row["strict"])}
 
   def complete_measurement_job(self, job_id: int, worker: str, measurement_id: str,
                                state: str, failure: str | None) -> bool:

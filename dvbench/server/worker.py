@@ -47,6 +47,8 @@ class Verdict:
   verifier_verdict: str
   failure: str | None
   rows: list[dict]
+  claims: dict | None = None  # {claim: status}, as zkdv verify reported them
+  strict: bool = False  # every claim holds with exact replays: what rankings require
 
 
 def _limits(memory_bytes: int, cpu_seconds: int):
@@ -114,7 +116,11 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes:
   required = {r["step"] for r in store.challenge_rows(proof_id) if r["needs_update"]}
   replayed = sum(r["kind"] == "update" and r["status"] == "verified" and r["step"] in required
                  for r in rows)
-  return Verdict(_clean_state(challenger["kind"], replayed), "verified", None, rows)
+  claims = {c["name"]: c["status"] for c in report.get("claims", [])}
+  strict = (bool(claims) and all(status == "holds" for status in claims.values())
+            and all(r["mode"] == "exact" for r in rows if r["kind"] == "update"))
+  return Verdict(_clean_state(challenger["kind"], replayed), "verified", None, rows, claims,
+                 strict)
 
 
 def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str, *,
@@ -160,7 +166,7 @@ def score_submission(store: Store, blobs: BlobStore, submission_id: str, *,
 def _proof_job(store, blobs, signing_key, job, worker_id, limits) -> tuple[bool, str]:
   verdict = verify_proof(store, blobs, job["subject"], **limits)
   kept = store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
-                                  verdict.failure, verdict.rows)
+                                  verdict.failure, verdict.rows, verdict.claims, verdict.strict)
   if kept:
     replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
     receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed)
