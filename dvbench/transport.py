@@ -34,7 +34,8 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 16
 MAX_ITEMS = 1 << 20
 ENVELOPE_KINDS = ("records", "chunk", "close")
-BLOB_FIELDS = ("blob", "pre_state_blobs", "batch_blobs", "post_state_blobs")
+BLOB_FIELDS = ("blob", "pre_state_blobs", "batch_blobs", "post_state_blobs", "input_blobs")
+# An init record names its program blob by the program's id.
 _SIMPLE_VALUES = {20, 21, 22}  # false, true, null
 _FLOAT_SIZES = {25: 2, 26: 4, 27: 8}
 
@@ -115,7 +116,8 @@ def decode_safely(data: bytes, *, canonical: bool = False, max_depth: int = MAX_
 def blob_refs(record: dict) -> set[str]:
   """Hex digests of the blobs a record references."""
   refs = set()
-  for field in BLOB_FIELDS:
+  fields = BLOB_FIELDS + (("program_id",) if record.get("type") == "init" else ())
+  for field in fields:
     value = record.get(field)
     for d in value if isinstance(value, list) else [value]:
       if isinstance(d, bytes) and len(d) == 32:

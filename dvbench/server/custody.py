@@ -131,12 +131,17 @@ class Ingest:
 
   def _check_answer(self, record: dict, n: int) -> None:
     step, kind = record.get("step"), record.get("kind")
-    if kind not in challenge.ANSWER_KINDS:
+    if kind not in (*challenge.ANSWER_KINDS, "start"):
       raise HTTPException(400, f"record {n} is a check of kind {kind!r}; kinds are "
-                          f"{list(challenge.ANSWER_KINDS)}.")
+                          f"{[*challenge.ANSWER_KINDS, 'start']}.")
     if not _is_int(step) or not 0 <= step < self.head.steps:
       raise HTTPException(409, f"record {n} answers step {step!r} before its step record "
                           f"was stored ({self.head.steps} steps stored).")
+    if kind == "start":  # the attested start's link to step 0, not a challenge's answer
+      if step != 0:
+        raise HTTPException(409, f"record {n} is a start check of step {step}; only step 0 "
+                            "starts a proof.")
+      return
     if (self.challenger.kind == "dvbench"
         and not self.store.answer_challenge(self.conn, self.proof_id, step, kind)):
       raise HTTPException(409, f"record {n}: step {step}'s {kind} check was already answered "
