@@ -345,18 +345,37 @@ class CrashRecoveryTest(DVBenchTestCase):
     path = local_transcript(60, update_p=0.1)
     client = dvbench.Client(server.url, token=token)
     experiment = client.experiment("your-name/server-restart")
+    held, release, failed = threading.Event(), threading.Event(), threading.Event()
+    sent = []
+    send = client.http._client.request  # pylint: disable=protected-access
+
+    def gated(method, url, **kwargs):  # holds the 10th envelope until the server is dead
+      if str(url).endswith("/stream"):
+        sent.append(url)
+        if len(sent) == 10:
+          held.set()
+          release.wait(60)
+      try:
+        return send(method, url, **kwargs)
+      except httpx.TransportError:
+        failed.set()
+        raise
+
     result = {}
-    uploading = threading.Thread(target=lambda: result.setdefault(
-        "id", experiment.upload(path, batch_bytes=200)))
-    uploading.start()
-    proof_id = wait_until(lambda: experiment.proofs() and experiment.proofs()[0]["id"])
-    wait_until(lambda: len(self.server_ids(client, proof_id)) >= 10, every=0.005)
-    server.kill()
-    at_kill = len(Store.open(f"sqlite:///{server.data / 'dvbench.db'}").record_ids(proof_id))
-    self.assertLess(at_kill, len(local_ids(path)))  # it really was mid-upload
-    time.sleep(0.5)
-    server.start()
-    uploading.join(120)
+    with mock.patch.object(client.http._client, "request", gated):  # pylint: disable=protected-access
+      uploading = threading.Thread(target=lambda: result.setdefault(
+          "id", experiment.upload(path, batch_bytes=200)))
+      uploading.start()
+      self.assertTrue(held.wait(60))
+      server.kill()
+      proof_id = result.get("id") or Store.open(
+          f"sqlite:///{server.data / 'dvbench.db'}").list_proofs()[0]["id"]
+      at_kill = len(Store.open(f"sqlite:///{server.data / 'dvbench.db'}").record_ids(proof_id))
+      self.assertLess(at_kill, len(local_ids(path)))  # it really is mid-upload
+      release.set()
+      self.assertTrue(failed.wait(60))  # the held envelope met the dead server: it retries
+      server.start()
+      uploading.join(120)
     self.assertEqual(result.get("id"), proof_id)
     self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
     self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "self-audited")

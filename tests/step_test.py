@@ -99,6 +99,18 @@ class StepTest(absltest.TestCase):
                      ["[0][0]"] + [l["path"] for l in program["state_layout"]] + ["[1]['scale']"])
 
 
+  def test_a_step_traced_again_into_the_same_program_commits(self):
+    # proof.jit(...) called inline in the loop builds a new program of the same id each time.
+    proof = testing.new_proof("inline-jit")
+    proof.start()
+    state = testing.classifier_state(proof)
+    for _ in range(3):
+      state = proof.jit(testing.classifier_step)(state, jnp.asarray(testing.TUTORIAL_BATCH))
+    proof.finish()
+    self.assertEqual(proof.steps, 3)
+    self.assertLen(testing.records_of(proof.path, "program"), 1)
+    self.assertEqual([s["program"] for s in testing.records_of(proof.path, "step")], [0, 0, 0])
+
   def test_exported_programs_carry_no_paths_of_the_provers_machine(self):
     proof = testing.new_proof("no-paths")
     proof.start()
