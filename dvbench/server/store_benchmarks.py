@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
                                    probes, proofs, records, submissions)
+from dvbench.server.store_custody import add_held_blob, has_held_blob
 
 SUBMISSION_STATES = ("pending", "scoring", "scored", "failed")
 
@@ -20,17 +21,10 @@ class BenchmarkQueries:
   """Benchmarks (immutable once registered) and the submissions the server scores."""
 
   def add_benchmark_blob(self, benchmark: str, digest: str) -> None:
-    with self.engine.begin() as conn:
-      if not self.has_benchmark_blob(benchmark, digest, conn):
-        conn.execute(benchmark_blobs.insert().values(benchmark=benchmark, digest=digest))
+    add_held_blob(self.engine, benchmark_blobs.c.benchmark, benchmark, digest)
 
   def has_benchmark_blob(self, benchmark: str, digest: str, conn=None) -> bool:
-    query = sa.select(benchmark_blobs.c.digest).where(
-        (benchmark_blobs.c.benchmark == benchmark) & (benchmark_blobs.c.digest == digest))
-    if conn is not None:
-      return conn.execute(query).first() is not None
-    with self.engine.connect() as c:
-      return c.execute(query).first() is not None
+    return has_held_blob(self.engine, benchmark_blobs.c.benchmark, benchmark, digest, conn)
 
   def benchmark(self, full_name: str) -> dict | None:
     with self.engine.connect() as conn:

@@ -29,6 +29,25 @@ class CustodyHead:
   last_kind: str
 
 
+def has_held_blob(engine, holder_column, holder, digest: str, conn=None) -> bool:
+  """Whether ``digest`` was uploaded for ``holder`` (a proof or a benchmark), in the table
+  of ``holder_column`` (which has a ``digest`` column)."""
+  table = holder_column.table
+  query = sa.select(table.c.digest).where((holder_column == holder) & (table.c.digest == digest))
+  if conn is not None:
+    return conn.execute(query).first() is not None
+  with engine.connect() as c:
+    return c.execute(query).first() is not None
+
+
+def add_held_blob(engine, holder_column, holder, digest: str) -> None:
+  """Records that ``digest`` was uploaded for ``holder`` (once)."""
+  with engine.begin() as conn:
+    if not has_held_blob(engine, holder_column, holder, digest, conn):
+      conn.execute(holder_column.table.insert().values(
+          {holder_column.name: holder, "digest": digest}))
+
+
 class CustodyQueries:
   """Append-only records, one per position, and everything derived from them."""
 
@@ -174,17 +193,10 @@ class CustodyQueries:
   # -- blobs uploaded for a proof ----------------------------------------------------------
 
   def add_proof_blob(self, proof_id: str, digest: str) -> None:
-    with self.engine.begin() as conn:
-      if not self.has_proof_blob(proof_id, digest, conn):
-        conn.execute(proof_blobs.insert().values(proof_id=proof_id, digest=digest))
+    add_held_blob(self.engine, proof_blobs.c.proof_id, proof_id, digest)
 
   def has_proof_blob(self, proof_id: str, digest: str, conn=None) -> bool:
-    query = sa.select(proof_blobs.c.digest).where(
-        (proof_blobs.c.proof_id == proof_id) & (proof_blobs.c.digest == digest))
-    if conn is not None:
-      return conn.execute(query).first() is not None
-    with self.engine.connect() as c:
-      return c.execute(query).first() is not None
+    return has_held_blob(self.engine, proof_blobs.c.proof_id, proof_id, digest, conn)
 
   def proof_blob_digests(self, proof_id: str) -> list[str]:
     with self.engine.connect() as conn:
