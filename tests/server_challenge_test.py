@@ -175,6 +175,16 @@ class CustodyTest(ServerChallengeTestCase):
     early = prover.chain({"type": "check", "step": 2, "kind": "update"})
     self.assertRefused(prover.send(early), 409, "before its step record")
 
+  def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):
+    prover = self.prover().start()
+    prover.run(steps=2)
+    late = prover.chain({"type": "check", "step": 1, "kind": "start", "pre_state_pieces": []})
+    self.assertRefused(prover.send(late), 409, "only step 0 starts a proof")
+    odd = prover.chain({"type": "check", "step": 0, "kind": "everything"})
+    self.assertRefused(prover.send(odd), 400, "a check of kind 'everything'")
+    start = prover.chain({"type": "check", "step": 0, "kind": "start", "pre_state_pieces": []})
+    self.assertEqual(prover.send(start).status_code, 200)
+
   def test_unsafe_or_non_deterministic_records_are_refused(self):
     prover = self.prover().start()
     tagged = cbor2.dumps(cbor2.CBORTag(1, 0))
