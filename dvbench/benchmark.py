@@ -2,26 +2,34 @@
 
 A benchmark ``owner/name`` holds a metric and its direction, an evaluation
 program exported with ``jax.export`` (params + a batch of rows -> one output per
-row), the aggregate of those outputs (``"mean"`` or ``"sum"``, computed by the
-server), the evaluation rows (their digests public, the rows private to the
-server unless ``publish_rows``) and the audit a proof needs: a minimum update
-check probability and, optionally, the training program ids allowed. Only the
-owner's token registers it, once; it cannot be changed afterwards.
+row; checked when registered), the aggregate of those outputs (``"mean"`` or
+``"sum"``, computed by the server), the evaluation rows (their digests public,
+the rows private to the server unless ``publish_rows``) and the audit a proof
+needs: its level (``"min-probability"``: server-chosen update checks at p at
+least ``min_update_check_probability``), optionally the training program ids
+allowed and the Merkle root of the training set (``TrainingSet``) that probed
+batch rows must be members of. Only the owner's token registers it, once; it
+cannot be changed afterwards.
 
 A submitter names the benchmark, the checkpoint and the verified proof whose
-``final_params`` it is; a worker runs the owner's program on every row. The
+``final_params`` it is, with Merkle proofs that its probed rows are training
+rows where the benchmark pins a training set; workers run the owner's program
+on every row (in shards of rows for large sets) and the server aggregates. The
 submitter sends no outputs, no program and no rows.
 
 Example::
 
+  train_set = TrainingSet(train_rows)  # from dvbench.benchmark
   bench = client.benchmark("alice/tiny-accuracy")
   bench.register(metric="accuracy", evaluate=evaluate, params=params, rows=eval_rows,
-                 min_update_check_probability=0.5)
-  entry = client.benchmark("alice/tiny-accuracy").submit(proof_id, "checkpoint.msgpack")
+                 min_update_check_probability=0.5, training_set=train_set)
+  entry = client.benchmark("alice/tiny-accuracy").submit(proof_id, "checkpoint.msgpack",
+                                                         training_set=train_set)
   bench.wait(entry["id"])["value"]
   bench.leaderboard(sort="value")
 """
 
+import io
 import json
 import pathlib
 import sys
@@ -32,13 +40,17 @@ import cbor2
 import jax
 import numpy as np
 
+from dvbench import transport
 from dvbench.measurement import load_checkpoint, tree_layouts
+from dvbench.server import scoring
 from zkdv import digest
+from zkdv import merkle
 from zkdv import transcript
 from zkdv.jax import arrays
 from zkdv.jax import replay
 
-AGGREGATES = {"mean": np.mean, "sum": np.sum}
+AGGREGATES = tuple(scoring.AGGREGATES)
+AUDITS = ("min-probability",)  # the audit levels a benchmark may require
 SUBMISSION_SETTLED = ("scored", "failed")
 
 
@@ -55,6 +67,41 @@ def export_evaluation(evaluate, params, rows, batch_rows: int) -> bytes:
   specs += [jax.ShapeDtypeStruct((batch_rows, *np.shape(x)[1:]), arrays.as_array(x).dtype)
             for x in b_leaves]
   return bytes(jax.export.export(jax.jit(flat_evaluate))(*specs).serialize())
+
+
+class TrainingSet:
+  """The Merkle tree (RFC 9162 over BLAKE3, ``zkdv.merkle``) of a training set's rows:
+  every row of every leaf, leaf after leaf, hashed as a probe hashes a batch row.
+
+  Example::
+
+    train_set = TrainingSet({"tokens": tokens, "labels": labels})
+    train_set.root, train_set.size                  # what a benchmark registers
+    train_set.membership_proofs([blake3(row).digest()])  # [[digest, index, path]]
+  """
+
+  def __init__(self, rows):
+    rows_bytes = []
+    for value in tree_layouts(rows)[1]:
+      if not np.shape(value):
+        raise ValueError("training set leaves share a leading (row) axis; got a scalar.")
+      rows_bytes += [r.tobytes() for r in digest.byte_view(value).reshape(len(value), -1)]
+    if not rows_bytes:
+      raise ValueError("a training set has at least one row.")
+    self._levels = merkle.tree_levels([merkle.leaf_hash(r) for r in rows_bytes])
+    self._index = {}
+    for i, r in enumerate(rows_bytes):
+      self._index.setdefault(blake3.blake3(r).digest(), i)
+    self.root, self.size = self._levels[-1][0], len(rows_bytes)
+
+  def __repr__(self):
+    return f"TrainingSet(root={self.root.hex()[:16]}…, size={self.size})"
+
+  def membership_proofs(self, row_digests) -> list[list]:
+    """``[row digest, index, audit path]`` for each digest (BLAKE3 of a row's bytes) that
+    is a row of this set; others are left out (a leaderboard shows them as outside)."""
+    return [[d, self._index[d], merkle.inclusion_proof(self._levels, self._index[d])]
+            for d in sorted(set(row_digests)) if d in self._index]
 
 
 class Benchmark:
@@ -78,35 +125,53 @@ class Benchmark:
                                headers={"content-type": "application/octet-stream"})
     return name
 
-  def register(self, *, metric: str, evaluate, params, rows, higher_is_better: bool = True,
-               aggregate: str = "mean", batch_size: int | None = None,
-               min_update_check_probability: float = 0.1, allowed_programs=None,
-               publish_rows: bool = False) -> dict:
-    """Registers the benchmark (once; the owner's token).
+  def register(self, *, evaluate, params, rows, batch_size: int | None = None,
+               **options) -> dict:
+    """Registers the benchmark (once; the owner's token) with ``evaluate`` exported.
 
     Args:
       evaluate: ``evaluate(params, batch) -> outputs`` of shape ``(rows in batch,)``.
       params: example params (their structure, dtypes and shapes define the checkpoint).
       rows: the evaluation rows, a pytree of arrays sharing the leading axis.
-      aggregate: ``"mean"`` or ``"sum"`` of every row's output, computed by the server.
       batch_size: rows per evaluation call (default: all rows at once).
+      **options: those of ``register_exported`` (``metric`` among them).
+    """
+    count = len(tree_layouts(rows)[1][0])
+    program = export_evaluation(evaluate, params, rows, batch_size or count)
+    return self.register_exported(program, params=params, rows=rows,
+                                  batch_rows=batch_size or count, **options)
+
+  def register_exported(self, program: bytes, *, metric: str, params, rows, batch_rows: int,
+                        higher_is_better: bool = True, aggregate: str = "mean",
+                        audit: str = "min-probability",
+                        min_update_check_probability: float = 0.1, allowed_programs=None,
+                        training_set: TrainingSet | None = None,
+                        publish_rows: bool = False) -> dict:
+    """Registers a serialized ``jax.export`` program taking the flat leaves of ``params``
+    and of a batch of ``batch_rows`` rows (``export_evaluation``); the server checks it.
+
+    Args:
+      aggregate: ``"mean"`` or ``"sum"`` of every row's output, computed by the server.
+      audit: the audit level a proof needs, one of ``AUDITS``.
       allowed_programs: hex ids of the training programs a proof may use (None: any).
+      training_set: a ``TrainingSet`` (its root and size) that probed rows must be in.
     """
     if aggregate not in AGGREGATES:
-      raise ValueError(f"aggregate is one of {sorted(AGGREGATES)}, got {aggregate!r}.")
+      raise ValueError(f"aggregate is one of {list(AGGREGATES)}, got {aggregate!r}.")
+    if audit not in AUDITS:
+      raise ValueError(f"audit is one of {list(AUDITS)}, got {audit!r}.")
     data_layouts, data = tree_layouts(rows)
-    count = data_layouts[0].shape[0] if data_layouts and data_layouts[0].shape else 0
-    batch_rows = batch_size or count
-    program = export_evaluation(evaluate, params, rows, batch_rows)
     definition = {
         "type": "benchmark", "metric": metric, "higher_is_better": bool(higher_is_better),
         "aggregate": aggregate, "batch_rows": batch_rows, "program": self._put(program),
         "params_layout": [l.to_record() for l in tree_layouts(params)[0]],
         "data_layout": [l.to_record() for l in data_layouts],
         "data_blobs": [self._put(bytes(digest.byte_view(d))) for d in data],
-        "min_update_check_probability": float(min_update_check_probability),
+        "audit": audit, "min_update_check_probability": float(min_update_check_probability),
         "allowed_programs": None if allowed_programs is None else [
             bytes.fromhex(p) for p in allowed_programs],
+        "training_set": None if training_set is None else {
+            "root": training_set.root, "size": training_set.size},
         "public_rows": bool(publish_rows),
     }
     return self.client.http.request("PUT", self.path,
@@ -115,9 +180,18 @@ class Benchmark:
   def info(self) -> dict:
     return self.client.http.request("GET", self.path).json()
 
-  def submit(self, proof_id: str, checkpoint) -> dict:
+  def probed_rows(self, proof_id: str) -> set[bytes]:
+    """The BLAKE3 digests of the batch rows the proof's probe checks opened."""
+    data = self.client.http.request("GET", f"/api/v1/proofs/{proof_id}/transcript").content
+    decoder, probed = cbor2.CBORDecoder(io.BytesIO(data)), set()
+    while decoder.fp.tell() < len(data):
+      probed |= {bytes.fromhex(d) for d in transport.probe_blobs(decoder.decode())}
+    return probed
+
+  def submit(self, proof_id: str, checkpoint, training_set: TrainingSet | None = None) -> dict:
     """Submits ``checkpoint`` (pytree, msgpack bytes or path), the final params of
-    ``proof_id`` (a verified proof of the caller); the server scores it."""
+    ``proof_id`` (a verified proof of the caller); the server scores it. With
+    ``training_set``, the proof's probed rows found in it are proven members."""
     layouts, values = tree_layouts(load_checkpoint(checkpoint))
     blobs = []
     for value in values:
@@ -125,8 +199,11 @@ class Benchmark:
       name = blake3.blake3(data).digest()
       self.client.http.put_blob(proof_id, name.hex(), lambda data=data: data)
       blobs.append(name)
+    members = ([] if training_set is None
+               else training_set.membership_proofs(self.probed_rows(proof_id)))
     record = {"type": "submission", "proof_id": proof_id,
-              "params_layout": [l.to_record() for l in layouts], "params_blobs": blobs}
+              "params_layout": [l.to_record() for l in layouts], "params_blobs": blobs,
+              "training_proofs": members}
     return self.client.http.request("POST", f"{self.path}/submissions",
                                     content=cbor2.dumps(record, canonical=True)).json()
 
@@ -145,58 +222,85 @@ class Benchmark:
     return self.client.http.request("GET", f"{self.path}/leaderboard", params=params).json()
 
 
-class ScoreError(Exception):
-  """The registered program cannot score this checkpoint; the message says why."""
+class ProgramError(Exception):
+  """The registered program cannot evaluate this benchmark; the message says why."""
 
 
 def _read(folder: pathlib.Path, blob: bytes, layout: digest.LeafLayout) -> np.ndarray:
   return transcript.read_blob(folder, blob, layout.dtype, layout.shape)
 
 
-def score(job: dict, folder: pathlib.Path) -> float:
-  """The aggregate of the owner's program over every row. Runs in a worker child.
-
-  ``folder/blobs`` holds the program, the checkpoint and the rows; a program that
-  is screened out (``replay.load_program``) or takes other inputs raises.
-  """
-  exported, _ = replay.load_program(
-      (folder / transcript.BLOBS_DIR / job["program"].hex()).read_bytes())
+def check_program(exported, summary, job: dict) -> None:
+  """Raises ProgramError unless ``exported`` maps (params, a batch) to one output per row
+  and reads both: a program that ignores the params scores weights baked into it, one
+  that ignores the batch is a constant."""
   params_layouts = [digest.LeafLayout.from_record(l) for l in job["params_layout"]]
   data_layouts = [digest.LeafLayout.from_record(l) for l in job["data_layout"]]
-  batch_rows, count = job["batch_rows"], data_layouts[0].shape[0]
+  batch_rows = job["batch_rows"]
   expected = [(l.shape, l.dtype) for l in params_layouts] + [
       ((batch_rows, *l.shape[1:]), l.dtype) for l in data_layouts]
   taken = [(tuple(a.shape), str(a.dtype)) for a in exported.in_avals]
   if taken != expected:
-    raise ScoreError(f"the evaluation program takes {taken}; the checkpoint and rows give "
-                     f"{expected}.")
-  if [tuple(a.shape) for a in exported.out_avals] != [(batch_rows,)]:
-    raise ScoreError(f"the evaluation program returns {exported.out_avals}; a benchmark's "
-                     f"program returns one output per row, shape ({batch_rows},).")
-  run = replay.compile_program(exported)
+    raise ProgramError(f"it takes {taken}; the params and a batch of {batch_rows} rows give "
+                       f"{expected}.")
+  outs = exported.out_avals
+  if len(outs) != 1 or tuple(outs[0].shape) != (batch_rows,) or not (
+      np.issubdtype(outs[0].dtype, np.number) or outs[0].dtype == np.bool_):
+    raise ProgramError(f"it returns {[str(a) for a in outs]}; a benchmark's program returns "
+                       f"one number per row, shape ({batch_rows},).")
+  n_params = len(params_layouts)
+  if not summary.depends_on(0, range(n_params)):
+    raise ProgramError("its output does not read the params: it would score weights baked "
+                       "into the program, not the submitted checkpoint.")
+  if not summary.depends_on(0, range(n_params, n_params + len(data_layouts))):
+    raise ProgramError("its output does not read the batch: a constant, not an evaluation.")
+
+
+def load_checked_program(folder: pathlib.Path, job: dict):
+  """The screened (``replay.load_program``) and checked evaluation program of ``job``."""
+  blob = (folder / transcript.BLOBS_DIR / job["program"].hex()).read_bytes()
+  try:
+    exported, summary = replay.load_program(blob)
+  except ValueError as e:
+    raise ProgramError(str(e)) from None
+  check_program(exported, summary, job)
+  return exported
+
+
+def score_rows(job: dict, folder: pathlib.Path) -> np.ndarray:
+  """The owner's program's output (float64) on rows ``[first_row, first_row + rows)``.
+  Runs in a worker child; ``folder/blobs`` holds the program, the checkpoint and the rows."""
+  run = replay.compile_program(load_checked_program(folder, job))
+  params_layouts = [digest.LeafLayout.from_record(l) for l in job["params_layout"]]
+  data_layouts = [digest.LeafLayout.from_record(l) for l in job["data_layout"]]
   params = [arrays.from_host(_read(folder, b, l), l)
             for b, l in zip(job["params_blobs"], params_layouts, strict=True)]
   data = [_read(folder, b, l) for b, l in zip(job["data_blobs"], data_layouts, strict=True)]
+  batch_rows, count = job["batch_rows"], data_layouts[0].shape[0]
+  first, end = job["first_row"], job["first_row"] + job["rows"]
   outputs = []
-  for start in range(0, count, batch_rows):  # the last batch wraps around, extra rows dropped
+  for start in range(first, end, batch_rows):  # a short last batch wraps, extra rows dropped
     rows = (start + np.arange(batch_rows)) % count
     (out,) = jax.tree.leaves(run(*params, *[d[rows] for d in data]))
-    out = np.asarray(out, np.float64)
-    outputs.append(out[:min(batch_rows, count - start)])
-  value = float(AGGREGATES[job["aggregate"]](np.concatenate(outputs)))
-  if not np.isfinite(value):
-    raise ScoreError(f"the {job['aggregate']} of the outputs is {value}.")
-  return value
+    outputs.append(np.asarray(out, np.float64)[:min(batch_rows, end - start)])
+  return np.concatenate(outputs).astype(scoring.OUTPUT_DTYPE)
 
 
 def main(argv=None) -> int:
-  """``python -m dvbench.benchmark FOLDER``: scores ``FOLDER/job.cbor``, prints JSON."""
+  """``python -m dvbench.benchmark FOLDER``: runs ``FOLDER/job.cbor`` (``"mode"``:
+  ``"check"`` a program, or ``"score"`` rows into ``FOLDER/outputs.f64``); prints JSON."""
   folder = pathlib.Path((argv or sys.argv[1:])[0])
   job = cbor2.loads((folder / "job.cbor").read_bytes())
   try:
-    print(json.dumps({"value": score(job, folder), "failure": None}))
+    if job["mode"] == "check":
+      load_checked_program(folder, job)
+    else:
+      (folder / scoring.OUTPUTS_FILE).write_bytes(score_rows(job, folder).tobytes())
+    print(json.dumps({"failure": None}))
+  except ProgramError as e:
+    print(json.dumps({"failure": f"the evaluation program: {e}"}))
   except Exception as e:  # an unusable program or checkpoint fails the entry, never the worker
-    print(json.dumps({"value": None, "failure": f"{type(e).__name__}: {e}"}))
+    print(json.dumps({"failure": f"{type(e).__name__}: {e}"}))
   return 0
 
 

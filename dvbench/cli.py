@@ -59,7 +59,9 @@ def serve(args) -> int:
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   store, blobs = _store_and_blobs(args)
   service = Service(store, blobs, _signing_key(args), _minimum_policy(args),
-                    max_body=args.max_body_mb << 20)
+                    max_body=args.max_body_mb << 20, score_shard_rows=args.score_shard_rows,
+                    memory_bytes=int(args.memory_limit_gb * (1 << 30)),
+                    time_limit=args.time_limit)
   workers = [subprocess.Popen(_worker_command(args)) for _ in range(args.workers)]
   try:
     uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
@@ -185,6 +187,8 @@ def main(argv=None) -> int:
   s.add_argument("--min-probe-ratio", type=float, default=0.0)
   s.add_argument("--max-window", type=int, default=64,
                  help="the largest rolling window (steps unanswered or undecided) a root may carry")
+  s.add_argument("--score-shard-rows", type=int, default=1 << 16,
+                 help="evaluation rows per scoring job: larger sets split across workers")
   s.set_defaults(run=serve)
 
   w = sub.add_parser("worker", help="run one validation worker against the database")

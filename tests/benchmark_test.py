@@ -1,5 +1,6 @@
-"""Benchmarks against a real server: an owner registers, the server scores, contamination
-blocks ranking, and each attack of issue 12 is refused with a clear message."""
+"""Benchmarks against a real server: an owner registers (its program checked), the server
+scores in shards, contamination and rows outside a pinned training set block ranking, and
+each attack on a leaderboard is refused with a clear message."""
 
 import io
 
@@ -10,19 +11,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+from absl.testing import parameterized
 from flax import serialization
 
 import dvbench
+from dvbench.benchmark import TrainingSet, export_evaluation
 from dvbench.measurement import tree_layouts
 from tests.dvbench_test import DVBenchTestCase, local_transcript
-from tests.measurement_test import Rows, _model, browse, train
+from tests.measurement_test import Rows, _model, browse, train, tutorial_steps_batch
 
 # Rows of 4 tokens and a label (the first token), none of them a row of the tutorial batch.
 EVAL_ROWS = np.asarray([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1, 0, 1, 1],
                         [0, 0, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0], [1, 0, 0, 0, 1]],
                        np.uint32)
 COLUMNS = ["rank", "experiment", "value", "state", "challenged by", "checks replayed", "p",
-           "escape (1 − p)", "start", "program", "contamination", "proof"]
+           "escape (1 − p)", "start", "program", "contamination", "training set", "proof"]
 
 
 def correct(params, batch):
@@ -42,7 +45,9 @@ def program_ids(server_url: str, proof_id: str) -> list[str]:
   return ids
 
 
-class BenchmarkTest(DVBenchTestCase):
+class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
+  # 6 rows per scoring job: a benchmark evaluating 3 rows per call is scored in two shards.
+  server_args = ("--score-shard-rows", "6")
 
   @classmethod
   def setUpClass(cls):
@@ -62,14 +67,15 @@ class BenchmarkTest(DVBenchTestCase):
     cls.pinned = sorted({*program_ids(url, cls.honest_proof), *program_ids(url, cls.dirty_proof),
                          *program_ids(url, cls.unattested_proof)})
     cls.params = _model().init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+    cls.training_set = TrainingSet(tutorial_steps_batch())  # the rows the tutorial trains on
     cls.bench = cls.register(cls.owner, "alice/tiny-accuracy", min_update_check_probability=1.0,
-                             allowed_programs=cls.pinned)
+                             allowed_programs=cls.pinned, training_set=cls.training_set)
     cls.entry = cls.submitter.benchmark("alice/tiny-accuracy")  # the bench as a submitter
 
   @classmethod
   def register(cls, client, name, **options):
     options = {"metric": "accuracy", "evaluate": correct, "params": cls.params,
-               "rows": EVAL_ROWS, "batch_size": 3, **options}
+               "rows": EVAL_ROWS, **options}
     client.benchmark(name).register(**options)
     return client.benchmark(name)
 
@@ -85,26 +91,44 @@ class BenchmarkTest(DVBenchTestCase):
                       content=cbor2.dumps(record, canonical=True),
                       headers={"Authorization": f"Bearer {client.token}"})
 
+  def honest_record(self, **fields) -> dict:
+    """The honest checkpoint's submission record (its blobs are uploaded by its owner)."""
+    layouts, values = tree_layouts(serialization.msgpack_restore(self.honest.read_bytes()))
+    return {"type": "submission", "proof_id": self.honest_proof,
+            "params_layout": [l.to_record() for l in layouts],
+            "params_blobs": [blake3.blake3(v.tobytes()).digest() for v in values],
+            "training_proofs": [], **fields}
+
   def test_end_to_end_honest_ranked_contaminated_shown_unranked_in_a_browser(self):
-    honest = self.entry.wait(self.entry.submit(self.honest_proof, self.honest)["id"])
-    dirty = self.entry.wait(self.entry.submit(self.dirty_proof, self.dirty)["id"])
-    unattested = self.entry.wait(self.entry.submit(self.unattested_proof,
-                                                   self.unattested)["id"])
+    submit = lambda proof, checkpoint: self.entry.wait(self.entry.submit(  # pylint: disable=g-long-lambda
+        proof, checkpoint, training_set=self.training_set)["id"])
+    honest = submit(self.honest_proof, self.honest)
+    dirty = submit(self.dirty_proof, self.dirty)
+    unattested = submit(self.unattested_proof, self.unattested)
     self.assertEqual((honest["state"], dirty["state"], unattested["state"]),
                      ("scored", "scored", "scored"), str((honest, dirty, unattested)))
     self.assertAlmostEqual(honest["value"], self.expected(self.honest), places=6)
+    self.assertEqual(honest["shards"], {"scored": 1, "total": 1})  # 8 rows per call
     board = {e["experiment"]: e for e in self.bench.leaderboard()}
     self.assertEqual(board["your-name/honest"]["rank"], 1)
-    self.assertEqual(board["your-name/honest"]["contamination"], 0)
+    self.assertEqual((board["your-name/honest"]["contamination"],
+                      board["your-name/honest"]["outside_training_set"]), (0, 0))
     contaminated = board["your-name/on-eval-set"]
     self.assertFalse(contaminated["ranked"])
     self.assertIsNone(contaminated["rank"])
-    self.assertGreater(contaminated["contamination"], 0)  # its probed rows are eval rows
+    # Its probed rows are evaluation rows, and not rows of the registered training set.
+    self.assertGreater(contaminated["contamination"], 0)
+    self.assertEqual(contaminated["outside_training_set"], contaminated["contamination"])
+    self.assertEqual(contaminated["unranked_because"], [
+        f"contaminated: {contaminated['contamination']} probed rows are evaluation rows",
+        f"{contaminated['contamination']} probed rows are outside the registered training set"])
     # A run from weights no init program attests is scored and shown, not ranked: its
     # proof does not pass --strict.
     loose = board["your-name/unattested"]
     self.assertEqual((loose["ranked"], loose["rank"], loose["strict"]), (False, None, False))
     self.assertEqual(loose["unmet_claims"], ["start: does not hold"])
+    self.assertEqual(loose["unranked_because"],
+                     ["the proof does not pass --strict (start: does not hold)"])
     self.assertTrue(board["your-name/honest"]["strict"])
     for entry in board.values():
       self.assertEqual((entry["challenger"], entry["update_check_probability"],
@@ -128,6 +152,7 @@ class BenchmarkTest(DVBenchTestCase):
                       rows["your-name/unattested"]["data-strict"]), ("false", "false"))
     self.assertIn("unranked: the proof does not pass --strict (start: does not hold)", dom)
     self.assertIn(f"evaluation set\">contaminated: {contaminated['contamination']}</span>", dom)
+    self.assertIn(f"training set\">outside: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"/proofs/{self.honest_proof}", dom)
     self.assertIn("<svg class=\"values\"", dom)
     self.assertIn("/benchmarks/alice/tiny-accuracy", httpx.get(
@@ -153,27 +178,109 @@ class BenchmarkTest(DVBenchTestCase):
     self.assertEqual(response.status_code, 403)
     self.assertIn("private to the server", response.json()["error"])
 
-  def test_a_submitter_sends_no_outputs_value_program_or_rows(self):
-    # A constant program, forged outputs, baked-in weights and cherry-picked rows all need
-    # the submitter to supply something the server now computes itself.
-    for extra in ({"value": 1.0}, {"outputs": []}, {"evaluate": b"\0" * 32},
-                  {"rows": [b"\0" * 32]}, {"sample": 0.0}):
-      response = self.raw_submit(self.submitter, {
-          "type": "submission", "proof_id": self.honest_proof, "params_layout": [],
-          "params_blobs": [], **extra})
-      self.assertEqual(response.status_code, 400, extra)
-      self.assertIn("sends no outputs, values, programs or rows", response.json()["error"])
+  @parameterized.named_parameters(
+      # A verified 1.0 from a constant program of the submitter's.
+      ("constant_program", {"evaluate": b"constant 1.0 program"}),
+      # sample=0: nothing opened, every output forged.
+      ("forged_outputs_unsampled", {"outputs": [1.0] * len(EVAL_ROWS), "sample": 0.0}),
+      # Batches reordered until the server's opened sample misses the forged outputs.
+      ("ground_batch_order", {"batch_order": [7, 6, 5, 4, 3, 2, 1, 0], "outputs": [1.0]}),
+      # A program that ignores the checkpoint and scores weights baked into it.
+      ("baked_in_weights", {"evaluate": b"program with constant params", "params": []}),
+      # Only the rows the model gets right.
+      ("cherry_picked_rows", {"rows": [blake3.blake3(EVAL_ROWS[0].tobytes()).digest()]}),
+      # A value stated outright.
+      ("claimed_value", {"value": 1.0}),
+  )
+  def test_attack_refused_a_submitter_supplies_nothing_the_server_computes(self, extra):
+    response = self.raw_submit(self.submitter, self.honest_record(**extra))
+    self.assertEqual(response.status_code, 400)
+    self.assertIn("the server runs the benchmark's program on its rows, so a submitter sends "
+                  "no outputs, values, programs or rows", response.json()["error"])
 
-  def test_another_owners_checkpoint_is_refused(self):
+  def test_attack_refused_measuring_another_owners_checkpoint(self):
     with self.refused(403, "token of 'mallory' cannot write to proof"):
       self.mallory.benchmark("alice/tiny-accuracy").submit(self.honest_proof, self.honest)
-    layouts, values = tree_layouts(serialization.msgpack_restore(self.honest.read_bytes()))
-    response = self.raw_submit(self.mallory, {  # the honest blobs, uploaded by their owner
-        "type": "submission", "proof_id": self.honest_proof,
-        "params_layout": [l.to_record() for l in layouts],
-        "params_blobs": [blake3.blake3(v.tobytes()).digest() for v in values]})
+    response = self.raw_submit(self.mallory, self.honest_record())  # blobs its owner uploaded
     self.assertEqual(response.status_code, 403)
     self.assertIn("a checkpoint is submitted by the owner of the proof", response.json()["error"])
+
+  @parameterized.named_parameters(
+      # Attack: a constant "evaluation" (verified 1.0 whatever the checkpoint).
+      ("constant", lambda params, batch: jnp.ones(batch.shape[0]) + 0 * jax.tree.leaves(
+          params)[0].sum(), "its output does not read the batch: a constant"),
+      # Attack: an evaluation scoring weights baked into it, not the checkpoint.
+      ("baked_in_weights", lambda params, batch: correct(
+          jax.tree.map(jnp.zeros_like, params), batch),
+       "its output does not read the params: it would score weights baked into the program"),
+  )
+  def test_registration_checks_the_evaluation_program(self, evaluate, message):
+    with self.refused(400, f"the evaluation program: {message}"):
+      self.register(self.owner, "alice/bad-program", evaluate=evaluate)
+
+  def test_registration_screens_host_callbacks(self):
+    def calls_host(params, batch):
+      out = correct(params, batch)
+      return jax.ffi.ffi_call("xla_ffi_python_cpu_callback",
+                              jax.ShapeDtypeStruct(out.shape, out.dtype),
+                              has_side_effect=True)(out)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(self.params)]
+    exported = jax.export.export(jax.jit(lambda *flat: calls_host(
+        jax.tree.unflatten(jax.tree.structure(self.params), flat[:-1]), flat[-1])),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+            "xla_ffi_python_cpu_callback")])(*specs, jax.ShapeDtypeStruct((8, 5), jnp.uint32))
+    with self.refused(400, "the evaluation program: the program is refused before compiling: "
+                      "it calls back into the host"):
+      self.owner.benchmark("alice/host-callback").register_exported(
+          bytes(exported.serialize()), metric="accuracy", params=self.params, rows=EVAL_ROWS,
+          batch_rows=8)
+    with self.refused(400, "the evaluation program: it takes"):  # exported for 3 rows a call
+      self.owner.benchmark("alice/other-batch").register_exported(
+          export_evaluation(correct, self.params, EVAL_ROWS, 3), metric="accuracy",
+          params=self.params, rows=EVAL_ROWS, batch_rows=8)
+
+  def test_registration_fields_are_checked(self):
+    bench = self.owner.benchmark("alice/fields")
+    definition = {"type": "benchmark", "metric": "accuracy", "higher_is_better": True,
+                  "aggregate": "mean", "batch_rows": 8, "program": b"\1" * 32,
+                  "params_layout": [{"path": "w", "dtype": "float32", "shape": [2]}],
+                  "data_layout": [{"path": "", "dtype": "uint32", "shape": [8, 5]}],
+                  "data_blobs": [b"\2" * 32],
+                  "audit": "min-probability", "min_update_check_probability": 0.5,
+                  "allowed_programs": None, "training_set": None, "public_rows": False}
+    for fields, message in (
+        ({"audit": "full-replay"}, "audit: one of \\['min-probability'\\], got 'full-replay'"),
+        ({"training_set": {"root": b"\0" * 31, "size": 4}}, "training_set root: a 32-byte"),
+        ({"training_set": {"root": b"\0" * 32, "size": 0}}, "training_set: null or"),
+        ({"params_layout": [{"path": "w", "dtype": "object", "shape": []}]},
+         "params_layout: each leaf is"),
+        ({"batch_rows": 9}, r"batch_rows: an int in \[1, 8\]")):
+      with self.refused(400, message):
+        bench.client.http.request("PUT", bench.path, content=cbor2.dumps(
+            {**definition, **fields}, canonical=True))
+
+  def test_training_set_membership_is_proven_or_refused(self):
+    probed = self.entry.probed_rows(self.honest_proof)
+    self.assertNotEmpty(probed)
+    proofs = self.training_set.membership_proofs(probed)
+    self.assertLen(proofs, len(probed))  # the honest run probed only training rows
+    row, index, path = proofs[0]
+    # Attack: a membership proof for another index (or another tree) is refused.
+    forged = [[row, (index + 1) % self.training_set.size, path]]
+    response = self.raw_submit(self.submitter, self.honest_record(training_proofs=forged))
+    self.assertEqual(response.status_code, 409)
+    self.assertIn(f"the membership proof of probed row {row.hex()} (index "
+                  f"{(index + 1) % self.training_set.size}) does not lead to the root "
+                  f"{self.training_set.root.hex()}", response.json()["error"])
+    # Attack: proving a training row the proof never probed.
+    unprobed = TrainingSet(EVAL_ROWS).membership_proofs([blake3.blake3(
+        EVAL_ROWS[0].tobytes()).digest()])
+    response = self.raw_submit(self.submitter, self.honest_record(training_proofs=unprobed))
+    self.assertEqual(response.status_code, 409)
+    self.assertIn("is not a probed row of proof", response.json()["error"])
+    unpinned = self.submitter.benchmark("alice/any-program")
+    with self.refused(400, "'alice/any-program' registers no training set; send none"):
+      unpinned.submit(self.honest_proof, self.honest, training_set=self.training_set)
 
   def test_unverified_and_self_audited_proofs_are_refused(self):
     receiving = [p for p in self.submitter.experiment("your-name/honest").proofs()
@@ -194,6 +301,17 @@ class BenchmarkTest(DVBenchTestCase):
       self.entry.submit(self.honest_proof, further)
     with self.refused(409, "checkpoint's leaves"):
       self.entry.submit(self.honest_proof, {"w": np.zeros(3, np.float32)})
+
+  def test_scoring_in_shards_aggregated_by_the_server(self):
+    sharded = self.register(self.owner, "alice/sharded", batch_size=3, aggregate="sum")
+    self.assertEqual(sharded.info()["audit"], "min-probability")
+    entry = self.entry.client.benchmark(sharded.name)
+    scored = entry.wait(entry.submit(self.honest_proof, self.honest)["id"])
+    # 8 rows, 3 per call, at most 6 per job: rows 0-5 and rows 6-7 (a short batch).
+    self.assertEqual((scored["state"], scored["shards"]), ("scored", {"scored": 2, "total": 2}))
+    params = serialization.msgpack_restore(self.honest.read_bytes())
+    self.assertEqual(scored["value"], float(np.sum(np.asarray(
+        correct(params, jnp.asarray(EVAL_ROWS)), np.float64))))
 
   def test_audit_level_and_pinned_programs(self):
     with self.refused(409, r"checked at p = 0.9; 'alice/tiny-accuracy' requires .* p >= 1"):

@@ -19,10 +19,12 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
-    MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, blob_refs, challengers,
-    challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs, measurements, metadata,
-    owners, probes, proof_blobs, proof_claims, proofs, receipts, records, schema_migrations,
-    settings, slots, streams, tokens)
+    MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES, benchmarks,
+    blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
+    measurements, metadata, owners, probes, proof_blobs, proof_claims, proofs, receipts, records,
+    schema_migrations, score_shards, settings, slots, streams, submissions, tokens)
+from dvbench.server import store_benchmarks
+from dvbench.server.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import MEASUREMENT_STATES, JobQueries  # pylint: disable=unused-import
@@ -58,8 +60,29 @@ def _migration_4(conn) -> None:
     table.create(conn)
 
 
+def _migration_5(conn) -> None:
+  """Scoring in shards of rows (one worker job each); training-set members of probed rows.
+
+  A submission still waiting for its (unsharded) score job gets one shard of every row,
+  and that job becomes the shard's.
+  """
+  for table in MIGRATION_5_TABLES:
+    table.create(conn)
+  waiting = conn.execute(sa.select(submissions.c.id, benchmarks.c.rows).select_from(
+      submissions.join(benchmarks)).where(submissions.c.state.in_(("pending", "scoring"))))
+  for submission_id, rows in waiting.all():
+    shard_id = store_benchmarks.shard_id(submission_id, 0)
+    conn.execute(score_shards.insert().values(id=shard_id, submission_id=submission_id,
+                                              shard=0, first_row=0, rows=rows, state="queued",
+                                              updated_at=time.time()))
+    conn.execute(jobs.update().where((jobs.c.kind == "score")
+                                     & (jobs.c.subject == submission_id)).values(
+        kind=SHARD_JOB, subject=shard_id, state="queued"))
+
+
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
-                                          (3, _migration_3), (4, _migration_4)]
+                                          (3, _migration_3), (4, _migration_4),
+                                          (5, _migration_5)]
 
 # "verified": replayed with at least one server-chosen update check; "unchallenged": a
 # clean server-challenged proof that no update check happened to hit; "self-audited": a

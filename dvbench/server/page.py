@@ -119,22 +119,25 @@ _COLUMNS = (("rank", "rank"), ("experiment", "experiment"), ("value", "value"),
             ("checks_replayed", "checks replayed"), ("update_check_probability", "p"),
             ("escape_probability", "escape (1 − p)"), ("start_attested", "start"),
             ("program_pinned", "program"), ("contamination", "contamination"),
-            ("proof", "proof"))
+            ("outside_training_set", "training set"), ("proof", "proof"))
 
 
 def _entry(url: Url, r: dict) -> str:
   value = "—" if r["value"] is None else f"{r['value']:.6g}"
   dirty = (f"<span class='state invalid' title='probed training rows found in the evaluation "
            f"set'>contaminated: {r['contamination']}</span>" if r["contamination"] else "0")
-  unmet = "" if r["strict"] else (
-      "<br><span class=muted>unranked: the proof does not pass --strict ("
-      + e("; ".join(r["unmet_claims"])) + ")</span>")
+  outside = r["outside_training_set"]
+  training = ("not pinned" if outside is None else "probed rows in it" if not outside else
+              f"<span class='state invalid' title='probed rows not proven members of the "
+              f"registered training set'>outside: {outside}</span>")
+  unranked = "" if r["ranked"] else (
+      "<br><span class=muted>unranked: " + e("; ".join(r["unranked_because"])) + "</span>")
   state = _badge(r["state"]) + (
-      f"<br><span class=muted>{e(r['failure'])}</span>" if r["failure"] else "") + unmet
+      f"<br><span class=muted>{e(r['failure'])}</span>" if r["failure"] else "") + unranked
   challenger = "DVBench" if r["challenger"] == "dvbench" else e(r["challenger"])
   return (f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
           f"data-ranked='{str(r['ranked']).lower()}' data-strict='{str(r['strict']).lower()}' "
-          f"data-contamination='{r['contamination']}'>"
+          f"data-contamination='{r['contamination']}' data-outside='{outside}'>"
           f"<td class='num'>{r['rank'] or ''}</td><td>{e(r['experiment'])}</td>"
           f"<td class='num'>{value}</td><td>{state}</td><td>{challenger}</td>"
           f"<td class='num'>{r['checks_replayed']}</td>"
@@ -142,8 +145,16 @@ def _entry(url: Url, r: dict) -> str:
           f"<td class='num'>{r['escape_probability']:.3g}</td>"
           f"<td>{'attested' if r['start_attested'] else 'unattested'}</td>"
           f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}</td><td>{dirty}</td>"
+          f"<td>{training}</td>"
           f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'><code>"
           f"{e(r['proof_id'][:12])}…</code></a></td></tr>")
+
+
+def _training_set(pin: dict | None) -> str:
+  if pin is None:
+    return "not pinned (any rows)"
+  return (f"{pin['size']} rows, Merkle root <code>{e(pin['root'][:16])}…</code>; probed rows "
+          "must be proven members")
 
 
 def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> str:
@@ -163,14 +174,16 @@ def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> s
 <tr><th>evaluation rows</th><td>{bench['rows']} ({'published' if bench['public_rows'] else
  'private to the server; digests public'})</td></tr>
 <tr><th>evaluation program</th><td><code>{e(bench['program'])}</code></td></tr>
-<tr><th>required audit</th><td>server-chosen update checks at p ≥
+<tr><th>required audit</th><td>{e(bench['audit'])}: server-chosen update checks at p ≥
  {bench['min_update_check_probability']:g}</td></tr>
 <tr><th>training programs</th><td>{'pinned: ' + ', '.join(e(p[:16]) + '…' for p in pins)
- if pins is not None else 'not pinned (any)'}</td></tr></table>
+ if pins is not None else 'not pinned (any)'}</td></tr>
+<tr><th>training set</th><td>{_training_set(bench['training_set'])}</td></tr></table>
 <p>Ranked: scored by the server, the proof passes <code>zkdv verify --strict</code> (server
 challenges, exact replays, an attested start, a program whose update reads the batch, probes),
-and no probed training row is in the evaluation set. Any other entry is shown with what it
-lacks and not ranked.</p>
+no probed training row is in the evaluation set and, where a training set is registered,
+every probed row is proven (Merkle) to be in it. Any other entry is shown with what it lacks
+and not ranked.</p>
 {_bars([r for r in entries if r['ranked']])}
 <table class="leaderboard" data-benchmark="{e(bench['name'])}"><tr>{heads}</tr>
 {''.join(_entry(url, r) for r in entries)}</table>""")

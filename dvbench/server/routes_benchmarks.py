@@ -11,9 +11,13 @@ Example::
 
 import json
 import math
+import pathlib
 import re
+import sys
+import tempfile
 
 import blake3
+import cbor2
 import ml_dtypes
 import numpy as np
 from starlette.concurrency import run_in_threadpool
@@ -22,19 +26,29 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from dvbench.server import labels
+from dvbench.server import scoring
+from dvbench.server import worker
 from dvbench.server.service import HEX_ID, NAME, Service, check_name, decode
 from zkdv import digest
+from zkdv import merkle
+from zkdv.transcript import BLOBS_DIR
 
 _DEFINITION = {"type", "metric", "higher_is_better", "aggregate", "batch_rows", "program",
                "params_layout", "data_layout", "data_blobs", "min_update_check_probability",
                "allowed_programs", "public_rows"}
-_SUBMISSION = {"type", "proof_id", "params_layout", "params_blobs"}
-_AGGREGATES = ("mean", "sum")
+_DEFINITION_ADDED = {"audit", "training_set"}  # absent from definitions registered before them
+_SUBMISSION = {"type", "proof_id", "params_layout", "params_blobs", "training_proofs"}
+# The audit levels a benchmark may require ("full-replay" joins once workers re-execute
+# every step); each names the check of a submitted proof in ``BenchmarkRoutes``.
+AUDITS = ("min-probability",)
 _MAX_LEAVES, _MAX_RANK, _MAX_DIM = 4096, 8, 1 << 31
+_MAX_PROGRAM_BYTES = 64 << 20
+_MAX_PROOF_LENGTH = 64  # a training set of up to 2**64 rows
+_CHECKED_PROGRAMS = 1024  # (program, signature) pairs remembered as checked
 # The leaderboard columns a client may sort by (``?sort=``); unranked entries have no rank.
 SORTS = ("rank", "value", "experiment", "state", "challenger", "checks_replayed",
          "update_check_probability", "escape_probability", "start_attested", "program_pinned",
-         "contamination", "submitted")
+         "contamination", "outside_training_set", "submitted")
 _STATE_REASONS = {
     "self-audited": "its prover chose its own checks (detects faults, not a dishonest prover)",
     "unchallenged": "the server chose no update check in it, so nothing was replayed",
@@ -90,16 +104,20 @@ def _layouts(value, what: str) -> list[digest.LeafLayout]:
 def parse_definition(body: bytes) -> dict:
   """The registered benchmark's fields; 400 naming the first wrong one."""
   record = decode(body, "the benchmark", canonical=True)
-  if not isinstance(record, dict) or set(record) != _DEFINITION or record["type"] != "benchmark":
-    raise HTTPException(400, f"a benchmark has exactly the fields {sorted(_DEFINITION)} "
-                        "(see dvbench.benchmark).")
+  if not (isinstance(record, dict) and _DEFINITION <= set(record)
+          <= _DEFINITION | _DEFINITION_ADDED and record["type"] == "benchmark"):
+    raise HTTPException(400, "a benchmark has exactly the fields "
+                        f"{sorted(_DEFINITION | _DEFINITION_ADDED)} (see dvbench.benchmark).")
+  audit = record.get("audit", "min-probability")
+  if audit not in AUDITS:
+    raise _bad("audit", f"one of {list(AUDITS)}, got {str(audit)[:40]!r}.")
   if not (isinstance(record["metric"], str) and NAME.fullmatch(record["metric"])):
     raise _bad("metric", "1-100 letters, digits, '.', '_' or '-'.")
   if not isinstance(record["higher_is_better"], bool) or not isinstance(
       record["public_rows"], bool):
     raise _bad("higher_is_better and public_rows", "booleans.")
-  if record["aggregate"] not in _AGGREGATES:
-    raise _bad("aggregate", f"one of {list(_AGGREGATES)} (computed by the server).")
+  if record["aggregate"] not in scoring.AGGREGATES:
+    raise _bad("aggregate", f"one of {list(scoring.AGGREGATES)} (computed by the server).")
   p = record["min_update_check_probability"]
   if not (isinstance(p, float) and 0 < p <= 1):
     raise _bad("min_update_check_probability", "a float in (0, 1].")
@@ -113,12 +131,39 @@ def parse_definition(body: bytes) -> dict:
   allowed = record["allowed_programs"]
   return {"metric": record["metric"], "higher_is_better": record["higher_is_better"],
           "aggregate": record["aggregate"], "public_rows": record["public_rows"],
+          "audit": audit, "training_set": _training_set(record.get("training_set")),
           "min_update_check_probability": p, "batch_rows": rows, "rows": count,
           "program": _digest(record["program"], "program"),
           "params_layout": _layouts(record["params_layout"], "params_layout"),
           "data_layout": data_layouts,
           "data_blobs": _digests(record["data_blobs"], "data_blobs"),
           "allowed_programs": None if allowed is None else _digests(allowed, "allowed_programs")}
+
+
+def _training_set(value) -> dict | None:
+  """``{"root": 32 bytes, "size": rows}`` of a registered training set, or None."""
+  if value is None:
+    return None
+  if not (isinstance(value, dict) and set(value) == {"root", "size"}
+          and type(value["size"]) is int and 0 < value["size"] < 1 << _MAX_PROOF_LENGTH):
+    raise _bad("training_set", "null or {\"root\": its Merkle root, \"size\": its rows} "
+               "(dvbench.benchmark.TrainingSet).")
+  return {"root": _digest(value["root"], "training_set root"), "size": value["size"]}
+
+
+def _training_proofs(value) -> list[tuple[bytes, int, list[bytes]]]:
+  """``[row digest, index, audit path]`` entries, strictly typed."""
+  if not isinstance(value, list) or len(value) > 1 << 16:
+    raise _bad("training_proofs", "a list of at most 65536 [row digest, index, path].")
+  entries = []
+  for entry in value:
+    if not (isinstance(entry, list) and len(entry) == 3 and type(entry[1]) is int
+            and isinstance(entry[2], list) and len(entry[2]) <= _MAX_PROOF_LENGTH):
+      raise _bad("training_proofs", "each entry is [row digest, index, [up to "
+                 f"{_MAX_PROOF_LENGTH} 32-byte hashes]].")
+    entries.append((_digest(entry[0], "training_proofs row digest"), entry[1],
+                     [_digest(h, "training_proofs path") for h in entry[2]]))
+  return entries
 
 
 def parse_submission(body: bytes) -> dict:
@@ -131,7 +176,8 @@ def parse_submission(body: bytes) -> dict:
     raise _bad("proof_id", "64 lowercase hex digits.")
   return {"proof_id": record["proof_id"],
           "params_layout": _layouts(record["params_layout"], "params_layout"),
-          "params_blobs": _digests(record["params_blobs"], "params_blobs")}
+          "params_blobs": _digests(record["params_blobs"], "params_blobs"),
+          "training_proofs": _training_proofs(record["training_proofs"])}
 
 
 def _leaves(layouts: list[digest.LeafLayout]) -> str:
@@ -149,6 +195,7 @@ class BenchmarkRoutes:
 
   def __init__(self, service: Service):
     self.service, self.store, self.blobs = service, service.store, service.blobs
+    self._checked_programs: dict[bytes, None] = {}  # insertion-ordered, oldest first
 
   def _owned(self, request) -> str:
     """``owner/name`` of the path, after checking the token is the owner's (403)."""
@@ -232,6 +279,7 @@ class BenchmarkRoutes:
           raise _bad("data_blobs", f"blob {blob.hex()} holds {path.stat().st_size} bytes; its "
                      f"layout needs {layout.nbytes}.")
         rows |= row_digests(path, layout)
+      self._check_program(spec)
       allowed = spec["allowed_programs"]
       row = {"full_name": full, "metric": spec["metric"],
              "higher_is_better": spec["higher_is_better"], "aggregate": spec["aggregate"],
@@ -243,6 +291,35 @@ class BenchmarkRoutes:
       return self.store.create_benchmark(full.split("/")[0], row, rows), 201
     row, status = await run_in_threadpool(register)
     return JSONResponse(public_benchmark(row), status_code=status)
+
+  def _check_program(self, spec: dict) -> None:
+    """400 naming what is wrong with the evaluation program, checked in a limited child
+    process as uploaded programs always are (``dvbench.benchmark.check_program``): it
+    deserializes, passes the StableHLO screen, takes the params and a batch, returns one
+    number per row and reads both."""
+    size = self.blobs.path(spec["program"].hex()).stat().st_size
+    if size > _MAX_PROGRAM_BYTES:
+      raise _bad("program", f"at most {_MAX_PROGRAM_BYTES >> 20} MiB, got {size} bytes.")
+    job = {"mode": "check", "program": spec["program"], "batch_rows": spec["batch_rows"],
+           "params_layout": [l.to_record() for l in spec["params_layout"]],
+           "data_layout": [l.to_record() for l in spec["data_layout"]]}
+    key = blake3.blake3(cbor2.dumps(job, canonical=True)).digest()
+    if key in self._checked_programs:
+      return
+    with tempfile.TemporaryDirectory(prefix="program-", dir=self.blobs.folder.parent) as work:
+      folder = pathlib.Path(work)
+      (folder / "job.cbor").write_bytes(cbor2.dumps(job))
+      self.blobs.link_into(folder / BLOBS_DIR, [spec["program"].hex()])
+      result, failure = worker._run_limited(  # pylint: disable=protected-access
+          [sys.executable, "-m", "dvbench.benchmark", str(folder)], self.service.memory_bytes,
+          min(self.service.time_limit, 600))
+    failure = failure or result["failure"]
+    if failure:
+      raise HTTPException(400, failure if failure.startswith("the evaluation program") else
+                          f"the evaluation program could not be checked: {failure}")
+    self._checked_programs[key] = None
+    if len(self._checked_programs) > _CHECKED_PROGRAMS:
+      del self._checked_programs[next(iter(self._checked_programs))]
 
   async def get_benchmark(self, request):
     row = await run_in_threadpool(self._benchmark_or_404, request)
@@ -267,40 +344,52 @@ class BenchmarkRoutes:
         raise HTTPException(403, f"token of '{who}' cannot submit the checkpoint of proof "
                             f"{proof['id']} of '{proof['experiment']}': a checkpoint is "
                             "submitted by the owner of the proof that produced it.")
-      self._check_audit(bench, proof)
-      self._check_checkpoint(bench, proof, spec)
+      definition = parse_definition(bench["definition"])
+      self._check_audit(bench, definition, proof)
+      self._check_checkpoint(definition, proof, spec)
+      members = self._training_members(bench, definition, proof, spec["training_proofs"])
       submission_id = blake3.blake3(bench["full_name"].encode() + b"\0" + body).hexdigest()
+      shards = scoring.shard_ranges(definition["rows"], definition["batch_rows"],
+                                    self.service.score_shard_rows)
       return self.store.add_submission({"id": submission_id, "benchmark_id": bench["id"],
-                                        "proof_id": proof["id"], "record": body})
+                                        "proof_id": proof["id"], "record": body},
+                                       shards, members)
     row = await run_in_threadpool(submit)
     return JSONResponse(public_submission(row), status_code=201)
 
-  def _check_audit(self, bench: dict, proof: dict) -> None:
-    """409 unless the proof's audit meets the benchmark's (state, p, pinned programs)."""
+  def _check_audit(self, bench: dict, definition: dict, proof: dict) -> None:
+    """409 unless the proof's audit meets the benchmark's (state, audit level, programs)."""
     if proof["state"] != "verified":
       reason = _STATE_REASONS.get(proof["state"], "only proofs whose server-chosen checks "
                                   "were replayed are scored")
       raise HTTPException(409, f"proof {proof['id']} is {proof['state']}, not verified: "
                           f"{reason}.")
+    audit_checks = {"min-probability": self._check_min_probability}
+    audit_checks[definition["audit"]](bench, proof)
+    self._check_programs(bench, proof)
+
+  def _check_min_probability(self, bench: dict, proof: dict) -> None:
     challenger = self.store.challenger(proof["id"])
     p = json.loads(challenger["policy"])["update_check_probability"]
     if challenger["kind"] != "dvbench" or p < bench["min_update_check_probability"]:
       raise HTTPException(409, f"proof {proof['id']} was checked at p = {p:g}; "
                           f"'{bench['full_name']}' requires server-chosen update checks at p "
                           f">= {bench['min_update_check_probability']:g}.")
+
+  def _check_programs(self, bench: dict, proof: dict) -> None:
     if bench["allowed_programs"] is not None:
       allowed = set(json.loads(bench["allowed_programs"]))
       used = {decode(r, "a stored program record")["program_id"].hex()
               for r in self.store.records_of_kind(proof["id"], "program")}
-      if not used <= allowed:
+      if not used or not used <= allowed:
         raise HTTPException(409, f"proof {proof['id']} trained with programs "
                             f"{sorted(p[:16] for p in used - allowed)} that "
                             f"'{bench['full_name']}' does not allow (it pins "
                             f"{sorted(p[:16] for p in allowed)}).")
 
-  def _check_checkpoint(self, bench: dict, proof: dict, spec: dict) -> None:
+  def _check_checkpoint(self, definition: dict, proof: dict, spec: dict) -> None:
     """409 unless the params are the benchmark's layout, the proof's final params, uploaded."""
-    expected = parse_definition(bench["definition"])["params_layout"]
+    expected = definition["params_layout"]
     if spec["params_layout"] != expected or len(spec["params_blobs"]) != len(expected):
       raise HTTPException(409, f"the checkpoint's leaves {_leaves(spec['params_layout'])} are "
                           f"not the benchmark's {_leaves(expected)}.")
@@ -315,11 +404,40 @@ class BenchmarkRoutes:
       raise HTTPException(409, f"{len(missing)} checkpoint blobs were not uploaded for proof "
                           f"{proof['id']} (first {missing[0]}).")
 
+  def _training_members(self, bench: dict, definition: dict, proof: dict,
+                        entries: list) -> list[str]:
+    """The probed rows of ``proof`` that ``entries`` prove members of the benchmark's
+    training set (a Merkle proof that fails is refused with 409, never counted)."""
+    pin, name = definition["training_set"], bench["full_name"]
+    if pin is None:
+      if entries:
+        raise _bad("training_proofs", f"'{name}' registers no training set; send none.")
+      return []
+    probed = self.store.probed_rows(proof["id"])
+    if not probed:
+      raise HTTPException(409, f"proof {proof['id']} probed no batch rows, so its rows cannot "
+                          f"be shown to be in the training set '{name}' pins: train with "
+                          "proof.start(probe_ratio=...) above 0.")
+    members = []
+    for row, index, path in entries:
+      if row.hex() not in probed or not self.store.has_proof_blob(proof["id"], row.hex()):
+        raise HTTPException(409, f"row {row.hex()} is not a probed row of proof "
+                            f"{proof['id']}: training_proofs prove the rows its probes opened.")
+      leaf = merkle.leaf_hash(self.blobs.path(row.hex()).read_bytes())
+      if not merkle.verify_inclusion(leaf, index, pin["size"], path, pin["root"]):
+        raise HTTPException(409, f"the membership proof of probed row {row.hex()} (index "
+                            f"{index}) does not lead to the root {pin['root'].hex()} of the "
+                            f"training set '{name}' pins.")
+      members.append(row.hex())
+    return members
+
   async def get_submission(self, request):
-    row = await run_in_threadpool(self.store.submission, request.path_params["submission_id"])
-    if row is None:
-      raise HTTPException(404, "unknown submission.")
-    return JSONResponse(public_submission(row))
+    def submission():
+      row = self.store.submission(request.path_params["submission_id"])
+      if row is None:
+        raise HTTPException(404, "unknown submission.")
+      return {**public_submission(row), "shards": self.store.shard_progress(row["id"])}
+    return JSONResponse(await run_in_threadpool(submission))
 
   async def get_leaderboard(self, request):
     sort = sort_key(request.query_params.get("sort", "rank"))
@@ -336,7 +454,11 @@ def sort_key(sort: str) -> str:
 
 
 def public_benchmark(row: dict) -> dict:
-  return {"name": row["full_name"], "metric": row["metric"],
+  definition = parse_definition(row["definition"])
+  pin = definition["training_set"]
+  return {"name": row["full_name"], "metric": row["metric"], "audit": definition["audit"],
+          "training_set": None if pin is None else {"root": pin["root"].hex(),
+                                                    "size": pin["size"]},
           "higher_is_better": row["higher_is_better"], "aggregate": row["aggregate"],
           "program": row["program"], "rows": row["rows"],
           "min_update_check_probability": row["min_update_check_probability"],
@@ -373,27 +495,46 @@ def _strictness(store, proof_id: str) -> dict:
       [] if shown["strict"] else ["replays: not exact"])}
 
 
+def _unranked_because(entry: dict) -> list[str]:
+  """Why a leaderboard entry is not ranked; empty when it is."""
+  reasons = [] if entry["state"] == "scored" else [f"not scored ({entry['state']})"]
+  if entry["contamination"]:
+    reasons.append(f"contaminated: {entry['contamination']} probed rows are evaluation rows")
+  if entry["outside_training_set"]:
+    reasons.append(f"{entry['outside_training_set']} probed rows are outside the registered "
+                   "training set")
+  if not entry["strict"]:
+    reasons.append(f"the proof does not pass --strict ({'; '.join(entry['unmet_claims'])})")
+  return reasons
+
+
 def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
   """Every submission with its audit; ranked: scored, its proof passed ``--strict`` (every
   claim holds: server challenges, exact replays, attested start, a program that reads the
-  batch, probes) and no probed row is in the evaluation set."""
+  batch, probes), no probed row is in the evaluation set and, where the benchmark pins a
+  training set, every probed row is a proven member of it."""
   dirty = store.benchmark_contamination(bench["id"])
+  pinned_rows = parse_definition(bench["definition"])["training_set"] is not None
+  outside = store.training_outside(bench["id"]) if pinned_rows else {}
   entries = []
   for s in store.list_submissions(bench["id"]):
-    contamination = dirty.get(s["proof_id"], 0)
-    entries.append({**public_submission(s), "experiment": s["experiment"],
-                    **audit(store, s["proof_id"]),
-                    "program_pinned": bench["allowed_programs"] is not None,
-                    "contamination": contamination,
-                    "rank": None})
-    entries[-1]["ranked"] = (s["state"] == "scored" and contamination == 0
-                             and entries[-1]["strict"])
+    entry = {**public_submission(s), "experiment": s["experiment"],
+             **audit(store, s["proof_id"]),
+             "program_pinned": bench["allowed_programs"] is not None,
+             "contamination": dirty.get(s["proof_id"], 0),
+             "training_set_pinned": pinned_rows,
+             "outside_training_set": outside.get(s["proof_id"], 0) if pinned_rows else None,
+             "rank": None}
+    entry["unranked_because"] = _unranked_because(entry)
+    entry["ranked"] = not entry["unranked_because"]
+    entries.append(entry)
   sign = -1 if bench["higher_is_better"] else 1
   ranked = sorted((e for e in entries if e["ranked"]), key=lambda e: sign * e["value"])
   for i, e in enumerate(ranked):
     e["rank"] = i + 1
   keys = {"rank": lambda e: e["rank"] or math.inf,
           "value": lambda e: math.inf if e["value"] is None else sign * e["value"],
+          "outside_training_set": lambda e: e["outside_training_set"] or 0,
           "submitted": lambda e: e["created_at"]}
   return sorted(entries, key=keys.get(sort, lambda e: e[sort]))
 

@@ -242,3 +242,26 @@ proof_claims = sa.Table(  # what the server's verification showed, claim by clai
     sa.Column("strict", sa.Boolean, nullable=False))  # every claim holds, replays exact
 
 MIGRATION_4_TABLES = (proof_claims,)
+
+
+# -- migration 5: sharded scoring, training-set membership of probed rows -------------
+
+score_shards = sa.Table(  # a row range of a submission, scored by one worker job
+    "score_shards", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # BLAKE3 of submission id and shard
+    sa.Column("submission_id", sa.String(64), sa.ForeignKey("submissions.id"), nullable=False,
+              index=True),
+    sa.Column("shard", sa.Integer, nullable=False),
+    sa.Column("first_row", sa.Integer, nullable=False),
+    sa.Column("rows", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),  # queued, scoring, done, failed
+    sa.Column("outputs", sa.LargeBinary),  # little-endian float64 per row, once done
+    sa.Column("failure", sa.Text),
+    sa.Column("updated_at", sa.Float))
+
+training_members = sa.Table(  # probed rows proven (Merkle) members of a benchmark's training set
+    "training_members", metadata,
+    sa.Column("benchmark_id", sa.Integer, sa.ForeignKey("benchmarks.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+MIGRATION_5_TABLES = (score_shards, training_members)

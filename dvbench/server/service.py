@@ -52,6 +52,9 @@ class Service:
   minimum_policy: challenge.Policy = challenge.Policy(update_check_probability=0.1,
                                                       rolling_window=64)
   max_body: int = transport.MAX_BODY_BYTES
+  score_shard_rows: int = 1 << 16  # evaluation rows per scoring job, at most
+  memory_bytes: int = 16 << 30  # limits of a child process that loads an uploaded program
+  time_limit: int = 3600
 
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)

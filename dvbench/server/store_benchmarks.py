@@ -3,18 +3,30 @@
 A mixin of ``db.Store``. Example::
 
   bench = store.benchmark("alice/tiny-accuracy")
-  store.add_submission({"id": ..., "benchmark_id": bench["id"], "proof_id": ..., "record": ...})
+  store.add_submission({"id": ..., "benchmark_id": bench["id"], "proof_id": ..., "record": ...},
+                       shards=[(0, 1000), (1000, 500)], member_rows=[])
 """
 
 import time
 
+import blake3
+import numpy as np
 import sqlalchemy as sa
 
+from dvbench.server import scoring
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
-                                   probes, proofs, records, submissions)
+                                   probes, proofs, records, score_shards, submissions,
+                                   training_members)
 from dvbench.server.store_custody import add_held_blob, has_held_blob
 
+# "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
+# aggregated every row's output; "failed": a shard or the aggregate failed (why is shown).
 SUBMISSION_STATES = ("pending", "scoring", "scored", "failed")
+
+
+def shard_id(submission_id: str, shard: int) -> str:
+  """The id (and job subject) of shard ``shard`` of a submission, hex."""
+  return blake3.blake3(f"{submission_id}/{shard}".encode()).hexdigest()
 
 
 class BenchmarkQueries:
@@ -70,6 +82,22 @@ class BenchmarkQueries:
     with self.engine.connect() as conn:
       return dict(conn.execute(query).all())
 
+  def training_outside(self, benchmark_id: int) -> dict[str, int]:
+    """Per proof: distinct probed rows not proven members of the benchmark's training set."""
+    member = training_members.c
+    query = (sa.select(probes.c.proof_id, sa.func.count())
+             .select_from(probes.outerjoin(training_members, (member.digest == probes.c.digest)
+                                           & (member.benchmark_id == benchmark_id)))
+             .where(member.digest.is_(None)).group_by(probes.c.proof_id))
+    with self.engine.connect() as conn:
+      return dict(conn.execute(query).all())
+
+  def probed_rows(self, proof_id: str) -> set[str]:
+    """The digests of the batch rows a proof's probe checks opened."""
+    with self.engine.connect() as conn:
+      return {r[0] for r in conn.execute(sa.select(probes.c.digest).where(
+          probes.c.proof_id == proof_id))}
+
   def records_of_kind(self, proof_id: str, kind: str) -> list[bytes]:
     """The stored records of one type (e.g. "program", "init"), in chain order."""
     with self.engine.connect() as conn:
@@ -79,15 +107,27 @@ class BenchmarkQueries:
 
   # -- submissions -----------------------------------------------------------------------
 
-  def add_submission(self, row: dict) -> dict:
-    """Stores a submission (idempotent by id) and queues its scoring."""
+  def add_submission(self, row: dict, shards: list[tuple[int, int]],
+                     member_rows: list[str]) -> dict:
+    """Stores a submission (idempotent by id), the probed rows it proved training rows, and
+    queues a scoring job per shard ``(first row, rows)``."""
     now = time.time()
     with self.engine.begin() as conn:
       if not conn.execute(sa.select(submissions.c.id).where(
           submissions.c.id == row["id"])).first():
         conn.execute(submissions.insert().values(**row, state="pending", created_at=now,
                                                  updated_at=now))
-        self.enqueue_job(conn, "score", row["id"])
+        for i, (first, rows) in enumerate(shards):
+          conn.execute(score_shards.insert().values(
+              id=shard_id(row["id"], i), submission_id=row["id"], shard=i, first_row=first,
+              rows=rows, state="queued", updated_at=now))
+          self.enqueue_job(conn, scoring.SHARD_JOB, shard_id(row["id"], i))
+      known = {r[0] for r in conn.execute(sa.select(training_members.c.digest).where(
+          training_members.c.benchmark_id == row["benchmark_id"]))}
+      new = sorted(set(member_rows) - known)
+      if new:
+        conn.execute(training_members.insert(), [
+            {"benchmark_id": row["benchmark_id"], "digest": d} for d in new])
     return self.submission(row["id"])
 
   def submission(self, submission_id: str) -> dict | None:
@@ -106,14 +146,58 @@ class BenchmarkQueries:
     with self.engine.connect() as conn:
       return [dict(r) for r in conn.execute(query).mappings()]
 
-  def complete_score_job(self, job_id: int, worker: str, submission_id: str, state: str,
-                         value: float | None, failure: str | None) -> bool:
-    """Stores the score; False (nothing written) when the lease was lost."""
-    if state not in SUBMISSION_STATES:
-      raise ValueError(f"unknown submission state {state!r}.")
+  def score_shard(self, shard: str) -> dict:
+    """A shard with what scoring it needs: its submission's record and benchmark definition."""
+    query = (sa.select(score_shards, submissions.c.record, benchmarks.c.definition)
+             .select_from(score_shards.join(submissions).join(benchmarks))
+             .where(score_shards.c.id == shard))
+    with self.engine.connect() as conn:
+      return dict(conn.execute(query).mappings().first())
+
+  def shard_progress(self, submission_id: str) -> dict:
+    """``{"scored": shards done, "total": shards}`` of a submission."""
+    with self.engine.connect() as conn:
+      states = [r[0] for r in conn.execute(sa.select(score_shards.c.state).where(
+          score_shards.c.submission_id == submission_id))]
+    return {"scored": states.count("done"), "total": len(states)}
+
+  def complete_shard_job(self, job_id: int, worker: str, shard: str, outputs: bytes | None,
+                         failure: str | None) -> bool:
+    """Stores a shard's per-row outputs (or why it failed); once every shard is in, the
+    submission's aggregate. False (nothing written) when the lease was lost."""
     with self.engine.begin() as conn:
       if not self._finish_job(conn, job_id, worker):
         return False
+      submission_id = conn.execute(sa.select(score_shards.c.submission_id).where(
+          score_shards.c.id == shard)).scalar_one()
+      # One shard at a time settles a submission (a row lock on PostgreSQL; SQLite
+      # serializes writers anyway).
+      conn.execute(sa.select(submissions.c.id).where(
+          submissions.c.id == submission_id).with_for_update()).first()
+      conn.execute(score_shards.update().where(score_shards.c.id == shard).values(
+          state="failed" if failure else "done", outputs=outputs, failure=failure,
+          updated_at=time.time()))
       conn.execute(submissions.update().where(submissions.c.id == submission_id).values(
-          state=state, value=value, failure=failure, updated_at=time.time()))
+          **self._settled(conn, submission_id), updated_at=time.time()))
     return True
+
+  def _settled(self, conn, submission_id: str) -> dict:
+    """The submission's state, value and failure from its shards."""
+    shards = conn.execute(sa.select(score_shards).where(
+        score_shards.c.submission_id == submission_id).order_by(score_shards.c.shard)
+    ).mappings().all()
+    for s in shards:
+      if s["state"] == "failed":
+        rows = f"rows {s['first_row']}-{s['first_row'] + s['rows'] - 1}"
+        return {"state": "failed", "value": None,
+                "failure": f"shard {s['shard']} ({rows}): {s['failure']}"}
+    if any(s["state"] != "done" for s in shards):
+      return {"state": "scoring"}
+    name = conn.execute(sa.select(benchmarks.c.aggregate).select_from(
+        submissions.join(benchmarks)).where(submissions.c.id == submission_id)).scalar_one()
+    outputs = np.concatenate([np.frombuffer(s["outputs"], scoring.OUTPUT_DTYPE)
+                              for s in shards])
+    try:
+      return {"state": "scored", "value": scoring.aggregate(name, outputs), "failure": None}
+    except ValueError as e:
+      return {"state": "failed", "value": None, "failure": str(e)}

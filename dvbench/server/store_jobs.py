@@ -10,15 +10,17 @@ import time
 
 import sqlalchemy as sa
 
+from dvbench.server import scoring
 from dvbench.server.schema import (checks, experiments, jobs, proof_claims,
                                    measurement_samples, measurements, probes, proofs,
-                                   submissions)
+                                   score_shards)
 
 # "committed": outputs committed, the server chose the batches to open; "self-reported":
 # the opened batches replayed and the aggregate recomputed, on the submitter's own program
 # and data (never ranked); "invalid": what failed.
 MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "invalid")
-_RUNNING = {"measurement": (measurements, "verifying"), "score": (submissions, "scoring")}
+_RUNNING = {"measurement": (measurements, "verifying"),
+            scoring.SHARD_JOB: (score_shards, "scoring")}
 
 
 class JobQueries:

@@ -7,8 +7,9 @@ Uploaded programs are untrusted: ``zkdv verify`` runs in a child process with
 memory and CPU-time limits, never in the web process, on a private folder
 holding the proof's records and only the blobs uploaded for that proof. A
 server-challenged proof is verified with its challenge key K, then gets a
-signed receipt. A benchmark submission is scored the same way: the owner's
-screened program runs on every evaluation row in a limited child.
+signed receipt. A benchmark submission is scored the same way, shard by shard
+(a range of rows per job): the owner's screened program runs on the shard's
+rows in a limited child; the server aggregates once every shard is in.
 
 Example::
 
@@ -32,6 +33,7 @@ import cbor2
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dvbench.server import receipts
+from dvbench.server import scoring
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
@@ -141,16 +143,17 @@ def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str, *,
   return verdict["state"], verdict["failure"]
 
 
-def score_submission(store: Store, blobs: BlobStore, submission_id: str, *,
-                     memory_bytes: int, time_limit: int) -> tuple[str, float | None, str | None]:
-  """(state, value, failure): the benchmark's program run on every row in a limited child,
-  on a private folder holding only the program, the checkpoint's blobs and the rows."""
-  submission = store.submission(submission_id)
-  definition = cbor2.loads(store.benchmark_by_id(submission["benchmark_id"])["definition"])
-  record = cbor2.loads(submission["record"])
-  job = {k: definition[k] for k in ("program", "batch_rows", "aggregate", "params_layout",
-                                    "data_layout", "data_blobs")}
-  job["params_blobs"] = record["params_blobs"]
+def score_shard(store: Store, blobs: BlobStore, shard_id: str, *, memory_bytes: int,
+                time_limit: int) -> tuple[bytes | None, str | None]:
+  """(per-row outputs as little-endian float64, failure): the benchmark's program on the
+  shard's rows in a limited child, on a private folder holding only the program, the
+  checkpoint's blobs and the rows."""
+  shard = store.score_shard(shard_id)
+  definition, record = cbor2.loads(shard["definition"]), cbor2.loads(shard["record"])
+  job = {k: definition[k] for k in ("program", "batch_rows", "params_layout", "data_layout",
+                                    "data_blobs")}
+  job.update(mode="score", params_blobs=record["params_blobs"], first_row=shard["first_row"],
+             rows=shard["rows"])
   with tempfile.TemporaryDirectory(prefix="score-", dir=blobs.folder.parent) as work:
     folder = pathlib.Path(work)
     (folder / "job.cbor").write_bytes(cbor2.dumps(job))
@@ -158,9 +161,14 @@ def score_submission(store: Store, blobs: BlobStore, submission_id: str, *,
         job["program"], *job["data_blobs"], *job["params_blobs"]]}))
     result, failure = _run_limited([sys.executable, "-m", "dvbench.benchmark", str(folder)],
                                    memory_bytes, time_limit)
-  if result is None or result["failure"] is not None:
-    return "failed", None, failure or result["failure"]
-  return "scored", result["value"], None
+    outputs = folder / scoring.OUTPUTS_FILE
+    if result is not None and result["failure"] is None and outputs.is_file():
+      outputs = outputs.read_bytes()
+      if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
+        return outputs, None
+      failure = (f"the program gave {len(outputs) // scoring.OUTPUT_DTYPE.itemsize} outputs "
+                 f"for {shard['rows']} rows.")
+  return None, failure or (result or {}).get("failure") or "no outputs were written."
 
 
 def _proof_job(store, blobs, signing_key, job, worker_id, limits) -> tuple[bool, str]:
@@ -179,10 +187,10 @@ def _measurement_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
                                         failure), state
 
 
-def _score_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
-  state, value, failure = score_submission(store, blobs, job["subject"], **limits)
-  return store.complete_score_job(job["id"], worker_id, job["subject"], state, value,
-                                  failure), state
+def _shard_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
+  outputs, failure = score_shard(store, blobs, job["subject"], **limits)
+  return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
+                                  failure), "failed" if failure else "scored"
 
 
 def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
@@ -208,8 +216,8 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
     try:
       if job["kind"] == "proof":
         kept, state = _proof_job(store, blobs, signing_key, job, worker_id, limits)
-      elif job["kind"] == "score":
-        kept, state = _score_job(store, blobs, job, worker_id, limits)
+      elif job["kind"] == scoring.SHARD_JOB:
+        kept, state = _shard_job(store, blobs, job, worker_id, limits)
       else:
         kept, state = _measurement_job(store, blobs, job, worker_id, limits)
     finally:
