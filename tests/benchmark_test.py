@@ -136,6 +136,8 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
                         entry["program_pinned"], entry["start_attested"]),
                        ("dvbench", 1.0, 0.0, 3, True,
                         entry["experiment"] != "your-name/unattested"))
+      self.assertEqual(entry["training_programs"],
+                       program_ids(self.server.url, entry["proof_id"]))
     by_dirt = self.bench.leaderboard(sort="contamination")
     self.assertEqual(by_dirt[-1]["experiment"], "your-name/on-eval-set")
     with self.refused(400, "sort is one of"):
@@ -154,6 +156,11 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertIn(f"evaluation set\">contaminated: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"training set\">outside: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"/proofs/{self.honest_proof}", dom)
+    for program in board["your-name/honest"]["training_programs"]:  # linked, downloadable
+      link = f"/api/v1/proofs/{self.honest_proof}/blobs/{program}"
+      self.assertIn(f"href=\"{link}\"", dom)
+      self.assertEqual(blake3.blake3(httpx.get(self.server.url + link).content).hexdigest(),
+                       program)
     self.assertIn("<svg class=\"values\"", dom)
     self.assertIn("/benchmarks/alice/tiny-accuracy", httpx.get(
         self.server.url + "/leaderboard").text)
@@ -191,6 +198,8 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
       ("cherry_picked_rows", {"rows": [blake3.blake3(EVAL_ROWS[0].tobytes()).digest()]}),
       # A value stated outright.
       ("claimed_value", {"value": 1.0}),
+      # The metric's direction set by whoever submits first (0.01 ranked above 0.81).
+      ("direction_of_first_submission", {"metric": "accuracy", "higher_is_better": False}),
   )
   def test_attack_refused_a_submitter_supplies_nothing_the_server_computes(self, extra):
     response = self.raw_submit(self.submitter, self.honest_record(**extra))

@@ -126,6 +126,9 @@ def _entry(url: Url, r: dict) -> str:
   value = "—" if r["value"] is None else f"{r['value']:.6g}"
   dirty = (f"<span class='state invalid' title='probed training rows found in the evaluation "
            f"set'>contaminated: {r['contamination']}</span>" if r["contamination"] else "0")
+  programs = "".join(
+      f"<br><a class='program' href='{e(url('proof_blob', proof_id=r['proof_id'], digest=p))}'>"
+      f"<code>{e(p[:12])}…</code></a>" for p in r["training_programs"])
   outside = r["outside_training_set"]
   training = ("not pinned" if outside is None else "probed rows in it" if not outside else
               f"<span class='state invalid' title='probed rows not proven members of the "
@@ -144,7 +147,7 @@ def _entry(url: Url, r: dict) -> str:
           f"<td class='num'>{r['update_check_probability']:g}</td>"
           f"<td class='num'>{r['escape_probability']:.3g}</td>"
           f"<td>{'attested' if r['start_attested'] else 'unattested'}</td>"
-          f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}</td><td>{dirty}</td>"
+          f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}{programs}</td><td>{dirty}</td>"
           f"<td>{training}</td>"
           f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'><code>"
           f"{e(r['proof_id'][:12])}…</code></a></td></tr>")

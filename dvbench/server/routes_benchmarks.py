@@ -379,8 +379,7 @@ class BenchmarkRoutes:
   def _check_programs(self, bench: dict, proof: dict) -> None:
     if bench["allowed_programs"] is not None:
       allowed = set(json.loads(bench["allowed_programs"]))
-      used = {decode(r, "a stored program record")["program_id"].hex()
-              for r in self.store.records_of_kind(proof["id"], "program")}
+      used = set(training_programs(self.store, proof["id"]))
       if not used or not used <= allowed:
         raise HTTPException(409, f"proof {proof['id']} trained with programs "
                             f"{sorted(p[:16] for p in used - allowed)} that "
@@ -495,6 +494,12 @@ def _strictness(store, proof_id: str) -> dict:
       [] if shown["strict"] else ["replays: not exact"])}
 
 
+def training_programs(store, proof_id: str) -> list[str]:
+  """The hex ids of the update programs a proof's steps ran, in record order."""
+  return [decode(r, "a stored program record")["program_id"].hex()
+          for r in store.records_of_kind(proof_id, "program")]
+
+
 def _unranked_because(entry: dict) -> list[str]:
   """Why a leaderboard entry is not ranked; empty when it is."""
   reasons = [] if entry["state"] == "scored" else [f"not scored ({entry['state']})"]
@@ -521,6 +526,7 @@ def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
     entry = {**public_submission(s), "experiment": s["experiment"],
              **audit(store, s["proof_id"]),
              "program_pinned": bench["allowed_programs"] is not None,
+             "training_programs": training_programs(store, s["proof_id"]),
              "contamination": dirty.get(s["proof_id"], 0),
              "training_set_pinned": pinned_rows,
              "outside_training_set": outside.get(s["proof_id"], 0) if pinned_rows else None,

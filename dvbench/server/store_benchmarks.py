@@ -44,11 +44,6 @@ class BenchmarkQueries:
           benchmarks.c.full_name == full_name)).mappings().first()
     return dict(row) if row else None
 
-  def benchmark_by_id(self, benchmark_id: int) -> dict:
-    with self.engine.connect() as conn:
-      return dict(conn.execute(sa.select(benchmarks).where(
-          benchmarks.c.id == benchmark_id)).mappings().first())
-
   def list_benchmarks(self) -> list[dict]:
     with self.engine.connect() as conn:
       return [dict(r) for r in conn.execute(
