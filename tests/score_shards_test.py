@@ -1,6 +1,6 @@
 """Scoring in shards on SQLite and PostgreSQL: shards finishing at once settle into the
 server's aggregate, a failed shard fails the submission naming its rows, migration 5 moves
-a waiting submission onto a shard."""
+a waiting submission onto a shard; probed rows outside a training set are counted."""
 
 import json
 import threading
@@ -96,6 +96,18 @@ class ScoreShardsTest(parameterized.TestCase):
     submission = store.submission(SUBMISSION)
     self.assertEqual((submission["state"], submission["failure"]),
                      ("failed", "the mean of the outputs is inf."))
+
+  def test_probed_rows_outside_the_training_set_are_counted_per_proof(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    bench = _benchmark(store)
+    with store.engine.begin() as conn:
+      store.add_probes(conn, "ab" * 32, {"01" * 32, "02" * 32, "03" * 32})
+    self.assertEqual(store.training_outside(bench["id"]), {"ab" * 32: 3})
+    # Rows proven members by any submission are members for every proof.
+    store.add_submission({"id": SUBMISSION, "benchmark_id": bench["id"], "proof_id": "ab" * 32,
+                          "record": b"checkpoint"}, [(0, 5)], ["01" * 32, "02" * 32])
+    self.assertEqual(store.training_outside(bench["id"]), {"ab" * 32: 1})
+    self.assertEqual(store.probed_rows("ab" * 32), {"01" * 32, "02" * 32, "03" * 32})
 
   def test_migration_5_moves_a_waiting_submission_onto_one_shard(self, backend):
     url = _fresh_url(backend)
