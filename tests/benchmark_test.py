@@ -58,19 +58,19 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     cls.mallory = dvbench.Client(url, token=cls.server.token("mallory"))
     cls.honest, cls.honest_proof = train(url, "your-name/honest", 3)
     cls.dirty, cls.dirty_proof = train(url, "your-name/on-eval-set", 3, batch=EVAL_ROWS[:4])
-    cls.weak, cls.weak_proof = train(url, "your-name/weak", 3, update_check_probability=0.9)
-    cls.unattested, cls.unattested_proof = train(url, "your-name/unattested", 3,
-                                                 attested_start=False)
-    for proof_id in (cls.honest_proof, cls.dirty_proof, cls.weak_proof, cls.unattested_proof):
+    # Checked at p = 0.9, from initial weights no init program attests.
+    cls.loose, cls.loose_proof = train(url, "your-name/loose", 3, update_check_probability=0.9,
+                                       attested_start=False)
+    for proof_id in (cls.honest_proof, cls.dirty_proof, cls.loose_proof):
       assert cls.submitter.wait_for_verdict(proof_id, 120)["state"] == "verified"
     # The owner allows the training programs it reviewed.
-    cls.pinned = sorted({*program_ids(url, cls.honest_proof), *program_ids(url, cls.dirty_proof),
-                         *program_ids(url, cls.unattested_proof)})
+    cls.pinned = sorted({*program_ids(url, cls.honest_proof), *program_ids(url, cls.dirty_proof)})
     cls.params = _model().init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
     cls.training_set = TrainingSet(tutorial_steps_batch())  # the rows the tutorial trains on
     cls.bench = cls.register(cls.owner, "alice/tiny-accuracy", min_update_check_probability=1.0,
                              allowed_programs=cls.pinned, training_set=cls.training_set)
     cls.entry = cls.submitter.benchmark("alice/tiny-accuracy")  # the bench as a submitter
+    cls.register(cls.owner, "alice/any-program", min_update_check_probability=0.5)
 
   @classmethod
   def register(cls, client, name, **options):
@@ -104,9 +104,7 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
         proof, checkpoint, training_set=self.training_set)["id"])
     honest = submit(self.honest_proof, self.honest)
     dirty = submit(self.dirty_proof, self.dirty)
-    unattested = submit(self.unattested_proof, self.unattested)
-    self.assertEqual((honest["state"], dirty["state"], unattested["state"]),
-                     ("scored", "scored", "scored"), str((honest, dirty, unattested)))
+    self.assertEqual((honest["state"], dirty["state"]), ("scored", "scored"), str((honest, dirty)))
     self.assertAlmostEqual(honest["value"], self.expected(self.honest), places=6)
     self.assertEqual(honest["shards"], {"scored": 1, "total": 1})  # 8 rows per call
     board = {e["experiment"]: e for e in self.bench.leaderboard()}
@@ -122,20 +120,12 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertEqual(contaminated["unranked_because"], [
         f"contaminated: {contaminated['contamination']} probed rows are evaluation rows",
         f"{contaminated['contamination']} probed rows are outside the registered training set"])
-    # A run from weights no init program attests is scored and shown, not ranked: its
-    # proof does not pass --strict.
-    loose = board["your-name/unattested"]
-    self.assertEqual((loose["ranked"], loose["rank"], loose["strict"]), (False, None, False))
-    self.assertEqual(loose["unmet_claims"], ["start: does not hold"])
-    self.assertEqual(loose["unranked_because"],
-                     ["the proof does not pass --strict (start: does not hold)"])
     self.assertTrue(board["your-name/honest"]["strict"])
     for entry in board.values():
       self.assertEqual((entry["challenger"], entry["update_check_probability"],
                         entry["escape_probability"], entry["checks_replayed"],
                         entry["program_pinned"], entry["start_attested"]),
-                       ("dvbench", 1.0, 0.0, 3, True,
-                        entry["experiment"] != "your-name/unattested"))
+                       ("dvbench", 1.0, 0.0, 3, True, True))
       self.assertEqual(entry["training_programs"],
                        program_ids(self.server.url, entry["proof_id"]))
     by_dirt = self.bench.leaderboard(sort="contamination")
@@ -150,9 +140,7 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     rows = {r["data-experiment"]: r for r in page.rows}
     self.assertEqual(rows["your-name/honest"]["data-ranked"], "true")
     self.assertEqual(rows["your-name/on-eval-set"]["data-ranked"], "false")
-    self.assertEqual((rows["your-name/unattested"]["data-ranked"],
-                      rows["your-name/unattested"]["data-strict"]), ("false", "false"))
-    self.assertIn("unranked: the proof does not pass --strict (start: does not hold)", dom)
+    self.assertIn("unranked: contaminated: ", dom)
     self.assertIn(f"evaluation set\">contaminated: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"training set\">outside: {contaminated['contamination']}</span>", dom)
     self.assertIn(f"/proofs/{self.honest_proof}", dom)
@@ -322,20 +310,31 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertEqual(scored["value"], float(np.sum(np.asarray(
         correct(params, jnp.asarray(EVAL_ROWS)), np.float64))))
 
-  def test_audit_level_and_pinned_programs(self):
+  def test_audit_level_pinned_programs_and_an_unattested_start(self):
     with self.refused(409, r"checked at p = 0.9; 'alice/tiny-accuracy' requires .* p >= 1"):
-      self.entry.submit(self.weak_proof, self.weak)
+      self.entry.submit(self.loose_proof, self.loose)
     pinned_elsewhere = self.register(self.owner, "alice/other-program",
                                      allowed_programs=["ab" * 32])
     with self.refused(409, "trained with programs .* does not allow"):
       self.submitter.benchmark(pinned_elsewhere.name).submit(self.honest_proof, self.honest)
-    self.register(self.owner, "alice/any-program", min_update_check_probability=0.5)
     loose = self.submitter.benchmark("alice/any-program")
-    entry = loose.wait(loose.submit(self.weak_proof, self.weak)["id"])
+    entry = loose.wait(loose.submit(self.loose_proof, self.loose)["id"])
     self.assertEqual(entry["state"], "scored", str(entry))
     (row,) = loose.leaderboard()
-    self.assertEqual((row["program_pinned"], row["update_check_probability"]), (False, 0.9))
+    self.assertEqual((row["program_pinned"], row["update_check_probability"],
+                      row["outside_training_set"]), (False, 0.9, None))
     self.assertAlmostEqual(row["escape_probability"], 0.1)
+    # A run from weights no init program attests is scored and shown, not ranked: its
+    # proof does not pass --strict.
+    self.assertEqual((row["ranked"], row["rank"], row["strict"], row["start_attested"]),
+                     (False, None, False, False))
+    self.assertEqual(row["unmet_claims"], ["start: does not hold"])
+    self.assertEqual(row["unranked_because"],
+                     ["the proof does not pass --strict (start: does not hold)"])
+    page = httpx.get(f"{self.server.url}/benchmarks/alice/any-program").text
+    self.assertIn("data-ranked='false' data-strict='false'", page)
+    self.assertIn("unranked: the proof does not pass --strict (start: does not hold)", page)
+    self.assertIn("<td>unattested</td>", page)
 
 
 if __name__ == "__main__":
