@@ -55,11 +55,12 @@ def _minimum_policy(args):
 
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
+  from dvbench.server import guard  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   store, blobs = _store_and_blobs(args)
   service = Service(store, blobs, _signing_key(args), _minimum_policy(args),
-                    max_body=args.max_body_mb << 20, score_shard_rows=args.score_shard_rows,
+                    limits=guard.Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
                     time_limit=args.time_limit)
   workers = [subprocess.Popen(_worker_command(args)) for _ in range(args.workers)]
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
   s.add_argument("--host", default="127.0.0.1")
   s.add_argument("--port", type=int, default=8000)
   s.add_argument("--workers", type=int, default=1, help="validation worker processes")
-  s.add_argument("--max-body-mb", type=int, default=64)
+  from dvbench.server import guard  # pylint: disable=g-import-not-at-top
+  guard.add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
   s.add_argument("--log-level", default="warning")
   s.add_argument("--min-update-check-probability", type=float, default=0.1,
                  help="the least update check probability a root may carry")

@@ -22,7 +22,11 @@ from dvbench import errors
 
 TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
                                          pathlib.Path.home() / ".config" / "dvbench")) / "token"
-_RETRY_STATUS = {502, 503, 504}
+# Every request the client sends is idempotent (envelopes carry a sequence number, blobs and
+# roots are content-addressed), so these answers are retried with backoff.
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+_MAX_DELAY = 2.0
+_MAX_RETRY_AFTER = 30.0
 SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid")
 
 
@@ -34,8 +38,22 @@ def _read_token_file() -> tuple[str | None, str | None]:
   return data.get("token"), data.get("url")
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+  """The server's ``Retry-After`` in seconds (bounded), if it sent one."""
+  value = response.headers.get("retry-after", "")
+  return min(float(value), _MAX_RETRY_AFTER) if value.isdigit() else None
+
+
+def _error_text(response: httpx.Response) -> str:
+  try:
+    return str(response.json().get("error", response.text))
+  except (ValueError, AttributeError):
+    return response.text
+
+
 class Http:
-  """Requests with retries (connection errors and 502-504, exponential backoff)."""
+  """Requests with bounded retries: connection errors, 429 and 5xx, with exponential
+  backoff that honours ``Retry-After``, until ``retry_seconds`` have passed."""
 
   def __init__(self, url: str, token: str | None, timeout: float = 30.0,
                retry_seconds: float = 60.0):
@@ -49,25 +67,23 @@ class Http:
     deadline = time.monotonic() + (self.retry_seconds if retry_seconds is None else retry_seconds)
     delay = 0.05
     while True:
+      wait = delay
       try:
         response = self._client.request(method, path, **kwargs)
         if response.status_code in ok:
           return response
         if response.status_code not in _RETRY_STATUS:
-          try:
-            message = response.json().get("error", response.text)
-          except ValueError:
-            message = response.text
-          raise errors.ApiError(response.status_code, message)
-        problem = f"HTTP {response.status_code}"
+          raise errors.ApiError(response.status_code, _error_text(response))
+        problem = f"HTTP {response.status_code}: {_error_text(response)[:200]}"
+        wait = _retry_after(response) or delay
       except httpx.TransportError as e:
         problem = f"{type(e).__name__}: {e}"
-      if time.monotonic() + delay > deadline:
+      if time.monotonic() + wait > deadline:
         raise errors.UploadError(
             f"the DVBench server at {self.url} did not answer {method} {path} "
             f"({problem}); is it running? Nothing local was lost.")
-      time.sleep(delay)
-      delay = min(delay * 2, 2.0)
+      time.sleep(wait)
+      delay = min(delay * 2, _MAX_DELAY)
 
   def put_blob(self, proof_id: str, digest: str, read, retry_seconds=None) -> None:
     """Uploads a blob for a proof unless the server already holds it for that proof.

@@ -13,8 +13,10 @@ and is acknowledged with JSON ``{"seq": n, ...}``; an ack that stored (or saw
 again) step records carries ``"challenges"`` (``docs/protocol.md``). Records
 larger than ``CHUNK_BYTES`` travel as chunks; resending an envelope is harmless.
 
-Everything a prover sends is decoded with ``decode_safely``: definite lengths,
-no tags, bounded depth and item count.
+Everything a prover sends is decoded with ``decode_safely``, and only after its
+token was checked, off the server's event loop: definite lengths, no tags (so no
+shared references, sets, regular expressions or other rich objects), bounded depth,
+item count and string lengths. ``dvbench.server.validation`` then checks each field.
 
 Example::
 
@@ -33,6 +35,9 @@ BATCH_BYTES = 1024 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 16
 MAX_ITEMS = 1 << 20
+MAX_STRING = MAX_BODY_BYTES  # bytes and text strings of an envelope
+MAX_RECORD_STRING = 1 << 20  # bytes and text strings inside a record
+MAX_RECORD_BYTES = 256 * 1024 * 1024  # a record reassembled from chunks
 ENVELOPE_KINDS = ("records", "chunk", "close")
 BLOB_FIELDS = ("blob", "pre_state_blobs", "batch_blobs", "post_state_blobs", "input_blobs")
 # An init record names its program blob by the program's id.
@@ -60,7 +65,7 @@ def _argument(data: bytes, at: int, info: int) -> tuple[int, int]:
   return int.from_bytes(data[at + 1:at + 1 + size], "big"), at + 1 + size
 
 
-def _check_structure(data: bytes, max_depth: int, max_items: int) -> None:
+def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: int) -> None:
   """Walks the heads of one CBOR item without building it (raises UnsafeCbor)."""
   at, items, pending = 0, 0, [1]  # pending: items still to read at each open level
   while pending:
@@ -83,6 +88,8 @@ def _check_structure(data: bytes, max_depth: int, max_items: int) -> None:
       raise UnsafeCbor(f"byte {at}: CBOR tags are not accepted.")
     value, at = _argument(data, at, info)
     if major in (2, 3):
+      if value > max_string:
+        raise UnsafeCbor(f"byte {at}: a string of {value} bytes; the limit is {max_string}.")
       at += value
       if at > len(data):
         raise UnsafeCbor(f"byte {at - value}: a string of {value} bytes is cut short.")
@@ -95,7 +102,7 @@ def _check_structure(data: bytes, max_depth: int, max_items: int) -> None:
 
 
 def decode_safely(data: bytes, *, canonical: bool = False, max_depth: int = MAX_DEPTH,
-                  max_items: int = MAX_ITEMS):
+                  max_items: int = MAX_ITEMS, max_string: int = MAX_STRING):
   """The one CBOR item in ``data``; with ``canonical``, it must be encoded deterministically.
 
   Raises UnsafeCbor naming what is wrong, e.g.
@@ -103,7 +110,7 @@ def decode_safely(data: bytes, *, canonical: bool = False, max_depth: int = MAX_
   """
   if not isinstance(data, bytes):
     raise UnsafeCbor("expected a byte string.")
-  _check_structure(data, max_depth, max_items)
+  _check_structure(data, max_depth, max_items, max_string)
   try:
     item = cbor2.loads(data)
   except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError) as e:

@@ -189,3 +189,30 @@ class FakeProver:
     if response.status_code == 200:
       self._seq += 1
     return response
+
+
+def write_self_transcript(folder, steps: int, name: str = "synthetic") -> list[bytes]:
+  """A self-challenged transcript of ``steps`` step records, no checks, written with
+  ``TranscriptWriter`` to ``folder``; returns the record ids in order.
+
+  A server takes it without challenges, so ``Experiment.upload(folder)`` stores it whole.
+  """
+  from zkdv import transcript  # pylint: disable=g-import-not-at-top
+  writer = transcript.TranscriptWriter(folder)
+  policy = challenge.Policy(update_check_probability=0.1).to_record()
+  writer.append({"type": "root", "format_version": 2, "prover": "whitebox-jax", "name": name,
+                 "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
+                 "challenger": {"kind": "self", "seed_commitment": digest(name.encode()),
+                                "policy": policy}})
+  state = digest(b"initial state")
+  for t in range(steps):
+    batch = digest(b"%s batch %d" % (name.encode(), t))
+    post = digest(state + batch)
+    writer.append({"type": "step", "index": t, "program": 0, "pre_state": state,
+                   "batch": batch, "post_state": post})
+    state = post
+  writer.append({"type": "final", "steps": steps, "status": "clean", "discontinuities": [],
+                 "final_state": state, "final_state_leaves": [], "seed": bytes(32)},
+                durable=True)
+  writer.close()
+  return [r.record_id for r in transcript.read_transcript(folder).records]

@@ -16,11 +16,13 @@ import pathlib
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from dvbench.server import page
+from dvbench.server.guard import Guard
 from dvbench.server.routes_benchmarks import benchmark_routes
 from dvbench.server.routes_blobs import blob_routes
 from dvbench.server.routes_measurements import measurement_routes
@@ -31,7 +33,7 @@ from dvbench.server.service import Service
 
 
 async def _http_error(request, exc: HTTPException):
-  return JSONResponse({"error": exc.detail}, status_code=exc.status_code)
+  return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
 def create_app(service: Service) -> Starlette:
@@ -39,4 +41,5 @@ def create_app(service: Service) -> Starlette:
   routes = [*page_routes(service), *proof_routes(service), *stream_routes(service),
             *blob_routes(service), *measurement_routes(service), *benchmark_routes(service),
             Mount("/static", static, name="static")]
-  return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+  return Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
+                   middleware=[Middleware(Guard, limits=service.limits)])

@@ -43,12 +43,22 @@ class BlobStore:
     return self.path(digest).exists()
 
   def put(self, digest: str, data: bytes) -> bool:
-    """Stores ``data`` (read-only) under ``digest``; False when it does not hash to it."""
+    """Stores ``data`` (read-only) under ``digest``; False when it does not hash to it.
+
+    Each write goes through its own temporary file, fsynced, then renamed (and the folder
+    fsynced): concurrent writers of one blob each rename a whole copy, and the final name
+    never holds a part.
+    """
     path = self.path(digest)
     if hexdigest(data) != digest:
       return False
     if not path.exists():
       write_atomically(path, data, mode=0o444)
+      folder = os.open(self.folder, os.O_RDONLY)
+      try:
+        os.fsync(folder)
+      finally:
+        os.close(folder)
     return True
 
   def link_into(self, folder: pathlib.Path, digests) -> None:

@@ -6,12 +6,16 @@ duplicate, a ``step`` carries the next index, a check answers a stored step
 once per kind, nothing follows ``final``. For a ``dvbench`` proof every stored
 step record gets its challenge ``c_t`` from the proof's secret key.
 
+Records are decoded and checked against their schema (``validation``) before the
+transaction starts; the transaction only orders and stores them.
+
 Example::
 
+  parsed = parse_records(raws)  # off the event loop, before any database work
   with store.engine.begin() as conn:
     ingest = Ingest(store, conn, proof_id, ProofChallenger.of(store, proof_id))
-    for n, raw in enumerate(raws):
-      ingest.take(raw, n)
+    for n, (raw, record) in enumerate(parsed):
+      ingest.take(raw, record, n)
     ack = ingest.ack()
 """
 
@@ -21,15 +25,27 @@ import json
 from starlette.exceptions import HTTPException
 
 from dvbench import transport
+from dvbench.server import validation
 from dvbench.server.service import decode
 from zkdv import challenge
 from zkdv.transcript import record_id
 
-_BYTES32 = 32
+
+def parse_record(raw, n: int) -> dict:
+  """Record ``n`` of a request, decoded (deterministic CBOR) and checked; 400 otherwise."""
+  what = f"record {n} of the envelope"
+  if not isinstance(raw, bytes):
+    raise HTTPException(400, f"{what} is not a byte string.")
+  record = decode(raw, what, canonical=True, max_string=transport.MAX_RECORD_STRING)
+  try:
+    validation.check_record(record, f"record {n}")
+  except validation.Invalid as e:
+    raise HTTPException(400, str(e)) from None
+  return record
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+def parse_records(raws: list) -> list[tuple[bytes, dict]]:
+  return [(raw, parse_record(raw, n)) for n, raw in enumerate(raws)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +86,9 @@ class Ingest:
     self._rules = {"root": self._refuse_root, "step": self._check_step,
                    "check": self._check_answer, "final": self._check_final}
 
-  def take(self, raw, n: int) -> None:
-    """Stores record ``n`` of the request (bytes) or counts it as a duplicate."""
-    if not isinstance(raw, bytes):
-      raise HTTPException(400, f"record {n} of the envelope is not a byte string.")
-    record = decode(raw, f"record {n} of the envelope", canonical=True)
-    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
-      raise HTTPException(400, f"record {n} of the envelope is not a record map with a type.")
+  def take(self, raw: bytes, record: dict, n: int) -> None:
+    """Stores record ``n`` of the request (checked by ``parse_record``) or counts it as a
+    duplicate."""
     rid = record_id(raw)
     if self.store.record_position(self.conn, self.proof_id, rid) is not None:
       self.duplicates += 1
@@ -107,9 +119,7 @@ class Ingest:
       raise HTTPException(409, f"record {n}: the final record is stored at position "
                           f"{head.records - 1}; nothing follows it and a stored transcript "
                           "is never re-finalized.")
-    prev = record.get("prev")
-    if not (isinstance(prev, bytes) and len(prev) == _BYTES32):
-      raise HTTPException(400, f"record {n} has no 32-byte 'prev'.")
+    prev = record["prev"]
     if prev == head.last_id:
       return
     earlier = self.store.record_position(self.conn, self.proof_id, prev)
@@ -124,18 +134,15 @@ class Ingest:
     raise HTTPException(409, f"record {n} is a second root; a proof has one, at position 0.")
 
   def _check_step(self, record: dict, n: int) -> None:
-    index = record.get("index")
-    if not _is_int(index) or index != self.head.steps:
-      raise HTTPException(409, f"record {n} is step {index!r}, but {self.head.steps} steps "
+    index = record["index"]
+    if index != self.head.steps:
+      raise HTTPException(409, f"record {n} is step {index}, but {self.head.steps} steps "
                           f"are stored: the next step record is step {self.head.steps}.")
 
   def _check_answer(self, record: dict, n: int) -> None:
-    step, kind = record.get("step"), record.get("kind")
-    if kind not in (*challenge.ANSWER_KINDS, "start"):
-      raise HTTPException(400, f"record {n} is a check of kind {kind!r}; kinds are "
-                          f"{[*challenge.ANSWER_KINDS, 'start']}.")
-    if not _is_int(step) or not 0 <= step < self.head.steps:
-      raise HTTPException(409, f"record {n} answers step {step!r} before its step record "
+    step, kind = record["step"], record["kind"]
+    if step >= self.head.steps:
+      raise HTTPException(409, f"record {n} answers step {step} before its step record "
                           f"was stored ({self.head.steps} steps stored).")
     if kind == "start":  # the attested start's link to step 0, not a challenge's answer
       if step != 0:
@@ -148,8 +155,8 @@ class Ingest:
                           "by another record.")
 
   def _check_final(self, record: dict, n: int) -> None:
-    if record.get("steps") != self.head.steps:
-      raise HTTPException(409, f"record {n} is a final record of {record.get('steps')!r} "
+    if record["steps"] != self.head.steps:
+      raise HTTPException(409, f"record {n} is a final record of {record['steps']} "
                           f"steps, but {self.head.steps} step records are stored.")
 
   def _accept_other(self, record: dict, n: int) -> None:

@@ -5,12 +5,19 @@ PostgreSQL (``postgresql+psycopg://...``). Schema changes are numbered
 migrations recorded in ``schema_migrations``; ``migrate()`` applies the missing
 ones in order, each in its own transaction.
 
+Every ``store.engine.begin()`` transaction writes, and takes the database's write lock
+before its first read (``BEGIN IMMEDIATE`` on SQLite, a transaction-scoped advisory lock
+on PostgreSQL): what it reads cannot change before it writes, so concurrent writers
+queue instead of racing (a check-then-insert never fails on a duplicate key). Reads
+(``store.engine.connect()``) take no lock.
+
 Example::
 
   store = Store.open("sqlite:///data/dvbench.db")
   owner = store.create_token("alice")[0]
 """
 
+import contextlib
 import hashlib
 import secrets
 import time
@@ -101,6 +108,39 @@ def _sqlite_pragmas(dbapi_conn, _):
   cur.close()
 
 
+_WRITE = "dvbench_write"
+_PG_WRITE_LOCK = 0x6476624E  # the advisory lock key every PostgreSQL write transaction takes
+
+
+def _begin(conn) -> None:
+  write = conn.get_execution_options().get(_WRITE, False)
+  if conn.dialect.name == "sqlite":
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+  elif write and conn.dialect.name == "postgresql":
+    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK})")
+
+
+class WriteLockingEngine:
+  """An ``sa.Engine`` whose ``begin()`` takes the write lock first (see the module doc)."""
+
+  def __init__(self, engine: sa.Engine):
+    self._engine = engine
+    if engine.dialect.name == "sqlite":  # SQLAlchemy, not the driver, starts transactions
+      sa.event.listen(engine, "connect", lambda dbapi_conn, _: setattr(
+          dbapi_conn, "isolation_level", None))
+    sa.event.listen(engine, "begin", _begin)
+
+  def __getattr__(self, name):
+    return getattr(self._engine, name)
+
+  @contextlib.contextmanager
+  def begin(self):
+    with self._engine.connect() as conn:
+      conn.execution_options(**{_WRITE: True})
+      with conn.begin():
+        yield conn
+
+
 def hash_token(token: str) -> str:
   return hashlib.sha256(token.encode()).hexdigest()
 
@@ -109,7 +149,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries):
   """All reads and writes of the service; one instance per process."""
 
   def __init__(self, engine: sa.Engine):
-    self.engine = engine
+    self.engine = WriteLockingEngine(engine)
     self.is_sqlite = engine.dialect.name == "sqlite"
 
   @classmethod

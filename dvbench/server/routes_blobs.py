@@ -22,11 +22,13 @@ class BlobRoutes:
     self.service, self.store, self.blobs = service, service.store, service.blobs
 
   async def put_blob(self, request):
+    """Token, proof and name first; then the body, hashed and written in a worker thread."""
     digest = self.service.blob_name(request.path_params["digest"])
+    proof = await run_in_threadpool(self.service.proof_for_write, request,
+                                    request.path_params["proof_id"])
     data = await self.service.body(request)
 
     def put():
-      proof = self.service.proof_for_write(request, request.path_params["proof_id"])
       if not self.blobs.put(digest, data):
         failure = (f"blob {digest} uploaded for this proof does not hash to its name: the "
                    "opening was altered.")

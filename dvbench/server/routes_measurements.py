@@ -19,52 +19,41 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from dvbench.server.service import NAME, Service, decode
+from dvbench.server.validation import (DIGEST, DIGESTS, FREE, Bool, Field, Float, Int, Invalid,
+                                       ListOf, Optional, Row, Text, check_fields)
 from zkdv import challenge
 from zkdv.transcript import record_id
 
 MIN_SAMPLE = 0.25
-_FIELDS = ("metric", "value", "proof_id", "checkpoint", "batches", "evaluate", "params_blobs",
-           "outputs", "aggregate", "sample")
 _NOT_A_MEASUREMENT = "the body is not a measurement record (see dvbench.measurement)"
-
-
-def _is_digest(value) -> bool:
-  return isinstance(value, bytes) and len(value) == 32
-
-
-def _digest_list(value, what: str) -> list[bytes]:
-  if not isinstance(value, list) or not all(_is_digest(d) for d in value):
-    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: {what} must be a list of 32-byte digests.")
-  return value
+_REQ = True
+MEASUREMENT_FIELDS = {
+    "metric": Field(Text(100, min_len=1), _REQ), "value": Field(Float(), _REQ),
+    "higher_is_better": Field(Bool()), "proof_id": Field(Text(64), _REQ),
+    "checkpoint": Field(DIGEST, _REQ), "batches": Field(ListOf(FREE, min_len=1), _REQ),
+    "evaluate": Field(DIGEST, _REQ), "params_blobs": Field(DIGESTS, _REQ),
+    "outputs": Field(ListOf(DIGESTS), _REQ), "aggregate": Field(Optional(DIGEST), _REQ),
+    "sample": Field(Float(MIN_SAMPLE, 1.0), _REQ)}
+OPENINGS = ListOf(Row((Int(), DIGESTS)))
 
 
 def parse_measurement(body: bytes) -> tuple[dict, list[bytes]]:
   """(record, every blob digest it references); 400 naming the first wrong field."""
   record = decode(body, "the measurement")
-  if not isinstance(record, dict) or not all(k in record for k in _FIELDS):
-    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: it needs the fields {list(_FIELDS)}.")
-  if not (isinstance(record["metric"], str) and NAME.fullmatch(record["metric"])):
+  try:
+    check_fields(record, MEASUREMENT_FIELDS, "measurement")
+  except Invalid as e:
+    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: {e}") from None
+  if not NAME.fullmatch(record["metric"]):
     raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: metric names are 1-100 letters, digits, "
                         "'.', '_' or '-'.")
-  if not isinstance(record["value"], float) or not _is_digest(record["checkpoint"]):
-    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: value is a float, checkpoint 32 bytes.")
-  sample = record["sample"]
-  if not (isinstance(sample, float) and MIN_SAMPLE <= sample <= 1):
-    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: sample is the fraction of batches the "
-                        f"server opens, a float in [{MIN_SAMPLE}, 1], got {sample!r}.")
-  outputs = record["outputs"]
-  if not isinstance(record["batches"], list) or not record["batches"] or not isinstance(
-      outputs, list):
-    raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: batches is a non-empty list, outputs a "
-                        "list.")
   if "openings" in record:
     raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: openings are sent after the commitment, "
                         "for the batches the server chooses.")
-  refs = [*_digest_list([record["evaluate"]], "evaluate"),
-          *_digest_list(record["params_blobs"], "params_blobs"),
-          *[d for out in outputs for d in _digest_list(out, "outputs")]]
+  refs = [record["evaluate"], *record["params_blobs"], *(d for out in record["outputs"]
+                                                          for d in out)]
   if record["aggregate"] is not None:
-    refs += _digest_list([record["aggregate"]], "aggregate")
+    refs.append(record["aggregate"])
   return record, refs
 
 
@@ -80,7 +69,7 @@ class MeasurementRoutes:
     def create():
       exp = self.service.writable_experiment(request, owner, name)
       record, refs = parse_measurement(body)
-      proof_id, checkpoint = str(record["proof_id"]), record["checkpoint"]
+      proof_id, checkpoint = record["proof_id"], record["checkpoint"]
       proof = self.store.proof(proof_id)
       if proof is None or proof["experiment_id"] != exp["id"]:
         raise HTTPException(404, f"proof {proof_id} is not a proof of {exp['full_name']}.")
@@ -119,12 +108,14 @@ class MeasurementRoutes:
       self.service.proof_for_write(request, row["proof_id"])
       openings = decode(body, "the openings")
       opened = self.store.measurement_sample(measurement_id)["opened"]
-      if not isinstance(openings, list) or not all(
-          isinstance(o, list) and len(o) == 2 for o in openings) or [
-              o[0] for o in openings] != opened:
+      try:
+        OPENINGS.check(openings, "openings")
+      except Invalid as e:
+        raise HTTPException(400, f"{e} Send [[index, [blob digests]]...].") from None
+      if [o[0] for o in openings] != opened:
         raise HTTPException(400, f"send the openings of exactly the batches {opened}, as "
                             "[[index, [blob digests]]...] in that order.")
-      refs = [d for _, blobs in openings for d in _digest_list(blobs, "openings")]
+      refs = [d for _, blobs in openings for d in blobs]
       missing = [b.hex() for b in refs if not self.store.has_proof_blob(row["proof_id"],
                                                                          b.hex())]
       if missing:

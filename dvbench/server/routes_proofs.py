@@ -6,6 +6,7 @@ Example::
 """
 
 import json
+import math
 import secrets
 
 from starlette.concurrency import run_in_threadpool
@@ -30,6 +31,16 @@ def public_proof(p: dict) -> dict:
           "state": p["state"], "failure": p["failure"], "records": p["records"],
           "steps": p["steps"], "final_params": p["final_params"],
           "created_at": p["created_at"], "updated_at": p["updated_at"]}
+
+
+def json_number(value):
+  """A stored number as JSON can carry it: non-finite floats and integers beyond 2**53
+  become strings (``"inf"``, ``"nan"``, ``"18446744073709551615"``)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 1 << 53:
+    return str(value)
+  return value
 
 
 def _policy(challenger: dict) -> challenge.Policy:
@@ -162,8 +173,8 @@ class ProofRoutes:
     return JSONResponse(await run_in_threadpool(self.proof_json, request.path_params["proof_id"]))
 
   async def get_checks(self, request):
-    return JSONResponse(await run_in_threadpool(self.store.proof_checks,
-                                                request.path_params["proof_id"]))
+    rows = await run_in_threadpool(self.store.proof_checks, request.path_params["proof_id"])
+    return JSONResponse([{k: json_number(v) for k, v in r.items()} for r in rows])
 
   async def get_record_ids(self, request):
     ids = await run_in_threadpool(self.store.record_ids, request.path_params["proof_id"])

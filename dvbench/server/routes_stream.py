@@ -15,25 +15,23 @@ from starlette.routing import Route
 
 from dvbench import transport
 from dvbench.server import receipts
-from dvbench.server.custody import Ingest, ProofChallenger
+from dvbench.server import validation
+from dvbench.server.custody import Ingest, ProofChallenger, parse_record, parse_records
 from dvbench.server.service import Service, decode
+from dvbench.server.store_custody import RecordTooLarge
 from zkdv.transcript import record_id
 
-_MAX_CHUNKS = 65536
 _CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 
 
-def _envelope(body: bytes) -> dict:
-  envelope = decode(body, "the envelope")
-  if not isinstance(envelope, dict):
-    raise HTTPException(400, "the envelope must be a CBOR map.")
-  client_id, seq, kind = envelope.get("client_id"), envelope.get("seq"), envelope.get("kind")
-  if not (isinstance(client_id, str) and 0 < len(client_id) <= 64):
-    raise HTTPException(400, "envelope.client_id must be a string of 1-64 characters.")
-  if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-    raise HTTPException(400, "envelope.seq must be an integer >= 0.")
-  if kind not in transport.ENVELOPE_KINDS:
-    raise HTTPException(400, f"envelope.kind must be one of {transport.ENVELOPE_KINDS}.")
+def parse_envelope(body: bytes) -> dict:
+  """The envelope with its fields (and, for ``records``, every record) checked; 400 else."""
+  try:
+    envelope = validation.check_envelope(decode(body, "the envelope"))
+  except validation.Invalid as e:
+    raise HTTPException(400, str(e)) from None
+  if envelope["kind"] == "records":
+    envelope["records"] = parse_records(envelope["records"])
   return envelope
 
 
@@ -56,15 +54,19 @@ class StreamRoutes:
     self._kinds = {"records": self._records, "chunk": self._chunk, "close": self._close}
 
   async def stream(self, request):
-    envelope = _envelope(await self.service.body(request))
+    """Token and proof first (from the headers), then the body; decoding, checks and the
+    transaction run in a worker thread."""
+    proof = await run_in_threadpool(self.service.proof_for_write, request,
+                                    request.path_params["proof_id"])
+    body = await self.service.body(request)
     try:
-      return JSONResponse(await run_in_threadpool(self._ingest, request, envelope))
-    except sa.exc.IntegrityError:  # another envelope took the same position meanwhile
+      return JSONResponse(await run_in_threadpool(self._ingest, proof, body))
+    except sa.exc.IntegrityError:  # not expected: writes hold the write lock
       raise HTTPException(503, "another envelope of this proof was stored at the same "
                           "time; resend this one (nothing of it was kept).") from None
 
-  def _ingest(self, request, envelope) -> dict:
-    proof = self.service.proof_for_write(request, request.path_params["proof_id"])
+  def _ingest(self, proof: dict, body: bytes) -> dict:
+    envelope = parse_envelope(body)
     proof_id, client_id, seq = proof["id"], envelope["client_id"], envelope["seq"]
     challenger = ProofChallenger.of(self.store, proof_id)
     with self.store.engine.begin() as conn:
@@ -75,34 +77,31 @@ class StreamRoutes:
       if seq > expected:
         raise HTTPException(409, f"envelope seq {seq} out of order: expected {expected} for "
                             f"client {client_id}.")
-      if proof["state"] != "receiving":
-        raise HTTPException(409, f"proof {proof_id} is {proof['state']}; it takes no more "
-                            "records.")
       ingest = Ingest(self.store, conn, proof_id, challenger)
+      if ingest.head.state != "receiving":
+        raise HTTPException(409, f"proof {proof_id} is {ingest.head.state}; it takes no more "
+                            "records.")
       ack = {**self._kinds[envelope["kind"]](ingest, envelope), "seq": seq}
       self.store.advance_stream(conn, proof_id, client_id, seq, json.dumps(ack))
     return ack
 
   def _records(self, ingest: Ingest, envelope: dict) -> dict:
-    raws = envelope.get("records")
-    if not isinstance(raws, list):
-      raise HTTPException(400, "envelope.records must be a list of encoded records.")
-    for n, raw in enumerate(raws):
-      ingest.take(raw, n)
+    for n, (raw, record) in enumerate(envelope["records"]):
+      ingest.take(raw, record, n)
     return ingest.ack()
 
   def _chunk(self, ingest: Ingest, envelope: dict) -> dict:
-    rid, idx, count, data = (envelope.get(k) for k in ("record_id", "index", "count", "data"))
-    if not (isinstance(rid, bytes) and len(rid) == 32 and isinstance(data, bytes)
-            and isinstance(idx, int) and isinstance(count, int)
-            and 0 <= idx < count <= _MAX_CHUNKS):
-      raise HTTPException(400, "a chunk carries record_id (32 bytes), index < count, data.")
-    whole = self.store.put_chunk(ingest.conn, ingest.proof_id, rid, idx, count, data)
+    rid, idx, count, data = (envelope[k] for k in ("record_id", "index", "count", "data"))
+    try:
+      whole = self.store.put_chunk(ingest.conn, ingest.proof_id, rid, idx, count, data,
+                                   transport.MAX_RECORD_BYTES)
+    except RecordTooLarge as e:
+      raise HTTPException(413, f"{e} Records are at most that large.") from None
     if whole is None:
       return {"chunk": idx, "of": count}
     if record_id(whole) != rid:
       raise HTTPException(400, "the reassembled chunks do not hash to record_id.")
-    ingest.take(whole, 0)
+    ingest.take(whole, parse_record(whole, 0), 0)
     return {"chunk": idx, "of": count, **ingest.ack()}
 
   def _close(self, ingest: Ingest, envelope: dict) -> dict:

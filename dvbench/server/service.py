@@ -12,12 +12,14 @@ import json
 import re
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
+from dvbench.server.guard import Limits
 from zkdv import challenge
 from zkdv import receipt
 
@@ -34,10 +36,14 @@ def check_name(owner: str, name: str) -> str:
   return f"{owner}/{name}"
 
 
-def decode(data: bytes, what: str, *, canonical: bool = False):
-  """Prover-sent CBOR, safely decoded; 400 naming ``what`` when it is not acceptable."""
+def decode(data: bytes, what: str, *, canonical: bool = False,
+           max_string: int = transport.MAX_STRING):
+  """Prover-sent CBOR, safely decoded; 400 naming ``what`` when it is not acceptable.
+
+  Call it in a worker thread (``run_in_threadpool``), never on the event loop.
+  """
   try:
-    return transport.decode_safely(data, canonical=canonical)
+    return transport.decode_safely(data, canonical=canonical, max_string=max_string)
   except transport.UnsafeCbor as e:
     raise HTTPException(400, f"{what} is not acceptable CBOR: {e}") from None
 
@@ -51,7 +57,7 @@ class Service:
   signing_key: ed25519.Ed25519PrivateKey
   minimum_policy: challenge.Policy = challenge.Policy(update_check_probability=0.1,
                                                       rolling_window=64)
-  max_body: int = transport.MAX_BODY_BYTES
+  limits: Limits = Limits()
   score_shard_rows: int = 1 << 16  # evaluation rows per scoring job, at most
   memory_bytes: int = 16 << 30  # limits of a child process that loads an uploaded program
   time_limit: int = 3600
@@ -61,18 +67,17 @@ class Service:
     self.store.put_setting(MINIMUM_POLICY_SETTING, json.dumps(self.minimum_policy.to_record()))
 
   async def body(self, request: Request) -> bytes:
-    declared = request.headers.get("content-length", "0")
-    if not declared.isdigit() or int(declared) > self.max_body:
-      raise HTTPException(413, f"request body of {declared} bytes exceeds the limit of "
-                          f"{self.max_body}; records above the chunk threshold go in chunks.")
-    data = bytearray()
-    async for part in request.stream():
-      data += part
-      if len(data) > self.max_body:
-        raise HTTPException(413, f"request body exceeds the limit of {self.max_body} bytes.")
-    return bytes(data)
+    """The request's body, read only once its token is known (``Guard`` bounds size and time)."""
+    await run_in_threadpool(self.owner, request)
+    return await request.body()
 
   def owner(self, request: Request) -> str:
+    """The owner of the request's token (looked up once per request); 401 without one."""
+    if "dvbench.owner" not in request.scope:
+      request.scope["dvbench.owner"] = self._owner_of_token(request)
+    return request.scope["dvbench.owner"]
+
+  def _owner_of_token(self, request: Request) -> str:
     header = request.headers.get("authorization", "")
     if not header.startswith("Bearer "):
       raise HTTPException(401, "missing API token: send 'Authorization: Bearer <token>' "

@@ -15,6 +15,10 @@ from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, p
                                    proofs, receipts, records, slots, streams)
 
 
+class RecordTooLarge(ValueError):
+  """A chunked record larger than the server takes."""
+
+
 class SlotTaken(ValueError):
   """The nonce was not issued to this experiment, or a root already used it."""
 
@@ -27,6 +31,7 @@ class CustodyHead:
   steps: int
   last_id: bytes
   last_kind: str
+  state: str = "receiving"  # the proof's state, read in the same transaction
 
 
 def has_held_blob(engine, holder_column, holder, digest: str, conn=None) -> bool:
@@ -68,12 +73,18 @@ class CustodyQueries:
       ).values(next_seq=seq + 1, last_ack=ack))
 
   def put_chunk(self, conn, proof_id: str, record_id: bytes, idx: int, count: int,
-                data: bytes) -> bytes | None:
-    """Stores a chunk; returns the whole record once every chunk is here."""
-    exists = conn.execute(sa.select(chunks.c.idx).where(
-        (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
-        & (chunks.c.idx == idx))).first()
+                data: bytes, max_bytes: int) -> bytes | None:
+    """Stores a chunk; returns the whole record once every chunk is here.
+
+    Raises RecordTooLarge when the record's chunks would exceed ``max_bytes``.
+    """
+    of_record = (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
+    exists = conn.execute(sa.select(chunks.c.idx).where(of_record & (chunks.c.idx == idx))).first()
     if not exists:
+      held = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(chunks.c.data)),
+                                                     0)).where(of_record)).scalar()
+      if held + len(data) > max_bytes:
+        raise RecordTooLarge(f"the chunks of record {record_id.hex()} exceed {max_bytes} bytes.")
       conn.execute(chunks.insert().values(proof_id=proof_id, record_id=record_id, idx=idx,
                                           count=count, data=data))
     parts = conn.execute(sa.select(chunks.c.idx, chunks.c.data).where(
@@ -103,11 +114,11 @@ class CustodyQueries:
           records.c.proof_id == proof_id).order_by(records.c.position))]
 
   def custody_head(self, conn, proof_id: str) -> CustodyHead:
-    count, steps = conn.execute(sa.select(proofs.c.records, proofs.c.steps).where(
-        proofs.c.id == proof_id)).first()
+    count, steps, state = conn.execute(sa.select(
+        proofs.c.records, proofs.c.steps, proofs.c.state).where(proofs.c.id == proof_id)).first()
     last_id, last_kind = conn.execute(sa.select(records.c.record_id, records.c.kind).where(
         (records.c.proof_id == proof_id) & (records.c.position == count - 1))).first()
-    return CustodyHead(count, steps, last_id, last_kind)
+    return CustodyHead(count, steps, last_id, last_kind, state)
 
   def record_position(self, conn, proof_id: str, record_id: bytes) -> int | None:
     return conn.execute(sa.select(records.c.position).where(
@@ -121,7 +132,7 @@ class CustodyQueries:
     steps = head.steps + (kind == "step")
     conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
         records=head.records + 1, steps=steps, updated_at=time.time()))
-    return CustodyHead(head.records + 1, steps, record_id, kind)
+    return CustodyHead(head.records + 1, steps, record_id, kind, head.state)
 
   def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
     known = {r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(

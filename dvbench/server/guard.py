@@ -1,0 +1,179 @@
+"""The server's outer guard: bounded bodies, slow uploads cut off, bad tokens rate limited.
+
+An ASGI middleware in front of every route (``app.create_app`` installs it):
+
+* a write (POST, PUT, PATCH, DELETE) without ``Authorization: Bearer ...`` is refused
+  with 401 from its headers, before its body is read;
+* a declared ``Content-Length`` above ``max_body`` is refused with 413, and a body that
+  grows past it while streaming is cut off with 413;
+* a body must arrive within ``body_timeout`` seconds, with no gap over
+  ``body_idle_timeout`` seconds (else 408): a client trickling bytes cannot hold a request;
+* at most ``max_uploads`` writes run at once (beyond: 503 with ``Retry-After``); reads
+  such as ``/api/v1/health`` are never queued behind them;
+* a client address that sent ``bad_tokens`` unknown tokens (401) within
+  ``bad_token_window`` seconds gets 429 with ``Retry-After`` for every authenticated
+  request until the window has passed.
+
+Example::
+
+  app = Starlette(routes, middleware=[Middleware(Guard, limits=Limits(max_body=1 << 20))])
+"""
+
+import argparse
+import dataclasses
+import math
+import time
+
+import anyio
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from dvbench import transport
+
+_WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+_MAX_ADDRESSES = 10000  # addresses with recent bad tokens kept in memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What one request may take from the server (``dvbench serve`` flags)."""
+
+  max_body: int = transport.MAX_BODY_BYTES
+  body_timeout: float = 120.0
+  body_idle_timeout: float = 15.0
+  max_uploads: int = 64
+  bad_tokens: int = 20
+  bad_token_window: float = 60.0
+
+  @classmethod
+  def from_args(cls, args: argparse.Namespace) -> "Limits":
+    return cls(max_body=args.max_body_mb << 20, body_timeout=args.body_timeout,
+               body_idle_timeout=args.body_idle_timeout, max_uploads=args.max_uploads,
+               bad_tokens=args.bad_token_limit, bad_token_window=args.bad_token_window)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The ``dvbench serve`` flags of ``Limits``."""
+  d = Limits()
+  parser.add_argument("--max-body-mb", type=int, default=d.max_body >> 20,
+                      help="the largest request body (MiB)")
+  parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                      help="seconds a request body may take to arrive")
+  parser.add_argument("--body-idle-timeout", type=float, default=d.body_idle_timeout,
+                      help="the longest pause (seconds) while a body arrives")
+  parser.add_argument("--max-uploads", type=int, default=d.max_uploads,
+                      help="writes served at once; more get 503 with Retry-After")
+  parser.add_argument("--bad-token-limit", type=int, default=d.bad_tokens,
+                      help="unknown tokens per client address and window before 429")
+  parser.add_argument("--bad-token-window", type=float, default=d.bad_token_window,
+                      help="seconds of the bad-token window")
+
+
+class _BadTokens:
+  """Unknown-token answers per client address within a sliding window."""
+
+  def __init__(self, limit: int, window: float):
+    self.limit, self.window = limit, window
+    self._seen: dict[str, list[float]] = {}
+
+  def retry_after(self, address: str) -> int:
+    """Seconds until ``address`` may authenticate again (0: now)."""
+    now = time.monotonic()
+    times = [t for t in self._seen.get(address, ()) if t > now - self.window]
+    if times:
+      self._seen[address] = times
+    else:
+      self._seen.pop(address, None)
+    if len(times) < self.limit:
+      return 0
+    return max(1, math.ceil(times[-self.limit] + self.window - now))
+
+  def record(self, address: str) -> None:
+    if len(self._seen) >= _MAX_ADDRESSES and address not in self._seen:
+      self._seen.pop(next(iter(self._seen)))
+    self._seen.setdefault(address, []).append(time.monotonic())
+    del self._seen[address][:-self.limit]
+
+
+def _refusal(status: int, message: str, **headers) -> JSONResponse:
+  return JSONResponse({"error": message}, status_code=status,
+                      headers={k.replace("_", "-"): str(v) for k, v in headers.items()})
+
+
+class Guard:
+  """ASGI middleware applying ``Limits`` (see the module docstring)."""
+
+  def __init__(self, app, limits: Limits):
+    self.app, self.limits = app, limits
+    self.bad_tokens = _BadTokens(limits.bad_tokens, limits.bad_token_window)
+    self.uploads = 0
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    refusal = self._refusal(scope)
+    if refusal is not None:
+      return await refusal(scope, receive, send)
+    is_write = scope["method"] in _WRITES
+    address = (scope.get("client") or ("unknown",))[0]
+
+    async def observed_send(message):
+      if message["type"] == "http.response.start" and message["status"] == 401:
+        self.bad_tokens.record(address)
+      await send(message)
+
+    if not is_write:
+      return await self.app(scope, receive, observed_send)
+    self.uploads += 1
+    try:
+      await self.app(scope, self._bounded(receive), observed_send)
+    finally:
+      self.uploads -= 1
+
+  def _refusal(self, scope) -> JSONResponse | None:
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    authorization = headers.get("authorization")
+    if authorization is not None:
+      wait = self.bad_tokens.retry_after((scope.get("client") or ("unknown",))[0])
+      if wait:
+        return _refusal(429, f"too many unknown tokens from this address; retry in {wait} s.",
+                        retry_after=wait)
+    if scope["method"] not in _WRITES:
+      return None
+    if authorization is None or not authorization.startswith("Bearer "):
+      return _refusal(401, "missing API token: send 'Authorization: Bearer <token>' (create "
+                      "one with 'dvbench token create OWNER').")
+    declared = headers.get("content-length", "0")
+    if not declared.isdigit() or int(declared) > self.limits.max_body:
+      return _refusal(413, f"request body of {declared[:20]} bytes exceeds the limit of "
+                      f"{self.limits.max_body}; records above the chunk threshold go in chunks.")
+    if self.uploads >= self.limits.max_uploads:
+      return _refusal(503, f"the server is taking {self.uploads} uploads; retry shortly.",
+                      retry_after=1)
+    return None
+
+  def _bounded(self, receive):
+    """``receive`` with the body's size and time limits (HTTPException 413/408)."""
+    deadline = time.monotonic() + self.limits.body_timeout
+    size, complete = 0, False
+
+    async def bounded_receive():
+      nonlocal size, complete
+      if complete:  # after the body: only the disconnect is left to wait for
+        return await receive()
+      wait = min(self.limits.body_idle_timeout, deadline - time.monotonic())
+      try:
+        with anyio.fail_after(max(wait, 0)):
+          message = await receive()
+      except TimeoutError:
+        raise HTTPException(408, "the request body did not arrive in time (limits: "
+                            f"{self.limits.body_timeout:g} s in all, "
+                            f"{self.limits.body_idle_timeout:g} s without data).") from None
+      if message["type"] == "http.request":
+        size += len(message.get("body", b""))
+        complete = not message.get("more_body", False)
+        if size > self.limits.max_body:
+          raise HTTPException(413, f"request body exceeds the limit of {self.limits.max_body} "
+                              "bytes.")
+      return message
+    return bounded_receive

@@ -1,0 +1,295 @@
+"""Strict schemas of what a prover sends: every envelope and record field, typed and bounded.
+
+Each record kind lists its fields in ``RECORD_FIELDS`` (one table: add a field or a kind
+there). A listed field must have its type and bounds; a required one must be present.
+Fields a kind does not list are the verifier's to judge (it reports them), but they too are
+bounded: text keys, strings of at most ``MAX_TEXT`` characters (the decoder bounds depth,
+item count and byte strings). Everything is checked before any database work, and a
+refusal names the field, e.g. ``record 0 (step).index: an integer in [0, 2**40), got an
+integer of 65 bits``.
+
+Example::
+
+  record = decode(raw, "record 0", canonical=True)
+  check_record(record, "record 0")      # raises Invalid naming the first wrong field
+  check_fields(envelope, ENVELOPE_FIELDS[envelope["kind"]], "envelope")
+"""
+
+import dataclasses
+import math
+
+from zkdv import challenge
+
+MAX_INDEX = 1 << 40  # step indices, counts and positions stay below this
+MAX_LIST = 1 << 20
+MAX_TEXT = 64 * 1024
+MAX_CHUNKS = 65536
+CHECK_KINDS = (*challenge.ANSWER_KINDS, "start")  # "start": the attested start's link
+
+
+class Invalid(ValueError):
+  """A field that does not match its schema; ``str()`` names the field and the rule."""
+
+
+def describe(value) -> str:
+  """A bounded description of a prover's value for an error message."""
+  if isinstance(value, bool) or value is None:
+    return repr(value)
+  if isinstance(value, int):
+    return repr(value) if abs(value) < 10**12 else f"an integer of {value.bit_length()} bits"
+  if isinstance(value, float):
+    return repr(value)
+  if isinstance(value, (str, bytes)):
+    return f"{type(value).__name__} of length {len(value)}"
+  return f"a {type(value).__name__}"
+
+
+class Spec:
+  """What one value must be."""
+
+  def check(self, value, where: str) -> None:
+    raise NotImplementedError
+
+  def fail(self, value, where: str, rule: str):
+    raise Invalid(f"{where}: {rule}, got {describe(value)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int(Spec):
+  low: int = 0
+  high: int = MAX_INDEX  # exclusive
+
+  def check(self, value, where):
+    if not isinstance(value, int) or isinstance(value, bool) or not (
+        self.low <= value < self.high):
+      self.fail(value, where, f"an integer in [{self.low}, {_power(self.high)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Float(Spec):
+  """A finite float (NaN and infinities are refused)."""
+
+  low: float = -math.inf
+  high: float = math.inf
+
+  def check(self, value, where):
+    if not isinstance(value, float) or not math.isfinite(value) or not (
+        self.low <= value <= self.high):
+      self.fail(value, where, f"a finite float in [{self.low}, {self.high}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes(Spec):
+  size: int | None = 32  # exact; None: any length up to max_size
+  max_size: int = 64
+
+  def check(self, value, where):
+    if not isinstance(value, bytes):
+      self.fail(value, where, "a byte string")
+    if self.size is not None and len(value) != self.size:
+      self.fail(value, where, f"{self.size} bytes")
+    if len(value) > self.max_size:
+      self.fail(value, where, f"at most {self.max_size} bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Text(Spec):
+  max_len: int = 400
+  choices: tuple[str, ...] = ()
+  min_len: int = 0
+
+  def check(self, value, where):
+    if not isinstance(value, str) or not self.min_len <= len(value) <= self.max_len:
+      self.fail(value, where, f"a string of {self.min_len}-{self.max_len} characters")
+    if self.choices and value not in self.choices:
+      raise Invalid(f"{where}: one of {list(self.choices)}, got {value[:40]!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optional(Spec):
+  inner: Spec
+
+  def check(self, value, where):
+    if value is not None:
+      self.inner.check(value, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bool(Spec):
+
+  def check(self, value, where):
+    if not isinstance(value, bool):
+      self.fail(value, where, "true or false")
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOf(Spec):
+  item: Spec
+  max_len: int = MAX_LIST
+  min_len: int = 0
+
+  def check(self, value, where):
+    if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
+      self.fail(value, where, f"a list of {self.min_len}-{self.max_len} items")
+    for n, item in enumerate(value):
+      self.item.check(item, f"{where}[{n}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row(Spec):
+  """A fixed-length list whose items have their own specs, e.g. a probe."""
+
+  items: tuple[Spec, ...]
+
+  def check(self, value, where):
+    if not isinstance(value, list) or len(value) != len(self.items):
+      self.fail(value, where, f"a list of {len(self.items)} items")
+    for n, (spec, item) in enumerate(zip(self.items, value)):
+      spec.check(item, f"{where}[{n}]")
+
+
+class Free(Spec):
+  """Any value the decoder accepted, with text map keys and bounded strings."""
+
+  def check(self, value, where):
+    stack = [(value, where)]
+    while stack:
+      item, at = stack.pop()
+      if isinstance(item, str) and len(item) > MAX_TEXT:
+        self.fail(item, at, f"a string of at most {MAX_TEXT} characters")
+      elif isinstance(item, list):
+        stack.extend((v, f"{at}[{n}]") for n, v in enumerate(item))
+      elif isinstance(item, dict):
+        for k, v in item.items():
+          if not isinstance(k, str) or len(k) > 400:
+            self.fail(k, at, "a map with string keys of at most 400 characters")
+          stack.append((v, f"{at}.{k}"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Map(Spec):
+  """A map (free-form inside, bounded by ``Free``)."""
+
+  def check(self, value, where):
+    if not isinstance(value, dict):
+      self.fail(value, where, "a map")
+    FREE.check(value, where)
+
+
+FREE = Free()
+
+
+def _power(n: int) -> str:
+  return f"2**{n.bit_length() - 1}" if n > 1 << 20 and n & (n - 1) == 0 else str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  spec: Spec
+  required: bool = False
+
+
+def check_fields(value, fields: dict[str, Field], where: str) -> None:
+  """``value`` is a map whose listed fields match; unlisted ones are bounded (``Free``)."""
+  if not isinstance(value, dict):
+    raise Invalid(f"{where}: a map, got {describe(value)}.")
+  for name, field in fields.items():
+    if name not in value:
+      if field.required:
+        raise Invalid(f"{where}: the field {name!r} is missing.")
+      continue
+    field.spec.check(value[name], f"{where}.{name}")
+  FREE.check({k: v for k, v in value.items() if k not in fields}, where)
+
+
+# -- the fields of each record kind (docs/protocol.md) ------------------------------------
+
+INDEX = Int()
+DIGEST = Bytes()
+DIGESTS = ListOf(DIGEST)
+PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
+LAYOUTS = ListOf(Map())
+NAME = Text(400)
+NAMES = ListOf(Text(400), 4096)
+_REQ = True
+
+RECORD_FIELDS: dict[str, dict[str, Field]] = {
+    "root": {"format_version": Field(Int(1, 1 << 16), _REQ), "prover": Field(NAME),
+             "name": Field(Text(MAX_TEXT)), "versions": Field(Map()), "platform": Field(NAME),
+             "device_kinds": Field(NAMES), "config": Field(Map()),
+             "challenger": Field(Map()), "processes": Field(Int(1, 1 << 20))},
+    "program": {"program_id": Field(DIGEST), "number": Field(INDEX), "blob": Field(DIGEST),
+                "mode": Field(Text(20)), "state_layout": Field(LAYOUTS),
+                "batch_layout": Field(LAYOUTS), "inputs": Field(NAMES),
+                "post_state_outputs": Field(ListOf(INDEX)), "platforms": Field(NAMES),
+                "function": Field(Text(MAX_TEXT)), "params_leaves": Field(ListOf(INDEX)),
+                "nr_devices": Field(Int(1, 1 << 24)), "processes": Field(Int(1, 1 << 20))},
+    "init": {"program_id": Field(DIGEST), "function": Field(Text(MAX_TEXT)),
+             "input_layout": Field(LAYOUTS), "input_blobs": Field(DIGESTS),
+             "output_layout": Field(LAYOUTS), "outputs": Field(DIGESTS),
+             "platforms": Field(NAMES)},
+    "step": {"index": Field(INDEX, _REQ), "program": Field(INDEX), "pre_state": Field(DIGEST),
+             "batch": Field(DIGEST), "post_state": Field(DIGEST)},
+    "check": {"step": Field(INDEX, _REQ), "kind": Field(Text(20, CHECK_KINDS), _REQ),
+              "pre_state_blobs": Field(DIGESTS), "batch_blobs": Field(DIGESTS),
+              "post_state_blobs": Field(DIGESTS), "result": Field(Map()),
+              "pre_state_pieces": Field(PIECES), "batch_roots": Field(DIGESTS),
+              # [leaf, row, the row's blob digest, its Merkle inclusion proof]
+              "probes": Field(ListOf(Row((INDEX, INDEX, DIGEST, ListOf(DIGEST, 64)))))},
+    "final": {"steps": Field(INDEX, _REQ), "status": Field(Text(20)),
+              "discontinuities": Field(ListOf(INDEX)), "final_state": Field(DIGEST),
+              "final_state_leaves": Field(PIECES), "final_params": Field(DIGEST),
+              "seed": Field(Bytes(None))},
+}
+PREV = Field(DIGEST, _REQ)  # every record but the root chains to the one before
+RECORD_TYPE = Text(20)
+
+
+def check_record(record, where: str) -> str:
+  """Checks a decoded record against its kind's fields; returns its type.
+
+  A type the table does not list (a newer record kind) is bounded and left to the verifier.
+  """
+  if not isinstance(record, dict):
+    raise Invalid(f"{where}: a record map, got {describe(record)}.")
+  if "type" not in record:
+    raise Invalid(f"{where}: the field 'type' is missing.")
+  RECORD_TYPE.check(record["type"], f"{where}.type")
+  kind = record["type"]
+  fields = RECORD_FIELDS.get(kind, {})
+  if kind != "root":
+    fields = {**fields, "prev": PREV}
+  check_fields(record, fields, f"{where} ({kind})")
+  return kind
+
+
+# -- envelopes (dvbench.transport) ----------------------------------------------------------
+
+_COMMON = {"client_id": Field(Text(64, min_len=1), _REQ), "seq": Field(Int(0, 1 << 53), _REQ),
+           "kind": Field(Text(20, ("records", "chunk", "close")), _REQ)}
+ENVELOPE_FIELDS: dict[str, dict[str, Field]] = {
+    "records": {**_COMMON, "records": Field(ListOf(Bytes(None, 1 << 30)), _REQ)},
+    "chunk": {**_COMMON, "record_id": Field(DIGEST, _REQ), "index": Field(Int(0, MAX_CHUNKS), _REQ),
+              "count": Field(Int(1, MAX_CHUNKS + 1), _REQ),
+              "data": Field(Bytes(None, 1 << 30), _REQ)},
+    "close": {**_COMMON, "final_record_id": Field(DIGEST, _REQ),
+              "record_count": Field(Int(1, MAX_INDEX), _REQ)},
+}
+
+
+def check_envelope(envelope) -> dict:
+  """The envelope, each of its kind's fields checked, and no other fields."""
+  if not isinstance(envelope, dict):
+    raise Invalid(f"envelope: a CBOR map, got {describe(envelope)}.")
+  kind = envelope.get("kind")
+  _COMMON["kind"].spec.check(kind, "envelope.kind")
+  fields = ENVELOPE_FIELDS[kind]
+  unknown = sorted(str(k)[:40] for k in envelope if k not in fields)
+  if unknown:
+    raise Invalid(f"envelope: unknown fields {unknown}; a {kind} envelope has "
+                  f"{sorted(fields)}.")
+  check_fields(envelope, fields, "envelope")
+  if kind == "chunk" and envelope["index"] >= envelope["count"]:
+    raise Invalid(f"envelope.index: below count ({envelope['count']}), got "
+                  f"{envelope['index']}.")
+  return envelope
