@@ -95,6 +95,7 @@ class Ingest:
       if record["type"] == "step":
         self.steps_seen.append(record["index"])
       return
+    self.check_receiving()
     self._check_chain(record, n)
     self._rules.get(record["type"], self._accept_other)(record, n)
     self.head = self.store.append_record(self.conn, self.proof_id, self.head, rid,
@@ -112,6 +113,12 @@ class Ingest:
     return {"stored": self.stored, "duplicates": self.duplicates,
             "challenges": [{"step": r["step"], "record_id": r["record_id"].hex(),
                             "challenge": r["challenge"].hex()} for r in rows]}
+
+  def check_receiving(self) -> None:
+    """409 unless the proof still takes records (read inside this transaction)."""
+    if self.head.state != "receiving":
+      raise HTTPException(409, f"proof {self.proof_id} is {self.head.state}; it takes no "
+                          "more records.")
 
   def _check_chain(self, record: dict, n: int) -> None:
     head = self.head

@@ -14,7 +14,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from dvbench import transport
 from dvbench.server import labels
+from dvbench.server import validation
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name, decode
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
@@ -56,8 +58,11 @@ class RootBinding:
   def __init__(self, service: Service, experiment: dict):
     self.service, self.experiment = service, experiment
 
-  def challenger_row(self, root: dict) -> dict:
-    """``{"kind", "nonce", "policy"}`` to store, or 409 naming what does not match."""
+  def challenger_row(self, root: dict, proof_id: str) -> dict:
+    """``{"kind", "nonce", "policy"}`` to store, or 409 naming what does not match.
+
+    The slot may already hold ``proof_id`` itself: the same root sent again meanwhile.
+    """
     challenger = root.get("challenger")
     if not isinstance(challenger, dict) or challenger.get("kind") not in challenge.CHALLENGER_KINDS:
       raise HTTPException(409, "the root has no challenger: a proof for DVBench starts from a "
@@ -69,18 +74,18 @@ class RootBinding:
     if set(challenger) != _DVBENCH_FIELDS:
       raise HTTPException(409, f"a dvbench challenger has exactly the fields "
                           f"{sorted(_DVBENCH_FIELDS)}.")
-    nonce = self._slot_nonce(challenger)
+    nonce = self._slot_nonce(challenger, proof_id)
     return {"kind": "dvbench", "nonce": nonce,
             "policy": json.dumps(_policy(challenger).to_record())}
 
-  def _slot_nonce(self, challenger: dict) -> str:
+  def _slot_nonce(self, challenger: dict, proof_id: str) -> str:
     nonce = challenger["nonce"]
     slot = self.service.store.slot(nonce.hex()) if isinstance(nonce, bytes) else None
     full = self.experiment["full_name"]
     if slot is None or slot["experiment_id"] != self.experiment["id"]:
       raise HTTPException(409, f"the root's nonce was not issued to '{full}' by this server: "
                           "a root is bound to the slot of its own experiment.")
-    if slot["proof_id"] is not None:
+    if slot["proof_id"] not in (None, proof_id):
       raise HTTPException(409, f"the root's nonce was already used by proof {slot['proof_id']}; "
                           "every proof takes a fresh slot.")
     expected = {"server_key": self.service.server_key, "owner": full.split("/")[0],
@@ -142,9 +147,14 @@ class ProofRoutes:
 
     def create():
       exp = self.service.writable_experiment(request, owner, name)
-      record = decode(root, "the root record", canonical=True)
+      record = decode(root, "the root record", canonical=True,
+                      max_string=transport.MAX_RECORD_STRING)
       if not isinstance(record, dict) or record.get("type") != "root" or "prev" in record:
         raise HTTPException(400, "a proof starts with its root record (type 'root', no prev).")
+      try:
+        validation.check_record(record, "the root record")
+      except validation.Invalid as e:
+        raise HTTPException(400, str(e)) from None
       proof_id = record_id(root).hex()
       existing = self.store.proof(proof_id)
       if existing is not None:
@@ -152,7 +162,7 @@ class ProofRoutes:
           raise HTTPException(409, f"proof {proof_id} belongs to experiment "
                               f"'{existing['experiment']}'.")
         return existing  # the same root again
-      challenger = RootBinding(self.service, exp).challenger_row(record)
+      challenger = RootBinding(self.service, exp).challenger_row(record, proof_id)
       try:
         return self.store.create_proof(exp["id"], proof_id, str(record.get("name", ""))[:400],
                                        root, challenger)

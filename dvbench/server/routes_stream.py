@@ -47,7 +47,12 @@ def unanswered_failure(rows: list[dict]) -> str | None:
 
 
 class StreamRoutes:
-  """Ingestion: one transaction per envelope, so a refused envelope writes nothing."""
+  """Ingestion: one transaction per envelope, so a refused envelope writes nothing.
+
+  Resending is idempotent, also after the proof was closed: records already stored are
+  acknowledged as duplicates and a close matching the stored records as closed; anything
+  new for a proof that is not ``receiving`` is refused (409).
+  """
 
   def __init__(self, service: Service):
     self.service, self.store = service, service.store
@@ -78,9 +83,6 @@ class StreamRoutes:
         raise HTTPException(409, f"envelope seq {seq} out of order: expected {expected} for "
                             f"client {client_id}.")
       ingest = Ingest(self.store, conn, proof_id, challenger)
-      if ingest.head.state != "receiving":
-        raise HTTPException(409, f"proof {proof_id} is {ingest.head.state}; it takes no more "
-                            "records.")
       ack = {**self._kinds[envelope["kind"]](ingest, envelope), "seq": seq}
       self.store.advance_stream(conn, proof_id, client_id, seq, json.dumps(ack))
     return ack
@@ -92,6 +94,9 @@ class StreamRoutes:
 
   def _chunk(self, ingest: Ingest, envelope: dict) -> dict:
     rid, idx, count, data = (envelope[k] for k in ("record_id", "index", "count", "data"))
+    if self.store.record_position(ingest.conn, ingest.proof_id, rid) is not None:
+      return {"chunk": idx, "of": count, "stored": 0, "duplicates": 1, "challenges": []}
+    ingest.check_receiving()
     try:
       whole = self.store.put_chunk(ingest.conn, ingest.proof_id, rid, idx, count, data,
                                    transport.MAX_RECORD_BYTES)
@@ -106,8 +111,12 @@ class StreamRoutes:
 
   def _close(self, ingest: Ingest, envelope: dict) -> dict:
     head, conn, proof_id = ingest.head, ingest.conn, ingest.proof_id
-    final_id, count = envelope.get("final_record_id"), envelope.get("record_count")
-    if head.last_id != final_id or count != head.records:
+    final_id, count = envelope["final_record_id"], envelope["record_count"]
+    closed_again = head.last_id == final_id and count == head.records
+    if head.state != "receiving" and closed_again:  # another client closed it meanwhile
+      return {"closed": True, "records": head.records, "state": head.state}
+    ingest.check_receiving()
+    if not closed_again:
       raise HTTPException(409, f"cannot close: the server has {head.records} records ending in "
                           f"{head.last_id.hex()}, the client announced {count!r} ending in "
                           "the final record; send the missing records first.")

@@ -6,6 +6,7 @@ A mixin of ``db.Store``. Example::
 """
 
 import json
+import math
 import time
 
 import sqlalchemy as sa
@@ -21,6 +22,14 @@ from dvbench.server.schema import (checks, experiments, jobs, proof_claims,
 MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "invalid")
 _RUNNING = {"measurement": (measurements, "verifying"),
             scoring.SHARD_JOB: (score_shards, "scoring")}
+
+
+def bounded_errors(row: dict) -> dict:
+  """A check row every database stores: a NaN or infinite error is stored as infinity, an
+  ulp error beyond 64 bits as the largest one (the row's status says it failed)."""
+  errors = {k: math.inf if math.isnan(row[k]) else row[k]
+            for k in ("max_abs_error", "max_rel_error")}
+  return {**row, **errors, "max_ulp_error": min(int(row["max_ulp_error"]), 2**63 - 1)}
 
 
 class JobQueries:
@@ -80,7 +89,8 @@ class JobQueries:
         return False
       conn.execute(checks.delete().where(checks.c.proof_id == proof_id))
       if check_rows:
-        conn.execute(checks.insert(), [{"proof_id": proof_id, **r} for r in check_rows])
+        conn.execute(checks.insert(), [{"proof_id": proof_id, **bounded_errors(r)}
+                                       for r in check_rows])
       conn.execute(proof_claims.delete().where(proof_claims.c.proof_id == proof_id))
       if claims is not None:
         conn.execute(proof_claims.insert().values(proof_id=proof_id, claims=json.dumps(claims),

@@ -1,0 +1,330 @@
+"""Hostile and faulty clients against a real `dvbench serve` process, on SQLite and PostgreSQL.
+
+Each test writes its attack out and shows the server refuses it with a message naming what
+failed, stays responsive, and never answers 5xx.
+"""
+
+import math
+import os
+import pathlib
+import socket
+import tempfile
+import threading
+import time
+
+import blake3
+import cbor2
+import httpx
+from absl.testing import absltest
+
+import dvbench
+from dvbench import transport
+from dvbench.server.db import Store
+from dvbench.server.local import LocalServer
+from tests.fake_prover import FakeProver, write_self_transcript
+from zkdv.transcript import encode_record
+
+# Short limits so that slow-client cases finish in about a second.
+_LIMITS = ("--body-timeout", "2", "--body-idle-timeout", "1", "--max-uploads", "6",
+           "--bad-token-limit", "5", "--bad-token-window", "30")
+
+
+def together(n: int, fn):
+  """Runs ``fn(i)`` in ``n`` threads released at once; returns the results in order."""
+  barrier, results = threading.Barrier(n), [None] * n
+
+  def run(i):
+    barrier.wait()
+    try:
+      results[i] = fn(i)
+    except Exception as e:  # pylint: disable=broad-except  # reported by the caller
+      results[i] = e
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  return results
+
+
+def raw_request(port: int, head: str, body: bytes = b"", source: str = "127.0.0.1",
+                timeout: float = 3.0) -> tuple[int, bytes]:
+  """(status, whole answer) of a hand-written request, ``body`` sent after the headers."""
+  with socket.create_connection(("127.0.0.1", port), timeout=timeout,
+                                source_address=(source, 0)) as s:
+    s.sendall(head.encode() + b"\r\n\r\n" + body)
+    answer = b""
+    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < int(
+        answer.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+      part = s.recv(65536)
+      if not part:
+        break
+      answer += part
+  return int(answer.split(b" ", 2)[1]), answer
+
+
+class HostileTestCase(absltest.TestCase):
+  """One server per class; ``database_url`` None is SQLite."""
+
+  database_url: str | None = None
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0, database_url=cls.database_url, max_body_mb=4,
+                             extra_args=_LIMITS).start()
+    cls.token = cls.server.token("alice")
+    cls.auth = {"Authorization": f"Bearer {cls.token}"}
+    cls.http = httpx.Client(base_url=cls.server.url, headers=cls.auth, timeout=10)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.http.close()
+    cls.server.stop()
+    super().tearDownClass()
+
+  def prover(self, name: str) -> FakeProver:
+    return FakeProver(self.server.url, self.token, f"alice/{name}").start(name)
+
+  def assertRefused(self, response: httpx.Response, status: int, *fragments: str):
+    self.assertEqual(response.status_code, status, response.text)
+    for fragment in fragments:
+      self.assertIn(fragment, response.json()["error"])
+
+  def record_ids(self, proof_id: str) -> list[str]:
+    return self.http.get(f"/api/v1/proofs/{proof_id}/records").json()
+
+
+class DatabaseCases:
+  """Cases where the database matters: bounds of what reaches it, concurrent writers."""
+
+  def test_huge_integers_are_refused_naming_the_field(self):
+    prover = self.prover("huge-ints")
+    prover.run(steps=1)
+    before = self.record_ids(prover.proof_id)
+    top = 2**64 - 1  # the largest integer CBOR encodes without a (refused) bignum tag
+    cases = [
+        ({"type": "step", "index": top, "program": 0, "pre_state": prover.state,
+          "batch": bytes(32), "post_state": bytes(32)}, "record 0 (step).index"),
+        ({"type": "check", "step": -top, "kind": "update"}, "record 0 (check).step"),
+        ({"type": "final", "steps": 2**63, "status": "clean"}, "record 0 (final).steps"),
+        ({"type": "check", "step": 0, "kind": "probe", "batch_roots": [],
+          "probes": [[0, top, bytes(32), []]]}, "record 0 (check).probes[0][1]"),
+        ({"type": "check", "step": 0, "kind": "probe", "batch_roots": [],
+          "probes": ["::/0"]}, "record 0 (check).probes[0]"),
+    ]
+    for fields, field in cases:
+      response = prover.send(prover.chain(fields))
+      self.assertRefused(response, 400, field)
+      self.assertLess(len(response.text), 400)  # huge values are described, never printed
+    envelope = {"client_id": "c", "seq": top, "kind": "records", "records": []}
+    self.assertRefused(self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
+                                      content=encode_record(envelope)), 400, "envelope.seq")
+    self.assertEqual(self.record_ids(prover.proof_id), before)
+
+  def test_long_strings_are_refused_or_bounded(self):
+    prover = self.prover("long-strings")
+    stream = f"/api/v1/proofs/{prover.proof_id}/stream"
+    envelope = {"client_id": "c" * 65, "seq": 0, "kind": "records", "records": []}
+    self.assertRefused(self.http.post(stream, content=encode_record(envelope)), 400,
+                       "envelope.client_id")
+    long_type = prover.chain({"type": "x" * 21})
+    self.assertRefused(prover.send(long_type), 400, "record 0.type")
+    huge_text = prover.chain({"type": "program", "function": "f" * (transport.MAX_RECORD_STRING
+                                                                     + 1)})
+    self.assertRefused(prover.send(huge_text), 400, "not acceptable CBOR", "limit")
+    # A root name longer than the column is stored cut to it, on every database.
+    other = FakeProver(self.server.url, self.token, "alice/long-name")
+    response = other.post_root(other.root(other.slot(), name="n" * 60000))
+    self.assertEqual(response.status_code, 201, response.text)
+    self.assertLen(response.json()["name"], 400)
+
+  def test_the_same_transcript_from_four_clients_at_once(self):
+    folder = pathlib.Path(tempfile.mkdtemp()) / "run"
+    ids = [i.hex() for i in write_self_transcript(folder, 40, name="four-clients")]
+    client = dvbench.Client(self.server.url, token=self.token)
+    experiment = client.experiment("alice/four-clients")
+    results = together(4, lambda _: experiment.upload(folder, batch_bytes=600))
+    self.assertEqual(set(results), {ids[0]}, results)  # every upload succeeded, one proof
+    self.assertEqual(self.record_ids(ids[0]), ids)  # every record once, in order
+    self.assertEqual(client.proof_status(ids[0])["state"], "closed")
+
+  def test_the_same_root_created_at_once(self):
+    prover = FakeProver(self.server.url, self.token, "alice/same-root")
+    raw = encode_record(prover.root(prover.slot()))
+    results = together(6, lambda _: self.http.post(
+        "/api/v1/experiments/alice/same-root/proofs", content=raw))
+    self.assertEqual({r.status_code for r in results}, {201}, [r.text for r in results])
+    self.assertEqual({r.json()["id"] for r in results}, {blake3.blake3(raw).hexdigest()})
+    self.assertLen(self.http.get("/api/v1/experiments/alice/same-root").json()["proofs"], 1)
+
+  def test_the_same_envelope_sent_at_once(self):
+    prover = self.prover("same-seq")
+    envelope = encode_record({"client_id": "c", "seq": 0, "kind": "records",
+                              "records": [prover.step_record()]})
+    results = together(6, lambda _: self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
+                                                   content=envelope))
+    self.assertEqual({r.status_code for r in results}, {200}, [r.text for r in results])
+    acks = [r.json() for r in results]
+    self.assertEqual(sorted(a.get("duplicate", False) for a in acks), [False] + [True] * 5)
+    self.assertLen(self.record_ids(prover.proof_id), 2)
+
+  def test_concurrent_puts_of_one_blob(self):
+    prover = self.prover("one-blob")
+    data = os.urandom(1 << 20)
+    name = blake3.blake3(data).hexdigest()
+    path = f"/api/v1/proofs/{prover.proof_id}/blobs/{name}"
+    results = together(6, lambda _: self.http.put(path, content=data))  # --max-uploads 6
+    self.assertEqual({r.status_code for r in results}, {201}, [r.text for r in results])
+    self.assertEqual(self.http.get(path).content, data)
+    blobs = self.server.data / "blobs"
+    self.assertEqual((blobs / name).read_bytes(), data)
+    self.assertEqual([p.name for p in blobs.iterdir() if p.name.startswith(".")], [])
+
+
+  def test_non_finite_and_huge_check_errors_are_stored_and_listed(self):
+    prover = self.prover("inf-errors")
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    with store.engine.begin() as conn:
+      store.enqueue_job(conn, "proof", prover.proof_id)
+    job = store.claim_job("replay", 60)  # what a worker stores for a diverged replay:
+    rows = [{"step": 0, "kind": kind, "mode": "exact", "status": "failed",
+             "max_abs_error": math.inf, "max_rel_error": math.nan, "max_ulp_error": 2**64 - 1}
+            for kind in ("update", "state")]
+    self.assertTrue(store.complete_proof_job(job["id"], "replay", prover.proof_id, "invalid",
+                                             "diverged", rows))
+    response = self.http.get(f"/api/v1/proofs/{prover.proof_id}/checks")
+    self.assertEqual(response.status_code, 200, response.text)
+    self.assertEqual([(c["max_abs_error"], c["max_rel_error"], c["max_ulp_error"])
+                      for c in response.json()], [("inf", "inf", str(2**63 - 1))] * 2)
+
+class SqliteDatabaseTest(DatabaseCases, HostileTestCase):
+  pass
+
+
+class PostgresDatabaseTest(DatabaseCases, HostileTestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    from tests.postgres import PostgresCluster  # pylint: disable=g-import-not-at-top
+    cls.cluster = PostgresCluster().start()
+    cls.database_url = cls.cluster.url
+    super().setUpClass()
+
+  @classmethod
+  def tearDownClass(cls):
+    super().tearDownClass()
+    cls.cluster.stop()
+
+
+class TransportTest(HostileTestCase):
+  """Decoding, bodies, slow and unknown clients (the database does not matter here)."""
+
+  def test_cbor_tags_shared_references_and_depth_are_refused(self):
+    prover = self.prover("cbor")
+    stream = f"/api/v1/proofs/{prover.proof_id}/stream"
+    shared = cbor2.dumps(cbor2.CBORTag(28, [cbor2.CBORTag(29, 0)] * 4))
+    bodies = {
+        b"\xd8\x23\x63a+b": "CBOR tags are not accepted",  # tag 35: a regular expression
+        b"\xd9\x01\x05\x82\x00\x01": "CBOR tags are not accepted",  # tag 261: a network
+        shared: "CBOR tags are not accepted",  # shared references
+        b"\x81" * 100 + b"\x00": "nested deeper than",
+        b"\x9f\x00\xff": "indefinite lengths",
+        b"\x5b" + (2**63).to_bytes(8, "big"): "the limit is",
+    }
+    for body, fragment in bodies.items():
+      self.assertRefused(self.http.post(stream, content=body), 400, fragment)
+    tagged = {"type": "check", "step": 0, "kind": "probe",
+              "probes": cbor2.CBORTag(261, [0, b""]), "prev": prover.last_id}
+    self.assertRefused(prover.send(cbor2.dumps(tagged)), 400, "record 0 of the envelope",
+                       "CBOR tags")
+
+  def test_no_or_unknown_token_is_refused_before_the_body_is_read(self):
+    prover = self.prover("tokens")
+    for auth, size in (("", 60 << 20), ("Authorization: Bearer not-a-token\r\n", 1000)):
+      head = (f"POST /api/v1/proofs/{prover.proof_id}/stream HTTP/1.1\r\nHost: x\r\n{auth}"
+              f"Content-Length: {size}")
+      start = time.monotonic()
+      status, answer = raw_request(self.server.port, head)  # the body never comes
+      self.assertEqual(status, 401, answer)
+      self.assertLess(time.monotonic() - start, 1.0)
+    big = f"Authorization: Bearer {self.token}\r\nContent-Length: {5 << 20}"
+    status, answer = raw_request(self.server.port, f"PUT /api/v1/proofs/{prover.proof_id}/blobs/"
+                                 f"{'0' * 64} HTTP/1.1\r\nHost: x\r\n{big}")
+    self.assertEqual(status, 413, answer)
+    self.assertIn(b"exceeds the limit", answer)
+
+  def test_a_body_growing_past_the_limit_while_streaming(self):
+    prover = self.prover("chunked-body")
+
+    def parts():
+      for _ in range(5):
+        yield b"\x00" * (1 << 20)
+    response = self.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{'0' * 64}",
+                             content=parts())
+    self.assertRefused(response, 413, "exceeds the limit")
+
+  def test_unknown_tokens_are_rate_limited_per_address(self):
+    head = "GET /api/v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong"
+    post = ("POST /api/v1/experiments HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            "Authorization: Bearer wrong")
+    statuses = [raw_request(self.server.port, post, b"{}", source="127.0.0.2")[0]
+                for _ in range(5)]
+    self.assertEqual(statuses, [401] * 5)
+    status, answer = raw_request(self.server.port, head, source="127.0.0.2")
+    self.assertEqual(status, 429, answer)
+    self.assertIn(b"retry-after: ", answer.lower())
+    self.assertIn(b"too many unknown tokens", answer)
+    self.assertEqual(self.http.get("/api/v1/health").status_code, 200)  # other addresses
+
+  def test_trickling_uploads_are_cut_off_and_never_block_reads(self):
+    prover = self.prover("trickle")
+    head = (f"PUT /api/v1/proofs/{prover.proof_id}/blobs/{'0' * 64} HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {self.token}\r\nContent-Length: 1000\r\n\r\n")
+    answers = []
+
+    def trickle():
+      with socket.create_connection(("127.0.0.1", self.server.port), timeout=10) as s:
+        s.sendall(head.encode())
+        try:
+          for _ in range(20):  # a byte every half second: under the idle timeout
+            s.sendall(b"x")
+            s.settimeout(0.5)
+            try:
+              answers.append(s.recv(4096))
+              return
+            except socket.timeout:
+              continue
+        except OSError as e:
+          answers.append(repr(e).encode())
+    threads = [threading.Thread(target=trickle) for _ in range(8)]
+    start = time.monotonic()
+    for t in threads:
+      t.start()
+    time.sleep(0.3)
+    # A client finding every upload slot taken is told to retry, and its retry gets through.
+    http = dvbench.client.Http(self.server.url, self.token, retry_seconds=10)
+    data = b"retried"
+    http.put_blob(prover.proof_id, blake3.blake3(data).hexdigest(), lambda: data)
+    while any(t.is_alive() for t in threads):
+      health = time.monotonic()
+      self.assertEqual(httpx.get(f"{self.server.url}/api/v1/health", timeout=1).status_code, 200)
+      self.assertLess(time.monotonic() - health, 1.0)
+      time.sleep(0.1)
+    self.assertLess(time.monotonic() - start, 5.0)
+    statuses = sorted(int(a.split(b" ", 2)[1]) for a in answers if a.startswith(b"HTTP"))
+    self.assertEqual(statuses, [408] * 6 + [503] * 2, answers)
+
+  def test_measurement_values_must_be_finite(self):
+    self.http.post("/api/v1/experiments", json={"name": "alice/metrics"})
+    fields = {"metric": "accuracy", "proof_id": "0" * 64, "checkpoint": bytes(32),
+              "batches": [[bytes(32)]], "evaluate": bytes(32), "params_blobs": [],
+              "outputs": [[]], "aggregate": None, "sample": 1.0}
+    for value in (math.nan, math.inf, -math.inf):
+      response = self.http.post("/api/v1/experiments/alice/metrics/measurements",
+                                content=cbor2.dumps({**fields, "value": value}))
+      self.assertRefused(response, 400, "measurement.value: a finite float")
+
+
+if __name__ == "__main__":
+  absltest.main()
