@@ -1,85 +1,150 @@
-"""Step records per second sustained into the embedded DVBench server.
+"""Step records per second into `dvbench serve`, and read latency while 4 clients upload.
 
-  python -m benchmarks.ingest [--records 20000] [--repeats 3]
+  python -m benchmarks.ingest [--records 5000] [--uploaders 4] [--repeats 3] [--before TREE]
 
-Writes a transcript of ``--records`` step records (real records: digests,
-chain, deterministic CBOR), then alternates two runs and reports medians:
-writing the same records to a local file with ``TranscriptWriter``, and
-uploading them to a ``dvbench serve`` process on loopback (SQLite in WAL mode)
-with the client's uploader, until the server has acknowledged the close.
+Each run writes fresh self-challenged transcripts of ``--records`` step records (real
+records: digests, chain, deterministic CBOR) and alternates:
+
+* ``file``: writing one transcript to a local file with ``TranscriptWriter``;
+* ``server``: ``--uploaders`` clients uploading one transcript each at once to a
+  ``dvbench serve`` process on loopback (SQLite in WAL mode), until every close is
+  acknowledged, while a reader polls ``GET /api/v1/proofs/ID`` (read latency, p50/p99).
+
+With ``--before TREE`` (a checkout of an earlier commit, e.g. ``git worktree add
+/tmp/before COMMIT``) a second server runs that tree's code and the runs alternate
+between the two servers; the clients are this tree's in both.
 """
 
 import argparse
+import contextlib
 import os
 import pathlib
 import tempfile
+import threading
 import time
+
+import httpx
 
 import dvbench
 from benchmarks import common
 from dvbench.server.local import LocalServer
-from zkdv import transcript
+from tests.fake_prover import write_self_transcript
 
 
-def write_transcript(folder: pathlib.Path, steps: int) -> float:
-  """Writes a root, ``steps`` step records and a final; returns the seconds taken."""
-  start = time.perf_counter()
-  writer = transcript.TranscriptWriter(folder)
-  writer.append({"type": "root", "format_version": transcript.FORMAT_VERSION,
-                 "prover": transcript.PROVER, "name": f"ingest-{os.urandom(8).hex()}", "versions": {},
-                 "platform": "cpu", "config": {}, "start": {}, "seed_commitment": bytes(32)})
-  digest = os.urandom(32)
-  for t in range(steps):
-    writer.append({"type": "step", "index": t, "program": digest, "pre_state": digest,
-                   "batch": os.urandom(32), "post_state": os.urandom(32), "probes": []})
-  writer.append({"type": "final", "steps": steps, "seed": bytes(32), "status": "clean"},
-                durable=True)
-  writer.close()
-  return time.perf_counter() - start
+@contextlib.contextmanager
+def python_path(tree: str | None):
+  """Processes started inside run the code of ``tree`` (None: this one)."""
+  old = os.environ.get("PYTHONPATH")
+  if tree is not None:
+    os.environ["PYTHONPATH"] = tree
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop("PYTHONPATH", None)
+    else:
+      os.environ["PYTHONPATH"] = old
+
+
+class Target:
+  """A server (of some tree) with a client and a proof to read during uploads."""
+
+  def __init__(self, label: str, tree: str | None, root: pathlib.Path):
+    self.label, self.root, self.runs = label, root, 0
+    with python_path(tree):
+      self.server = LocalServer(workers=0).start()
+      token = self.server.token("bench")
+    self.client = dvbench.Client(self.server.url, token=token)
+    self.experiment = self.client.experiment("bench/ingest")
+    self.read_id = self.experiment.upload(self.transcript(10))
+
+  def transcript(self, steps: int) -> pathlib.Path:
+    self.runs += 1
+    folder = self.root / f"{self.label}-{self.runs}-{os.urandom(4).hex()}"
+    write_self_transcript(folder, steps, name=folder.name)
+    return folder
+
+  def run(self, records: int, uploaders: int) -> tuple[float, list[float], int]:
+    """(seconds until every upload closed, read latencies, failed reads)."""
+    folders = [self.transcript(records) for _ in range(uploaders)]
+    latencies, failed, done = [], [0], threading.Event()
+
+    def read():
+      with httpx.Client(base_url=self.server.url, timeout=30) as http:
+        while not done.is_set():
+          start = time.perf_counter()
+          if http.get(f"/api/v1/proofs/{self.read_id}").status_code == 200:
+            latencies.append(time.perf_counter() - start)
+          else:
+            failed[0] += 1
+          time.sleep(0.01)
+    errors = []
+
+    def upload(folder):
+      try:
+        self.experiment.upload(folder)
+      except Exception as e:  # pylint: disable=broad-except  # counted, reported
+        errors.append(repr(e))
+    reader = threading.Thread(target=read)
+    threads = [threading.Thread(target=upload, args=(f,)) for f in folders]
+    reader.start()
+    start = time.perf_counter()
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    seconds = time.perf_counter() - start
+    done.set()
+    reader.join()
+    if errors:
+      raise RuntimeError(f"{self.label}: {len(errors)} uploads failed, first {errors[0]}")
+    return seconds, latencies, failed[0]
+
+  def stop(self):
+    self.client.close()
+    self.server.stop()
+
+
+def percentile(xs: list[float], q: float) -> float:
+  xs = sorted(xs)
+  return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--records", type=int, default=20000)
+  parser.add_argument("--records", type=int, default=5000, help="step records per uploader")
+  parser.add_argument("--uploaders", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--before", default=None, help="a source tree to compare against")
   args = parser.parse_args(argv)
   root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-ingest-"))
-  server = LocalServer(workers=0).start()
+  targets = [Target("after", None, root)]
+  if args.before:
+    targets.insert(0, Target("before", args.before, root))
+  file_times, results = [], {t.label: [] for t in targets}
   try:
-    client = dvbench.Client(server.url, token=server.token("bench"))
-    runs = iter(range(10**6))
-    size = 0
-
-    def to_file():
-      return write_transcript(root / f"file-{next(runs)}", args.records)
-
-    def to_server():
-      # A fresh transcript each run: one already on the server would be a no-op.
-      nonlocal size
-      source = root / f"source-{next(runs)}"
-      write_transcript(source, args.records)
-      size = (source / transcript.RECORDS_FILE).stat().st_size
-      experiment = client.experiment("bench/ingest")
-      start = time.perf_counter()
-      experiment.upload(source)
-      return time.perf_counter() - start
-
-    times = {"file": [], "server": []}
     for _ in range(args.repeats):
-      times["file"].append(to_file())
-      times["server"].append(to_server())
+      start = time.perf_counter()
+      write_self_transcript(root / f"file-{os.urandom(4).hex()}", args.records)
+      file_times.append(time.perf_counter() - start)
+      for target in targets:
+        results[target.label].append(target.run(args.records, args.uploaders))
   finally:
-    server.stop()
+    for target in targets:
+      target.stop()
   n = args.records + 2
-  file_rate = n / common.median(times["file"])
-  server_rate = n / common.median(times["server"])
+  rows = [["local file (TranscriptWriter), 1 writer", f"{n / common.median(file_times):,.0f}",
+           "", "", ""]]
+  for label, runs in results.items():
+    rate = args.uploaders * n / common.median([r[0] for r in runs])
+    latencies = [x for r in runs for x in r[1]]
+    rows.append([f"dvbench serve ({label}), {args.uploaders} uploaders", f"{rate:,.0f}",
+                 f"{percentile(latencies, 0.5) * 1000:.1f}",
+                 f"{percentile(latencies, 0.99) * 1000:.1f}", str(sum(r[2] for r in runs))])
   common.print_table(
-      f"Ingestion of {n} records ({size / n:.0f} bytes each), median of {args.repeats}",
-      ["sink", "median s", "records/s", "ratio to file"],
-      [["local file (TranscriptWriter)", f"{common.median(times['file']):.3f}",
-        f"{file_rate:,.0f}", "1.00"],
-       ["dvbench serve (SQLite WAL, loopback)", f"{common.median(times['server']):.3f}",
-        f"{server_rate:,.0f}", f"{server_rate / file_rate:.2f}"]])
+      f"Ingestion: {args.uploaders} x {n} records, median of {args.repeats} (reads: "
+      f"GET /api/v1/proofs/ID during the uploads)",
+      ["sink", "records/s", "read p50 ms", "read p99 ms", "failed reads"], rows)
 
 
 if __name__ == "__main__":

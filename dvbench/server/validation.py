@@ -1,7 +1,8 @@
 """Strict schemas of what a prover sends: every envelope and record field, typed and bounded.
 
 Each record kind lists its fields in ``RECORD_FIELDS`` (one table: add a field or a kind
-there). A listed field must have its type and bounds; a required one must be present.
+there; ``CHECK_REQUIRES`` adds what each check kind carries). A listed field must have its
+type and bounds; a required one (the verifier's required fields) must be present.
 Fields a kind does not list are the verifier's to judge (it reports them), but they too are
 bounded: text keys, strings of at most ``MAX_TEXT`` characters (the decoder bounds depth,
 item count and byte strings). Everything is checked before any database work, and a
@@ -214,33 +215,40 @@ NAMES = ListOf(Text(400), 4096)
 _REQ = True
 
 RECORD_FIELDS: dict[str, dict[str, Field]] = {
-    "root": {"format_version": Field(Int(1, 1 << 16), _REQ), "prover": Field(NAME),
-             "name": Field(Text(MAX_TEXT)), "versions": Field(Map()), "platform": Field(NAME),
-             "device_kinds": Field(NAMES), "config": Field(Map()),
-             "challenger": Field(Map()), "processes": Field(Int(1, 1 << 20))},
-    "program": {"program_id": Field(DIGEST), "number": Field(INDEX), "blob": Field(DIGEST),
-                "mode": Field(Text(20)), "state_layout": Field(LAYOUTS),
-                "batch_layout": Field(LAYOUTS), "inputs": Field(NAMES),
-                "post_state_outputs": Field(ListOf(INDEX)), "platforms": Field(NAMES),
-                "function": Field(Text(MAX_TEXT)), "params_leaves": Field(ListOf(INDEX)),
-                "nr_devices": Field(Int(1, 1 << 24)), "processes": Field(Int(1, 1 << 20))},
-    "init": {"program_id": Field(DIGEST), "function": Field(Text(MAX_TEXT)),
-             "input_layout": Field(LAYOUTS), "input_blobs": Field(DIGESTS),
-             "output_layout": Field(LAYOUTS), "outputs": Field(DIGESTS),
-             "platforms": Field(NAMES)},
-    "step": {"index": Field(INDEX, _REQ), "program": Field(INDEX), "pre_state": Field(DIGEST),
-             "batch": Field(DIGEST), "post_state": Field(DIGEST)},
+    "root": {"format_version": Field(Int(1, 1 << 16), _REQ), "prover": Field(NAME, _REQ),
+             "name": Field(Text(MAX_TEXT), _REQ), "versions": Field(Map(), _REQ),
+             "platform": Field(NAME, _REQ), "config": Field(Map(), _REQ),
+             "challenger": Field(Map(), _REQ), "device_kinds": Field(NAMES),
+             "processes": Field(Int(1, 1 << 20))},
+    "program": {"program_id": Field(DIGEST, _REQ), "number": Field(INDEX, _REQ),
+                "blob": Field(DIGEST, _REQ), "mode": Field(Text(20), _REQ),
+                "state_layout": Field(LAYOUTS, _REQ), "batch_layout": Field(LAYOUTS, _REQ),
+                "inputs": Field(NAMES, _REQ), "post_state_outputs": Field(ListOf(INDEX), _REQ),
+                "platforms": Field(NAMES, _REQ), "function": Field(Text(MAX_TEXT)),
+                "params_leaves": Field(ListOf(INDEX)), "nr_devices": Field(Int(1, 1 << 24)),
+                "processes": Field(Int(1, 1 << 20)), "post_state_layout": Field(LAYOUTS)},
+    "init": {"program_id": Field(DIGEST, _REQ), "input_layout": Field(LAYOUTS, _REQ),
+             "input_blobs": Field(DIGESTS, _REQ), "output_layout": Field(LAYOUTS, _REQ),
+             "outputs": Field(DIGESTS, _REQ), "platforms": Field(NAMES, _REQ),
+             "function": Field(Text(MAX_TEXT))},
+    "step": {"index": Field(INDEX, _REQ), "program": Field(INDEX, _REQ),
+             "pre_state": Field(DIGEST, _REQ), "batch": Field(DIGEST, _REQ),
+             "post_state": Field(DIGEST, _REQ)},
     "check": {"step": Field(INDEX, _REQ), "kind": Field(Text(20, CHECK_KINDS), _REQ),
               "pre_state_blobs": Field(DIGESTS), "batch_blobs": Field(DIGESTS),
               "post_state_blobs": Field(DIGESTS), "result": Field(Map()),
               "pre_state_pieces": Field(PIECES), "batch_roots": Field(DIGESTS),
               # [leaf, row, the row's blob digest, its Merkle inclusion proof]
               "probes": Field(ListOf(Row((INDEX, INDEX, DIGEST, ListOf(DIGEST, 64)))))},
-    "final": {"steps": Field(INDEX, _REQ), "status": Field(Text(20)),
+    "final": {"steps": Field(INDEX, _REQ), "status": Field(Text(20), _REQ),
               "discontinuities": Field(ListOf(INDEX)), "final_state": Field(DIGEST),
               "final_state_leaves": Field(PIECES), "final_params": Field(DIGEST),
               "seed": Field(Bytes(None))},
 }
+# The fields a check record of each kind must carry, beyond "step" and "kind".
+CHECK_REQUIRES = {"update": ("pre_state_blobs", "batch_blobs", "result"),
+                  "state": ("post_state_blobs",), "probe": ("batch_roots", "probes"),
+                  "start": ("pre_state_pieces",)}
 PREV = Field(DIGEST, _REQ)  # every record but the root chains to the one before
 RECORD_TYPE = Text(20)
 
@@ -260,6 +268,10 @@ def check_record(record, where: str) -> str:
   if kind != "root":
     fields = {**fields, "prev": PREV}
   check_fields(record, fields, f"{where} ({kind})")
+  missing = [f for f in CHECK_REQUIRES.get(record["kind"], ()) if f not in record] if (
+      kind == "check") else []
+  if missing:
+    raise Invalid(f"{where} (check): a {record['kind']} check carries {missing[0]!r}.")
   return kind
 
 

@@ -1,0 +1,311 @@
+"""A bounded fuzzer against a real `dvbench serve` process.
+
+For about ``FUZZ_SECONDS`` it sends random bytes, random CBOR (tags, bignums, NaN, deep
+nesting, long strings), structure-aware envelopes, chunks, records and roots with one field
+mutated, random JSON bodies and odd paths, interleaved with an honest prover's records.
+It asserts: no answer is 5xx, every request answers within its timeout, /health answers
+within 1 s throughout, the server's memory stays flat, and the server holds exactly the
+records it acknowledged, in order, once each. ``FUZZ_SEED`` replays a run.
+"""
+
+import json
+import math
+import os
+import random
+import threading
+import time
+
+import cbor2
+import httpx
+from absl.testing import absltest
+
+from dvbench.server.local import LocalServer
+from tests.fake_prover import FakeProver, digest
+from zkdv.transcript import encode_record, record_id
+
+FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", 15))
+REQUEST_TIMEOUT = 10.0
+MAX_RSS_GROWTH = 64 << 20
+
+
+def rss_bytes(pid: int) -> int:
+  with open(f"/proc/{pid}/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) * 1024
+  raise AssertionError(f"no VmRSS for process {pid}")
+
+
+class Values:
+  """Random values a hostile prover could put anywhere."""
+
+  def __init__(self, rng: random.Random):
+    self.rng = rng
+
+  def scalar(self):
+    r = self.rng
+    return r.choice([
+        lambda: r.randint(-2**64 + 1, 2**64 - 1), lambda: r.choice([0, 1, -1, 2**63, 2**64 - 1]),
+        lambda: 2**r.randint(64, 300),  # a bignum (a CBOR tag)
+        lambda: r.choice([math.nan, math.inf, -math.inf, 1e308, -0.0, r.random()]),
+        lambda: os.urandom(r.choice([0, 31, 32, 33, 1000])),
+        lambda: "x" * r.choice([0, 1, 20, 21, 64, 65, 400, 401, 70000]),
+        lambda: r.choice([None, True, False]), lambda: cbor2.CBORTag(r.randint(0, 300), 0),
+        lambda: cbor2.CBORTag(261, [0, os.urandom(16)]),  # an IPv6 network
+    ])()
+
+  def value(self, depth: int = 0):
+    r = self.rng
+    kind = r.random()
+    if depth > 3 or kind < 0.6:
+      return self.scalar()
+    if kind < 0.75:
+      return [self.value(depth + 1) for _ in range(r.randint(0, 5))]
+    if kind < 0.9:
+      return {self.rng.choice(["type", "index", "step", "kind", "probes", "x", "prev"]):
+              self.value(depth + 1) for _ in range(r.randint(0, 4))}
+    return [[[[[[[0]]]]]]] * r.randint(1, 3) if r.random() < 0.5 else [0] * r.randint(0, 2000)
+
+  def encoded(self) -> bytes:
+    r = self.rng
+    if r.random() < 0.2:
+      return os.urandom(r.randint(0, 4096))
+    if r.random() < 0.1:  # deep or wide, written by hand
+      return r.choice([b"\x81" * 5000 + b"\x00", b"\x9a\xff\xff\xff\xff",
+                       b"\xbb" + b"\xff" * 8, b"\x5b" + b"\x7f" * 8])
+    try:
+      return cbor2.dumps(self.value())
+    except (ValueError, TypeError, OverflowError):
+      return b"\xf6"
+
+
+class Chain:
+  """The honest prover's view: what the server acknowledged, in order."""
+
+  def __init__(self, prover: FakeProver):
+    self.prover = prover
+    self.accepted = [record_id(prover.records[0])]
+    self.seq = 0
+
+  def step_fields(self) -> dict:
+    p = self.prover
+    batch = digest(b"batch %d" % p.steps)
+    return {"type": "step", "index": p.steps, "program": 0, "pre_state": p.state,
+            "batch": batch, "post_state": digest(p.state + batch)}
+
+  def took(self, raw: bytes, ack: dict, failures: list[str]) -> None:
+    """Notes a record the server acknowledged as stored (not as a duplicate)."""
+    if ack.get("stored"):
+      record = cbor2.loads(raw)
+      self.accepted.append(record_id(raw))
+      self.prover.last_id = record_id(raw)
+      if record["type"] == "step":
+        self.prover.steps += 1
+        post = record.get("post_state")
+        if isinstance(post, bytes) and len(post) == 32:
+          self.prover.state = post
+        else:
+          failures.append(f"a step whose post_state is {post!r:.60} was stored.")
+
+
+class FuzzTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0, max_body_mb=8).start()
+    cls.token = cls.server.token("fuzz")
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def setUp(self):
+    super().setUp()
+    seed = int(os.environ.get("FUZZ_SEED", random.randrange(2**32)))
+    print(f"FUZZ_SEED={seed}")
+    self.rng = random.Random(seed)
+    self.values = Values(self.rng)
+    auth = {"Authorization": f"Bearer {self.token}"}
+    self.http = httpx.Client(base_url=self.server.url, headers=auth, timeout=REQUEST_TIMEOUT)
+    # Unknown tokens come from their own address, which the server rate limits on its own.
+    self.stranger = httpx.Client(base_url=self.server.url, timeout=REQUEST_TIMEOUT,
+                                 transport=httpx.HTTPTransport(local_address="127.0.0.3"))
+    self.prover = FakeProver(self.server.url, self.token, "fuzz/run").start()
+    self.chain = Chain(self.prover)
+    # A wrong blob makes its proof invalid: random blobs go to a proof of their own.
+    self.scratch = FakeProver(self.server.url, self.token, "fuzz/scratch").start()
+    self.stream = f"/api/v1/proofs/{self.prover.proof_id}/stream"
+    self.failures: list[str] = []
+    self.sent = 0
+
+  def tearDown(self):
+    self.http.close()
+    self.stranger.close()
+    super().tearDown()
+
+  # -- sending ----------------------------------------------------------------------------
+
+  def request(self, what: str, method: str, path: str, client=None, **kwargs) -> httpx.Response:
+    self.sent += 1
+    try:
+      response = (client or self.http).request(method, path, **kwargs)
+    except httpx.TimeoutException:
+      self.failures.append(f"{what}: no answer within {REQUEST_TIMEOUT} s")
+      raise
+    if response.status_code >= 500:
+      self.failures.append(f"{what}: HTTP {response.status_code} {response.text[:200]}")
+    return response
+
+  def envelope(self, what: str, body: dict, mutate: bool = False) -> httpx.Response:
+    """Posts a stream envelope at the next seq; the seq advances when it was taken."""
+    body = {**body, "client_id": "fuzz", "seq": self.chain.seq}
+    if mutate:
+      self.mutate(body)
+    try:
+      data = encode_record(body)
+    except (ValueError, TypeError, OverflowError):
+      data = cbor2.dumps(body)
+    response = self.request(what, "POST", self.stream, content=data)
+    if response.status_code == 200 and not response.json().get("duplicate"):
+      self.chain.seq += 1
+    return response
+
+  def mutate(self, fields: dict) -> None:
+    """Replaces, removes or adds one field."""
+    name = self.rng.choice(sorted(fields) + ["extra"])
+    if self.rng.random() < 0.2 and name in fields:
+      del fields[name]
+    else:
+      fields[name] = self.values.value()
+
+  # -- the cases ------------------------------------------------------------------------------
+
+  def honest_step(self):
+    raw = self.prover.chain(self.chain.step_fields())
+    response = self.envelope("honest step", {"kind": "records", "records": [raw]})
+    if response.status_code != 200:
+      self.failures.append(f"honest step refused: {response.text[:200]}")
+    else:
+      self.chain.took(raw, response.json(), self.failures)
+
+  def mutated_record(self):
+    kind = self.rng.choice(["step", "check", "program", "init", "final", "other"])
+    fields = {"step": self.chain.step_fields(),
+              "check": {"type": "check", "step": max(self.prover.steps - 1, 0),
+                        "kind": self.rng.choice(["update", "state", "probe", "start"]),
+                        "probes": [[0, 0, bytes(32), []]], "batch_roots": [bytes(32)]},
+              "final": {"type": "final", "steps": self.prover.steps + 1, "status": "clean"},
+              }.get(kind, {"type": kind})
+    fields = {**fields, "prev": self.prover.last_id}
+    self.mutate(fields)
+    try:
+      raw = encode_record(fields)
+    except (ValueError, TypeError, OverflowError):
+      raw = cbor2.dumps(fields)
+    response = self.envelope(f"mutated {kind} record {fields!r:.200}",
+                             {"kind": "records", "records": [raw]})
+    if response.status_code == 200:
+      self.chain.took(raw, response.json(), self.failures)
+
+  def chunked(self):
+    raw = self.prover.chain(self.chain.step_fields())
+    rid, parts = record_id(raw), [raw[i:i + 40] for i in range(0, len(raw), 40)]
+    mutate_at = self.rng.randrange(len(parts) + 1)  # len(parts): an honest chunked record
+    for i, part in enumerate(parts):
+      body = {"kind": "chunk", "record_id": rid, "index": i, "count": len(parts), "data": part}
+      response = self.envelope(f"chunk {i}", body, mutate=i == mutate_at)
+      if response.status_code != 200:
+        return
+      if "stored" in response.json():
+        self.chain.took(raw, response.json(), self.failures)
+
+  def mutated_envelope(self):
+    body = self.rng.choice([
+        {"kind": "records", "records": [self.values.encoded()]},
+        {"kind": "chunk", "record_id": bytes(32), "index": 0, "count": 2, "data": b"x"},
+        {"kind": "close", "final_record_id": bytes(32), "record_count": 3}])
+    self.envelope(f"mutated envelope {body!r:.200}", body, mutate=True)
+
+  def random_body(self):
+    target = self.rng.choice([
+        ("POST", self.stream), ("POST", "/api/v1/experiments/fuzz/run/proofs"),
+        ("POST", "/api/v1/experiments/fuzz/run/measurements"),
+        ("POST", f"/api/v1/measurements/{'0' * 64}/openings"),
+        ("PUT", f"/api/v1/proofs/{self.scratch.proof_id}/blobs/{'a' * 64}"),
+        ("PUT", "/api/v1/benchmarks/fuzz/bench"), ("POST", "/api/v1/benchmarks/fuzz/bench/submissions")])
+    body = self.values.encoded()
+    self.request(f"random body {body[:60]!r} to {target}", *target, content=body)
+
+  def json_body(self):
+    value = self.values.value()
+    try:
+      body = json.dumps(value, default=repr).encode()
+    except (ValueError, TypeError):
+      body = b"{"
+    self.request(f"JSON {body[:100]!r}", "POST", "/api/v1/experiments", content=body)
+    self.request("JSON name", "POST", "/api/v1/experiments",
+                 json={"name": self.rng.choice(["a/b", "/", "fuzz/" + "x" * 200, "fuzz/ok",
+                                                "fuzz/a/b", "fuzz/\u0000"])})
+
+  def odd_path(self):
+    ident = self.rng.choice(["0" * 64, "x" * 64, "%00", "a" * 1000, self.prover.proof_id])
+    path = self.rng.choice(["/api/v1/proofs/{}", "/api/v1/proofs/{}/records",
+                            "/api/v1/proofs/{}/checks", "/api/v1/proofs/{}/challenges",
+                            "/api/v1/proofs/{}/transcript", "/api/v1/proofs/{}/blobs",
+                            "/api/v1/measurements/{}", "/proofs/{}"])
+    self.request(f"GET {path}", "GET", path.format(ident))
+
+  def stranger_write(self):
+    headers = self.rng.choice([{}, {"Authorization": "Bearer " + "x" * 50},
+                               {"Authorization": "Basic abc"}])
+    self.request("stranger", "POST", self.stream, client=self.stranger,
+                 content=self.values.encoded(), headers=headers)
+
+  # -- the run --------------------------------------------------------------------------------
+
+  def test_fuzzed_requests(self):
+    cases = [(self.honest_step, 3), (self.mutated_record, 6), (self.chunked, 1),
+             (self.mutated_envelope, 3), (self.random_body, 3), (self.json_body, 1),
+             (self.odd_path, 1), (self.stranger_write, 1)]
+    functions, weights = zip(*cases)
+    health_latencies, health_failures, stop = [], [], threading.Event()
+
+    def watch_health():
+      with httpx.Client(base_url=self.server.url, timeout=1.0) as client:
+        while not stop.wait(0.2):
+          start = time.monotonic()
+          try:
+            client.get("/api/v1/health").raise_for_status()
+            health_latencies.append(time.monotonic() - start)
+          except httpx.HTTPError as e:
+            health_failures.append(repr(e))
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    pid = self.server.process.pid
+    try:
+      deadline = time.monotonic() + FUZZ_SECONDS
+      rss_start = None
+      while time.monotonic() < deadline:
+        if rss_start is None and self.sent > 100:  # after warm-up
+          rss_start = rss_bytes(pid)
+        self.rng.choices(functions, weights)[0]()
+      rss_end = rss_bytes(pid)
+    finally:
+      stop.set()
+      watcher.join()
+    self.assertEqual(self.failures, [])
+    self.assertEqual(health_failures, [])
+    self.assertLess(max(health_latencies), 1.0)
+    self.assertLess(rss_end - rss_start, MAX_RSS_GROWTH)
+    stored = self.http.get(f"/api/v1/proofs/{self.prover.proof_id}/records").json()
+    self.assertEqual(stored, [i.hex() for i in self.chain.accepted])
+    self.assertGreater(self.prover.steps, 10)
+    print(f"{self.sent} requests, {len(stored)} records kept, RSS "
+          f"{rss_start >> 20} -> {rss_end >> 20} MiB, health p_max "
+          f"{max(health_latencies) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+  absltest.main()
