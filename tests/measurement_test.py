@@ -172,8 +172,9 @@ class MeasurementTest(DVBenchTestCase):
 
   def test_the_server_chooses_the_sample_after_the_commitment_with_a_minimum(self):
     measurement, value = self.submit("your-name/short", self.short_checkpoint)
-    with self.assertRaisesRegex(dvbench.errors.ApiError, r"400.*sample is the fraction of "
-                                r"batches the server opens, a float in \[0.25, 1\], got 0.0"):
+    with self.assertRaisesRegex(dvbench.errors.ApiError, r"400.*sample: the fraction of "
+                                r"batches the server opens, a finite float in \[0.25, 1\], "
+                                r"got 0.0"):
       measurement.submit("accuracy", value, sample=0.0)
     row = self.wait_measurement(measurement.submit("accuracy", value)["id"])
     self.assertEqual((row["state"], row["sampled"]), ("self-reported", 2), row)

@@ -33,7 +33,7 @@ MEASUREMENT_FIELDS = {
     "checkpoint": Field(DIGEST, _REQ), "batches": Field(ListOf(FREE, min_len=1), _REQ),
     "evaluate": Field(DIGEST, _REQ), "params_blobs": Field(DIGESTS, _REQ),
     "outputs": Field(ListOf(DIGESTS), _REQ), "aggregate": Field(Optional(DIGEST), _REQ),
-    "sample": Field(Float(MIN_SAMPLE, 1.0), _REQ)}
+    "sample": Field(Float(MIN_SAMPLE, 1.0, "the fraction of batches the server opens"), _REQ)}
 OPENINGS = ListOf(Row((Int(), DIGESTS)))
 
 

@@ -72,11 +72,13 @@ class Float(Spec):
 
   low: float = -math.inf
   high: float = math.inf
+  meaning: str = ""  # what the number is, e.g. "the fraction of batches opened"
 
   def check(self, value, where):
     if not isinstance(value, float) or not math.isfinite(value) or not (
         self.low <= value <= self.high):
-      self.fail(value, where, f"a finite float in [{self.low}, {self.high}]")
+      self.fail(value, where, f"{self.meaning}{', ' if self.meaning else ''}a finite float "
+                f"in [{self.low:g}, {self.high:g}]")
 
 
 @dataclasses.dataclass(frozen=True)
