@@ -244,6 +244,8 @@ class FuzzTest(absltest.TestCase):
       body = json.dumps(value, default=repr).encode()
     except (ValueError, TypeError):
       body = b"{"
+    if self.rng.random() < 0.1:
+      body = self.rng.choice([b"[" * 100000, b'{"name": ' * 50000, b"\xff\xfe", b"1e999999"])
     self.request(f"JSON {body[:100]!r}", "POST", "/api/v1/experiments", content=body)
     self.request("JSON name", "POST", "/api/v1/experiments",
                  json={"name": self.rng.choice(["a/b", "/", "fuzz/" + "x" * 200, "fuzz/ok",

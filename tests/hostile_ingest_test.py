@@ -198,10 +198,6 @@ class DatabaseCases:
     self.assertEqual([(c["max_abs_error"], c["max_rel_error"], c["max_ulp_error"])
                       for c in response.json()], [("inf", "inf", str(2**63 - 1))] * 2)
 
-class SqliteDatabaseTest(DatabaseCases, HostileTestCase):
-  pass
-
-
 class PostgresDatabaseTest(DatabaseCases, HostileTestCase):
 
   @classmethod
@@ -217,7 +213,7 @@ class PostgresDatabaseTest(DatabaseCases, HostileTestCase):
     cls.cluster.stop()
 
 
-class TransportTest(HostileTestCase):
+class TransportCases:
   """Decoding, bodies, slow and unknown clients (the database does not matter here)."""
 
   def test_cbor_tags_shared_references_and_depth_are_refused(self):
@@ -324,6 +320,10 @@ class TransportTest(HostileTestCase):
       response = self.http.post("/api/v1/experiments/alice/metrics/measurements",
                                 content=cbor2.dumps({**fields, "value": value}))
       self.assertRefused(response, 400, "measurement.value: a finite float")
+
+
+class SqliteTest(DatabaseCases, TransportCases, HostileTestCase):
+  pass
 
 
 if __name__ == "__main__":

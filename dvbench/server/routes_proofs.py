@@ -112,13 +112,15 @@ class ProofRoutes:
     return JSONResponse(await run_in_threadpool(self.store.list_experiments))
 
   async def create_experiment(self, request):
-    try:
-      full = json.loads(await self.service.body(request))["name"]
-      owner, name = full.split("/")
-    except (ValueError, KeyError, TypeError, AttributeError):
-      raise HTTPException(400, "send JSON {\"name\": \"owner/name\"}.") from None
-    exp = await run_in_threadpool(self.service.writable_experiment, request, owner, name)
-    return JSONResponse(exp)
+    body = await self.service.body(request)
+
+    def create():
+      try:
+        owner, name = json.loads(body)["name"].split("/")
+      except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise HTTPException(400, "send JSON {\"name\": \"owner/name\"}.") from None
+      return self.service.writable_experiment(request, owner, name)
+    return JSONResponse(await run_in_threadpool(create))
 
   async def get_experiment(self, request):
     full = check_name(request.path_params["owner"], request.path_params["name"])
