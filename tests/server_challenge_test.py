@@ -172,7 +172,7 @@ class CustodyTest(ServerChallengeTestCase):
     skipped = prover.chain({"type": "step", "index": 5, "program": 0, "pre_state": prover.state,
                             "batch": digest(b"b"), "post_state": digest(b"p")})
     self.assertRefused(prover.send(skipped), 409, "the next step record is step 2")
-    early = prover.chain({"type": "check", "step": 2, "kind": "update"})
+    early = prover.chain({"type": "check", "step": 2, "kind": "state", "post_state_blobs": []})
     self.assertRefused(prover.send(early), 409, "before its step record")
 
   def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):

@@ -220,7 +220,8 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
     "root": {"format_version": Field(Int(1, 1 << 16), _REQ), "prover": Field(NAME, _REQ),
              "name": Field(Text(MAX_TEXT), _REQ), "versions": Field(Map(), _REQ),
              "platform": Field(NAME, _REQ), "config": Field(Map(), _REQ),
-             "challenger": Field(Map(), _REQ), "device_kinds": Field(NAMES),
+             "challenger": Field(FREE),  # checked where it is bound (routes_proofs)
+             "device_kinds": Field(NAMES),
              "processes": Field(Int(1, 1 << 20))},
     "program": {"program_id": Field(DIGEST, _REQ), "number": Field(INDEX, _REQ),
                 "blob": Field(DIGEST, _REQ), "mode": Field(Text(20), _REQ),
@@ -273,7 +274,8 @@ def check_record(record, where: str) -> str:
   missing = [f for f in CHECK_REQUIRES.get(record["kind"], ()) if f not in record] if (
       kind == "check") else []
   if missing:
-    raise Invalid(f"{where} (check): a {record['kind']} check carries {missing[0]!r}.")
+    raise Invalid(f"{where} (check): a check of kind {record['kind']!r} carries "
+                  f"{missing[0]!r}.")
   return kind
 
 
