@@ -1,42 +1,61 @@
-"""The ``dvbench`` command: ``serve``, ``worker``, ``token create``, ``login``,
+"""The ``dvbench`` command: ``serve``, ``worker``, ``token create|list|revoke``, ``login``,
 ``server-key``, ``download``.
 
 Example::
 
-  $ dvbench token create alice --data ./dvbench-data
+  $ dvbench token create alice --name alice-laptop --expires-in 30 --data ./dvbench-data
+  $ dvbench login --url http://127.0.0.1:8000    # reads the token from stdin or a prompt
   $ dvbench serve --data ./dvbench-data --port 8000 --workers 2 --min-update-check-probability 0.1
   $ dvbench server-key --url http://127.0.0.1:8000
   $ dvbench download PROOF_ID ./proof --url http://127.0.0.1:8000
 """
 
 import argparse
+import getpass
 import json
 import logging
 import os
 import pathlib
+import re
 import signal
-import subprocess
 import sys
 import threading
+import time
+import urllib.parse
+
+
+def _store(args):
+  from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
+  data = pathlib.Path(args.data)
+  data.mkdir(parents=True, exist_ok=True)
+  return Store.open(args.database_url or f"sqlite:///{(data / 'dvbench.db').resolve()}")
 
 
 def _store_and_blobs(args):
   from dvbench.server.blobs import BlobStore  # pylint: disable=g-import-not-at-top
-  from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
-  data = pathlib.Path(args.data)
-  data.mkdir(parents=True, exist_ok=True)
-  url = args.database_url or f"sqlite:///{(data / 'dvbench.db').resolve()}"
-  return Store.open(url), BlobStore(data / "blobs")
+  return _store(args), BlobStore(pathlib.Path(args.data) / "blobs")
 
 
 def _worker_command(args) -> list[str]:
   command = [sys.executable, "-m", "dvbench.cli", "worker", "--data", str(args.data),
              "--lease-seconds", str(args.lease_seconds),
              "--memory-limit-gb", str(args.memory_limit_gb),
-             "--time-limit", str(args.time_limit)]
+             "--time-limit", str(args.time_limit), "--time-per-check", str(args.time_per_check),
+             "--max-attempts", str(args.max_attempts)]
   if args.database_url:
     command += ["--database-url", args.database_url]
   return command
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+  """Seconds in '90', '90s', '30m', '24h' or '7d'."""
+  match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+  if not match or float(match[1]) <= 0:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a duration: give e.g. 90s, 30m, 24h or 7d.")
+  return float(match[1]) * _UNITS[match[2] or "s"]
 
 
 def _signing_key(args):
@@ -56,47 +75,100 @@ def _minimum_policy(args):
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
   from dvbench.server import guard  # pylint: disable=g-import-not-at-top
+  from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
+  from dvbench.server.supervisor import Supervisor  # pylint: disable=g-import-not-at-top
+  isolation = sandbox.describe(sandbox.available())  # probed before any thread starts
   store, blobs = _store_and_blobs(args)
+  store.max_queued_per_owner = args.max_queued_per_owner
+  supervisor = Supervisor(_worker_command(args), args.workers, store,
+                          abandon_after=args.abandon_after).start()
   service = Service(store, blobs, _signing_key(args), _minimum_policy(args),
                     limits=guard.Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
-                    time_limit=args.time_limit)
-  workers = [subprocess.Popen(_worker_command(args)) for _ in range(args.workers)]
+                    time_limit=args.time_limit, workers=supervisor.health, isolation=isolation)
   try:
     uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
   finally:
-    for w in workers:
-      w.terminate()
-    for w in workers:
-      w.wait(10)
+    supervisor.stop()
   return 0
 
 
 def worker(args) -> int:
+  from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  if args.parent_pid is not None:
+    sandbox.die_with_parent(args.parent_pid)
+  limits = worker_lib.Limits(int(args.memory_limit_gb * 2**30), args.time_limit,
+                             args.time_per_check, sandbox.available())
   store, blobs = _store_and_blobs(args)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  worker_lib.run(store, blobs, _signing_key(args), worker_id=args.worker_id or worker_lib.default_worker_id(),
-                 lease_seconds=args.lease_seconds, memory_bytes=int(args.memory_limit_gb * 2**30),
-                 time_limit=args.time_limit, once=args.once, stop=stop)
+  worker_lib.run(store, blobs, _signing_key(args),
+                 worker_id=args.worker_id or worker_lib.default_worker_id(),
+                 lease_seconds=args.lease_seconds, limits=limits, max_attempts=args.max_attempts,
+                 once=args.once, stop=stop)
   return 0
 
 
 def token_create(args) -> int:
-  store, _ = _store_and_blobs(args)
-  _, token = store.create_token(args.owner)
+  from dvbench.server.store_tokens import BadName  # pylint: disable=g-import-not-at-top
+  store = _store(args)
+  try:
+    _, token = store.create_token(args.owner, args.name, args.expires_in)
+  except (BadName, ValueError) as e:
+    raise SystemExit(f"dvbench token create: {e}") from None
   print(token)
   return 0
 
 
+def _when(seconds: float | None) -> str:
+  return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
+
+
+def token_list(args) -> int:
+  store = _store(args)
+  rows = store.list_tokens(args.owner)
+  now = time.time()
+  print(f"{'name':<32} {'owner':<20} {'created':<21} {'expires':<21} state")
+  for t in rows:
+    state = ("revoked" if t["revoked_at"] is not None else
+             "expired" if t["expires_at"] is not None and t["expires_at"] <= now else "active")
+    print(f"{t['name']:<32} {t['owner']:<20} {_when(t['created_at']):<21} "
+          f"{_when(t['expires_at']):<21} {state}")
+  return 0
+
+
+def token_revoke(args) -> int:
+  store = _store(args)
+  if not store.revoke_token(args.name):
+    raise SystemExit(f"dvbench token revoke: no active token is named {args.name!r} (see "
+                     "'dvbench token list').")
+  print(f"revoked {args.name}")
+  return 0
+
+
+def _read_token(args) -> str:
+  if args.token:
+    return args.token
+  if sys.stdin.isatty():
+    return getpass.getpass("API token (input hidden): ")
+  return sys.stdin.readline()
+
+
 def login(args) -> int:
+  """Saves the token, readable only by the user from the moment the file exists."""
   from dvbench.client import TOKEN_FILE  # pylint: disable=g-import-not-at-top
+  token = _read_token(args).strip()
+  if not token:
+    raise SystemExit("dvbench login: no token given: paste it at the prompt or pipe it in, "
+                     "e.g. 'dvbench login --url URL < token.txt'.")
   TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
-  TOKEN_FILE.write_text(json.dumps({"token": args.token, "url": args.url}))
-  os.chmod(TOKEN_FILE, 0o600)
+  fd = os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+  os.fchmod(fd, 0o600)  # a file that existed keeps its mode otherwise
+  with os.fdopen(fd, "w") as f:
+    json.dump({"token": token, "url": args.url}, f)
   print(f"saved the token to {TOKEN_FILE}")
   return 0
 
@@ -120,6 +192,17 @@ def _get(http, path: str):
   return response
 
 
+def _listing(http, path: str):
+  """Every item of a paged JSON listing, page by page."""
+  after = None
+  while True:
+    response = _get(http, path + ("" if after is None else f"?after={urllib.parse.quote(after)}"))
+    yield from response.json()
+    after = response.headers.get("x-next-after")
+    if after is None:
+      return
+
+
 def download(args) -> int:
   """Writes DIR/records.cborl, DIR/blobs/* (hash checked) and DIR/receipt.cbor."""
   import httpx  # pylint: disable=g-import-not-at-top
@@ -133,7 +216,7 @@ def download(args) -> int:
   (folder / BLOBS_DIR).mkdir(parents=True, exist_ok=True)
   with httpx.Client(base_url=url.rstrip("/"), timeout=120) as http:
     write_atomically(folder / RECORDS_FILE, _get(http, f"{proof}/transcript").content)
-    for digest in _get(http, f"{proof}/blobs").json():
+    for digest in _listing(http, f"{proof}/blobs"):
       data = _get(http, f"{proof}/blobs/{digest}").content if BlobStore.valid_name(digest) else b""
       if hexdigest(data) != digest:
         raise SystemExit(f"dvbench download: blob {digest[:80]!r} is not named by its hash.")
@@ -172,7 +255,12 @@ def main(argv=None) -> int:
   def limits(p):
     p.add_argument("--lease-seconds", type=float, default=60.0)
     p.add_argument("--memory-limit-gb", type=float, default=16.0)
-    p.add_argument("--time-limit", type=int, default=3600, help="seconds per verification")
+    p.add_argument("--time-limit", type=int, default=900,
+                   help="the most seconds any one verification may take")
+    p.add_argument("--time-per-check", type=float, default=10.0,
+                   help="a proof gets 60 s plus this per check record, up to --time-limit")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="a job whose worker stops this many times is given up as failed")
 
   s = sub.add_parser("serve", help="run the server (and its validation workers)")
   storage(s)
@@ -182,6 +270,10 @@ def main(argv=None) -> int:
   s.add_argument("--workers", type=int, default=1, help="validation worker processes")
   from dvbench.server import guard  # pylint: disable=g-import-not-at-top
   guard.add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
+  s.add_argument("--max-queued-per-owner", type=int, default=16,
+                 help="jobs an owner may have waiting; beyond it closing a proof answers 429")
+  s.add_argument("--abandon-after", type=duration, default=duration("24h"),
+                 help="close proofs that received nothing this long as 'abandoned' (e.g. 24h)")
   s.add_argument("--log-level", default="warning")
   s.add_argument("--min-update-check-probability", type=float, default=0.1,
                  help="the least update check probability a root may carry")
@@ -198,6 +290,7 @@ def main(argv=None) -> int:
   limits(w)
   w.add_argument("--worker-id", default=None)
   w.add_argument("--once", action="store_true", help="process one job, then exit")
+  w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
   w.set_defaults(run=worker)
 
   t = sub.add_parser("token", help="manage API tokens")
@@ -205,10 +298,24 @@ def main(argv=None) -> int:
   tc = tsub.add_parser("create", help="create an API token for OWNER and print it")
   storage(tc)
   tc.add_argument("owner")
+  tc.add_argument("--name", default=None, help="the token's name, for list and revoke "
+                  "(default OWNER-XXXXXX)")
+  tc.add_argument("--expires-in", type=float, default=None, metavar="DAYS",
+                  help="the token stops working after this many days (default: never)")
   tc.set_defaults(run=token_create)
+  tl = tsub.add_parser("list", help="list tokens (names, owners, expiry; never the secret)")
+  storage(tl)
+  tl.add_argument("owner", nargs="?", default=None)
+  tl.set_defaults(run=token_list)
+  tr = tsub.add_parser("revoke", help="revoke the token NAME: it gets HTTP 401 from now on")
+  storage(tr)
+  tr.add_argument("name")
+  tr.set_defaults(run=token_revoke)
 
-  l = sub.add_parser("login", help="save a token (and server URL) for Client()")
-  l.add_argument("--token", required=True)
+  l = sub.add_parser("login", help="save a token (and server URL) for Client(); the token is "
+                     "read from stdin or a hidden prompt")
+  l.add_argument("--token", default=None, help="the token on the command line (it leaks into "
+                 "shell history and the process list; prefer stdin or the prompt)")
   l.add_argument("--url", default=None)
   l.set_defaults(run=login)
 

@@ -27,7 +27,7 @@ TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _MAX_DELAY = 2.0
 _MAX_RETRY_AFTER = 30.0
-SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid")
+SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "abandoned")
 
 
 def _read_token_file() -> tuple[str | None, str | None]:

@@ -152,7 +152,7 @@ def read_transcript(path: str | os.PathLike) -> TranscriptContents:
       record = decoder.decode()
     except (cbor2.CBORDecodeEOF, EOFError) as e:
       return TranscriptContents(records, TornTail(offset, len(data) - offset, str(e)))
-    except (cbor2.CBORDecodeError, MemoryError, OverflowError, ValueError) as e:
+    except (cbor2.CBORDecodeError, OverflowError, ValueError) as e:  # MemoryError propagates
       raise errors.TranscriptFormatError(
           f"item at byte {offset} is not valid CBOR: {e}") from None
     if not isinstance(record, dict):

@@ -2,8 +2,9 @@
 
 Areas: ``routes_proofs`` (experiments, slots, roots, downloads), ``routes_stream``
 (custody and challenges), ``routes_blobs`` (blobs per proof), ``routes_measurements``,
-``routes_benchmarks`` and ``routes_pages``. Every route is named, so pages build links with
-``url_path_for``.
+``routes_benchmarks`` and ``routes_pages``; ``/api/v1/health`` is here. Every route is
+named, so pages build links with ``url_path_for``. Every response carries the security
+headers of ``SECURITY_HEADERS`` (no inline script or style may run on a page).
 
 Example::
 
@@ -18,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
-from starlette.routing import Mount
+from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dvbench.server import page
@@ -30,16 +31,63 @@ from dvbench.server.routes_pages import page_routes
 from dvbench.server.routes_proofs import proof_routes
 from dvbench.server.routes_stream import stream_routes
 from dvbench.server.service import Service
+from dvbench.server.store_jobs import QueueFull
+
+SECURITY_HEADERS = [
+    (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; "
+     b"img-src 'self' data:; connect-src 'self'; form-action 'self'; base-uri 'none'; "
+     b"frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+
+class SecurityHeaders:
+  """ASGI middleware: adds ``SECURITY_HEADERS`` to every HTTP response."""
+
+  def __init__(self, app):
+    self.app = app
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+
+    async def send_with_headers(message):
+      if message["type"] == "http.response.start":
+        names = {k.lower() for k, _ in message.get("headers", [])}
+        message["headers"] = [*message.get("headers", []),
+                              *((k, v) for k, v in SECURITY_HEADERS if k not in names)]
+      await send(message)
+    return await self.app(scope, receive, send_with_headers)
 
 
 async def _http_error(request, exc: HTTPException):
   return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
+async def _queue_full(request, exc: QueueFull):
+  return JSONResponse({"error": str(exc)}, status_code=429, headers={"retry-after": "30"})
+
+
+def _health_route(service: Service) -> Route:
+  async def health(request):
+    """200 and ``ok`` unless the server runs workers and none lives (503); says which
+    isolation the verifier child gets. Answers from memory, never waiting on the database."""
+    workers = service.workers() if service.workers else {"alive": 0, "expected": 0}
+    ok = workers["expected"] == 0 or workers["alive"] > 0
+    return JSONResponse({"ok": ok, "workers": workers, "verifier_isolation": service.isolation},
+                        status_code=200 if ok else 503)
+  return Route("/api/v1/health", health, name="health")
+
+
 def create_app(service: Service) -> Starlette:
   static = StaticFiles(directory=pathlib.Path(page.__file__).parent / "static")
-  routes = [*page_routes(service), *proof_routes(service), *stream_routes(service),
+  routes = [_health_route(service), *page_routes(service), *proof_routes(service),
+            *stream_routes(service),
             *blob_routes(service), *measurement_routes(service), *benchmark_routes(service),
             Mount("/static", static, name="static")]
-  return Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
-                   middleware=[Middleware(Guard, limits=service.limits)])
+  return Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
+                                                     QueueFull: _queue_full},
+                   middleware=[Middleware(SecurityHeaders),  # outermost: on every answer
+                               Middleware(Guard, limits=service.limits)])

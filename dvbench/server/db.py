@@ -18,23 +18,24 @@ Example::
 """
 
 import contextlib
-import hashlib
-import secrets
 import time
 from collections.abc import Callable
 
 import sqlalchemy as sa
 
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
-    MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES, benchmarks,
-    blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
-    measurements, metadata, owners, probes, proof_blobs, proof_claims, proofs, receipts, records,
-    schema_migrations, score_shards, settings, slots, streams, submissions, tokens)
+    MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
+    MIGRATION_6_COLUMNS, benchmarks, blob_refs, challengers, challenges, checks, chunks,
+    eval_rows, eval_sets, experiments, jobs, measurements, metadata, owners, probes, proof_blobs,
+    proof_claims, proofs, receipts, records, schema_migrations, score_shards, settings, slots,
+    streams, submissions, tokens)
 from dvbench.server import store_benchmarks
 from dvbench.server.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import MEASUREMENT_STATES, JobQueries  # pylint: disable=unused-import
+from dvbench.server.store_listing import ListingQueries
+from dvbench.server.store_tokens import TokenQueries, hash_token  # pylint: disable=unused-import
 
 def _migration_1(conn) -> None:
   """The first schema: accounts, experiments, proofs, records, jobs, checks."""
@@ -87,16 +88,38 @@ def _migration_5(conn) -> None:
         kind=SHARD_JOB, subject=shard_id, state="queued"))
 
 
+def _migration_6(conn) -> None:
+  """Jobs know their owner (fair queue), heartbeat and why an attempt ended; tokens have
+  names, expiry and revocation. Tokens made before get the name ``OWNER-ID``."""
+  present = {t: {c["name"] for c in sa.inspect(conn).get_columns(t)} for t in MIGRATION_6_COLUMNS}
+  for table, names in MIGRATION_6_COLUMNS.items():
+    for name in names:
+      if name not in present[table]:
+        column = metadata.tables[table].c[name]
+        conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {name} "
+                             f"{column.type.compile(conn.dialect)}"))
+  for index in tokens.indexes:  # created with the table by migration 1 on new databases
+    index.create(conn, checkfirst=True)
+  for token_id, owner in conn.execute(sa.select(tokens.c.id, owners.c.name).select_from(
+      tokens.join(owners)).where(tokens.c.name.is_(None))).all():
+    conn.execute(tokens.update().where(tokens.c.id == token_id).values(name=f"{owner}-{token_id}"))
+  for job_id, kind, subject in conn.execute(sa.select(jobs.c.id, jobs.c.kind, jobs.c.subject)
+                                            .where(jobs.c.owner.is_(None))).all():
+    conn.execute(jobs.update().where(jobs.c.id == job_id).values(
+        owner=JobQueries.subject_owner(conn, kind, subject)))
+
+
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
-                                          (5, _migration_5)]
+                                          (5, _migration_5), (6, _migration_6)]
 
 # "verified": replayed with at least one server-chosen update check; "unchallenged": a
 # clean server-challenged proof that no update check happened to hit; "self-audited": a
 # clean proof whose prover chose its own checks (detects faults, not a dishonest prover).
+# "abandoned": left receiving longer than the server's idle limit; never verified.
 PROOF_STATES = ("receiving", "closed", "verifying", "verified", "unchallenged",
-                "self-audited", "invalid")
-SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid")
+                "self-audited", "invalid", "abandoned")
+SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "abandoned")
 
 
 def _sqlite_pragmas(dbapi_conn, _):
@@ -141,11 +164,7 @@ class WriteLockingEngine:
         yield conn
 
 
-def hash_token(token: str) -> str:
-  return hashlib.sha256(token.encode()).hexdigest()
-
-
-class Store(CustodyQueries, JobQueries, BenchmarkQueries):
+class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQueries):
   """All reads and writes of the service; one instance per process."""
 
   def __init__(self, engine: sa.Engine):
@@ -181,21 +200,6 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries):
 
   # -- accounts ----------------------------------------------------------------
 
-  def create_token(self, owner: str) -> tuple[int, str]:
-    """Creates ``owner`` if needed and a new API token for it (stored hashed)."""
-    token = "dvb_" + secrets.token_urlsafe(32)
-    with self.engine.begin() as conn:
-      owner_id = self._owner_id(conn, owner, create=True)
-      conn.execute(tokens.insert().values(owner_id=owner_id, token_hash=hash_token(token),
-                                          created_at=time.time()))
-    return owner_id, token
-
-  def owner_of_token(self, token: str) -> str | None:
-    with self.engine.connect() as conn:
-      row = conn.execute(sa.select(owners.c.name).select_from(tokens.join(owners)).where(
-          tokens.c.token_hash == hash_token(token))).first()
-    return row[0] if row else None
-
   def _owner_id(self, conn, owner: str, create: bool = False) -> int | None:
     row = conn.execute(sa.select(owners.c.id).where(owners.c.name == owner)).first()
     if row:
@@ -219,10 +223,9 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries):
             experiments.c.full_name == full_name)).mappings().first()
     return dict(row) if row else None
 
-  def list_experiments(self) -> list[dict]:
-    with self.engine.connect() as conn:
-      rows = conn.execute(sa.select(experiments).order_by(experiments.c.full_name)).mappings()
-      return [dict(r) for r in rows]
+  def list_experiments(self, limit: int = 1000) -> list[dict]:
+    """The first ``limit`` experiments by name (``page_experiments`` pages further)."""
+    return self.page_experiments(limit)[0]
 
   def create_proof(self, experiment_id: int, proof_id: str, name: str, root: bytes,
                    challenger: dict) -> dict:
@@ -256,13 +259,9 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries):
                          .where(proofs.c.id == proof_id)).mappings().first()
     return dict(row) if row else None
 
-  def list_proofs(self, experiment_id: int | None = None) -> list[dict]:
-    query = (sa.select(proofs, experiments.c.full_name.label("experiment"))
-             .select_from(proofs.join(experiments)).order_by(proofs.c.created_at.desc()))
-    if experiment_id is not None:
-      query = query.where(proofs.c.experiment_id == experiment_id)
-    with self.engine.connect() as conn:
-      return [dict(r) for r in conn.execute(query).mappings()]
+  def list_proofs(self, experiment_id: int | None = None, limit: int = 1000) -> list[dict]:
+    """The newest ``limit`` proofs (``page_proofs`` pages further)."""
+    return self.page_proofs(limit, experiment_id=experiment_id)[0]
 
   def set_proof_state(self, proof_id: str, state: str, failure: str | None = None,
                       conn=None, **fields) -> None:

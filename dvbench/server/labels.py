@@ -9,9 +9,11 @@ Example::
 """
 
 import json
+import time
 
 from zkdv import challenge
 
+STALE_SECONDS = 15.0  # workers report every 5 s while they verify
 SELF_AUDITED = "self-audited (detects faults, not a dishonest prover)"
 
 
@@ -26,9 +28,28 @@ def _counts(rows: list[dict], checks: list[dict]) -> dict:
           "required": sum(needed.values()), "update_replayed": replayed}
 
 
-def label(state: str, chooser: str, p: float, counts: dict, failure: str | None) -> str:
-  if state == "invalid":
-    return f"invalid: {failure}"
+def progress(job: dict | None, now: float | None = None) -> str:
+  """What a running verification is doing, e.g. 'attempt 1, running for 12 s, its worker
+  reported 2 s ago'; a silent worker is named as such."""
+  if job is None or job["state"] != "running" or job["started_at"] is None:
+    return "waiting for a worker"
+  now = time.time() if now is None else now
+  if job["lease_expires"] is not None and job["lease_expires"] <= now:
+    return f"attempt {job['attempts']} ended because {job['failure']}; waiting for a worker"
+  silent = now - (job["heartbeat_at"] or job["started_at"])
+  text = f"attempt {job['attempts']}, running for {now - job['started_at']:.0f} s"
+  if silent > STALE_SECONDS:
+    return (f"{text}; its worker has not reported for {silent:.0f} s, so another worker takes "
+            "the job when its lease expires")
+  return f"{text}, its worker reported {silent:.0f} s ago"
+
+
+def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
+          job: dict | None = None) -> str:
+  if state in ("invalid", "abandoned"):
+    return f"{state}: {failure}"
+  if state in ("closed", "verifying"):
+    return f"{state}: {progress(job)}"
   if chooser == "self":
     return SELF_AUDITED if state == "self-audited" else f"{state}; {SELF_AUDITED}"
   if state == "verified":
@@ -42,8 +63,9 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None)
 
 
 def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
-                      checks: list[dict]) -> dict:
-  """The fields of the proof JSON that say what its state means."""
+                      checks: list[dict], job: dict | None = None) -> dict:
+  """The fields of the proof JSON that say what its state means (``job``: its verification
+  job, for the progress of a running one)."""
   chooser = challenger["kind"] if challenger else "self"
   policy = json.loads(challenger["policy"]) if challenger else None
   p = policy["update_check_probability"] if policy else 0.0
@@ -51,4 +73,4 @@ def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
   return {"challenger": chooser, "policy": policy, "update_check_probability": p,
           "escape_probability_one_faked_step": challenge.escape_probability(p),
           "server_challenges": counts,
-          "label": label(proof["state"], chooser, p, counts, proof["failure"])}
+          "label": label(proof["state"], chooser, p, counts, proof["failure"], job)}

@@ -26,12 +26,13 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from dvbench.server import labels
+from dvbench.server import sandbox
 from dvbench.server import scoring
 from dvbench.server import worker
+from dvbench.server.paging import next_link, page_params, paged
 from dvbench.server.service import HEX_ID, NAME, Service, check_name, decode
 from zkdv import digest
 from zkdv import merkle
-from zkdv.transcript import BLOBS_DIR
 
 _DEFINITION = {"type", "metric", "higher_is_better", "aggregate", "batch_rows", "program",
                "params_layout", "data_layout", "data_blobs", "min_update_check_probability",
@@ -307,12 +308,13 @@ class BenchmarkRoutes:
     if key in self._checked_programs:
       return
     with tempfile.TemporaryDirectory(prefix="program-", dir=self.blobs.folder.parent) as work:
-      folder = pathlib.Path(work)
+      folder = worker.child_folder(pathlib.Path(work), self.blobs, [spec["program"].hex()])
       (folder / "job.cbor").write_bytes(cbor2.dumps(job))
-      self.blobs.link_into(folder / BLOBS_DIR, [spec["program"].hex()])
-      result, failure = worker._run_limited(  # pylint: disable=protected-access
-          [sys.executable, "-m", "dvbench.benchmark", str(folder)], self.service.memory_bytes,
-          min(self.service.time_limit, 600))
+      seconds = min(self.service.time_limit, 600)
+      limits = worker.Limits(self.service.memory_bytes, seconds, isolation=sandbox.available())
+      result, failure = worker.run_confined(
+          [sys.executable, "-m", "dvbench.benchmark", str(folder)], pathlib.Path(work), limits,
+          seconds)
     failure = failure or result["failure"]
     if failure:
       raise HTTPException(400, failure if failure.startswith("the evaluation program") else
@@ -326,9 +328,8 @@ class BenchmarkRoutes:
     return JSONResponse(public_benchmark(row))
 
   async def get_rows(self, request):
-    def rows():
-      return self.store.benchmark_row_digests(self._benchmark_or_404(request)["id"])
-    return JSONResponse(await run_in_threadpool(rows))
+    bench = await run_in_threadpool(self._benchmark_or_404, request)
+    return await paged(request, self.store.page_benchmark_rows, bench["id"])
 
   # -- submissions ----------------------------------------------------------------------
 
@@ -439,11 +440,19 @@ class BenchmarkRoutes:
     return JSONResponse(await run_in_threadpool(submission))
 
   async def get_leaderboard(self, request):
+    """One page of the entries in ``sort`` order; the cursor is a position."""
     sort = sort_key(request.query_params.get("sort", "rank"))
+    limit, after = page_params(request)
+    if after is not None and not (after.isdigit() and len(after) < 10):
+      raise HTTPException(400, "after is the position that ended the previous page.")
+    start = int(after or 0)
 
     def board():
       return leaderboard_entries(self.store, self._benchmark_or_404(request), sort)
-    return JSONResponse(await run_in_threadpool(board))
+    entries = await run_in_threadpool(board)
+    more = start + limit < len(entries)
+    return JSONResponse(entries[start:start + limit],
+                        headers=next_link(request, limit, str(start + limit) if more else None))
 
 
 def sort_key(sort: str) -> str:

@@ -10,9 +10,10 @@ Example::
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
+from dvbench.server.paging import paged
 from dvbench.server.service import Service
 
 
@@ -56,10 +57,8 @@ class BlobRoutes:
     return FileResponse(self.blobs.path(digest), media_type="application/octet-stream")
 
   async def list_blobs(self, request):
-    def digests():
-      proof = self.service.proof_or_404(request.path_params["proof_id"])
-      return self.store.proof_blob_digests(proof["id"])
-    return JSONResponse(await run_in_threadpool(digests))
+    proof = await run_in_threadpool(self.service.proof_or_404, request.path_params["proof_id"])
+    return await paged(request, self.store.page_proof_blobs, proof["id"])
 
 
 def blob_routes(service: Service) -> list[Route]:

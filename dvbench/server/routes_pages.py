@@ -7,7 +7,7 @@ Example::
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.responses import HTMLResponse, JSONResponse
+from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
 from dvbench.server import labels
@@ -56,20 +56,17 @@ class PageRoutes:
       proof = self.service.proof_or_404(proof_id)
       checks = self.store.proof_checks(proof_id)
       summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
-                                         self.store.challenge_rows(proof_id), checks)
+                                         self.store.challenge_rows(proof_id), checks,
+                                         self.store.job("proof", proof_id))
       return page.proof(_url(request), proof, summary, checks,
                         self.store.probe_counts().get(proof_id, 0))
     return HTMLResponse(await run_in_threadpool(gather))
-
-  async def health(self, request):
-    return JSONResponse({"ok": True})
 
 
 def page_routes(service: Service) -> list[Route]:
   api = PageRoutes(service)
   return [
       Route("/", api.index, name="index"),
-      Route("/api/v1/health", api.health, name="health"),
       Route("/leaderboard", api.leaderboard, name="leaderboard"),
       Route("/benchmarks/{owner}/{name}", api.benchmark_page, name="benchmark_page"),
       Route("/proofs/{proof_id}", api.proof_page, name="proof_page"),

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from dvbench import transport
 from dvbench.server import labels
 from dvbench.server import validation
+from dvbench.server.paging import fetch_page, paged
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name, decode
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
@@ -109,7 +110,7 @@ class ProofRoutes:
     self.service, self.store = service, service.store
 
   async def list_experiments(self, request):
-    return JSONResponse(await run_in_threadpool(self.store.list_experiments))
+    return await paged(request, self.store.page_experiments)
 
   async def create_experiment(self, request):
     body = await self.service.body(request)
@@ -123,12 +124,15 @@ class ProofRoutes:
     return JSONResponse(await run_in_threadpool(create))
 
   async def get_experiment(self, request):
+    """The experiment with one page of its proofs, newest first (``limit``, ``after``)."""
     full = check_name(request.path_params["owner"], request.path_params["name"])
     exp = await run_in_threadpool(self.store.experiment, full)
     if exp is None:
       raise HTTPException(404, f"unknown experiment '{full}'.")
-    proofs = await run_in_threadpool(self.store.list_proofs, exp["id"])
-    return JSONResponse({**exp, "proofs": [public_proof(p) for p in proofs]})
+    proofs, headers = await run_in_threadpool(fetch_page, request, self.store.page_proofs,
+                                              experiment_id=exp["id"])
+    return JSONResponse({**exp, "proofs": [public_proof(p) for p in proofs],
+                         "proofs_next_after": headers.get("x-next-after")}, headers=headers)
 
   async def create_slot(self, request):
     """A one-time nonce, the commitment to a fresh key K, the server key and minimum policy."""
@@ -177,7 +181,8 @@ class ProofRoutes:
     proof = self.service.proof_or_404(proof_id)
     checks = self.store.proof_checks(proof_id)
     summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
-                                       self.store.challenge_rows(proof_id), checks)
+                                       self.store.challenge_rows(proof_id), checks,
+                                       self.store.job("proof", proof_id))
     return {**public_proof(proof), **summary, "checks": len(checks),
             "checks_verified": sum(c["status"] == "verified" for c in checks)}
 
@@ -185,19 +190,19 @@ class ProofRoutes:
     return JSONResponse(await run_in_threadpool(self.proof_json, request.path_params["proof_id"]))
 
   async def get_checks(self, request):
-    rows = await run_in_threadpool(self.store.proof_checks, request.path_params["proof_id"])
-    return JSONResponse([{k: json_number(v) for k, v in r.items()} for r in rows])
+    return await paged(request, self.store.page_checks, request.path_params["proof_id"],
+                       convert=lambda r: {k: json_number(v) for k, v in r.items()})
 
   async def get_record_ids(self, request):
-    ids = await run_in_threadpool(self.store.record_ids, request.path_params["proof_id"])
-    return JSONResponse([i.hex() for i in ids])
+    return await paged(request, self.store.page_record_ids, request.path_params["proof_id"],
+                       convert=bytes.hex)
 
   async def get_challenges(self, request):
-    """Every derived challenge with its decisions and answers (a resuming client's view)."""
-    rows = await run_in_threadpool(self.store.challenge_rows, request.path_params["proof_id"])
-    return JSONResponse([{**{k: v for k, v in r.items() if k != "proof_id"},
-                          "record_id": r["record_id"].hex(), "challenge": r["challenge"].hex()}
-                         for r in rows])
+    """The derived challenges with their decisions and answers (a resuming client's view)."""
+    return await paged(request, self.store.page_challenges, request.path_params["proof_id"],
+                       convert=lambda r: {**{k: v for k, v in r.items() if k != "proof_id"},
+                                          "record_id": r["record_id"].hex(),
+                                          "challenge": r["challenge"].hex()})
 
   async def get_transcript(self, request):
     proof_id = request.path_params["proof_id"]

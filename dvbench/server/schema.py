@@ -25,7 +25,11 @@ tokens = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("owner_id", sa.Integer, sa.ForeignKey("owners.id"), nullable=False),
     sa.Column("token_hash", sa.String(64), unique=True, nullable=False),
-    sa.Column("created_at", sa.Float, nullable=False))
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("name", sa.String(200)),  # migration 6: listed and revoked by name
+    sa.Column("expires_at", sa.Float),  # migration 6
+    sa.Column("revoked_at", sa.Float),  # migration 6
+    sa.Index("tokens_name", "name", unique=True))
 
 experiments = sa.Table(
     "experiments", metadata,
@@ -81,11 +85,17 @@ jobs = sa.Table(
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("kind", sa.String(20), nullable=False),  # "proof" or "measurement"
     sa.Column("subject", sa.String(64), nullable=False),  # the proof or measurement id
-    sa.Column("state", sa.String(20), nullable=False),  # queued, running, done
+    sa.Column("state", sa.String(20), nullable=False),  # queued, running, done, failed
     sa.Column("lease_owner", sa.String(100)),
     sa.Column("lease_expires", sa.Float),
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
     sa.Column("created_at", sa.Float, nullable=False),
+    # migration 6: whose job (queue fairness, quotas), when the current attempt began, the
+    # worker's last sign of life, why the last attempt ended (or the job was given up)
+    sa.Column("owner", sa.String(200)),
+    sa.Column("started_at", sa.Float),
+    sa.Column("heartbeat_at", sa.Float),
+    sa.Column("failure", sa.Text),
     sa.UniqueConstraint("kind", "subject"))
 
 measurements = sa.Table(
@@ -265,3 +275,10 @@ training_members = sa.Table(  # probed rows proven (Merkle) members of a benchma
     sa.Column("digest", sa.String(64), primary_key=True))
 
 MIGRATION_5_TABLES = (score_shards, training_members)
+
+
+# -- migration 6: supervised jobs, named expiring tokens ------------------------------
+
+# columns that migration 6 adds to tables created before it
+MIGRATION_6_COLUMNS = {"tokens": ("name", "expires_at", "revoked_at"),
+                       "jobs": ("owner", "started_at", "heartbeat_at", "failure")}

@@ -10,6 +10,7 @@ Example::
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.concurrency import run_in_threadpool
@@ -20,10 +21,10 @@ from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.guard import Limits
+from dvbench.server.store_tokens import NAME, NAME_RULE
 from zkdv import challenge
 from zkdv import receipt
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 HEX_ID = re.compile(r"[0-9a-f]{64}")
 MINIMUM_POLICY_SETTING = "minimum_policy"
 
@@ -31,8 +32,7 @@ MINIMUM_POLICY_SETTING = "minimum_policy"
 def check_name(owner: str, name: str) -> str:
   """``owner/name`` after checking both parts, e.g. ``check_name("alice", "mlp")``."""
   if not (NAME.fullmatch(owner) and NAME.fullmatch(name)):
-    raise HTTPException(400, "experiment names are 'owner/name', each 1-100 characters "
-                        "of letters, digits, '.', '_' or '-'.")
+    raise HTTPException(400, f"experiment names are 'owner/name', each {NAME_RULE}.")
   return f"{owner}/{name}"
 
 
@@ -61,6 +61,8 @@ class Service:
   score_shard_rows: int = 1 << 16  # evaluation rows per scoring job, at most
   memory_bytes: int = 16 << 30  # limits of a child process that loads an uploaded program
   time_limit: int = 3600
+  workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
+  isolation: str = ""  # what confines the verifier child, for /health
 
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)
@@ -82,10 +84,11 @@ class Service:
     if not header.startswith("Bearer "):
       raise HTTPException(401, "missing API token: send 'Authorization: Bearer <token>' "
                           "(create one with 'dvbench token create OWNER').")
-    owner = self.store.owner_of_token(header[len("Bearer "):].strip())
-    if owner is None:
-      raise HTTPException(401, "unknown API token.")
-    return owner
+    found = self.store.token_owner(header[len("Bearer "):].strip())
+    if found.owner is None:
+      raise HTTPException(401, found.problem or "unknown API token: check DVBENCH_TOKEN or "
+                          "'dvbench login', or ask the server's operator for one.")
+    return found.owner
 
   def writable_experiment(self, request: Request, owner: str, name: str) -> dict:
     full = check_name(owner, name)

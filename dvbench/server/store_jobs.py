@@ -12,16 +12,31 @@ import time
 import sqlalchemy as sa
 
 from dvbench.server import scoring
-from dvbench.server.schema import (checks, experiments, jobs, proof_claims,
-                                   measurement_samples, measurements, probes, proofs,
-                                   score_shards)
+from dvbench.server.schema import (checks, experiments, jobs, measurement_samples,
+                                   measurements, owners, probes, proof_claims, proofs, records,
+                                   score_shards, submissions)
 
 # "committed": outputs committed, the server chose the batches to open; "self-reported":
 # the opened batches replayed and the aggregate recomputed, on the submitter's own program
 # and data (never ranked); "invalid": what failed.
 MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "invalid")
-_RUNNING = {"measurement": (measurements, "verifying"),
+_RUNNING = {"proof": (proofs, "verifying"), "measurement": (measurements, "verifying"),
             scoring.SHARD_JOB: (score_shards, "scoring")}
+_GIVEN_UP = {"proof": "invalid", "measurement": "invalid", scoring.SHARD_JOB: "failed"}
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_MAX_QUEUED_PER_OWNER = 16
+
+
+def _duration(seconds: float) -> str:
+  """E.g. '24 h', '90 s'."""
+  for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+    if seconds >= size:
+      return f"{seconds / size:g} {unit}"
+  return f"{seconds:g} s"
+
+
+class QueueFull(Exception):
+  """An owner already has the most jobs the server queues per owner (HTTP 429)."""
 
 
 def bounded_errors(row: dict) -> dict:
@@ -33,52 +48,143 @@ def bounded_errors(row: dict) -> dict:
 
 
 class JobQueries:
-  """Jobs (leased), measurements and what the leaderboard counts."""
+  """Jobs (leased, fair across owners, given up after repeated failures), measurements and
+  what the leaderboard counts."""
+
+  max_queued_per_owner = DEFAULT_MAX_QUEUED_PER_OWNER
 
   # -- validation jobs -----------------------------------------------------------------
 
-  def enqueue_job(self, conn, kind: str, subject: str) -> None:
-    if not conn.execute(sa.select(jobs.c.id).where(
-        (jobs.c.kind == kind) & (jobs.c.subject == subject))).first():
-      conn.execute(jobs.insert().values(kind=kind, subject=subject, state="queued",
-                                        attempts=0, created_at=time.time()))
+  @staticmethod
+  def subject_owner(conn, kind: str, subject: str) -> str | None:
+    """The owner whose proof, measurement or submission a job verifies."""
+    if kind == "proof":
+      proof_id = subject
+    elif kind == "measurement":
+      proof_id = conn.execute(sa.select(measurements.c.proof_id).where(
+          measurements.c.id == subject)).scalar()
+    else:  # a scoring shard of a submission
+      proof_id = conn.execute(sa.select(submissions.c.proof_id).select_from(
+          score_shards.join(submissions)).where(score_shards.c.id == subject)).scalar()
+    return conn.execute(sa.select(owners.c.name).select_from(
+        proofs.join(experiments).join(owners)).where(proofs.c.id == proof_id)).scalar()
 
-  def claim_job(self, worker: str, lease_seconds: float) -> dict | None:
-    """Takes a queued job, or one whose lease expired, for ``lease_seconds``."""
+  def enqueue_job(self, conn, kind: str, subject: str) -> None:
+    """Queues a job once per subject; QueueFull when its owner has too many waiting."""
+    if conn.execute(sa.select(jobs.c.id).where(
+        (jobs.c.kind == kind) & (jobs.c.subject == subject))).first():
+      return
+    owner = self.subject_owner(conn, kind, subject)
+    waiting = conn.execute(sa.select(sa.func.count()).select_from(jobs).where(
+        (jobs.c.owner == owner) & jobs.c.state.in_(("queued", "running")))).scalar()
+    if waiting >= self.max_queued_per_owner:
+      raise QueueFull(f"'{owner}' already has {waiting} jobs waiting for verification (the "
+                      f"server queues at most {self.max_queued_per_owner} per owner); retry "
+                      "when some have finished.")
+    conn.execute(jobs.insert().values(kind=kind, subject=subject, state="queued", attempts=0,
+                                      owner=owner, created_at=time.time()))
+
+  def claim_job(self, worker: str, lease_seconds: float,
+                max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> dict | None:
+    """Takes a queued job, or one whose lease expired, for ``lease_seconds``.
+
+    Fair across owners: the owner served least recently goes first, then its oldest job.
+    A job whose lease expired after ``max_attempts`` attempts is given up (``failed``).
+    """
     now = time.time()
-    claimable = (jobs.c.state == "queued") | (
-        (jobs.c.state == "running") & (jobs.c.lease_expires < now))
+    expired = (jobs.c.state == "running") & (jobs.c.lease_expires < now)
+    claimable = (jobs.c.state == "queued") | expired
+    served = (sa.select(jobs.c.owner, sa.func.max(sa.func.coalesce(jobs.c.started_at, 0.0))
+                        .label("at")).group_by(jobs.c.owner).subquery())
     with self.engine.begin() as conn:
-      query = sa.select(jobs.c.id).where(claimable).order_by(jobs.c.id).limit(1)
+      for exhausted in conn.execute(sa.select(jobs).where(
+          expired & (jobs.c.attempts >= max_attempts))).mappings().all():
+        self._give_up(conn, dict(exhausted), now)
+      query = (sa.select(jobs.c.id).select_from(jobs.outerjoin(
+          served, served.c.owner == jobs.c.owner)).where(claimable)
+               .order_by(sa.func.coalesce(served.c.at, 0.0), jobs.c.id).limit(1))
       if not self.is_sqlite:  # PostgreSQL: workers skip rows another one holds
-        query = query.with_for_update(skip_locked=True)
+        query = query.with_for_update(skip_locked=True, of=jobs)
       row = conn.execute(query).first()
       if row is None:
         return None
       updated = conn.execute(jobs.update().where((jobs.c.id == row[0]) & claimable).values(
           state="running", lease_owner=worker, lease_expires=now + lease_seconds,
-          attempts=jobs.c.attempts + 1))
+          attempts=jobs.c.attempts + 1, started_at=now, heartbeat_at=now, failure=None))
       if updated.rowcount != 1:
         return None  # another worker won the race
       job = dict(conn.execute(sa.select(jobs).where(jobs.c.id == row[0])).mappings().first())
-      if job["kind"] == "proof":
-        self.set_proof_state(job["subject"], "verifying", conn=conn)
-      else:
-        table, state = _RUNNING[job["kind"]]
-        conn.execute(table.update().where(table.c.id == job["subject"]).values(
-            state=state, updated_at=now))
+      self._set_subject_state(conn, job, _RUNNING[job["kind"]][1], None, now)
     return job
 
+  def _set_subject_state(self, conn, job: dict, state: str, failure: str | None,
+                         now: float) -> None:
+    if job["kind"] == "proof":
+      self.set_proof_state(job["subject"], state, failure, conn=conn)
+    else:
+      table = _RUNNING[job["kind"]][0]
+      conn.execute(table.update().where(table.c.id == job["subject"]).values(
+          state=state, failure=failure, updated_at=now))
+    if job["kind"] == scoring.SHARD_JOB and state == "failed":  # the submission fails with it
+      submission_id = conn.execute(sa.select(score_shards.c.submission_id).where(
+          score_shards.c.id == job["subject"])).scalar_one()
+      conn.execute(submissions.update().where(submissions.c.id == submission_id).values(
+          **self._settled(conn, submission_id), updated_at=now))
+
+  def _give_up(self, conn, job: dict, now: float) -> None:
+    cause = job["failure"] or "the worker stopped before finishing (its lease expired)"
+    failure = (f"could not verify: verification was given up after {job['attempts']} "
+               f"attempts; the last one ended because {cause}.")
+    conn.execute(jobs.update().where(jobs.c.id == job["id"]).values(
+        state="failed", failure=failure, lease_owner=None))
+    self._set_subject_state(conn, job, _GIVEN_UP[job["kind"]], failure, now)
+
+  def release_jobs(self, worker: str, cause: str) -> int:
+    """Makes the running jobs of a stopped worker claimable now, noting ``cause`` (said
+    publicly when the job is given up); returns how many."""
+    with self.engine.begin() as conn:
+      return conn.execute(jobs.update().where(
+          (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
+      ).values(lease_expires=0.0, failure=cause)).rowcount
+
+  def running_job_workers(self) -> list[str]:
+    """The workers holding running jobs."""
+    with self.engine.connect() as conn:
+      return [r[0] for r in conn.execute(sa.select(jobs.c.lease_owner).distinct().where(
+          jobs.c.state == "running"))]
+
   def extend_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
+    """The worker's heartbeat: a longer lease, and the time it was last heard from."""
+    now = time.time()
     with self.engine.begin() as conn:
       return conn.execute(jobs.update().where(
           (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
-      ).values(lease_expires=time.time() + lease_seconds)).rowcount == 1
+      ).values(lease_expires=now + lease_seconds, heartbeat_at=now)).rowcount == 1
 
   def _finish_job(self, conn, job_id: int, worker: str) -> bool:
     return conn.execute(jobs.update().where(
         (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
-    ).values(state="done")).rowcount == 1
+    ).values(state="done", failure=None)).rowcount == 1
+
+  def check_record_count(self, proof_id: str) -> int:
+    """How many check records the proof holds: what its verification replays."""
+    with self.engine.connect() as conn:
+      return conn.execute(sa.select(sa.func.count()).select_from(records).where(
+          (records.c.proof_id == proof_id) & (records.c.kind == "check"))).scalar()
+
+  def abandon_idle_proofs(self, idle_seconds: float) -> list[str]:
+    """Closes proofs left ``receiving`` with no record for ``idle_seconds`` as ``abandoned``
+    (never verified); returns their ids."""
+    cutoff = time.time() - idle_seconds
+    stale = (proofs.c.state == "receiving") & (proofs.c.updated_at < cutoff)
+    failure = (f"no record arrived for {_duration(idle_seconds)}: the run stopped before "
+               "closing the proof, so it is never verified.")
+    with self.engine.begin() as conn:
+      ids = [r[0] for r in conn.execute(sa.select(proofs.c.id).where(stale))]
+      if ids:
+        conn.execute(proofs.update().where(stale & proofs.c.id.in_(ids)).values(
+            state="abandoned", failure=failure, updated_at=time.time()))
+    return ids
 
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
                          failure: str | None, check_rows: list[dict],

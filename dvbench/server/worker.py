@@ -2,26 +2,34 @@
 
 A job is leased (``SKIP LOCKED`` on PostgreSQL, a conditional update on
 SQLite) and the lease is extended while the verifier runs; a worker killed
-mid-job loses nothing, as the lease expires and another worker takes the job.
-Uploaded programs are untrusted: ``zkdv verify`` runs in a child process with
-memory and CPU-time limits, never in the web process, on a private folder
+mid-job loses nothing, as the lease expires (or its supervisor releases it at
+once) and another worker takes the job; a job that stops workers
+``max_attempts`` times is given up with the reason. Uploaded programs are
+untrusted: ``zkdv verify`` runs in a child process confined by
+``dvbench.server.sandbox`` (rlimits, no network, writes only in its scratch
+folder, dies with the worker), never in the web process, on a private folder
 holding the proof's records and only the blobs uploaded for that proof. A
 server-challenged proof is verified with its challenge key K, then gets a
 signed receipt. A benchmark submission is scored the same way, shard by shard
 (a range of rows per job): the owner's screened program runs on the shard's
-rows in a limited child; the server aggregates once every shard is in.
+rows in a confined child; the server aggregates once every shard is in.
+
+Public failure text names the cause (time limit, memory limit, a signal)
+without server paths or the child's output; those go to the worker's log.
 
 Example::
 
   run(store, blobs, signing_key, worker_id="w1", once=True)
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import pathlib
-import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,12 +41,33 @@ import cbor2
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dvbench.server import receipts
+from dvbench.server import sandbox
 from dvbench.server import scoring
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
+from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS
 from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
 
 logger = logging.getLogger("dvbench.worker")
+
+WORK_DIR = "work"  # under the data folder: one folder per live worker
+DEFAULT_TIME_LIMIT = 900  # seconds: the most any one verification may take
+DEFAULT_TIME_PER_CHECK = 10.0  # seconds per check record, on top of TIME_BASE
+TIME_BASE = 60.0  # seconds: starting the verifier, loading and compiling programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What a verifier child may use. ``time_limit`` caps ``TIME_BASE + time_per_check * n``."""
+
+  memory_bytes: int = 16 << 30
+  time_limit: int = DEFAULT_TIME_LIMIT
+  time_per_check: float = DEFAULT_TIME_PER_CHECK
+  isolation: tuple[str, ...] = ()
+
+  def for_checks(self, n: int) -> int:
+    """Seconds for a proof of ``n`` check records, e.g. 60 + 10 n, at most time_limit."""
+    return int(min(self.time_limit, TIME_BASE + self.time_per_check * n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,37 +82,57 @@ class Verdict:
   strict: bool = False  # every claim holds with exact replays: what rankings require
 
 
-def _limits(memory_bytes: int, cpu_seconds: int):
-  def apply():
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    # SIGXCPU at the soft limit; the hard limit is a backstop.
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 5))
-  return apply
+def _died(returncode: int, limits: Limits, seconds: int) -> str:
+  """The public cause of a child killed by a signal."""
+  sig = signal.Signals(-returncode)
+  if sig == signal.SIGXCPU:
+    return f"the verifier exceeded the time limit of {seconds} s (CPU time)."
+  if sig == signal.SIGKILL:
+    return ("the verifier was killed (SIGKILL), e.g. by the system's out-of-memory killer; "
+            f"its memory limit is {limits.memory_bytes / 2**30:g} GiB.")
+  return f"the verifier crashed with {sig.name}."
 
 
-def _run_limited(command: list[str], memory_bytes: int, time_limit: int):
-  """(completed process, or None on timeout, failure text or None)."""
+def _stopped(returncode: int, stderr: str, limits: Limits) -> str:
+  """The public cause of a child that exited without a report (its output stays private)."""
+  last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+  if last.startswith("MemoryError") or "RESOURCE_EXHAUSTED" in last:
+    return (f"the verifier ran out of memory: its limit is "
+            f"{limits.memory_bytes / 2**30:g} GiB.")
+  return f"the verifier stopped (exit {returncode}) without a report."
+
+
+def child_folder(work: pathlib.Path, blobs: BlobStore, digests) -> pathlib.Path:
+  """``work/scratch``, the child's folder (the only place it may write), whose ``blobs``
+  links to ``work/blobs``: hard links of only ``digests``, which the child cannot change."""
+  blobs.link_into(work / BLOBS_DIR, digests)
+  scratch = work / "scratch"
+  scratch.mkdir()
+  (scratch / BLOBS_DIR).symlink_to(work / BLOBS_DIR, target_is_directory=True)
+  return scratch
+
+
+def run_confined(command: list[str], work: pathlib.Path, limits: Limits, seconds: int):
+  """(the child's JSON report, or None and the public failure text) of ``command`` confined
+  to ``work/scratch`` (see ``child_folder``) for ``seconds`` of CPU and wall-clock time."""
+  scratch = work / "scratch"
+  env = {**os.environ, "TMPDIR": str(scratch), "HOME": str(scratch)}
   try:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=time_limit,
-                            preexec_fn=_limits(memory_bytes, time_limit))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=seconds, cwd=scratch,
+                            env=env, preexec_fn=sandbox.confine(
+                                scratch, limits.memory_bytes, seconds, limits.isolation))
   except subprocess.TimeoutExpired:
-    return None, f"verification exceeded the time limit of {time_limit} s."
-  if result.returncode == -signal.SIGXCPU:
-    return None, f"verification exceeded the time limit of {time_limit} s (CPU time)."
-  try:
-    return json.loads(result.stdout), None
-  except json.JSONDecodeError:
-    return None, (f"the verifier stopped (exit {result.returncode}) without a report, e.g. "
-                  f"over the memory limit: {result.stderr.strip()[-300:]}")
-
-
-def _materialize(store: Store, blobs: BlobStore, proof_id: str, folder: pathlib.Path) -> None:
-  """The proof's records and only the blobs uploaded for it, as a transcript folder."""
-  folder.mkdir()
-  with open(folder / RECORDS_FILE, "wb") as f:
-    for data in store.record_data(proof_id):
-      f.write(data)
-  blobs.link_into(folder / BLOBS_DIR, store.proof_blob_digests(proof_id))
+    return None, f"verification exceeded the time limit of {seconds} s."
+  if result.returncode < 0:
+    failure = _died(result.returncode, limits, seconds)
+  else:
+    try:
+      return json.loads(result.stdout), None
+    except json.JSONDecodeError:
+      failure = _stopped(result.returncode, result.stderr, limits)
+  logger.warning("%s: %s Its output ended with: %s", " ".join(command[2:4]), failure,
+                 result.stderr.strip()[-2000:])
+  return None, failure
 
 
 def _clean_state(challenger: str, update_replayed: int) -> str:
@@ -93,28 +142,40 @@ def _clean_state(challenger: str, update_replayed: int) -> str:
   return "verified" if update_replayed > 0 else "unchallenged"
 
 
-def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes: int,
-                 time_limit: int) -> Verdict:
+def _public(text: str | None, work: pathlib.Path) -> str | None:
+  """``text`` without the private folder's path."""
+  if text is None:
+    return None
+  for folder in (work / "scratch", work):
+    text = text.replace(f"{folder}{os.sep}", "").replace(str(folder), ".")
+  return text
+
+
+def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Path,
+                 limits: Limits) -> Verdict:
   """The verdict of ``zkdv verify`` on the proof, given K for a server-challenged one."""
   challenger = store.challenger(proof_id) or {"kind": "self"}  # proofs older than slots
-  with tempfile.TemporaryDirectory(prefix="verify-", dir=blobs.folder.parent) as work:
-    folder = pathlib.Path(work) / "transcript"
-    _materialize(store, blobs, proof_id, folder)
-    command = [sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json"]
-    if challenger["kind"] == "dvbench":
-      key_file = pathlib.Path(work) / "challenge_key"
-      key_file.write_text(challenger["challenge_key"].hex())
-      command += ["--challenge-key-file", str(key_file)]
-    report, failure = _run_limited(command, memory_bytes, time_limit)
+  folder = child_folder(work, blobs, store.proof_blob_digests(proof_id))
+  with open(folder / RECORDS_FILE, "wb") as f:
+    for data in store.record_data(proof_id):
+      f.write(data)
+  command = [sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json"]
+  if challenger["kind"] == "dvbench":
+    key_file = work / "challenge_key"  # outside the child's folder: it reads, never writes
+    key_file.write_text(challenger["challenge_key"].hex())
+    command += ["--challenge-key-file", str(key_file)]
+  report, failure = run_confined(command, work, limits,
+                                 limits.for_checks(store.check_record_count(proof_id)))
   if report is None:
-    return Verdict("invalid", "could not verify", failure, [])
+    return Verdict("invalid", "could not verify", f"could not verify: {failure}", [])
   rows = [{"step": c["step"], "kind": c["kind"], "mode": c["mode"], "status": c["status"],
            "max_abs_error": c["max_abs_error"], "max_rel_error": c["max_rel_error"],
            "max_ulp_error": c["max_ulp_error"]} for c in report["checks"]]
   if report["verdict"] != "verified":
     failure = "; ".join(f"{f['code']} at {f['where']}: {f['message']}"
                         for f in report["findings"][:3])
-    return Verdict("invalid", report["verdict"], f"{report['verdict']}: {failure}", rows)
+    return Verdict("invalid", report["verdict"], _public(f"{report['verdict']}: {failure}", work),
+                   rows)
   required = {r["step"] for r in store.challenge_rows(proof_id) if r["needs_update"]}
   replayed = sum(r["kind"] == "update" and r["status"] == "verified" and r["step"] in required
                  for r in rows)
@@ -125,28 +186,26 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, *, memory_bytes:
                  strict)
 
 
-def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str, *,
-                       memory_bytes: int, time_limit: int) -> tuple[str, str | None]:
+def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str,
+                       work: pathlib.Path, limits: Limits) -> tuple[str, str | None]:
   """(state, failure) from replaying a measurement's sampled evaluations."""
   measurement = store.measurement(measurement_id)
-  with tempfile.TemporaryDirectory(prefix="measure-", dir=blobs.folder.parent) as work:
-    folder = pathlib.Path(work)
-    (folder / "measurement.cbor").write_bytes(measurement["record"])
-    sample = store.measurement_sample(measurement_id)
-    (folder / "sample.cbor").write_bytes(cbor2.dumps(
-        [sample["opened"], cbor2.loads(sample["openings"])]))
-    blobs.link_into(folder / BLOBS_DIR, store.proof_blob_digests(measurement["proof_id"]))
-    verdict, failure = _run_limited([sys.executable, "-m", "dvbench.measurement", str(folder)],
-                                    memory_bytes, time_limit)
+  folder = child_folder(work, blobs, store.proof_blob_digests(measurement["proof_id"]))
+  (folder / "measurement.cbor").write_bytes(measurement["record"])
+  sample = store.measurement_sample(measurement_id)
+  (folder / "sample.cbor").write_bytes(cbor2.dumps(
+      [sample["opened"], cbor2.loads(sample["openings"])]))
+  verdict, failure = run_confined([sys.executable, "-m", "dvbench.measurement", str(folder)],
+                                  work, limits, limits.time_limit)
   if verdict is None:
     return "invalid", failure
-  return verdict["state"], verdict["failure"]
+  return verdict["state"], _public(verdict["failure"], work)
 
 
-def score_shard(store: Store, blobs: BlobStore, shard_id: str, *, memory_bytes: int,
-                time_limit: int) -> tuple[bytes | None, str | None]:
+def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Path,
+                limits: Limits) -> tuple[bytes | None, str | None]:
   """(per-row outputs as little-endian float64, failure): the benchmark's program on the
-  shard's rows in a limited child, on a private folder holding only the program, the
+  shard's rows in a confined child, on a private folder holding only the program, the
   checkpoint's blobs and the rows."""
   shard = store.score_shard(shard_id)
   definition, record = cbor2.loads(shard["definition"]), cbor2.loads(shard["record"])
@@ -154,84 +213,130 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, *, memory_bytes: 
                                     "data_blobs")}
   job.update(mode="score", params_blobs=record["params_blobs"], first_row=shard["first_row"],
              rows=shard["rows"])
-  with tempfile.TemporaryDirectory(prefix="score-", dir=blobs.folder.parent) as work:
-    folder = pathlib.Path(work)
-    (folder / "job.cbor").write_bytes(cbor2.dumps(job))
-    blobs.link_into(folder / BLOBS_DIR, sorted({d.hex() for d in [
-        job["program"], *job["data_blobs"], *job["params_blobs"]]}))
-    result, failure = _run_limited([sys.executable, "-m", "dvbench.benchmark", str(folder)],
-                                   memory_bytes, time_limit)
-    outputs = folder / scoring.OUTPUTS_FILE
-    if result is not None and result["failure"] is None and outputs.is_file():
-      outputs = outputs.read_bytes()
-      if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
-        return outputs, None
-      failure = (f"the program gave {len(outputs) // scoring.OUTPUT_DTYPE.itemsize} outputs "
-                 f"for {shard['rows']} rows.")
-  return None, failure or (result or {}).get("failure") or "no outputs were written."
+  folder = child_folder(work, blobs, sorted({d.hex() for d in [
+      job["program"], *job["data_blobs"], *job["params_blobs"]]}))
+  (folder / "job.cbor").write_bytes(cbor2.dumps(job))
+  result, failure = run_confined([sys.executable, "-m", "dvbench.benchmark", str(folder)],
+                                 work, limits, limits.time_limit)
+  outputs = folder / scoring.OUTPUTS_FILE
+  if result is not None and result["failure"] is None and outputs.is_file():
+    outputs = outputs.read_bytes()
+    if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
+      return outputs, None
+    failure = (f"the program gave {len(outputs) // scoring.OUTPUT_DTYPE.itemsize} outputs "
+               f"for {shard['rows']} rows.")
+  return None, failure or _public((result or {}).get("failure"), work) or (
+      "no outputs were written.")
 
 
-def _proof_job(store, blobs, signing_key, job, worker_id, limits) -> tuple[bool, str]:
-  verdict = verify_proof(store, blobs, job["subject"], **limits)
-  kept = store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
-                                  verdict.failure, verdict.rows, verdict.claims, verdict.strict)
-  if kept:
-    replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
-    receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed)
-  return kept, verdict.state
-
-
-def _measurement_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
-  state, failure = verify_measurement(store, blobs, job["subject"], **limits)
+def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[bool, str]:
+  """(whether the verdict was kept, the subject's state) of one job."""
+  if job["kind"] == "proof":
+    verdict = verify_proof(store, blobs, job["subject"], work, limits)
+    kept = store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
+                                    verdict.failure, verdict.rows, verdict.claims,
+                                    verdict.strict)
+    if kept:
+      replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
+      receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed)
+    return kept, verdict.state
+  if job["kind"] == scoring.SHARD_JOB:
+    outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
+    return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
+                                    failure), "failed" if failure else "scored"
+  state, failure = verify_measurement(store, blobs, job["subject"], work, limits)
   return store.complete_measurement_job(job["id"], worker_id, job["subject"], state,
                                         failure), state
 
 
-def _shard_job(store, blobs, job, worker_id, limits) -> tuple[bool, str]:
-  outputs, failure = score_shard(store, blobs, job["subject"], **limits)
-  return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
-                                  failure), "failed" if failure else "scored"
+class WorkFolder:
+  """``DATA/work/WORKER``, locked while its worker lives; folders of dead workers (whose
+  lock is free) are removed when a worker starts."""
+
+  def __init__(self, data: pathlib.Path, worker_id: str):
+    self.root = pathlib.Path(data) / WORK_DIR
+    self.path = self.root / worker_id
+    self.path.mkdir(parents=True, exist_ok=True)
+    self._lock = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+  def remove_dead(self) -> list[str]:
+    """Removes the folders of workers that no longer run; returns their names."""
+    removed = []
+    for folder in self.root.iterdir():
+      if folder == self.path or not folder.is_dir():
+        continue
+      try:
+        fd = os.open(folder / ".lock", os.O_RDWR | os.O_CLOEXEC)
+      except FileNotFoundError:
+        fd = None  # being created, or not a worker's
+      if fd is None:
+        continue
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        continue  # its worker lives
+      finally:
+        os.close(fd)
+      shutil.rmtree(folder, ignore_errors=True)
+      removed.append(folder.name)
+    return removed
+
+  @contextlib.contextmanager
+  def job(self):
+    with tempfile.TemporaryDirectory(prefix="job-", dir=self.path) as work:
+      yield pathlib.Path(work)
+
+  def close(self) -> None:
+    shutil.rmtree(self.path, ignore_errors=True)
+    os.close(self._lock)
 
 
 def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
         worker_id: str, lease_seconds: float = 60.0, poll_seconds: float = 0.5,
-        memory_bytes: int = 16 << 30, time_limit: int = 3600, once: bool = False,
-        stop: threading.Event | None = None) -> int:
+        limits: Limits | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        once: bool = False, stop: threading.Event | None = None) -> int:
   """Processes jobs until ``stop`` is set (or one job, with ``once``)."""
+  limits = limits or Limits(isolation=sandbox.available())
+  logger.info("worker %s: verifier isolation: %s", worker_id, sandbox.describe(limits.isolation))
+  work = WorkFolder(blobs.folder.parent, worker_id)
+  for name in work.remove_dead():
+    logger.info("worker %s removed the work folder of stopped worker %s", worker_id, name)
   done = 0
   stop = stop or threading.Event()
-  while not stop.is_set():
-    job = store.claim_job(worker_id, lease_seconds)
-    if job is None:
+  try:
+    while not stop.is_set():
+      job = store.claim_job(worker_id, lease_seconds, max_attempts)
+      if job is None:
+        if once:
+          return done
+        stop.wait(poll_seconds)
+        continue
+      logger.info("worker %s verifies %s %s (attempt %d)", worker_id, job["kind"],
+                  job["subject"], job["attempts"])
+      alive = threading.Event()
+      threading.Thread(target=_heartbeat, daemon=True,
+                       args=(store, job["id"], worker_id, lease_seconds, alive)).start()
+      try:
+        with work.job() as folder:
+          kept, state = _process(store, blobs, signing_key, job, worker_id, folder, limits)
+        if kept:
+          logger.info("%s %s is %s", job["kind"], job["subject"], state)
+      except Exception as e:  # pylint: disable=broad-except
+        logger.exception("worker %s failed on %s %s", worker_id, job["kind"], job["subject"])
+        store.release_jobs(worker_id, f"the worker failed ({type(e).__name__})")
+      finally:
+        alive.set()
+      done += 1
       if once:
         return done
-      stop.wait(poll_seconds)
-      continue
-    logger.info("worker %s verifies %s %s", worker_id, job["kind"], job["subject"])
-    alive = threading.Event()
-    heartbeat = threading.Thread(target=_heartbeat, daemon=True,
-                                 args=(store, job["id"], worker_id, lease_seconds, alive))
-    heartbeat.start()
-    limits = {"memory_bytes": memory_bytes, "time_limit": time_limit}
-    try:
-      if job["kind"] == "proof":
-        kept, state = _proof_job(store, blobs, signing_key, job, worker_id, limits)
-      elif job["kind"] == scoring.SHARD_JOB:
-        kept, state = _shard_job(store, blobs, job, worker_id, limits)
-      else:
-        kept, state = _measurement_job(store, blobs, job, worker_id, limits)
-    finally:
-      alive.set()
-    if kept:
-      logger.info("%s %s is %s", job["kind"], job["subject"], state)
-    done += 1
-    if once:
-      return done
-  return done
+    return done
+  finally:
+    work.close()
 
 
 def _heartbeat(store, job_id, worker_id, lease_seconds, stop: threading.Event) -> None:
-  while not stop.wait(lease_seconds / 3):
+  while not stop.wait(min(lease_seconds / 3, 5.0)):
     if not store.extend_lease(job_id, worker_id, lease_seconds):
       return
 

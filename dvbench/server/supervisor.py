@@ -1,0 +1,161 @@
+"""The server's housekeeping thread: keeps its validation workers running, closes abandoned
+proofs.
+
+Workers are child processes of ``dvbench serve`` that die with it, even when it is
+SIGKILLed: each sets ``PR_SET_PDEATHSIG`` (SIGKILL) on itself at start, bound to this
+thread, which lives as long as the server (and checks that the server did not die before
+that). A worker that exits is replaced at once (with a growing delay when workers keep
+dying right after starting), and its running job is released so that the replacement
+takes it now rather than when the lease expires; the cause is kept on the job, which is
+given up after ``max_attempts`` (``store_jobs``).
+
+Example::
+
+  supervisor = Supervisor(worker_command, count=2, store=store, abandon_after=86400)
+  supervisor.start()
+  supervisor.health()  # {"alive": 2, "expected": 2, "restarts": 0}
+  supervisor.stop()
+"""
+
+import dataclasses
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+from dvbench.server.db import Store
+
+logger = logging.getLogger("dvbench.supervisor")
+
+_FAST_EXIT = 5.0  # seconds: a worker that dies sooner than this is restarted with a delay
+_MAX_DELAY = 30.0
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
+
+
+def exit_cause(returncode: int) -> str:
+  """How a worker ended, e.g. 'the worker process was killed by SIGKILL'."""
+  if returncode < 0:
+    return f"the worker process was killed by {signal.Signals(-returncode).name}"
+  return f"the worker process exited with status {returncode}"
+
+
+@dataclasses.dataclass
+class _Slot:
+  index: int
+  process: subprocess.Popen | None = None
+  worker_id: str = ""
+  started: float = 0.0
+  quick_deaths: int = 0
+  not_before: float = 0.0
+
+
+class Supervisor:
+  """``count`` worker processes from ``command`` (+ ``--worker-id``, ``--parent-pid``)."""
+
+  def __init__(self, command: list[str], count: int, store: Store, *,
+               abandon_after: float | None = None, poll_seconds: float = 0.2):
+    self.command, self.store = command, store
+    self.abandon_after, self.poll_seconds = abandon_after, poll_seconds
+    self.slots = [_Slot(i) for i in range(count)]
+    self.restarts = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, name="dvbench-supervisor", daemon=True)
+    self._started = threading.Event()
+    self._generation = 0
+
+  def start(self) -> "Supervisor":
+    self._thread.start()
+    self._started.wait(30)
+    return self
+
+  def health(self) -> dict:
+    alive = sum(s.process is not None and s.process.poll() is None for s in self.slots)
+    return {"alive": alive, "expected": len(self.slots), "restarts": self.restarts}
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Stops the workers (SIGTERM, then SIGKILL after ``timeout``) and the thread."""
+    self._stop.set()
+    self._thread.join(timeout + 5)
+
+  def _spawn(self, slot: _Slot) -> None:
+    self._generation += 1
+    slot.worker_id = f"{os.uname().nodename}-{os.getpid()}-w{slot.index}-{self._generation}"
+    slot.process = subprocess.Popen([*self.command, "--worker-id", slot.worker_id,
+                                     "--parent-pid", str(os.getpid())])
+    slot.started = time.monotonic()
+
+  def _reap(self, slot: _Slot) -> None:
+    """Releases the job of a worker that exited and plans its replacement."""
+    cause = exit_cause(slot.process.returncode)
+    released = self.store.release_jobs(slot.worker_id, cause)
+    logger.warning("worker %s stopped: %s; %d running job(s) released, replacing it",
+                   slot.worker_id, cause, released)
+    quick = time.monotonic() - slot.started < _FAST_EXIT
+    slot.quick_deaths = slot.quick_deaths + 1 if quick else 0
+    slot.not_before = time.monotonic() + (
+        min(_MAX_DELAY, 0.5 * 2 ** slot.quick_deaths) if quick else 0.0)
+    slot.process = None
+    self.restarts += 1
+
+  def _housekeeping(self, last: float) -> float:
+    if self.abandon_after is None or time.monotonic() - last < min(60.0, self.abandon_after / 4):
+      return last
+    for proof_id in self.store.abandon_idle_proofs(self.abandon_after):
+      logger.warning("proof %s was left receiving for over %g s: abandoned", proof_id,
+                     self.abandon_after)
+    return time.monotonic()
+
+  def _release_orphaned(self) -> None:
+    """Releases jobs leased to workers of a server on this machine that is gone (SIGKILLed):
+    its workers died with it, so their jobs need not wait for their leases to expire."""
+    node = os.uname().nodename
+    for worker in self.store.running_job_workers():
+      found = re.fullmatch(rf"{re.escape(node)}-(\d+)-w\d+-\d+", worker or "")
+      if found and not _alive(int(found[1])):
+        self.store.release_jobs(worker, "the server stopped, and its workers with it")
+
+  def _loop(self) -> None:
+    last = -float("inf")
+    try:
+      self._release_orphaned()
+    except Exception:  # pylint: disable=broad-except  # leases expire anyway
+      logger.exception("could not release the jobs of a stopped server")
+    for slot in self.slots:
+      self._spawn(slot)
+    self._started.set()
+    while not self._stop.wait(self.poll_seconds):
+      try:
+        for slot in self.slots:
+          if slot.process is not None and slot.process.poll() is not None:
+            self._reap(slot)
+          if slot.process is None and time.monotonic() >= slot.not_before:
+            self._spawn(slot)
+        last = self._housekeeping(last)
+      except Exception:  # pylint: disable=broad-except  # e.g. the database is unreachable
+        logger.exception("housekeeping failed; retrying")
+    self._terminate()
+
+  def _terminate(self, timeout: float = 10.0) -> None:
+    running = [s.process for s in self.slots if s.process is not None]
+    for process in running:
+      if process.poll() is None:
+        process.terminate()
+    deadline = time.monotonic() + timeout
+    for process in running:
+      try:
+        process.wait(max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,446 @@
+"""Operating DVBench: supervised workers, kill -9, fair queue, abandoned proofs, confinement.
+
+Against real ``dvbench serve`` processes (SQLite and PostgreSQL where the database
+decides), real worker and verifier processes, real kernels' namespaces and Landlock.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from starlette.testclient import TestClient
+
+from dvbench.server import sandbox
+from dvbench.server.app import create_app
+from dvbench.server.blobs import BlobStore
+from dvbench.server.service import Service
+from dvbench.server import worker as worker_lib
+from dvbench.server.db import Store
+from dvbench.server.local import LocalServer
+from dvbench.server.store_jobs import QueueFull
+from dvbench.server.store_tokens import BadName
+from dvbench.server.supervisor import Supervisor
+from tests.fake_prover import FakeProver
+from tests.postgres import PostgresCluster
+from zkdv import receipt
+from zkdv.transcript import record_id
+
+_PG: PostgresCluster | None = None
+
+
+def setUpModule():
+  global _PG
+  _PG = PostgresCluster().start()
+
+
+def tearDownModule():
+  _PG.stop()
+
+
+def wait_until(predicate, timeout=60.0, every=0.02):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(every)
+  raise AssertionError("condition not reached in time")
+
+
+def processes_mentioning(text: str) -> dict[int, str]:
+  """pid -> command line of every process whose command line contains ``text``."""
+  found = {}
+  for entry in pathlib.Path("/proc").iterdir():
+    if entry.name.isdigit() and int(entry.name) != os.getpid():
+      try:
+        cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+      except OSError:
+        continue
+      if text in cmdline:
+        found[int(entry.name)] = cmdline
+  return found
+
+
+def fresh_database(backend: str) -> str:
+  if backend == "sqlite":
+    return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
+  import sqlalchemy as sa  # pylint: disable=g-import-not-at-top
+  name = f"ops{time.monotonic_ns()}"
+  engine = sa.create_engine(_PG.url.replace("postgresql://", "postgresql+psycopg://"),
+                            isolation_level="AUTOCOMMIT")
+  with engine.connect() as conn:
+    conn.exec_driver_sql(f"CREATE DATABASE {name}")
+  engine.dispose()
+  return _PG.url.rsplit("/", 1)[0] + "/" + name
+
+
+def closed_proof(url: str, token: str, experiment: str, steps: int = 2) -> FakeProver:
+  prover = FakeProver(url, token, experiment).start()
+  prover.run(steps)
+  response = prover.finish()
+  assert response.status_code == 200, response.text
+  return prover
+
+
+class Server(LocalServer):
+  """A LocalServer that can be SIGKILLed alone (not its process group) and restarted."""
+
+  def store(self) -> Store:
+    return Store.open(self.database_url or f"sqlite:///{self.data / 'dvbench.db'}")
+
+  def token(self, owner: str) -> str:
+    return self.store().create_token(owner)[1]  # no CLI process: the same query
+
+  def kill_server_only(self) -> None:
+    self.process.send_signal(signal.SIGKILL)
+    self.process.wait()
+
+  def proof(self, proof_id: str) -> dict:
+    return httpx.get(f"{self.url}/api/v1/proofs/{proof_id}", timeout=10).json()
+
+  def settled(self, proof_id: str) -> dict | None:
+    proof = self.proof(proof_id)
+    return proof if proof["state"] not in ("receiving", "closed", "verifying") else None
+
+
+# -- supervised workers, kill -9 --------------------------------------------------------
+
+
+class SupervisionTest(absltest.TestCase):
+  """Real servers killed with SIGKILL, real workers and verifier children killed too."""
+
+  def server(self, *args: str, workers: int = 1) -> Server:
+    server = Server(workers=workers, lease_seconds=60, extra_args=args).start()
+    self.addCleanup(server.stop)
+    return server
+
+  def assert_only_live_workers_have_folders(self, server: Server) -> None:
+    """The folders of killed workers (and their verifiers' files) were removed."""
+    def live_ids():
+      return sorted(c.split("--worker-id ")[1].split()[0]
+                    for c in processes_mentioning(str(server.data)).values() if "--worker-id" in c)
+
+    def folders():
+      return sorted(p.name for p in (server.data / "work").iterdir())
+    wait_until(lambda: live_ids() and folders() == live_ids(), timeout=30)
+
+  def assert_no_process_left(self, server: Server) -> None:
+    wait_until(lambda: not processes_mentioning(str(server.data)), timeout=10)
+
+  def test_kill_9_of_the_server_during_ingestion_and_verification(self):
+    server = self.server()
+    token = server.token("alice")
+    ingesting = FakeProver(server.url, token, "alice/ingest").start()
+    ingesting.run(3)
+    verifying = closed_proof(server.url, token, "alice/verify")
+    wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
+    server.kill_server_only()  # mid-ingestion of one proof, mid-verification of the other
+    self.assert_no_process_left(server)  # workers and verifier children died with it
+    server.start()  # the same data folder and port
+    ingesting.run(2)
+    ingesting.finish()
+    for prover in (ingesting, verifying):
+      wait_until(lambda p=prover: server.settled(p.proof_id), timeout=120)
+      listed = httpx.get(f"{server.url}/api/v1/proofs/{prover.proof_id}/records").json()
+      self.assertEqual(listed, [record_id(r).hex() for r in prover.records])
+    jobs = [server.store().job("proof", p.proof_id) for p in (ingesting, verifying)]
+    self.assertEqual([j["state"] for j in jobs], ["done", "done"])
+    self.assertEqual(jobs[1]["attempts"], 2)  # the killed attempt, then one that finished
+    self.assert_only_live_workers_have_folders(server)
+    server.stop()
+    self.assert_no_process_left(server)
+
+  def test_a_job_that_kills_its_workers_is_given_up_with_the_reason(self):
+    server = self.server("--max-attempts", "2", workers=1)
+    prover = closed_proof(server.url, server.token("alice"), "alice/deadly")
+    store = server.store()
+    for attempt in (1, 2):
+      job = wait_until(lambda a=attempt: (j := store.job("proof", prover.proof_id))[
+          "state"] == "running" and j["attempts"] == a and j)
+      self.assertRegex(server.proof(prover.proof_id)["label"],
+                       rf"verifying: attempt {attempt}, running for \d+ s, its worker reported")
+      [pid] = processes_mentioning(f"--worker-id {job['lease_owner']}")
+      os.kill(pid, signal.SIGKILL)
+    proof = wait_until(lambda: server.settled(prover.proof_id), timeout=60)
+    self.assertEqual(proof["state"], "invalid")
+    self.assertIn("could not verify: verification was given up after 2 attempts; the last one "
+                  "ended because the worker process was killed by SIGKILL", proof["failure"])
+    self.assertEqual(store.job("proof", prover.proof_id)["state"], "failed")
+    self.assert_only_live_workers_have_folders(server)
+    health = httpx.get(f"{server.url}/api/v1/health").json()
+    self.assertEqual(health["workers"], {"alive": 1, "expected": 1, "restarts": 2})
+    self.assertTrue(health["ok"])
+
+  def test_health_is_not_ok_without_a_live_worker(self):
+    store = Store.open(fresh_database("sqlite"))
+    dying = Supervisor([sys.executable, "-c", "raise SystemExit(3)"], 2, store,
+                       poll_seconds=0.05).start()
+    self.addCleanup(dying.stop)
+    health = wait_until(lambda: (h := dying.health())["restarts"] >= 4 and h)
+    self.assertEqual(health["alive"], 0)  # restarted with a growing delay, never alive
+    service = Service(store, BlobStore(pathlib.Path(tempfile.mkdtemp())),
+                      receipt.new_signing_key(), workers=dying.health)
+    response = TestClient(create_app(service)).get("/api/v1/health")
+    self.assertEqual(response.status_code, 503)
+    self.assertEqual(response.json()["workers"]["expected"], 2)
+
+
+# -- the queue: fair across owners, capped per owner ------------------------------------
+
+
+@parameterized.parameters("sqlite", "postgresql")
+class QueueTest(parameterized.TestCase):
+
+  def enqueue(self, store: Store, owner: str, n: int) -> list[str]:
+    """``n`` closed proofs of ``owner`` queued for verification; their ids."""
+    from zkdv import challenge  # pylint: disable=g-import-not-at-top
+    exp = store.experiment(f"{owner}/run", create_for=owner)
+    ids = []
+    for _ in range(n):
+      proof_id = os.urandom(32).hex()
+      store.create_proof(exp["id"], proof_id, "run", b"root", {
+          "kind": "self", "nonce": None, "policy": json.dumps(challenge.Policy().to_record())})
+      with store.engine.begin() as conn:
+        store.enqueue_job(conn, "proof", proof_id)
+      ids.append(proof_id)
+    return ids
+
+  def test_a_real_proof_does_not_wait_behind_another_owners_junk(self, backend):
+    store = Store.open(fresh_database(backend))
+    junk = self.enqueue(store, "mallory", 6)
+    real = self.enqueue(store, "alice", 2)
+    order = [store.claim_job(f"w{i}", 60)["subject"] for i in range(4)]
+    self.assertEqual(order, [junk[0], real[0], junk[1], real[1]])
+
+  def test_an_owner_queues_at_most_the_cap(self, backend):
+    store = Store.open(fresh_database(backend))
+    store.max_queued_per_owner = 3
+    self.enqueue(store, "mallory", 3)
+    with self.assertRaisesRegex(QueueFull, "'mallory' already has 3 jobs waiting .* at most 3"):
+      self.enqueue(store, "mallory", 1)
+    self.enqueue(store, "alice", 1)  # others are not affected
+    store.claim_job("w", 60)
+    with self.assertRaises(QueueFull):  # a running job still counts
+      self.enqueue(store, "mallory", 1)
+
+
+# -- a server without workers: abandoned proofs, the cap over HTTP, headers -------------
+
+
+class IdleServerTest(absltest.TestCase):
+  """A server on SQLite whose queue nobody drains."""
+
+  database = "sqlite"
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    url = fresh_database(cls.database)
+    cls.server = Server(workers=0, database_url=None if url.startswith("sqlite") else url,
+                        extra_args=("--abandon-after", "2s", "--max-queued-per-owner", "1")
+                        ).start()
+    cls.token = cls.server.token("alice")
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def test_a_proof_left_receiving_is_abandoned_and_never_verified(self):
+    prover = FakeProver(self.server.url, self.token, "alice/crashed").start()
+    prover.run(1)
+    proof = wait_until(lambda: self.server.settled(prover.proof_id), timeout=30)
+    self.assertEqual(proof["state"], "abandoned")
+    self.assertEqual(proof["failure"], "no record arrived for 2 s: the run stopped before "
+                     "closing the proof, so it is never verified.")
+    self.assertIn("abandoned", proof["label"])
+    refused = prover.send(prover.final_record())
+    self.assertEqual(refused.status_code, 409)
+    self.assertIn("abandoned", refused.json()["error"])
+    page = httpx.get(f"{self.server.url}/proofs/{prover.proof_id}").text
+    self.assertIn("abandoned", page)
+
+  def test_closing_beyond_the_owners_queue_cap_answers_429(self):
+    closed_proof(self.server.url, self.token, "alice/first", steps=1)
+    prover = FakeProver(self.server.url, self.token, "alice/second").start()
+    prover.run(1)
+    response = prover.send(prover.final_record())
+    response = response if response.status_code != 200 else prover.close()
+    self.assertEqual(response.status_code, 429)
+    self.assertIn("'alice' already has 1 jobs waiting for verification", response.json()["error"])
+
+  def follow(self, path: str, limit: int) -> list:
+    """Every item of a listing, fetched ``limit`` at a time through its next links."""
+    items, url = [], f"{self.server.url}{path}?limit={limit}"
+    while url:
+      response = httpx.get(url)
+      self.assertEqual(response.status_code, 200, response.text)
+      page = response.json()
+      self.assertLessEqual(len(page), limit)
+      items += page
+      url = response.links.get("next", {}).get("url")
+    return items
+
+  def test_listings_come_in_bounded_pages(self):
+    prover = FakeProver(self.server.url, self.token, "alice/paged").start()
+    prover.run(4)
+    base = f"/api/v1/proofs/{prover.proof_id}"
+    self.assertEqual(self.follow(f"{base}/records", 2),
+                     [record_id(r).hex() for r in prover.records])
+    self.assertEqual([c["step"] for c in self.follow(f"{base}/challenges", 3)], [0, 1, 2, 3])
+    names = [e["full_name"] for e in self.follow("/api/v1/experiments", 1)]
+    self.assertEqual(names, sorted(set(names)))
+    self.assertIn("alice/paged", names)
+    for query, error in (("limit=0", "limit is a number of items from 1 to 1000"),
+                         ("limit=1001", "from 1 to 1000"), ("after=x", "a number")):
+      response = httpx.get(f"{self.server.url}{base}/records?{query}")
+      self.assertEqual(response.status_code, 400, query)
+      self.assertIn(error, response.json()["error"])
+
+  def test_every_response_carries_the_security_headers(self):
+    for path in ("/", "/api/v1/health", "/api/v1/proofs/" + "0" * 64, "/static/style.css"):
+      headers = httpx.get(self.server.url + path).headers
+      self.assertIn("script-src 'self'", headers["content-security-policy"], path)
+      self.assertEqual(headers["x-content-type-options"], "nosniff", path)
+      self.assertEqual(headers["x-frame-options"], "DENY", path)
+      self.assertEqual(headers["referrer-policy"], "no-referrer", path)
+
+
+class PostgresIdleServerTest(IdleServerTest):
+  database = "postgresql"
+
+
+# -- tokens -----------------------------------------------------------------------------
+
+
+class TokenTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = Server(workers=0).start()
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def cli(self, *args: str, stdin: str = "", env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dvbench.cli", *args], input=stdin,
+                          capture_output=True, text=True, env=env)
+
+  def token_cli(self, *args: str) -> subprocess.CompletedProcess:
+    return self.cli("token", *args, "--data", str(self.server.data))
+
+  def write(self, token: str) -> httpx.Response:
+    return httpx.post(f"{self.server.url}/api/v1/experiments/bob/x/slots",
+                      headers={"Authorization": f"Bearer {token}"})
+
+  def test_names_are_checked_with_the_rule(self):
+    store = self.server.store()
+    for bad in ("", "a/b", "bad name"):
+      with self.assertRaisesRegex(BadName, f"owner name {bad!r} is not acceptable: use 1-100 "
+                                  "characters of letters, digits"):
+        store.create_token(bad)
+    result = self.token_cli("create", "bob", "--name", "x y")
+    self.assertNotEqual(result.returncode, 0)
+    self.assertIn("dvbench token create: token name 'x y' is not acceptable", result.stderr)
+
+  def test_revoked_and_expired_tokens_get_401_saying_what_to_do(self):
+    store = self.server.store()
+    token = self.token_cli("create", "bob", "--name", "bob-ci").stdout.strip()
+    _, short = store.create_token("bob", "bob-short", expires_in_days=0.00001)  # 0.864 s
+    self.assertEqual(self.write(token).status_code, 201)
+    self.assertEqual(self.token_cli("revoke", "bob-ci").returncode, 0)
+    refused = self.write(token)
+    self.assertEqual(refused.status_code, 401)
+    self.assertIn("API token 'bob-ci' was revoked; ask the server's operator for a new one",
+                  refused.json()["error"])
+    self.assertFalse(store.revoke_token("bob-ci"))
+    wait_until(lambda: self.write(short).status_code == 401, timeout=10)
+    self.assertIn("API token 'bob-short' expired", self.write(short).json()["error"])
+    listed = self.token_cli("list", "bob").stdout
+    self.assertRegex(listed, r"bob-ci +bob .* revoked\n")
+    self.assertRegex(listed, r"bob-short +bob .* expired\n")
+    self.assertNotIn(token, listed)
+
+  def test_login_reads_the_token_from_stdin_into_a_private_file(self):
+    config = pathlib.Path(tempfile.mkdtemp())
+    (config / "token").write_text("old")
+    os.chmod(config / "token", 0o644)
+    env = {**os.environ, "DVBENCH_CONFIG_DIR": str(config)}
+    result = self.cli("login", "--url", self.server.url, stdin="dvb_secret\n", env=env)
+    self.assertEqual(result.returncode, 0, result.stderr)
+    self.assertEqual(oct((config / "token").stat().st_mode & 0o777), "0o600")
+    self.assertEqual(json.loads((config / "token").read_text()),
+                     {"token": "dvb_secret", "url": self.server.url})
+    self.assertIn("no token given", self.cli("login", stdin="", env=env).stderr)
+
+
+# -- the verifier child: confinement and honest failure text ----------------------------
+
+
+class ConfinedChildTest(absltest.TestCase):
+
+  def run_child(self, code: str, memory_gb: float = 2, seconds: int = 30):
+    work = pathlib.Path(tempfile.mkdtemp())
+    (work / "scratch").mkdir()
+    limits = worker_lib.Limits(int(memory_gb * 2**30), isolation=sandbox.available())
+    return worker_lib.run_confined([sys.executable, "-c", code], work, limits, seconds)
+
+  def test_the_child_has_no_network_and_writes_only_in_its_folder(self):
+    isolation = sandbox.available()
+    if set(isolation) != {sandbox.NETWORK, sandbox.LANDLOCK}:
+      self.skipTest(f"this kernel grants only {isolation}")
+    listener = socket.create_server(("127.0.0.1", 0))
+    self.addCleanup(listener.close)
+    outside = pathlib.Path(tempfile.mkdtemp()) / "escaped"
+    code = f"""
+import json, os, socket
+out = {{}}
+try:
+  socket.create_connection(("127.0.0.1", {listener.getsockname()[1]}), timeout=2)
+  out["connect"] = "connected"
+except OSError as e:
+  out["connect"] = e.strerror
+for name, path in (("inside", "mine"), ("outside", {str(outside)!r})):
+  try:
+    open(path, "w").write("x")
+    out[name] = "written"
+  except OSError as e:
+    out[name] = e.strerror
+print(json.dumps(out))
+"""
+    report, failure = self.run_child(code)
+    self.assertIsNone(failure)
+    self.assertEqual(report, {"connect": "Network is unreachable", "inside": "written",
+                              "outside": "Permission denied"})
+    self.assertFalse(outside.exists())
+
+  def test_failures_name_the_cause_without_paths_or_output(self):
+    cases = {
+        "import ctypes; ctypes.string_at(0)": "the verifier crashed with SIGSEGV.",
+        "b = bytearray(3 << 30)": "the verifier ran out of memory: its limit is 1 GiB.",
+        "while True: pass": "exceeded the time limit of 1 s",  # CPU or wall clock
+        "import sys; sys.exit('/srv/secret/path failed')":
+            "the verifier stopped (exit 1) without a report.",
+    }
+    for code, expected in cases.items():
+      report, failure = self.run_child(code, memory_gb=1, seconds=1)
+      self.assertIsNone(report)
+      self.assertIn(expected, failure, code)
+      self.assertNotIn("/srv", failure)
+
+
+if __name__ == "__main__":
+  absltest.main()
