@@ -63,6 +63,9 @@ class JobQueries:
     elif kind == "measurement":
       proof_id = conn.execute(sa.select(measurements.c.proof_id).where(
           measurements.c.id == subject)).scalar()
+    elif kind == "score":  # a whole submission, as jobs were before migration 5
+      proof_id = conn.execute(sa.select(submissions.c.proof_id).where(
+          submissions.c.id == subject)).scalar()
     else:  # a scoring shard of a submission
       proof_id = conn.execute(sa.select(submissions.c.proof_id).select_from(
           score_shards.join(submissions)).where(score_shards.c.id == subject)).scalar()
