@@ -140,17 +140,6 @@ class IntegrationErrorsTest(absltest.TestCase):
     self.assertEqual(report.verdict, verify.INVALID)
     self.assertIn("replay", {f.code for f in report.findings})
 
-  def test_wrong_shape_batch_is_refused_and_nothing_lost(self):
-    proof = self._started()
-    state = testing.classifier_state(proof)
-    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
-    state = train_step(state, BATCH)
-    with self.assertRaisesRegex(errors.StepInputError,
-                                r"batch leaf .* is uint32\[3, 5\] .* uint32\[4, 5\]"):
-      train_step(state, BATCH[:3])
-    state = train_step(state, BATCH)
-    self._assert_transcript_intact(proof, 2)
-
   def test_non_train_state_is_refused(self):
     proof = self._started()
     train_step = proof.jit(lambda params, batch: params)

@@ -19,8 +19,8 @@ class NoTranscriptUpdateError(ZKDVError):
   FIX = ("Decorate the function containing apply_gradients() with proof.jit "
          "(not jax.jit).")
 
-  def __init__(self, detail: str):
-    super().__init__(f"No transcript update: {detail} {self.FIX}")
+  def __init__(self, detail: str, fix: str | None = None):
+    super().__init__(f"No transcript update: {detail} {self.FIX if fix is None else fix}")
 
 
 class ProofIdentityError(ZKDVError):

@@ -100,10 +100,20 @@ class ZKDV:
     self._aborted = False
     self._finish_error: errors.ZKDVError | None = None
     self._registered: dict[str, ProofFunction] = {}
+    self._called: set[str] = set()  # the names of proof.jit/attest steps called
     self._dispatcher: Dispatcher | None = None
 
   def __repr__(self):
     return f"ZKDV({self.name!r})"
+
+  def __copy__(self) -> "ZKDV":
+    return self
+
+  def __deepcopy__(self, memo) -> "ZKDV":
+    """The proof itself: a copied state (``copy.deepcopy(state)``, ``nnx.clone``)
+    still belongs to this run, as a copied Flax state shares its ``apply_fn``."""
+    del memo
+    return self
 
   @property
   def writes_transcript(self) -> bool:
@@ -227,9 +237,13 @@ class ZKDV:
           f"committed state; first at step {first['step']}, leaves "
           f"{first['mismatched_leaves']}.")
     if error is None and self.steps == 0:
-      error = errors.NoTranscriptUpdateError(
+      error = (errors.NoTranscriptUpdateError(
+          f"proof {self.name!r} finished without recording any update: every call "
+          f"of {', '.join(sorted(self._called))} raised before its step was recorded.",
+          fix="Fix what that error names and call the step again.") if self._called else
+               errors.NoTranscriptUpdateError(
           f"proof {self.name!r} finished without recording any update: the "
-          "training step still uses jax.jit.")
+          "training step still uses jax.jit."))
     try:
       whole_state = self._dispatcher.gather_last_state()
     except Exception as e:  # pylint: disable=broad-except  # e.g. the final state was deleted
@@ -344,6 +358,11 @@ class ZKDV:
     return init.outputs
 
   # -- what proof.jit steps call ----------------------------------------------
+
+  def note_call(self, name: str) -> None:
+    """Records that the step ``name`` was called (``finish`` then names it if no
+    step was recorded)."""
+    self._called.add(name)
 
   def ensure_started(self) -> None:
     """Starts the proof with default arguments if start() was not called.

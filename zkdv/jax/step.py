@@ -15,6 +15,7 @@ Example::
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,25 @@ JIT_OPTIONS = frozenset({
 
 def _is_train_state(x) -> bool:
   return isinstance(x, TrainState)
+
+
+def _nnx():
+  """``zkdv.jax.contrib.nnx`` once the program uses Flax NNX, else None (no NNX
+  object can then be passed, and importing NNX costs a quarter of a second)."""
+  if "flax.nnx" not in sys.modules:
+    return None
+  from zkdv.jax.contrib import nnx  # pylint: disable=g-import-not-at-top
+  return nnx
+
+
+def _is_graph_state(x) -> bool:
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.GraphState)
+
+
+def _is_state(x) -> bool:
+  """Whether ``x`` is a step's state: a TrainState, or its NNX objects' GraphState."""
+  return _is_train_state(x) or _is_graph_state(x)
 
 
 def _as_tuple(x) -> tuple:
@@ -182,6 +202,7 @@ class _Call:
     leaves: the flat dynamic inputs, as jax.Arrays.
     in_tree: their tree structure.
     placement: without in_shardings, each leaf's mesh sharding (else None).
+    nnx: whether the call passed NNX objects (its state is then a GraphState).
   """
 
   dyn_args: tuple
@@ -191,15 +212,20 @@ class _Call:
   leaves: list
   in_tree: Any
   placement: tuple | None
+  nnx: bool = False
 
   @property
   def program_key(self) -> tuple:
-    """Calls with equal keys run the same program."""
-    return self.in_tree, self.positions, self.placement
+    """Calls with equal keys run the same program: as ``jax.jit``, a call with
+    other shapes, dtypes or weak types traces again."""
+    return self.in_tree, self.positions, self.placement, tuple(map(jax.typeof, self.leaves))
 
   @property
   def specs(self) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self.leaves]
+    """The leaves' types; weak types kept (a Python scalar, Flax's ``step=0``) as
+    ``jax.jit`` keeps them, so the step computes in the dtypes ``jax.jit`` would."""
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+            for x in self.leaves]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,11 +250,6 @@ def _mesh_sharding(x) -> jax.sharding.NamedSharding | None:
 
 def _avals(leaves) -> list:
   return [(tuple(x.shape), x.dtype) for x in leaves]
-
-
-def _describe_aval(aval) -> str:
-  shape, dtype = aval
-  return f"{dtype}{list(shape)}"
 
 
 def _find_nodes(tree, is_node: Callable[[Any], bool]) -> list[tuple[int, Any]]:
@@ -287,18 +308,25 @@ class ProofFunction:
 
   def __call__(self, *args, **kwargs):
     self._proof.ensure_started()
-    call = self._split(args, kwargs)
+    self._proof.note_call(self.__name__)
+    nnx = _nnx()
+    graph = None if nnx is None else nnx.split_graph(args, kwargs, self.__name__)
+    if graph is not None:  # as nnx.jit: the NNX objects' state in, their new state out
+      args, kwargs, nodes = graph
+    call = self._split(args, kwargs, nnx=graph is not None)
     program = self._programs.get(call.program_key)
     if program is None:
       program = self._build(call)
       self._programs[call.program_key] = program
       self._static = call.static
-    elif _avals(call.leaves) != program.avals:
-      self._raise_wrong_shapes(program, call.leaves)
-    outs = self._proof.run_step(program, call.leaves)
-    return jax.tree.unflatten(program.out_tree, outs)
+    outs = jax.tree.unflatten(program.out_tree, self._proof.run_step(program, call.leaves))
+    if graph is None:
+      return outs
+    graph_state, outs = outs
+    nnx.write_back(nodes, graph_state)
+    return outs
 
-  def _split(self, args: tuple, kwargs: dict) -> _Call:
+  def _split(self, args: tuple, kwargs: dict, nnx: bool = False) -> _Call:
     dyn_args, dyn_kwargs, static, positions = self._spec.split(args, kwargs)
     if self._static is not None and static != self._static:
       raise errors.StaticArgumentError(
@@ -310,17 +338,7 @@ class ProofFunction:
     # (and is traced again when it changes).
     placement = (None if self._options.get("in_shardings") is not None
                  else tuple(_mesh_sharding(x) for x in leaves))
-    return _Call(dyn_args, dyn_kwargs, static, positions, leaves, in_tree, placement)
-
-  def _raise_wrong_shapes(self, program: Program, leaves) -> None:
-    for i, (got, want) in enumerate(zip(_avals(leaves), program.avals)):
-      if got != want:
-        kind = "state" if i in program.state_indices else "batch"
-        raise errors.StepInputError(
-            f"{self.__name__}: {kind} leaf {program.input_layouts[i].path} is "
-            f"{_describe_aval(got)} but the step was attested for "
-            f"{_describe_aval(want)}. Keep input shapes fixed (pad or drop the "
-            "last partial batch); nothing was recorded for this call.")
+    return _Call(dyn_args, dyn_kwargs, static, positions, leaves, in_tree, placement, nnx)
 
   # -- building the program: classify, trace, export, compile, record ----------
 
@@ -331,7 +349,7 @@ class ProofFunction:
     donated = self._spec.donated_leaves(call.dyn_args, call.dyn_kwargs, call.positions)
     shardings = self._flat_shardings(call, out_shape)
     exported, blob = self._export(call, shardings, exact)
-    executable = self._compile(call, blob, exact, donated, shardings)
+    executable = self._compile(call, exported, blob, exact, donated, shardings)
     self._proof.register(self)
     program_id = blake3.blake3(blob).digest()
     return Program(
@@ -357,7 +375,8 @@ class ProofFunction:
         state_layouts=[arrays.layout_of(p, call.leaves[i], sharded=True)
                        for p, i in zip(state_paths, state_indices)],
         batch_layouts=[arrays.layout_of(all_paths[i], call.leaves[i]) for i in batch_indices],
-        params_mask=[p.startswith(".params") for p in state_paths])
+        params_mask=(state.params_mask() if call.nnx
+                     else [p.startswith(".params") for p in state_paths]))
 
   def _locate_state(self, call: _Call) -> tuple[int, Any]:
     """(index of its first flat leaf, state object) of the state argument."""
@@ -368,18 +387,21 @@ class ProofFunction:
             "dynamic positional argument of this call.")
       k = call.positions.index(self._state_argnum)
       return len(jax.tree.leaves(call.dyn_args[:k])), call.dyn_args[k]
-    found = _find_nodes((call.dyn_args, call.dyn_kwargs), _is_train_state)
+    found = _find_nodes((call.dyn_args, call.dyn_kwargs), _is_state)
     if len(found) != 1:
       raise errors.StepInputError(
           f"{self.__name__} received {len(found)} zkdv.jax.contrib.TrainState "
           "arguments; a proof.jit step takes exactly one. Create the state with "
-          "zkdv.jax.contrib.TrainState.create(proof=proof, ...), or use "
-          "proof.attest(fn, state_argnum=...) for a loop without TrainState.")
+          "zkdv.jax.contrib.TrainState.create(proof=proof, ...) (with Flax NNX, pass "
+          "the model and a zkdv.jax.contrib.nnx.Optimizer(model, tx, wrt=..., "
+          "proof=proof)), or use proof.attest(fn, state_argnum=...) for a loop "
+          "without TrainState.")
     start, state = found[0]
     if state.proof is not self._proof:
+      kind = "zkdv.jax.contrib.nnx.Optimizer" if call.nnx else "TrainState"
       raise errors.ProofIdentityError(
-          f"the TrainState passed to {self.__name__} was created with "
-          f"{state.proof!r}, not with the proof that compiled it "
+          f"the {kind} passed to {self.__name__} was created with "
+          f"proof={state.proof!r}, not with the proof that compiled it "
           f"({self._proof!r}).")
     return start, state
 
@@ -389,6 +411,8 @@ class ProofFunction:
     With ``swap_apply_fn`` the state's ``attest_apply_fn`` replaces ``apply_fn``
     (the replay program of an equivalent check).
     """
+    fun = _nnx().stateful(self._fun, self.__name__) if call.nnx else self._fun
+
     def step(*flat):
       dyn_args, dyn_kwargs = jax.tree.unflatten(call.in_tree, flat)
       if swap_apply_fn:
@@ -396,7 +420,7 @@ class ProofFunction:
             lambda n: n.replace(apply_fn=n.attest_apply_fn) if _is_train_state(n) else n,
             (dyn_args, dyn_kwargs), is_leaf=_is_train_state)
       args, kwargs = ArgSpec.merge(dyn_args, dyn_kwargs, call.static, call.positions)
-      return self._fun(*args, **kwargs)
+      return fun(*args, **kwargs)
     step.__name__ = self.__name__  # names the exported program and its executables
     return step
 
@@ -422,15 +446,22 @@ class ProofFunction:
           f"jax.export could not export the update program of "
           f"{self.__name__}: {type(e).__name__}: {e}") from e
 
-  def _compile(self, call: _Call, blob: bytes, exact: bool, donated: list[bool],
+  def _compile(self, call: _Call, exported, blob: bytes, exact: bool, donated: list[bool],
                shardings: dict) -> Callable:
     """What production runs: the exported program, compiled as a verifier compiles
-    it; for an equivalent check, the step with its production ``apply_fn``."""
+    it; for an equivalent check, the step with its production ``apply_fn``.
+
+    The program is the one deserialized from ``blob``, given the traced types of
+    its inputs and outputs: serialization drops weak types, which change no bit
+    of the program but keep the outputs weakly typed as under ``jax.jit``.
+    """
     options = {k: self._options[k] for k in ("device", "backend", "inline") if k in self._options}
     options.update(shardings, donate_argnums=[i for i, d in enumerate(donated) if d],
                    compiler_options=self._options.get("compiler_options"))
     if exact:
-      return replay.compile_program(jax.export.deserialize(blob), **options)
+      program = dataclasses.replace(jax.export.deserialize(blob), in_avals=exported.in_avals,
+                                    out_avals=exported.out_avals)
+      return replay.compile_program(program, **options)
     return jax.jit(_flat_outputs(self._step_on_flat_inputs(call)),
                    keep_unused=self._options.get("keep_unused", False),
                    **replay.placement(options))
@@ -474,12 +505,14 @@ class ProofFunction:
     if sites.count == 0:
       raise errors.NoTranscriptUpdateError(
           f"{self.__name__} is compiled with proof.jit but never calls "
-          "state.apply_gradients(), so it has no update to commit. Use jax.jit "
-          "for steps that do not update the state.")
+          "state.apply_gradients() (or, with Flax NNX, optimizer.update()), so it "
+          "has no update to commit. Use jax.jit (nnx.jit) for steps that do not "
+          "update the state.")
     if sites.count > 1:
       raise errors.UnsupportedUpdateError(
-          f"{self.__name__} calls apply_gradients() {sites.count} times; ZKDV "
-          "commits one optimizer update per proof.jit call. Split the step.")
+          f"{self.__name__} calls apply_gradients() {sites.count} times (or, with "
+          "Flax NNX, optimizer.update()); ZKDV commits one optimizer update per "
+          "proof.jit call. Split the step.")
     if sites.proof_ids != {id(self._proof)}:
       raise errors.ProofIdentityError(
           f"{self.__name__} updates a TrainState created with another proof "
@@ -490,7 +523,7 @@ class ProofFunction:
       state_out = out_shape[0] if isinstance(out_shape, (tuple, list)) else out_shape
       found = _find_nodes(out_shape, lambda n: n is state_out)
     else:
-      found = _find_nodes(out_shape, _is_train_state)
+      found = _find_nodes(out_shape, _is_state)
     if len(found) != 1:
       raise errors.StepOutputError(
           f"{self.__name__} must return the updated state "

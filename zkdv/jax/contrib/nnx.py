@@ -1,0 +1,191 @@
+"""Flax NNX's ``Optimizer``, with its update marked for ZKDV, and NNX objects under ``proof.jit``.
+
+An NNX user adopts ZKDV with the same two changes as a Linen user: their
+optimizer and their jit. ``proof.jit`` takes NNX objects (modules, optimizers,
+metrics, variables) among its arguments as ``nnx.jit`` does: their state is
+split out, the pure step runs (exported, committed, replayable), and the new
+state is written back into the same objects in place.
+
+Example::
+
+  model = MLP(rngs=nnx.Rngs(0))
+  optimizer = zkdv.jax.contrib.nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param,
+                                             proof=proof)
+
+  @proof.jit
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  loss = train_step(model, optimizer, x, y)  # model and optimizer are updated in place
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from flax import struct
+
+from zkdv import errors
+from zkdv import overlap as overlap_lib
+from zkdv.interpreters.marker import mark_update
+
+
+class Optimizer(nnx.Optimizer):
+  """Flax's ``nnx.Optimizer`` whose ``update`` a ZKDV proof can attest.
+
+  Under ``proof.jit`` each ``update`` call becomes one transcript step; under
+  ``nnx.jit``, ``jax.jit`` or eagerly it is plain Flax.
+
+  Example::
+
+    optimizer = Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param, proof=proof)
+    optimizer.update(model, grads)
+
+  Attributes:
+    proof: the ``zkdv.jax.ZKDV`` driver that owns this optimizer's updates.
+    zkdv_overlap: a ``zkdv.overlap`` policy for commitments and checks.
+  """
+
+  def __init__(self, model, tx: optax.GradientTransformation, *, wrt, graph: bool | None = None,
+               proof=None, zkdv_overlap: overlap_lib.Overlap = overlap_lib.UNCHECKED):
+    if not isinstance(zkdv_overlap, overlap_lib.Overlap):
+      raise TypeError("zkdv_overlap must be zkdv.overlap.UNCHECKED, ALWAYS or "
+                      f"NEVER, got {zkdv_overlap!r}.")
+    super().__init__(model, tx, wrt=wrt, graph=graph)
+    self.proof = proof
+    self.zkdv_overlap = zkdv_overlap
+
+  def update(self, model, *args, **kwargs):
+    """Flax's ``update``, with the new params and optimizer state marked as an update.
+
+    Example: ``optimizer.update(model, grads)``.
+    """
+    updates = super().update(model, *args, **kwargs)
+    proof_id = None if self.proof is None else id(self.proof)
+    states = (nnx.state(model, self.wrt, graph=self.graph), nnx.state(self, graph=self.graph))
+    leaves, treedef = jax.tree.flatten(states)
+    params, opt_state = jax.tree.unflatten(treedef, mark_update(leaves, proof_id=proof_id))
+    nnx.update(model, params)
+    nnx.update(self, opt_state)
+    return updates
+
+
+class GraphState(struct.PyTreeNode):
+  """The state of a step's NNX objects, as ``proof.jit`` passes it to the pure step.
+
+  ``proof.jit`` builds it from the step's arguments (``split_graph``); the
+  pure step rebuilds the objects from it (``merge``) and returns the new one.
+
+  Attributes:
+    state: the ``nnx.State`` of every NNX object among the arguments.
+    graphdef: their structure (static: a changed structure traces again).
+    proof: the proof of the ``Optimizer`` among them.
+    zkdv_overlap: that optimizer's overlap policy.
+  """
+
+  state: Any
+  graphdef: Any = struct.field(pytree_node=False)
+  proof: Any = struct.field(pytree_node=False)
+  zkdv_overlap: overlap_lib.Overlap = struct.field(pytree_node=False)
+  attest_apply_fn: Callable | None = struct.field(pytree_node=False, default=None)
+
+  def params_mask(self) -> list[bool]:
+    """Per flat leaf, whether it is an ``nnx.Param`` of a model (not optimizer state)."""
+    variables = jax.tree.leaves(self.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return [isinstance(v, nnx.Param) for v in variables
+            for _ in jax.tree.leaves(v)]
+
+
+class _NodeRef(struct.PyTreeNode):
+  """Stands for the ``index``-th NNX object of a call in the pure step's arguments."""
+
+  index: int = struct.field(pytree_node=False)
+
+
+def _is_node(x) -> bool:
+  return nnx.graphlib.is_graph_node(x)
+
+
+def _the_optimizer(nodes: tuple, name: str) -> Optimizer:
+  found = {id(n): n for _, n in nnx.iter_graph(nodes) if isinstance(n, nnx.Optimizer)}
+  ours = [n for n in found.values() if isinstance(n, Optimizer)]
+  if len(ours) != 1:
+    kinds = sorted({type(n).__name__ for n in nodes})
+    plain = len(found) - len(ours)
+    raise errors.StepInputError(
+        f"{name} received the NNX objects {kinds} with {len(ours)} "
+        f"zkdv.jax.contrib.nnx.Optimizer{'s' if len(ours) != 1 else ''}"
+        f"{f' and {plain} plain nnx.Optimizer' if plain else ''}; a proof.jit step "
+        "updates exactly one. Create it with zkdv.jax.contrib.nnx.Optimizer("
+        "model, tx, wrt=nnx.Param, proof=proof).")
+  return ours[0]
+
+
+def split_graph(args: tuple, kwargs: dict, name: str):
+  """(pure args, pure kwargs, the NNX objects) of a call; None if it passes no NNX object.
+
+  The first NNX object's place holds the ``GraphState`` of all of them (split
+  together, so shared variables stay shared); the others hold a ``_NodeRef``.
+  """
+  leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
+  nodes = tuple({id(x): x for x in leaves if _is_node(x)}.values())
+  if not nodes:
+    return None
+  optimizer = _the_optimizer(nodes, name)
+  graphdef, state = nnx.split(nodes)
+  graph_state = GraphState(state, graphdef, optimizer.proof, optimizer.zkdv_overlap)
+  index = {id(n): i for i, n in enumerate(nodes)}
+  placed = set()
+
+  def pure(x):
+    if not _is_node(x):
+      return x
+    i = index[id(x)]
+    if placed:
+      return _NodeRef(i)
+    placed.add(i)
+    return graph_state
+  pure_args, pure_kwargs = jax.tree.map(pure, (args, kwargs), is_leaf=_is_node)
+  return pure_args, pure_kwargs, nodes
+
+
+def stateful(fun: Callable, name: str) -> Callable:
+  """``fun`` on pure arguments (``split_graph``'s): it rebuilds the NNX objects, runs
+  ``fun`` and returns ``(new GraphState, fun's outputs)``."""
+  def step(*args, **kwargs):
+    found = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_graph_state)
+             if isinstance(x, GraphState)]
+    graph_state = found[0]
+    nodes = nnx.merge(graph_state.graphdef, graph_state.state)
+
+    def restore(x):
+      if isinstance(x, GraphState):
+        return nodes[0]
+      return nodes[x.index] if isinstance(x, _NodeRef) else x
+    args, kwargs = jax.tree.map(restore, (args, kwargs), is_leaf=_is_graph_state)
+    outs = fun(*args, **kwargs)
+    if any(_is_node(x) for x in jax.tree.leaves(outs, is_leaf=_is_node)):
+      raise errors.StepOutputError(
+          f"{name} returns an NNX object; under proof.jit (as under nnx.jit with "
+          "in-place updates) the objects it receives are updated in place: return "
+          "arrays only (a loss, metrics).")
+    graphdef, state = nnx.split(nodes)
+    if graphdef != graph_state.graphdef:
+      raise errors.StepOutputError(
+          f"{name} changes the structure of its NNX objects (adds, removes or "
+          "retypes an attribute or variable); a step may change only their values.")
+    return graph_state.replace(state=state), outs
+  return step
+
+
+def _is_graph_state(x) -> bool:
+  return isinstance(x, (GraphState, _NodeRef))
+
+
+def write_back(nodes: tuple, graph_state: GraphState) -> None:
+  """Writes the step's new state into the caller's NNX objects, as ``nnx.jit`` does."""
+  nnx.update(nodes, graph_state.state)
