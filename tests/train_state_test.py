@@ -3,7 +3,9 @@
 The tests that also run the verifier are in ``TrainStateVerifiedTest``.
 """
 
+import copy
 import re
+from typing import Any
 from unittest import mock
 
 import chex
@@ -12,7 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl.testing import absltest
+from absl.testing import parameterized
+from flax import linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax import struct
 from flax.training import train_state as flax_train_state
 
 import zkdv
@@ -154,11 +159,142 @@ def _bare_array_run():
   return proof, state
 
 
-class TrainStateVerifiedTest(absltest.TestCase):
+class StatsState(TrainState):
+  batch_stats: Any = struct.field(pytree_node=True)
+
+
+class _Normed(nn.Module):
+  """A Dense wrapped in Flax's SpectralNorm or WeightNorm."""
+
+  norm: str
+
+  @nn.compact
+  def __call__(self, x):
+    if self.norm == "spectral":
+      return nn.SpectralNorm(nn.Dense(3))(x, update_stats=True)
+    return nn.WeightNorm(nn.Dense(3))(x)
+
+
+def _plain(state: TrainState) -> flax_train_state.TrainState:
+  """The same state as Flax's own class, or Flax's subclass with batch_stats."""
+  fields = {f: getattr(state, f) for f in ("step", "apply_fn", "params", "tx", "opt_state")}
+  if isinstance(state, StatsState):
+    return _FlaxStatsState(batch_stats=state.batch_stats, **fields)
+  return flax_train_state.TrainState(**fields)
+
+
+class _FlaxStatsState(flax_train_state.TrainState):
+  batch_stats: Any = struct.field(pytree_node=True)
+
+
+def _normed_state(norm: str, proof):
+  model = _Normed(norm)
+  variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+  if "batch_stats" not in variables:
+    return TrainState.create(proof=proof, apply_fn=model.apply, params=variables["params"],
+                             tx=optax.adam(1e-2))
+  return StatsState.create(proof=proof, apply_fn=model.apply, params=variables["params"],
+                           batch_stats=variables["batch_stats"], tx=optax.adam(1e-2))
+
+
+def _normed_step(state, x, y):
+  def loss(params):
+    variables = {"params": params}
+    if hasattr(state, "batch_stats"):
+      variables["batch_stats"] = state.batch_stats
+      out, updates = state.apply_fn(variables, x, mutable=["batch_stats"])
+    else:
+      out, updates = state.apply_fn(variables, x), {}
+    return jnp.mean((out - y) ** 2), updates
+  grads, updates = jax.grad(loss, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads, **updates)
+
+
+def _fp8_state(proof):
+  model = nn.Dense(3, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+  variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+  return TrainState.create(proof=proof, apply_fn=model.apply, params=variables,
+                           tx=optax.sgd(1e-1))
+
+
+def _fp8_step(state, x, y):
+  grads = jax.grad(lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2))(state.params)
+  return state.apply_gradients(grads=grads)
+
+
+def _scaled_step(state, x, scale):
+  """A step that scales its gradients by ``scale`` (a Python float: weakly typed)."""
+  grads = jax.grad(lambda p: jnp.sum((p["w"] * x) ** 2))(state.params)
+  return state.apply_gradients(grads=jax.tree.map(lambda g: g * scale, grads))
+
+
+class TrainStateVerifiedTest(parameterized.TestCase):
+  """Runs under proof.jit with every step checked, compared with Flax under jax.jit and
+  verified."""
+
+  def lockstep(self, name, make_state, step, calls):
+    """(proof, our last state, Flax's last state) of ``calls`` under both jits."""
+    proof = testing.new_proof(name)
+    proof.start()
+    ours = make_state(proof)
+    theirs = _plain(ours)
+    proof_step, plain_step = proof.jit(step), jax.jit(step)
+    for args in calls:
+      ours, theirs = proof_step(ours, *args), plain_step(theirs, *args)
+      for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        self.assertEqual((a.dtype, jax.typeof(a).weak_type), (b.dtype, jax.typeof(b).weak_type))
+        self.assertEqual(np.asarray(a).tobytes(), np.asarray(b).tobytes())
+    proof.finish()
+    self.assertEqual(proof.checks["update"], len(calls))
+    report = verify.verify(proof.path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    return proof, ours, theirs
 
   def test_bare_array_quick_start_verifies(self):
     report = verify.verify(_bare_array_run()[0].path)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+
+  @parameterized.named_parameters(
+      ("spectral_norm", lambda proof: _normed_state("spectral", proof), _normed_step),
+      ("weight_norm", lambda proof: _normed_state("weight", proof), _normed_step),
+      ("fp8", _fp8_state, _fp8_step))
+  def test_flax_train_state_scenarios(self, make_state, step):
+    x, y = jnp.linspace(-1, 1, 8).reshape(2, 4), jnp.ones((2, 3))
+    _, ours, _ = self.lockstep("flax-scenario", make_state, step, [(x, y)] * 2)
+    self.assertEqual(int(ours.step), 2)
+
+  def test_smaller_last_batch_traces_a_new_program(self):
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    proof, _, _ = self.lockstep("ragged", testing.classifier_state, testing.classifier_step,
+                                [(batch,), (batch,), (batch[:3],)])
+    programs = testing.records_of(proof.path, "program")
+    self.assertEqual([p["batch_layout"][0]["shape"] for p in programs], [[4, 5], [3, 5]])
+    self.assertEqual([s["program"] for s in testing.records_of(proof.path, "step")], [0, 0, 1])
+    self.assertEqual(proof.discontinuities, [])
+
+  def test_weak_types_as_jax_jit_in_bfloat16(self):
+    def make_state(proof):
+      return TrainState.create(proof=proof, apply_fn=None, tx=optax.sgd(0.1, momentum=0.9),
+                               params={"w": jnp.arange(4, dtype=jnp.bfloat16)})
+    x = jnp.ones(4, jnp.bfloat16)
+    _, ours, _ = self.lockstep("weak-types", make_state, _scaled_step, [(x, 0.5)] * 2)
+    self.assertTrue(jax.typeof(ours.step).weak_type)  # Flax's step=0, as under jax.jit
+    self.assertEqual(ours.opt_state[0].trace["w"].dtype, jnp.bfloat16)
+
+  def test_copies_share_the_proof_and_continue_the_chain(self):
+    proof = testing.new_proof("copies")
+    proof.start()
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step)
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    state = train_step(state, batch)
+    for copied in (copy.deepcopy(state), copy.copy(state)):
+      self.assertIs(copied.proof, proof)
+      chex.assert_trees_all_equal(jax.tree.leaves(copied), jax.tree.leaves(state))
+    state = train_step(copy.deepcopy(state), batch)
+    proof.finish()
+    self.assertEqual(proof.discontinuities, [])
+    self.assertEqual(proof.steps, 2)
 
 
 if __name__ == "__main__":
