@@ -3,7 +3,9 @@
 The tests that also run the verifier are in ``TrainStateVerifiedTest``.
 """
 
+import contextlib
 import copy
+import io
 import re
 from typing import Any
 from unittest import mock
@@ -22,6 +24,7 @@ from flax.training import train_state as flax_train_state
 
 import zkdv
 from tests import testing
+from zkdv import errors
 from zkdv import verify
 from zkdv.jax.contrib import TrainState
 
@@ -280,6 +283,37 @@ class TrainStateVerifiedTest(parameterized.TestCase):
     _, ours, _ = self.lockstep("weak-types", make_state, _scaled_step, [(x, 0.5)] * 2)
     self.assertTrue(jax.typeof(ours.step).weak_type)  # Flax's step=0, as under jax.jit
     self.assertEqual(ours.opt_state[0].trace["w"].dtype, jnp.bfloat16)
+
+  def test_debug_print_prints_in_production_and_replays_exactly(self):
+    def step(state, batch):
+      loss, grads = jax.value_and_grad(testing.classifier_loss, argnums=2)(
+          state, batch, state.params)
+      jax.debug.print("step {s} loss {l:.6f}", s=state.step, l=loss)
+      return state.apply_gradients(grads=grads)
+
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      self.lockstep("debug-print", testing.classifier_state, step, [(batch,)] * 2)
+    lines = printed.getvalue().splitlines()
+    self.assertLen(lines, 4)  # each step's line, under proof.jit and under jax.jit
+    self.assertEqual(lines[0::2], lines[1::2])
+    self.assertRegex(lines[2], r"^step 1 loss \d\.\d{6}$")
+
+  def test_debug_print_inside_a_loop_names_what_to_do(self):
+    proof = testing.new_proof("debug-loop")
+    proof.start()
+
+    @proof.jit
+    def train_step(state, batch):
+      jax.lax.fori_loop(0, 2, lambda i, c: (jax.debug.print("{}", i), c)[1], 0)
+      return testing.classifier_step(state, batch)
+
+    with self.assertRaisesRegex(errors.ExportError,
+                                r"train_step calls jax.debug.print.*inside `scan`.*In the body of "
+                                r"train_step, print the values that `scan` returns") as raised:
+      train_step(testing.classifier_state(proof), jnp.asarray(testing.TUTORIAL_BATCH))
+    self.assertNotIn("attest_apply_fn", str(raised.exception))
 
   def test_copies_share_the_proof_and_continue_the_chain(self):
     proof = testing.new_proof("copies")

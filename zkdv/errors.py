@@ -56,12 +56,12 @@ class StaticArgumentError(ZKDVError):
 class ExportError(ZKDVError):
   """The update program could not be exported with jax.export."""
 
-  def __init__(self, detail: str):
-    super().__init__(
-        f"Export failure: {detail} Pass randomness explicitly as a dynamic "
-        "argument, and give TrainState.create(attest_apply_fn=...) a "
-        "deterministic, exportable implementation of apply_fn if the model "
-        "uses a custom kernel.")
+  FIX = ("Pass randomness explicitly as a dynamic argument, and give "
+         "TrainState.create(attest_apply_fn=...) a deterministic, exportable "
+         "implementation of apply_fn if the model uses a custom kernel.")
+
+  def __init__(self, detail: str, fix: str | None = None):
+    super().__init__(f"Export failure: {detail} {self.FIX if fix is None else fix}")
 
 
 class ReplayError(ZKDVError):

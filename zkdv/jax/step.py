@@ -25,6 +25,7 @@ import numpy as np
 
 from zkdv import errors
 from zkdv.digest import LeafLayout
+from zkdv.interpreters import debug_calls as debug_calls_lib
 from zkdv.interpreters.find import find_updates
 from zkdv.jax import _compat
 from zkdv.jax import arrays
@@ -149,6 +150,7 @@ class Program:
   overlap: Any
   executable: Callable
   compiler_options: dict | None
+  debug_calls: list = dataclasses.field(default_factory=list)  # emitted after each run
   post_layouts: list[LeafLayout] | None = None  # as it returns it; set by the first run
   _replay: Callable | None = None
   _replay_sharded: Any = None
@@ -319,7 +321,10 @@ class ProofFunction:
       program = self._build(call)
       self._programs[call.program_key] = program
       self._static = call.static
-    outs = jax.tree.unflatten(program.out_tree, self._proof.run_step(program, call.leaves))
+    flat = self._proof.run_step(program, call.leaves)
+    if program.debug_calls:  # the step's jax.debug.print values, returned by the program
+      flat = debug_calls_lib.emit(program.debug_calls, flat)
+    outs = jax.tree.unflatten(program.out_tree, flat)
     if graph is None:
       return outs
     graph_state, outs = outs
@@ -344,11 +349,11 @@ class ProofFunction:
 
   def _build(self, call: _Call) -> Program:
     inputs = self._classify(call)
-    out_shape, post_indices = self._trace(call, inputs)
+    closed, out_shape, post_indices = self._trace(call, inputs)
     exact = self.manual or inputs.state.attest_apply_fn is None
     donated = self._spec.donated_leaves(call.dyn_args, call.dyn_kwargs, call.positions)
     shardings = self._flat_shardings(call, out_shape)
-    exported, blob = self._export(call, shardings, exact)
+    exported, blob, debug_calls = self._export(call, closed, shardings, exact)
     executable = self._compile(call, exported, blob, exact, donated, shardings)
     self._proof.register(self)
     program_id = blake3.blake3(blob).digest()
@@ -360,7 +365,8 @@ class ProofFunction:
         post_indices=post_indices, state_layouts=inputs.state_layouts,
         batch_layouts=inputs.batch_layouts, params_mask=inputs.params_mask,
         donated=donated, overlap=None if self.manual else inputs.state.zkdv_overlap,
-        executable=executable, compiler_options=self._options.get("compiler_options"))
+        executable=executable, compiler_options=self._options.get("compiler_options"),
+        debug_calls=debug_calls if exact else [])  # else production's jax.jit prints itself
 
   def _classify(self, call: _Call) -> _Inputs:
     """Splits the flat inputs into the state's leaves and batch evidence."""
@@ -424,23 +430,33 @@ class ProofFunction:
     step.__name__ = self.__name__  # names the exported program and its executables
     return step
 
-  def _trace(self, call: _Call, inputs: _Inputs) -> tuple[Any, list[int]]:
-    """(the step's output shapes, the flat indices of the post-state among them).
+  def _trace(self, call: _Call, inputs: _Inputs) -> tuple[Any, Any, list[int]]:
+    """(the step's jaxpr, its output shapes, the flat indices of the post-state among them).
 
     Raises when the step does not perform exactly one update of this proof.
     """
     closed, out_shape = jax.make_jaxpr(self._step_on_flat_inputs(call), return_shape=True)(
         *call.specs)
     self._check_updates(closed)
-    return out_shape, self._locate_post_state(out_shape, inputs.state_layouts)
+    return closed, out_shape, self._locate_post_state(out_shape, inputs.state_layouts)
 
-  def _export(self, call: _Call, shardings: dict, exact: bool) -> tuple[Any, bytes]:
-    """(the exported update program, its serialized bytes): the whole step, every input kept."""
+  def _export(self, call: _Call, closed, shardings: dict,
+              exact: bool) -> tuple[Any, bytes, list[debug_calls_lib.DebugCall]]:
+    """(the exported update program, its serialized bytes, its debug callbacks): the
+    whole step, every input kept. The operands of the step's debug callbacks
+    (``jax.debug.print``) are extra outputs of the program, after the step's own."""
     step = _flat_outputs(self._step_on_flat_inputs(call, swap_apply_fn=not exact))
+    debug_calls = []
+    if debug_calls_lib.has_debug_calls(closed.jaxpr):
+      if not exact:  # the replay program's own jaxpr
+        closed = jax.make_jaxpr(step)(*call.specs)
+      step, debug_calls = debug_calls_lib.lift(closed, self.__name__)
     try:
       exported = _compat.without_locations(  # no paths of the prover's machine
           jax.export.export(jax.jit(step, keep_unused=True, **shardings))(*call.specs))
-      return exported, bytes(exported.serialize())
+      return exported, bytes(exported.serialize()), list(debug_calls)
+    except errors.ExportError:
+      raise
     except Exception as e:  # jax.export raises many types; name what failed
       raise errors.ExportError(
           f"jax.export could not export the update program of "
