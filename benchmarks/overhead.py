@@ -1,6 +1,6 @@
 """What a verifiable step costs: proof.jit against jax.jit, a naive baseline and the floor.
 
-  python -m benchmarks.overhead [--workload mlp|cnn|all] [--rounds 6] [--block 5]
+  python -m benchmarks.overhead [--workload mlp|cnn|all] [--rounds 6] [--block 5] [--rows ...]
 
 Every configuration trains its own copy of the workload in one process; the
 configurations take turns in blocks of ``--block`` steps (A, B, C, ..., A, B,
@@ -11,7 +11,9 @@ measured for each configuration in a fresh subprocess. The table comes last.
 Rows: ``jax.jit``; *naive* (``jax.jit`` + ``jax.device_get`` + ``hashlib.sha256``
 of state and batch every step); *floor* (``jax.jit`` + one native BLAKE3 pass
 over post-state and batch); ``proof.jit`` at p=0.01 for each overlap policy and
-digest backend; ``proof.jit`` at p=1.0.
+digest backend; ``proof.jit`` at p=1.0; and Flax NNX: the same model (the Linen
+module through ``nnx.bridge.ToNNX``) with ``nnx.Optimizer`` under ``nnx.jit``, and
+with ``zkdv.jax.contrib.nnx.Optimizer`` under ``proof.jit`` at p=0.01.
 """
 
 import argparse
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from flax import nnx
 from flax.training import train_state
 
 import zkdv
@@ -60,8 +63,11 @@ PROOF_CONFIGS = [(f"proof.jit p=0.01 {o.value} {b}", 0.01, o, b)
                  for b in ("host", "device")
                  for o in (zkdv.overlap.UNCHECKED, zkdv.overlap.ALWAYS, zkdv.overlap.NEVER)]
 PROOF_CONFIGS.append(("proof.jit p=1.0 unchecked host", 1.0, zkdv.overlap.UNCHECKED, "host"))
+NNX_PROOF_ROW = "NNX proof.jit p=0.01 unchecked host"
+PROOF_CONFIGS.append((NNX_PROOF_ROW, 0.01, zkdv.overlap.UNCHECKED, "host"))
+BASELINES = ["jax.jit", "floor (jit + one BLAKE3 pass)"]  # every table's ratios need them
 ROWS = ["jax.jit", "naive (jit + device_get + sha256)", "floor (jit + one BLAKE3 pass)"] + [
-    c[0] for c in PROOF_CONFIGS]
+    c[0] for c in PROOF_CONFIGS if c[0] != NNX_PROOF_ROW] + ["NNX nnx.jit", NNX_PROOF_ROW]
 
 
 class Runner:
@@ -118,25 +124,62 @@ class Runner:
     return float(np.mean(steps)), total / len(steps)
 
 
+def nnx_train_step(model, optimizer, x, y):
+  """``common.train_step`` for an NNX model: the model and optimizer update in place."""
+  def loss(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+  optimizer.update(model, nnx.grad(loss)(model))
+
+
+class NNXRunner(Runner):
+  """An NNX row: the workload's Linen module as an NNX module, ``nnx.Optimizer``."""
+
+  def __init__(self, row: str, workload: str, folder):  # pylint: disable=super-init-not-called
+    model, _, self.batch = WORKLOADS[workload][1]()
+    self.model = nnx.bridge.ToNNX(model, rngs=nnx.Rngs(0))
+    nnx.bridge.lazy_init(self.model, self.batch[0][:1])
+    self.proof = None
+    if row == NNX_PROOF_ROW:
+      self.proof = zkdv.jax.ZKDV(row, zkdv.ZKDVConfig(
+          sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01),
+          output_dir=f"{folder}/{row.replace(' ', '_')}"))
+      self.proof.start(rolling_window=4)
+      self.optimizer = zkdv.jax.contrib.nnx.Optimizer(self.model, optax.adam(1e-3),
+                                                      wrt=nnx.Param, proof=self.proof)
+      self._step = self.proof.jit(nnx_train_step, donate_argnums=(0, 1))
+    else:
+      self.optimizer = nnx.Optimizer(self.model, optax.adam(1e-3), wrt=nnx.Param)
+      self._step = nnx.jit(nnx_train_step, donate_argnums=(0, 1))
+
+  def step(self):
+    self._step(self.model, self.optimizer, *self.batch)
+    return nnx.state(self.optimizer)  # what to wait for: the step counter and moments
+
+
+def make_runner(row: str, workload: str, folder):
+  return (NNXRunner if row.startswith("NNX") else Runner)(row, workload, folder)
+
+
 def peak_rss_mb(row: str, workload: str, steps: int) -> float:
   """Peak RSS of a fresh process that runs ``steps`` steps of one configuration."""
   # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork/exec.
   code = (f"import jax; from benchmarks import overhead;"
-          f"r = overhead.Runner({row!r}, {workload!r}, {tempfile.mkdtemp()!r})\n"
+          f"r = overhead.make_runner({row!r}, {workload!r}, {tempfile.mkdtemp()!r})\n"
           f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
           f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return int(out.stdout.split()[-1]) / 1024
 
 
-def measure(workload: str, rounds: int, block: int, rss: bool) -> list[list]:
+def measure(workload: str, rounds: int, block: int, rss: bool,
+            rows: list[str] = ROWS) -> list[list]:
   folder = tempfile.mkdtemp(prefix="zkdv-overhead-")
-  runners = {row: Runner(row, workload, folder) for row in ROWS}
+  runners = {row: make_runner(row, workload, folder) for row in rows}
   for r in runners.values():  # warm-up: compile, first commitments
     for _ in range(3):
       jax.block_until_ready(r.step())
     r.settle()
-  times = {row: [] for row in ROWS}
+  times = {row: [] for row in rows}
   for _ in range(rounds):
     for row, r in runners.items():
       for _ in range(block):
@@ -164,9 +207,12 @@ def main(argv=None):
   parser.add_argument("--block", type=int, default=5)
   parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
   parser.add_argument("--json", default=None, help="also write the tables to this file")
+  parser.add_argument("--rows", nargs="+", default=None, choices=ROWS, metavar="ROW",
+                      help=f"only these rows (with {' and '.join(BASELINES)}); one of {ROWS}")
   args = parser.parse_args(argv)
   names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-  results = {n: measure(n, args.rounds, args.block, not args.no_rss) for n in names}
+  rows = ROWS if args.rows is None else [r for r in ROWS if r in BASELINES or r in args.rows]
+  results = {n: measure(n, args.rounds, args.block, not args.no_rss, rows) for n in names}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)

@@ -4,7 +4,12 @@ Every run checks every step (update check probability 1), is compared leaf by le
 (dtype and bytes) with the same training under plain ``nnx.jit``, and is verified.
 """
 
+import contextlib
 import copy
+import io
+import pathlib
+import runpy
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +223,22 @@ class NNXTest(parameterized.TestCase):
     nnx.jit(train_step)(model, optimizer, *_batches((4,), (8,))[0])
     self.assertEqual(int(optimizer.step[...]), 1)
     self.assertEqual(proof.steps, 0)
+
+
+class NNXExampleTest(absltest.TestCase):
+
+  def test_example_program_verifies(self):
+    out = pathlib.Path(tempfile.mkdtemp())
+    example = pathlib.Path(__file__).parents[1] / "examples/jax/proof_nnx.py"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      runpy.run_path(str(example), run_name="example").get("main")(
+          ["--steps", "1", "--probability", "1.0", "--output-dir", str(out)])
+    self.assertIn("step 1: loss", printed.getvalue())  # the step's jax.debug.print
+    self.assertIn("jax-nnx: 1 steps, 1 update checks", printed.getvalue())
+    self.assertIn(f"zkdv verify {out / 'jax-nnx'}", printed.getvalue())
+    report = verify.verify(out / "jax-nnx")
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
 
 
 class NNXErrorsTest(absltest.TestCase):
