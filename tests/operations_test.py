@@ -4,6 +4,7 @@ Against real ``dvbench serve`` processes (SQLite and PostgreSQL where the databa
 decides), real worker and verifier processes, real kernels' namespaces and Landlock.
 """
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 
+import cbor2
 import httpx
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -84,6 +86,19 @@ def fresh_database(backend: str) -> str:
   return _PG.url.rsplit("/", 1)[0] + "/" + name
 
 
+def send_steps_until_refused(prover: FakeProver) -> bytes:
+  """Sends steps (the server challenges none) until a request fails; returns the record
+  whose envelope got no answer."""
+  while True:
+    raw = prover.step_record()
+    try:
+      response = prover.send(raw)
+    except httpx.TransportError:
+      return raw
+    assert response.status_code == 200, response.text
+    prover.state, prover.steps = cbor2.loads(raw)["post_state"], prover.steps + 1
+
+
 def closed_proof(url: str, token: str, experiment: str, steps: int = 2) -> FakeProver:
   prover = FakeProver(url, token, experiment).start()
   prover.run(steps)
@@ -138,16 +153,21 @@ class SupervisionTest(absltest.TestCase):
     wait_until(lambda: not processes_mentioning(str(server.data)), timeout=10)
 
   def test_kill_9_of_the_server_during_ingestion_and_verification(self):
-    server = self.server()
+    server = self.server("--min-update-check-probability", "0")  # steps only, no challenges
     token = server.token("alice")
     ingesting = FakeProver(server.url, token, "alice/ingest").start()
-    ingesting.run(3)
     verifying = closed_proof(server.url, token, "alice/verify")
     wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
-    server.kill_server_only()  # mid-ingestion of one proof, mid-verification of the other
+    uploads = concurrent.futures.ThreadPoolExecutor(1).submit(send_steps_until_refused, ingesting)
+    wait_until(lambda: ingesting.steps >= 2)
+    server.kill_server_only()  # with a step in flight, and the other proof mid-verification
+    in_flight = uploads.result(timeout=60)
     self.assert_no_process_left(server)  # workers and verifier children died with it
     server.start()  # the same data folder and port
-    ingesting.run(2)
+    resent = ingesting.send(in_flight)  # its ack may have been lost: the same envelope again
+    self.assertEqual(resent.status_code, 200, resent.text)
+    ingesting.state, ingesting.steps = cbor2.loads(in_flight)["post_state"], ingesting.steps + 1
+    ingesting.run(1)
     ingesting.finish()
     for prover in (ingesting, verifying):
       wait_until(lambda p=prover: server.settled(p.proof_id), timeout=120)
