@@ -81,8 +81,8 @@ def _starts_with_root(records: pathlib.Path) -> bool:
       first = cbor2.CBORDecoder(f).decode()
   except OSError:
     return True
-  except (cbor2.CBORDecodeError, EOFError, MemoryError, OverflowError, ValueError):
-    return False
+  except (cbor2.CBORDecodeError, EOFError, OverflowError, ValueError):
+    return False  # a MemoryError propagates: a resource limit, not a malformed file
   return isinstance(first, dict) and first.get("type") == "root"
 
 
