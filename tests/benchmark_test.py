@@ -92,11 +92,13 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
                       headers={"Authorization": f"Bearer {client.token}"})
 
   def honest_record(self, **fields) -> dict:
-    """The honest checkpoint's submission record (its blobs are uploaded by its owner)."""
+    """The honest checkpoint's submission record, its blobs uploaded by its owner."""
     layouts, values = tree_layouts(serialization.msgpack_restore(self.honest.read_bytes()))
+    blobs = [blake3.blake3(v.tobytes()).digest() for v in values]
+    for blob, value in zip(blobs, values):
+      self.submitter.http.put_blob(self.honest_proof, blob.hex(), value.tobytes)
     return {"type": "submission", "proof_id": self.honest_proof,
-            "params_layout": [l.to_record() for l in layouts],
-            "params_blobs": [blake3.blake3(v.tobytes()).digest() for v in values],
+            "params_layout": [l.to_record() for l in layouts], "params_blobs": blobs,
             "training_proofs": [], **fields}
 
   def test_end_to_end_honest_ranked_contaminated_shown_unranked_in_a_browser(self):
@@ -275,6 +277,10 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     response = self.raw_submit(self.submitter, self.honest_record(training_proofs=unprobed))
     self.assertEqual(response.status_code, 409)
     self.assertIn("is not a probed row of proof", response.json()["error"])
+    response = self.raw_submit(self.submitter, self.honest_record(
+        training_proofs=[proofs[0], proofs[0]]))
+    self.assertEqual(response.status_code, 400)
+    self.assertIn(f"row {row.hex()} is proven twice", response.json()["error"])
     unpinned = self.submitter.benchmark("alice/any-program")
     with self.refused(400, "'alice/any-program' registers no training set; send none"):
       unpinned.submit(self.honest_proof, self.honest, training_set=self.training_set)

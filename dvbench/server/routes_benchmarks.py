@@ -418,8 +418,12 @@ class BenchmarkRoutes:
       raise HTTPException(409, f"proof {proof['id']} probed no batch rows, so its rows cannot "
                           f"be shown to be in the training set '{name}' pins: train with "
                           "proof.start(probe_ratio=...) above 0.")
-    members = []
+    if len(entries) > len(probed):
+      raise _bad("training_proofs", f"at most one per probed row ({len(probed)}).")
+    members = set()
     for row, index, path in entries:
+      if row.hex() in members:
+        raise _bad("training_proofs", f"row {row.hex()} is proven twice.")
       if row.hex() not in probed or not self.store.has_proof_blob(proof["id"], row.hex()):
         raise HTTPException(409, f"row {row.hex()} is not a probed row of proof "
                             f"{proof['id']}: training_proofs prove the rows its probes opened.")
@@ -428,8 +432,8 @@ class BenchmarkRoutes:
         raise HTTPException(409, f"the membership proof of probed row {row.hex()} (index "
                             f"{index}) does not lead to the root {pin['root'].hex()} of the "
                             f"training set '{name}' pins.")
-      members.append(row.hex())
-    return members
+      members.add(row.hex())
+    return sorted(members)
 
   async def get_submission(self, request):
     def submission():
