@@ -19,6 +19,7 @@ from dvbench.benchmark import TrainingSet, export_evaluation
 from dvbench.measurement import tree_layouts
 from tests.dvbench_test import DVBenchTestCase, local_transcript
 from tests.measurement_test import Rows, _model, browse, train, tutorial_steps_batch
+from zkdv import merkle
 
 # Rows of 4 tokens and a label (the first token), none of them a row of the tutorial batch.
 EVAL_ROWS = np.asarray([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1, 0, 1, 1],
@@ -341,6 +342,27 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertIn("data-ranked='false' data-strict='false'", page)
     self.assertIn("unranked: the proof does not pass --strict (start: does not hold)", page)
     self.assertIn("<td>unattested</td>", page)
+
+
+class TrainingSetTest(absltest.TestCase):
+
+  def test_every_row_of_every_leaf_is_proven_against_the_root(self):
+    rows = {"x": np.arange(15, dtype=np.float32).reshape(5, 3),
+            "y": np.asarray([7, 8, 9, 7, 1], np.int32)}  # row 3 of y repeats row 0
+    train_set = TrainingSet(rows)
+    self.assertEqual(train_set.size, 10)
+    row_bytes = [r.tobytes() for r in rows["x"]] + [r.tobytes() for r in rows["y"]]
+    digests = [blake3.blake3(r).digest() for r in row_bytes]
+    outsider = blake3.blake3(np.float32([1, 2, 3]).tobytes()).digest()
+    proofs = train_set.membership_proofs(digests + [outsider])
+    self.assertLen(proofs, 9)  # the repeated row once, the outsider left out
+    for digest_, index, path in proofs:
+      self.assertEqual(digests[index], digest_)
+      self.assertTrue(merkle.verify_inclusion(merkle.leaf_hash(row_bytes[index]), index,
+                                              train_set.size, path, train_set.root))
+      self.assertFalse(merkle.verify_inclusion(merkle.leaf_hash(b"another row"), index,
+                                               train_set.size, path, train_set.root))
+    self.assertEqual({p[1] for p in proofs if p[0] == digests[8]}, {5})  # the first 7
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ blob_refs = sa.Table(
 jobs = sa.Table(
     "jobs", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("kind", sa.String(20), nullable=False),  # "proof" or "measurement"
-    sa.Column("subject", sa.String(64), nullable=False),  # the proof or measurement id
+    sa.Column("kind", sa.String(20), nullable=False),  # "proof", "measurement", "score-shard"
+    sa.Column("subject", sa.String(64), nullable=False),  # the proof, measurement or shard id
     sa.Column("state", sa.String(20), nullable=False),  # queued, running, done, failed
     sa.Column("lease_owner", sa.String(100)),
     sa.Column("lease_expires", sa.Float),
