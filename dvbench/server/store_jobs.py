@@ -272,12 +272,13 @@ class JobQueries:
           measurements.c.id == measurement_id)).mappings().first()
     return dict(row) if row else None
 
-  def list_measurements(self) -> list[dict]:
+  def list_measurements(self, limit: int = 1000) -> list[dict]:
+    """The first ``limit`` measurements by metric, then age (what one page shows)."""
     query = (sa.select(measurements, experiments.c.full_name.label("experiment"),
                        proofs.c.state.label("proof_state"), proofs.c.steps)
              .select_from(measurements.join(experiments).join(
                  proofs, proofs.c.id == measurements.c.proof_id))
-             .order_by(measurements.c.metric, measurements.c.created_at))
+             .order_by(measurements.c.metric, measurements.c.created_at).limit(limit))
     with self.engine.connect() as conn:
       return [dict(r) for r in conn.execute(query).mappings()]
 
