@@ -378,8 +378,9 @@ class TokenTest(absltest.TestCase):
 
   def test_revoked_and_expired_tokens_get_401_saying_what_to_do(self):
     store = self.server.store()
-    token = self.token_cli("create", "bob", "--name", "bob-ci").stdout.strip()
-    _, short = store.create_token("bob", "bob-short", expires_in_days=0.00001)  # 0.864 s
+    _, token = store.create_token("bob", "bob-ci")
+    short = self.token_cli("create", "bob", "--name", "bob-short",
+                           "--expires-in", "0.00001").stdout.strip()  # 0.864 s
     self.assertEqual(self.write(token).status_code, 201)
     self.assertEqual(self.token_cli("revoke", "bob-ci").returncode, 0)
     refused = self.write(token)
