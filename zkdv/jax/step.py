@@ -220,13 +220,14 @@ class _Call:
   def program_key(self) -> tuple:
     """Calls with equal keys run the same program: as ``jax.jit``, a call with
     other shapes, dtypes or weak types traces again."""
-    return self.in_tree, self.positions, self.placement, tuple(map(jax.typeof, self.leaves))
+    return self.in_tree, self.positions, self.placement, tuple(
+        (x.shape, x.dtype, _weak_type(x)) for x in self.leaves)
 
   @property
   def specs(self) -> list[jax.ShapeDtypeStruct]:
     """The leaves' types; weak types kept (a Python scalar, Flax's ``step=0``) as
     ``jax.jit`` keeps them, so the step computes in the dtypes ``jax.jit`` would."""
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=_weak_type(x))
             for x in self.leaves]
 
 
@@ -248,6 +249,10 @@ def _mesh_sharding(x) -> jax.sharding.NamedSharding | None:
   if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
     return sharding
   return None
+
+
+def _weak_type(x: jax.Array) -> bool:
+  return getattr(x, "weak_type", False)  # a PRNG key array has none
 
 
 def _avals(leaves) -> list:
