@@ -26,6 +26,7 @@ from zkdv import challenge
 from zkdv import digest
 from zkdv import errors
 from zkdv import merkle
+from zkdv import metrics
 from zkdv.jax import arrays
 from zkdv.jax import processes
 from zkdv.jax import replay
@@ -57,6 +58,7 @@ class StepJob:
       gathered on the training thread for the checks.
     snapshot: whether ``opened`` holds the whole inputs a pending step's
       successors are recomputed from (``retention="snapshot"``).
+    metrics: (name, output) of the step's outputs beside the post-state.
   """
 
   index: int
@@ -71,6 +73,7 @@ class StepJob:
   decision: challenge.Decision | None = None
   checked: tuple | None = None
   snapshot: bool = False
+  metrics: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -260,12 +263,16 @@ class Committer:
     pre_pieces = None if pre is None else processes.merge([g[1] for g in gathered],
                                                            "pre-state")
     pre_digest = self._pre_digest(program, job.index, pre_pieces)
-    self.writer.append({
+    record = {
         "type": "step", "index": job.index, "program": self._program_numbers[program.program_id],
         "pre_state": pre_digest, "post_state": post_digest,
         "batch": digest.batch_digest(program.batch_layouts,
                                      [digest.tree_root(t) for t in trees[0]]),
-    })
+    }
+    step_metrics = _step_metrics(job.metrics)
+    if step_metrics:
+      record["metrics"] = step_metrics
+    self.writer.append(record)
     if job.index == 0 and self._init is not None:  # links the attested start to step 0
       self.writer.append({"type": "check", "step": 0, "kind": "start",
                           "pre_state_pieces": pre_pieces})
@@ -430,6 +437,13 @@ class Committer:
         final["final_params"] = digest.params_digest(
             [dataclasses.replace(l, pieces=None) for l in last.layouts], whole, params)
     self.writer.append(final, durable=True)
+
+
+def _step_metrics(outputs: list) -> dict:
+  """The committed value of each output beside the post-state (``zkdv.metrics``); an
+  output this process cannot read whole (sharded across processes) is left out."""
+  return {name: metrics.encode(arrays.host_view(x)) for name, x in outputs
+          if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated}
 
 
 def _row_bytes(array: np.ndarray, rows: int, row: int) -> np.ndarray:

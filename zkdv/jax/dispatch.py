@@ -59,6 +59,7 @@ class Dispatcher:
     if committer.program_number(program) is None:
       committer.submit_program(program)
     job.post, job.post_started = post, self._digests.start_state(post, program.post_layouts)
+    job.metrics = [(name, outs[i]) for name, i in program.metric_outputs]
     if multi and decision.any_check:  # collectives stay on this thread
       job.checked = ([arrays.gather(x) for x in post],
                      program.replay_sharded(job.opened) if decision.update else None)

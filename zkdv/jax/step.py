@@ -15,6 +15,7 @@ Example::
 import dataclasses
 import functools
 import inspect
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 
 from zkdv import errors
+from zkdv import metrics
 from zkdv.digest import LeafLayout
 from zkdv.interpreters import debug_calls as debug_calls_lib
 from zkdv.interpreters.find import find_updates
@@ -152,6 +154,7 @@ class Program:
   compiler_options: dict | None
   debug_calls: list = dataclasses.field(default_factory=list)  # emitted after each run
   post_layouts: list[LeafLayout] | None = None  # as it returns it; set by the first run
+  metric_outputs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
   _replay: Callable | None = None
   _replay_sharded: Any = None
 
@@ -284,6 +287,32 @@ def _paths(tree) -> list[str]:
   return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _key(entry):
+  """A key path entry's dict key, attribute name or index."""
+  for field in ("key", "name", "idx"):
+    if hasattr(entry, field):
+      return getattr(entry, field)
+  return str(entry)
+
+
+def _metric_outputs(out_shape, post_indices: list[int]) -> list[tuple[str, int]]:
+  """(metric name, flat output index) of each output beside the post-state.
+
+  Example: a step returning ``(state, {"loss": l})`` has ``[("loss", n)]``,
+  ``n`` the number of state leaves. Past ``metrics.MAX_METRICS`` outputs, the
+  rest are not committed (a warning says so).
+  """
+  post = set(post_indices)
+  paths = [(i, tuple(_key(k) for k in path)) for i, (path, _) in
+           enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]) if i not in post]
+  if len(paths) > metrics.MAX_METRICS:
+    logging.getLogger("zkdv").warning(
+        "ZKDV: the step returns %d outputs beside the state; the first %d are committed as "
+        "step metrics, the rest are not.", len(paths), metrics.MAX_METRICS)
+    paths = paths[:metrics.MAX_METRICS]
+  return list(zip(metrics.output_names([p for _, p in paths]), [i for i, _ in paths]))
+
+
 class ProofFunction:
   """A training step compiled by ``proof.jit`` (or ``proof.attest``).
 
@@ -362,9 +391,13 @@ class ProofFunction:
     executable = self._compile(call, exported, blob, exact, donated, shardings)
     self._proof.register(self)
     program_id = blake3.blake3(blob).digest()
+    metric_outputs = _metric_outputs(out_shape, post_indices)
+    record = self._record(program_id, call, inputs, exported, post_indices, exact)
+    if metric_outputs:
+      record["metric_outputs"] = [list(m) for m in metric_outputs]
     return Program(
-        program_id=program_id, blob=blob, exact=exact,
-        record=self._record(program_id, call, inputs, exported, post_indices, exact),
+        program_id=program_id, blob=blob, exact=exact, record=record,
+        metric_outputs=metric_outputs,
         avals=_avals(call.leaves), out_tree=jax.tree.structure(out_shape),
         state_indices=inputs.state_indices, batch_indices=inputs.batch_indices,
         post_indices=post_indices, state_layouts=inputs.state_layouts,

@@ -17,6 +17,7 @@ import numpy as np
 
 from zkdv import digest
 from zkdv import errors
+from zkdv import metrics
 from zkdv import transcript
 from zkdv.verify import probes
 from zkdv.verify import start
@@ -111,14 +112,16 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   if ctx.options.replay == "none":
     outcome.status = "not replayed"
     return outcome
-  replayed = ctx.programs.replay(program, *opened, where)
-  if replayed is None:
+  outputs = ctx.programs.replay_outputs(program, *opened, where)
+  if outputs is None:
     return outcome
+  replayed = [outputs[i] for i in program.post_state_outputs]
   if program.exact:
     ok = digest.digest_state_arrays(program.post, replayed)[0] == step.post_state
     if not ok:
       ctx.report.fail("replay", where, "replaying the update program does not reproduce "
                       "the committed post-state bit for bit.")
+    ok = _metrics_match(ctx, step, program, outputs, where) and ok
     outcome.status = "verified" if ok else "failed"
     return outcome
   result = ctx.programs.compare(program.state, replayed, post, exact=False,
@@ -131,6 +134,21 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
     ctx.report.fail("replay", where, f"replay differs beyond tolerance in "
                     f"{result['mismatched_leaves']} (max abs {result['max_abs_error']:.3g}).")
   return outcome
+
+
+def _metrics_match(ctx: Verification, step, program, outputs, where: str) -> bool:
+  """Whether each metric the step committed is what the replay computes, bit for bit."""
+  ok = True
+  for name, committed in step.metrics.items():
+    index = program.metric_outputs[name]
+    replayed = (metrics.encode(outputs[index]) if index < len(outputs)
+                else "no such output")
+    if not metrics.identical(replayed, committed):
+      ctx.report.fail("replay", where, f"step {step.index}: metric {name!r} is committed as "
+                      f"{metrics.describe(committed)} but the replay computes "
+                      f"{metrics.describe(replayed)}.")
+      ok = False
+  return ok
 
 
 CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_check,

@@ -96,10 +96,15 @@ class ProgramLoader:
   def replay(self, program: Program, pre, batch, where: str):
     """The post-state the program computes from ``pre`` and ``batch``; None (with a
     finding) when it cannot run here."""
+    outs = self.replay_outputs(program, pre, batch, where)
+    return None if outs is None else [outs[i] for i in program.post_state_outputs]
+
+  def replay_outputs(self, program: Program, pre, batch, where: str):
+    """Every output the program computes from ``pre`` and ``batch`` (the post-state
+    and the step's metrics); None (with a finding) when it cannot run here."""
     state, rows = iter(zip(pre, program.state)), iter(zip(batch, program.batch))
     inputs = [next(state if kind == "state" else rows) for kind in program.inputs]
-    outs = self.run(program, inputs, where)
-    return None if outs is None else [outs[i] for i in program.post_state_outputs]
+    return self.run(program, inputs, where)
 
   def run(self, program, inputs, where: str):
     """Every output of ``program`` (a Program or the Init) on ``inputs``, [(array,

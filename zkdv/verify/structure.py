@@ -18,6 +18,7 @@ import blake3
 
 from zkdv import digest
 from zkdv import errors
+from zkdv import metrics
 from zkdv import transcript as transcript_lib
 from zkdv.verify.report import UNVERIFIABLE, Report
 
@@ -51,9 +52,9 @@ SCHEMAS = {
                        "post_state_outputs": list, "platforms": list},
                       frozenset({"function", "params_leaves", "static_arguments",
                                  "compiler_options", "nr_devices", "collectives",
-                                 "processes", "post_state_layout"})),
+                                 "processes", "post_state_layout", "metric_outputs"})),
     "step": Schema({"index": int, "program": int, "pre_state": bytes, "batch": bytes,
-                    "post_state": bytes}),
+                    "post_state": bytes}, frozenset({"metrics"})),
     "check": Schema({"step": int, "kind": str},
                     frozenset({"pre_state_blobs", "batch_blobs", "result", "pre_state_pieces",
                                "post_state_blobs", "batch_roots", "probes"})),
@@ -92,6 +93,7 @@ class Program:
   compiler_options: dict | None
   blob: bytes | None  # None: missing or not matching its id (already a finding)
   where: str
+  metric_outputs: dict = dataclasses.field(default_factory=dict)  # name -> output index
 
   @property
   def exact(self) -> bool:
@@ -127,6 +129,7 @@ class Step:
   post_state: bytes
   record_id: bytes
   where: str
+  metrics: dict = dataclasses.field(default_factory=dict)  # name -> committed value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +293,23 @@ def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
   return Program(rec["number"], rec["program_id"], rec["mode"], state, post, batch,
                  tuple(rec["inputs"]), tuple(outputs), tuple(params),
                  tuple(rec["platforms"]), rec.get("collectives"),
-                 rec.get("compiler_options"), blob, where)
+                 rec.get("compiler_options"), blob, where,
+                 _metric_outputs(rec.get("metric_outputs", []), outputs))
+
+
+def _metric_outputs(pairs, post_outputs) -> dict:
+  """name -> output index of a program's ``metric_outputs``, checked."""
+  if not isinstance(pairs, list) or len(pairs) > metrics.MAX_METRICS:
+    raise ValueError(f"metric_outputs is not a list of at most {metrics.MAX_METRICS} pairs")
+  named = {}
+  for pair in pairs:
+    if not (isinstance(pair, list) and len(pair) == 2 and metrics.valid_name(pair[0])
+            and isinstance(pair[1], int) and not isinstance(pair[1], bool) and pair[1] >= 0):
+      raise ValueError(f"metric output {str(pair)[:60]} is not [name, output index]")
+    if pair[0] in named or pair[1] in named.values() or pair[1] in post_outputs:
+      raise ValueError(f"metric output {pair[0]!r} repeats a name or an output")
+    named[pair[0]] = pair[1]
+  return named
 
 
 def _read_init(model, parsed, where, report) -> None:
@@ -316,10 +335,19 @@ def _read_step(model, parsed, where, report) -> None:
   expected = len(model.steps)
   if rec["index"] != expected:
     report.fail("step_index", where, f"step index {rec['index']}, expected {expected}.")
-  if rec["program"] not in model.programs:
+  program = model.programs.get(rec["program"])
+  if program is None:
     report.fail("program_id", where, "step refers to a program not declared before it.")
+  step_metrics = rec.get("metrics", {})
+  problems = metrics.problems(step_metrics)
+  if not problems and program is not None:
+    problems = [f"metric {name!r} is not an output of program {program.number}"
+                for name in step_metrics if name not in program.metric_outputs]
+  if problems:
+    report.fail("schema", where, f"step {expected}: {'; '.join(problems[:3])}.")
+    step_metrics = {}
   model.steps.append(Step(expected, rec["program"], rec["pre_state"], rec["batch"],
-                          rec["post_state"], parsed.record_id, where))
+                          rec["post_state"], parsed.record_id, where, step_metrics))
 
 
 def _read_check(model, parsed, where, report) -> None:
