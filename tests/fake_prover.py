@@ -104,15 +104,17 @@ class FakeProver:
       self.records += raws
     return response
 
-  def step_record(self, faked: bool = False) -> bytes:
+  def step_record(self, faked: bool = False, metrics: dict | None = None) -> bytes:
     batch = digest(b"batch %d" % self.steps)
     post = digest((b"faked" if faked else b"honest") + self.state + batch)
     return self.chain({"type": "step", "index": self.steps, "program": 0,
-                       "pre_state": self.state, "batch": batch, "post_state": post})
+                       "pre_state": self.state, "batch": batch, "post_state": post,
+                       **({"metrics": metrics} if metrics is not None else {})})
 
-  def step(self, faked: bool = False) -> dict:
-    """Sends the next step; returns its ack (raises on refusal)."""
-    raw = self.step_record(faked)
+  def step(self, faked: bool = False, metrics: dict | None = None) -> dict:
+    """Sends the next step (with its committed ``metrics``); returns its ack (raises on
+    refusal)."""
+    raw = self.step_record(faked, metrics)
     response = self.send(raw)
     if response.status_code != 200:
       raise AssertionError(f"step {self.steps} refused: {response.text}")
@@ -154,12 +156,13 @@ class FakeProver:
     return [challenge.decide(c["step"], bytes.fromhex(c["challenge"]), self.policy)
             for c in ack["challenges"]]
 
-  def run(self, steps: int, faked=(), skip_answer=()) -> RunOutcome:
-    """``steps`` steps; challenges answered except on faked steps and ``skip_answer``."""
+  def run(self, steps: int, faked=(), skip_answer=(), metrics=None) -> RunOutcome:
+    """``steps`` steps; challenges answered except on faked steps and ``skip_answer``;
+    ``metrics(t)`` gives step t's committed metrics."""
     outcome = RunOutcome()
     for _ in range(steps):
       t = self.steps
-      ack = self.step(faked=t in faked)
+      ack = self.step(faked=t in faked, metrics=None if metrics is None else metrics(t))
       outcome.step_ids[t] = record_id(self.records[-1])
       for decision in self.decisions(ack):
         outcome.decisions[decision.step] = decision

@@ -130,7 +130,7 @@ def _human_report(report: verify_lib.Report) -> str:
                  f"abs {max(c.max_abs_error for c in report.checks):.3g}, "
                  f"rel {max(c.max_rel_error for c in report.checks):.3g}, "
                  f"ulp {max(c.max_ulp_error for c in report.checks)}"))
-  rows.append(("probed batch rows", str(report.probed_rows)))
+  rows.append(("batch rows opened as probes", str(report.probed_rows)))
   rows.append(("discontinuities", ", ".join(map(str, report.discontinuities)) or "none"))
   if report.receipt:
     rows.append(("receipt", f"signed by {report.receipt['server_key'][:16]}, says "

@@ -27,7 +27,7 @@ from dvbench.server.guard import Guard
 from dvbench.server.routes_benchmarks import benchmark_routes
 from dvbench.server.routes_blobs import blob_routes
 from dvbench.server.routes_measurements import measurement_routes
-from dvbench.server.routes_pages import page_routes
+from dvbench.server.routes_pages import not_found_page, page_routes
 from dvbench.server.routes_proofs import proof_routes
 from dvbench.server.routes_stream import stream_routes
 from dvbench.server.service import Service
@@ -63,6 +63,10 @@ class SecurityHeaders:
 
 
 async def _http_error(request, exc: HTTPException):
+  """API paths answer JSON errors; an unknown page answers a browser an HTML page."""
+  if exc.status_code == 404 and not request.url.path.startswith("/api/"):
+    return not_found_page(request, str(exc.detail) if exc.detail != "Not Found" else
+                          f"there is no page at {request.url.path[:200]}.")
   return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 

@@ -263,6 +263,12 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     """The newest ``limit`` proofs (``page_proofs`` pages further)."""
     return self.page_proofs(limit, experiment_id=experiment_id)[0]
 
+  def proof_counts(self) -> dict[int, int]:
+    """experiment id -> its number of proofs."""
+    with self.engine.connect() as conn:
+      return dict(conn.execute(sa.select(proofs.c.experiment_id, sa.func.count()).group_by(
+          proofs.c.experiment_id)).all())
+
   def set_proof_state(self, proof_id: str, state: str, failure: str | None = None,
                       conn=None, **fields) -> None:
     if state not in PROOF_STATES:

@@ -6,13 +6,14 @@ Every function takes ``url(name, **params)``, the app's named routes, e.g.
 
 Example::
 
-  html = index(url, experiments, proofs)
+  html = index(url, experiments, counts, proofs, page=1, total=len(proofs))
 """
 
 import datetime
 import html
 from collections.abc import Callable
 
+from dvbench.server import charts
 from dvbench.server.labels import SELF_AUDITED
 
 e = html.escape
@@ -36,33 +37,125 @@ def _page(url: Url, title: str, body: str) -> str:
   return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{e(title)} · DVBench</title>
 <link rel="stylesheet" href="{e(url('static', path='/style.css'))}"></head><body>
-<nav><a href="{e(url('index'))}">Proofs</a><a href="{e(url('leaderboard'))}">Leaderboard</a></nav>
+<nav><a href="{e(url('index'))}">Experiments and proofs</a><a href="{e(url('leaderboard'))}">Leaderboard</a></nav>
 <h1>{e(title)}</h1>
 {body}
 </body></html>"""
 
 
-def index(url: Url, experiments: list[dict], proofs: list[dict]) -> str:
-  rows = "".join(
+PAGE_SIZE = 50  # proofs per page of the index
+FAILURE_SUMMARY = 120  # characters of a failure shown in a table
+
+
+def failure_summary(failure: str | None) -> str:
+  """The first line of a failure, cut at FAILURE_SUMMARY characters (the proof page has it all)."""
+  if not failure:
+    return ""
+  line = failure.strip().splitlines()[0] if failure.strip() else ""
+  return line if len(line) <= FAILURE_SUMMARY else line[:FAILURE_SUMMARY - 1] + "…"
+
+
+def experiment_link(url: Url, full_name: str) -> str:
+  owner, name = full_name.split("/", 1)
+  return (f"<a class='experiment' href='{e(url('experiment_page', owner=owner, name=name))}'>"
+          f"{e(full_name)}</a>")
+
+
+def _proof_rows(url: Url, proofs: list[dict], with_experiment: bool = True) -> str:
+  return "".join(
       f"<tr data-proof='{e(p['id'])}' data-state='{e(p['state'])}'>"
-      f"<td>{e(p['experiment'])}</td>"
-      f"<td><a href='{e(url('proof_page', proof_id=p['id']))}'><code>{e(p['id'][:16])}…"
-      f"</code></a></td>"
-      f"<td class='num'>{p['steps']}</td><td class='num'>{p['records']}</td>"
-      f"<td>{_badge(p['state'])}</td><td>{e(p['failure'] or '')}</td>"
-      f"<td>{_time(p['updated_at'])}</td></tr>" for p in proofs)
+      + (f"<td>{experiment_link(url, p['experiment'])}</td>" if with_experiment else "")
+      + f"<td><a href='{e(url('proof_page', proof_id=p['id']))}'><code>{e(p['id'][:16])}…"
+      f"</code></a></td><td>{e(p['name'])}</td>"
+      f"<td class='num'>{p['steps']}</td>"
+      f"<td>{_badge(p['state'])}</td><td class='failure'>{e(failure_summary(p['failure']))}</td>"
+      f"<td class='nowrap'>{_time(p['updated_at'])}</td></tr>" for p in proofs)
+
+
+_PROOF_HEADS = ("<th>transcript</th><th>run name</th><th>steps</th><th>state</th>"
+                "<th>failure</th><th>updated</th>")
+
+
+def _pager(url: Url, page: int, total: int) -> str:
+  pages = max(1, -(-total // PAGE_SIZE))
+  links = []
+  if page > 1:
+    links.append(f"<a rel='prev' href='{e(url('index'))}?page={page - 1}'>← newer</a>")
+  links.append(f"page {page} of {pages} ({total} proofs)")
+  if page < pages:
+    links.append(f"<a rel='next' href='{e(url('index'))}?page={page + 1}'>older →</a>")
+  return f"<p class='pager'>{' · '.join(links)}</p>"
+
+
+def index(url: Url, experiments: list[dict], counts: dict[int, int], proofs: list[dict],
+          page: int, total: int) -> str:
+  """Experiments (each links to its page) and one page of proofs, newest first."""
   exp_rows = "".join(
-      f"<tr><td>{e(x['full_name'])}</td>"
-      f"<td class='num'>{sum(p['experiment'] == x['full_name'] for p in proofs)}</td></tr>"
-      for x in experiments)
+      f"<tr data-experiment='{e(x['full_name'])}'><td>{experiment_link(url, x['full_name'])}</td>"
+      f"<td class='num'>{counts.get(x['id'], 0)}</td></tr>" for x in experiments)
+  experiments_html = (
+      f"<table id='experiments'><tr><th>experiment</th><th>proofs</th></tr>{exp_rows}</table>"
+      if experiments else "<p class='empty'>No experiments yet. A run creates one with "
+      "<code>dvbench.Client(URL).experiment(\"owner/name\").proof(...)</code>.</p>")
+  proofs_html = (
+      f"<table id='proofs'><tr><th>experiment</th>{_PROOF_HEADS}</tr>"
+      f"{_proof_rows(url, proofs)}</table>{_pager(url, page, total)}"
+      if proofs else "<p class='empty'>No proofs on this page.</p>" if total else
+      "<p class='empty'>No proofs yet.</p>")
   return _page(url, "DVBench", f"""
 <p>Proofs are verified by server-side replay of the checks DVBench chose; only
 {_badge('verified')} proofs count.</p>{_STATES}
-<h2>Experiments</h2>
-<table id="experiments"><tr><th>experiment</th><th>proofs</th></tr>{exp_rows}</table>
-<h2>Proofs</h2>
-<table id="proofs"><tr><th>experiment</th><th>transcript</th><th>steps</th><th>records</th>
-<th>state</th><th>failure</th><th>updated</th></tr>{rows}</table>""")
+<h2>Experiments</h2>{experiments_html}
+<h2>Proofs</h2>{proofs_html}""")
+
+
+def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dict,
+               measurements: list[dict]) -> str:
+  """An experiment: its latest proof's state and metrics, its proofs and measurements."""
+  if proofs:
+    latest = proofs[0]
+    values = "".join(
+        f"<tr data-metric='{e(n)}'><th>{e(n)}</th><td class='num'>{e(_metric_text(v))}</td></tr>"
+        for n, v in latest_metrics.items())
+    latest_html = f"""<table id="latest">
+<tr><th>latest proof</th><td><a href='{e(url('proof_page', proof_id=latest['id']))}'><code>
+{e(latest['id'][:16])}…</code></a> {_badge(latest['state'])}</td></tr>
+<tr><th>steps</th><td>{latest['steps']}</td></tr>
+<tr><th>updated</th><td>{_time(latest['updated_at'])}</td></tr>{values}</table>""" + (
+        "" if latest_metrics else "<p class='empty'>The latest proof has committed no step "
+        "metrics yet.</p>")
+    proofs_html = (f"<table id='proofs'><tr>{_PROOF_HEADS}</tr>"
+                   f"{_proof_rows(url, proofs, with_experiment=False)}</table>")
+  else:
+    latest_html = ""
+    proofs_html = (f"<p class='empty'>No proofs yet. A run sends one with "
+                   f"<code>dvbench.Client(URL).experiment(\"{e(full_name)}\").proof(backend="
+                   "\"jax\")</code>.</p>")
+  measured = "".join(
+      f"<tr data-measurement='{e(m['id'])}' data-state='{e(m['state'])}'><td>{e(m['metric'])}</td>"
+      f"<td class='num'>{m['value']:.6g}</td><td>{_badge(m['state'])}</td>"
+      f"<td><a href='{e(url('proof_page', proof_id=m['proof_id']))}'>proof</a></td></tr>"
+      for m in measurements)
+  measured_html = (f"<table id='measurements'><tr><th>metric</th><th>value</th><th>state</th>"
+                   f"<th></th></tr>{measured}</table>" if measurements else
+                   "<p class='empty'>No measurements yet.</p>")
+  return _page(url, f"Experiment {full_name}", f"""{latest_html}
+<h2>Proofs</h2>{proofs_html}
+<h2>Measurements</h2>{measured_html}""")
+
+
+def _metric_text(value) -> str:
+  """A committed metric value (JSON form) for a table cell."""
+  if isinstance(value, float):
+    return f"{value:.6g}"
+  if isinstance(value, str) and len(value) == 64 and not value.startswith(("nan", "inf", "-")):
+    return f"digest {value[:16]}…"
+  return str(value)
+
+
+def not_found(url: Url, message: str) -> str:
+  return _page(url, "Not found", f"<p class='empty' id='not-found'>{e(message)}</p>"
+               f"<p><a href='{e(url('index'))}'>All experiments and proofs</a></p>")
 
 
 def _bars(rows: list[dict]) -> str:
@@ -95,7 +188,7 @@ def leaderboards(url: Url, benchmarks: list[dict], measurements: list[dict]) -> 
       f"<td class='num'>{b['min_update_check_probability']:g}</td></tr>" for b in benchmarks)
   measured = "".join(
       f"<tr data-measurement='{e(m['id'])}' data-state='{e(m['state'])}'>"
-      f"<td>{e(m['experiment'])}</td><td>{e(m['metric'])}</td>"
+      f"<td class='name'>{experiment_link(url, m['experiment'])}</td><td>{e(m['metric'])}</td>"
       f"<td class='num'>{m['value']:.6g}</td><td>{_badge(m['state'])}</td>"
       f"<td class='num'>{m['sampled']} / {m['batches']}</td>"
       f"<td><a href='{e(url('proof_page', proof_id=m['proof_id']))}'>proof</a>"
@@ -141,7 +234,8 @@ def _entry(url: Url, r: dict) -> str:
   return (f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
           f"data-ranked='{str(r['ranked']).lower()}' data-strict='{str(r['strict']).lower()}' "
           f"data-contamination='{r['contamination']}' data-outside='{outside}'>"
-          f"<td class='num'>{r['rank'] or ''}</td><td>{e(r['experiment'])}</td>"
+          f"<td class='num'>{r['rank'] or ''}</td><td class='name'>"
+          f"{experiment_link(url, r['experiment'])}</td>"
           f"<td class='num'>{value}</td><td>{state}</td><td>{challenger}</td>"
           f"<td class='num'>{r['checks_replayed']}</td>"
           f"<td class='num'>{r['update_check_probability']:g}</td>"
@@ -192,21 +286,6 @@ and not ranked.</p>
 {''.join(_entry(url, r) for r in entries)}</table>""")
 
 
-def _checks_strip(steps: int, checks: list[dict]) -> str:
-  """Checks over steps: one tick per check, green if it verified."""
-  width, span = 680, max(steps - 1, 1)
-  ticks = "".join(
-      f"<line x1='{10 + 660 * c['step'] / span:.1f}' x2='{10 + 660 * c['step'] / span:.1f}' "
-      f"y1='{8 if c['kind'] == 'update' else 30}' y2='{28 if c['kind'] == 'update' else 50}' "
-      f"stroke='{'#1a7f37' if c['status'] == 'verified' else '#cf222e'}' stroke-width='2'>"
-      f"<title>step {c['step']} {e(c['kind'])} {e(c['status'])}</title></line>"
-      for c in checks)
-  return (f"<svg class='checks' width='{width}' height='70' role='img' aria-label='checks "
-          f"over steps'><line x1='10' x2='670' y1='55' y2='55' stroke='#8c959f'/>{ticks}"
-          f"<text x='10' y='68' font-size='11'>step 0</text>"
-          f"<text x='620' y='68' font-size='11'>step {max(steps - 1, 0)}</text></svg>")
-
-
 def _challenge_rows(summary: dict) -> str:
   counts, p = summary["server_challenges"], summary["update_check_probability"]
   if summary["challenger"] == "self":
@@ -221,24 +300,83 @@ def _challenge_rows(summary: dict) -> str:
 <td>{summary['escape_probability_one_faked_step']:.3g} (1 − p)</td></tr>"""
 
 
-def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int) -> str:
-  """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof."""
+def _config_html(url: Url, proof_id: str, config: dict) -> str:
+  def pairs(items) -> str:
+    return ", ".join(f"{e(k)} {e(v)}" for k, v in items) or "—"
+
+  rows = [("run name", e(config["name"]) or "—"),
+          ("platform", f"{e(config['platform'])} ({e(', '.join(config['device_kinds']))}; "
+                       f"{config['processes']} process{'es' if config['processes'] > 1 else ''})"),
+          ("versions", pairs(config["versions"])), ("proof config", pairs(config["config"])),
+          ("sampling policy", pairs(config["policy"]))]
+  for p in config["programs"]:
+    blob = (f" <a href='{e(url('proof_blob', proof_id=proof_id, digest=p['program_id']))}' "
+            f"download>download program</a>" if p["program_id"] else "")
+    rows.append((f"program {p['number']}", f"<code>{e(p['function'])}</code>, {e(p['mode'])} "
+                 f"replay, {p['parameters']:,} parameters in {p['state_leaves']} state leaves"
+                 f"{blob}<br>optimizer state: {e(', '.join(p['optimizer_state']) or '—')}"
+                 f"<br>batch: {e('; '.join(p['batch']) or '—')}"
+                 f"<br>static arguments: {pairs(p['static_arguments'])}"
+                 f"<br>compiler options: {pairs(p['compiler_options'])}"
+                 f"<br>platforms: {e(', '.join(p['platforms']))}; devices: {p['devices'] or 1}"
+                 f"<br>metrics: {e(', '.join(p['metrics']) or '—')}"))
+  return "<table id='config'>" + "".join(
+      f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in rows) + "</table>"
+
+
+def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: list[str],
+                  steps: int) -> str:
+  json_link = (f"<p><a href='{e(url('proof_metrics', proof_id=proof_id))}'>metrics as JSON</a>"
+               "</p>")
+  if not curves:
+    return ("<p class='empty' id='no-metrics'>No metrics yet: "
+            + ("no step has been stored." if not steps else
+               "the steps return only the state. Return a loss or other values beside it "
+               "(<code>return state.apply_gradients(grads=grads), {\"loss\": loss}</code>) and "
+               "each step commits them.") + "</p>" + (json_link if steps else ""))
+  note = ("" if marks else "<p class='empty' id='no-marks'>No step is challenged yet, so no "
+          "point is marked as replayed.</p>")
+  hashed = (f"<p id='digest-metrics'>Committed by digest (not scalars): {e(', '.join(digests))}.</p>"
+            if digests else "")
+  return (note + "".join(charts.metric_chart(n, points, marks) for n, points in curves.items())
+          + hashed + json_link)
+
+
+def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int,
+          config: dict, curves: dict, marks: dict, digests: list[str],
+          has_receipt: bool) -> str:
+  """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof, ``curves``
+  ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks``."""
   rows = "".join(
       f"<tr data-state='{e(c['status'])}'><td class='num'>{c['step']}</td><td>{e(c['kind'])}</td>"
       f"<td>{e(c['mode'])}</td><td>{_badge(c['status'])}</td>"
       f"<td class='num'>{c['max_abs_error']:.3g}</td><td class='num'>{c['max_ulp_error']}</td></tr>"
       for c in checks)
+  checks_html = (
+      f"{charts.checks_chart(p['steps'], checks)}<table id='checks'><tr><th>step</th>"
+      f"<th>kind</th><th>mode</th><th>status</th><th>max abs error</th><th>max ulp</th></tr>"
+      f"{rows}</table>" if checks else
+      "<p class='empty' id='no-checks'>No checks replayed yet: the server's workers replay "
+      "the checks it chose once the proof is closed"
+      + (f" ({len(marks)} steps challenged so far)." if marks else ".") + "</p>")
+  downloads = [f"<a href='{e(url('proof_transcript', proof_id=p['id']))}' download>transcript "
+               "(records.cborl)</a>",
+               f"<a href='{e(url('proof', proof_id=p['id']))}'>proof JSON</a>"]
+  if has_receipt:
+    downloads.append(f"<a href='{e(url('proof_receipt', proof_id=p['id']))}' download>"
+                     "signed receipt</a>")
   return _page(url, f"Proof {p['id'][:16]}…", f"""
 <table id="summary">
-<tr><th>experiment</th><td>{e(p['experiment'])}</td></tr>
+<tr><th>experiment</th><td>{experiment_link(url, p['experiment'])}</td></tr>
 <tr><th>transcript id</th><td><code>{e(p['id'])}</code></td></tr>
 <tr><th>state</th><td>{_badge(p['state'])} <span id="label">{e(summary['label'])}</span></td></tr>
 {_challenge_rows(summary)}
 <tr><th>steps</th><td>{p['steps']}</td></tr><tr><th>records</th><td>{p['records']}</td></tr>
 <tr><th>final params</th><td><code>{e(p['final_params'] or '—')}</code></td></tr>
-<tr><th>probed batch rows</th><td>{probed_rows}</td></tr>
+<tr><th>distinct batch rows opened as probes</th><td>{probed_rows}</td></tr>
 <tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified
- of {len(checks)}</td></tr></table>
-<h2>Checks over steps</h2>{_checks_strip(p['steps'], checks)}
-<table id="checks"><tr><th>step</th><th>kind</th><th>mode</th><th>status</th>
-<th>max abs error</th><th>max ulp</th></tr>{rows}</table>""")
+ of {len(checks)}</td></tr>
+<tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
+<h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'])}
+<h2>Checks over steps</h2>{checks_html}
+<h2>Configuration</h2>{_config_html(url, p['id'], config)}""")

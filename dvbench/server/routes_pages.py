@@ -1,18 +1,22 @@
-"""HTML pages: proofs, a proof, the leaderboards of benchmarks; links come from the named routes.
+"""HTML pages: experiments and proofs, an experiment, a proof, the leaderboards of
+benchmarks, and a proof's committed metrics as JSON; links come from the named routes.
+
+An unknown page answers an HTML 404 page (``not_found_page``); API paths keep JSON errors.
 
 Example::
 
-  routes = page_routes(service)  # "/", "/leaderboard", "/benchmarks/{owner}/{name}", "/proofs/{id}"
+  routes = page_routes(service)  # "/", "/experiments/{owner}/{name}", "/proofs/{id}", ...
 """
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.responses import HTMLResponse
+from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
 from dvbench.server import labels
 from dvbench.server import page
 from dvbench.server import routes_benchmarks
+from dvbench.server import run_view
 from dvbench.server.service import Service, check_name
 
 
@@ -26,9 +30,30 @@ class PageRoutes:
     self.service, self.store = service, service.store
 
   async def index(self, request):
-    experiments = await run_in_threadpool(self.store.list_experiments)
-    proofs = await run_in_threadpool(self.store.list_proofs)
-    return HTMLResponse(page.index(_url(request), experiments, proofs))
+    page_no = _page_number(request)
+
+    def gather():
+      proofs = self.store.list_proofs(limit=page.PAGE_SIZE, offset=(page_no - 1) * page.PAGE_SIZE)
+      counts = self.store.proof_counts()
+      return page.index(_url(request), self.store.list_experiments(), counts, proofs, page_no,
+                        sum(counts.values()))
+    return HTMLResponse(await run_in_threadpool(gather))
+
+  async def experiment_page(self, request):
+    def gather():
+      full = check_name(request.path_params["owner"], request.path_params["name"])
+      exp = self.store.experiment(full)
+      if exp is None:
+        raise HTTPException(404, f"unknown experiment '{full}'.")
+      proofs = self.store.list_proofs(exp["id"], limit=page.PAGE_SIZE)
+      latest = {}
+      if proofs and proofs[0]["steps"]:
+        series = run_view.metric_series(self.store, proofs[0]["id"],
+                                        start=proofs[0]["steps"] - 1, limit=1)
+        latest = {name: column[-1] for name, column in series["metrics"].items()}
+      measurements = [m for m in self.store.list_measurements() if m["experiment"] == full]
+      return page.experiment(_url(request), full, proofs, latest, measurements)
+    return HTMLResponse(await run_in_threadpool(gather))
 
   async def leaderboard(self, request):
     def gather():
@@ -55,12 +80,49 @@ class PageRoutes:
     def gather():
       proof = self.service.proof_or_404(proof_id)
       checks = self.store.proof_checks(proof_id)
-      summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
-                                         self.store.challenge_rows(proof_id), checks,
+      rows = self.store.challenge_rows(proof_id)
+      summary = labels.challenge_summary(proof, self.store.challenger(proof_id), rows, checks,
                                          self.store.job("proof", proof_id))
+      series = run_view.metric_series(self.store, proof_id)
+      curves = run_view.scalar_curves(series)
       return page.proof(_url(request), proof, summary, checks,
-                        self.store.probe_counts().get(proof_id, 0))
+                        self.store.probe_counts().get(proof_id, 0),
+                        run_view.run_config(self.store, proof_id), curves,
+                        run_view.step_marks(rows, checks),
+                        [n for n in series["metrics"] if n not in curves],
+                        self.store.receipt(proof_id) is not None)
     return HTMLResponse(await run_in_threadpool(gather))
+
+  async def proof_metrics(self, request):
+    """``run_view.metric_series`` of a proof from ``?start=STEP``, with the marked steps."""
+    proof_id = request.path_params["proof_id"]
+    try:
+      start = int(request.query_params.get("start", "0"))
+    except ValueError:
+      raise HTTPException(400, "start is a step index (an integer).") from None
+    if start < 0:
+      raise HTTPException(400, "start is a step index, 0 or more.")
+
+    def gather():
+      self.service.proof_or_404(proof_id)
+      series = run_view.metric_series(self.store, proof_id, start=start)
+      marks = run_view.step_marks(self.store.challenge_rows(proof_id),
+                                  self.store.proof_checks(proof_id))
+      return {"proof_id": proof_id, **series,
+              "marks": {str(s): m for s, m in sorted(marks.items())}}
+    return JSONResponse(await run_in_threadpool(gather))
+
+
+def _page_number(request) -> int:
+  try:
+    return max(1, int(request.query_params.get("page", "1")))
+  except ValueError:
+    raise HTTPException(400, "page is a page number (1, 2, ...).") from None
+
+
+def not_found_page(request, message: str) -> HTMLResponse:
+  """The HTML page of an unknown page (a browser's 404)."""
+  return HTMLResponse(page.not_found(_url(request), message), status_code=404)
 
 
 def page_routes(service: Service) -> list[Route]:
@@ -69,5 +131,7 @@ def page_routes(service: Service) -> list[Route]:
       Route("/", api.index, name="index"),
       Route("/leaderboard", api.leaderboard, name="leaderboard"),
       Route("/benchmarks/{owner}/{name}", api.benchmark_page, name="benchmark_page"),
+      Route("/experiments/{owner}/{name}", api.experiment_page, name="experiment_page"),
       Route("/proofs/{proof_id}", api.proof_page, name="proof_page"),
+      Route("/api/v1/proofs/{proof_id}/metrics", api.proof_metrics, name="proof_metrics"),
   ]
