@@ -24,16 +24,51 @@ import time
 import urllib.parse
 
 
+
+
+EXIT_NO_DATA = 66  # the --data folder is missing (or holds no database): pass --create
+EXIT_CODES = f"""exit status: 0 done, 1 failed, 2 usage error, {EXIT_NO_DATA} no data folder
+(or no database in it) at --data: check the path, or pass --create to start a new one"""
+
+
+class _Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose help shows each option's default (its subcommands' too)."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    kwargs.setdefault("epilog", EXIT_CODES)
+    super().__init__(*args, **kwargs)
+
+
+def data_folder(args) -> pathlib.Path:
+  """The ``--data`` folder; made with ``--create``, else it must exist and (for SQLite)
+  hold ``dvbench.db``, so a mistyped path is refused rather than a new server made."""
+  data = pathlib.Path(args.data)
+  if getattr(args, "create", False):
+    data.mkdir(parents=True, exist_ok=True)
+    return data
+  missing = None
+  if not data.is_dir():
+    missing = f"there is no data folder {data.resolve()}"
+  elif hasattr(args, "database_url") and args.database_url is None and not (
+      data / "dvbench.db").is_file():
+    missing = f"{data.resolve()} holds no DVBench database (dvbench.db)"
+  if missing:
+    print(f"dvbench {args.command}: {missing}. Check --data, or pass --create to start a "
+          "new server's data there.", file=sys.stderr)
+    raise SystemExit(EXIT_NO_DATA)
+  return data
+
+
 def _store(args):
   from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
-  data = pathlib.Path(args.data)
-  data.mkdir(parents=True, exist_ok=True)
+  data = data_folder(args)
   return Store.open(args.database_url or f"sqlite:///{(data / 'dvbench.db').resolve()}")
 
 
 def _store_and_blobs(args):
   from dvbench.server.blobs import BlobStore  # pylint: disable=g-import-not-at-top
-  return _store(args), BlobStore(pathlib.Path(args.data) / "blobs")
+  return _store(args), BlobStore(data_folder(args) / "blobs")
 
 
 def _worker_command(args) -> list[str]:
@@ -60,7 +95,7 @@ def duration(text: str) -> float:
 
 def _signing_key(args):
   from dvbench.server import keys  # pylint: disable=g-import-not-at-top
-  return keys.load_or_create(pathlib.Path(args.data))
+  return keys.load_or_create(data_folder(args))
 
 
 def _minimum_policy(args):
@@ -88,11 +123,23 @@ def serve(args) -> int:
                     limits=guard.Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
                     time_limit=args.time_limit, workers=supervisor.health, isolation=isolation)
+  database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
+  print(f"dvbench serve: listening on http://{args.host}:{args.port}, data in "
+        f"{pathlib.Path(args.data).resolve()}{database}", file=sys.stderr, flush=True)
   try:
     uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
   finally:
     supervisor.stop()
   return 0
+
+
+def _redacted(url: str) -> str:
+  """A database URL without its password."""
+  from sqlalchemy.engine import make_url  # pylint: disable=g-import-not-at-top
+  try:
+    return make_url(url).render_as_string(hide_password=True)
+  except Exception:  # pylint: disable=broad-except  # Store.open reports a bad URL
+    return "(unparsable URL)"
 
 
 def worker(args) -> int:
@@ -105,10 +152,12 @@ def worker(args) -> int:
   store, blobs = _store_and_blobs(args)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  worker_lib.run(store, blobs, _signing_key(args),
-                 worker_id=args.worker_id or worker_lib.default_worker_id(),
-                 lease_seconds=args.lease_seconds, limits=limits, max_attempts=args.max_attempts,
-                 once=args.once, stop=stop)
+  done = worker_lib.run(store, blobs, _signing_key(args),
+                        worker_id=args.worker_id or worker_lib.default_worker_id(),
+                        lease_seconds=args.lease_seconds, limits=limits,
+                        max_attempts=args.max_attempts, once=args.once, stop=stop)
+  if args.once and not done:
+    print("dvbench worker: no job was waiting; nothing to verify.", file=sys.stderr)
   return 0
 
 
@@ -233,28 +282,34 @@ def _add_receipt_commands(sub) -> None:
   """``server-key`` and ``download``: what anyone needs to check a proof independently."""
   k = sub.add_parser("server-key", help="print the server's Ed25519 public key (hex)")
   k.add_argument("--data", default="dvbench-data", help="the server's data folder")
-  k.add_argument("--url", default=None, help="ask a running server instead")
+  k.add_argument("--url", default=None, help="ask a running server instead (None: read "
+                 "the key in --data)")
   k.set_defaults(run=server_key)
   d = sub.add_parser("download", help="write a proof's records, blobs and receipt to DIR")
-  d.add_argument("proof_id")
-  d.add_argument("dir")
+  d.add_argument("proof_id", help="the proof's id (64 hex digits)")
+  d.add_argument("dir", help="the folder to write the transcript to")
   d.add_argument("--url", default=None, help="the server (default: $DVBENCH_URL)")
   d.set_defaults(run=download)
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="dvbench", description="The DVBench service.")
+  parser = _Parser(prog="dvbench", description="The DVBench service.")
   sub = parser.add_subparsers(dest="command", required=True)
 
   def storage(p):
     p.add_argument("--data", default="dvbench-data",
                    help="folder of the embedded database and the blob store")
     p.add_argument("--database-url", default=None,
-                   help="e.g. postgresql://user@host/db (default: SQLite in --data)")
+                   help="e.g. postgresql://user@host/db; without it, SQLite in --data")
+    p.add_argument("--create", action="store_true",
+                   help="make the data folder (and database) if missing; without it a "
+                   "missing --data folder is refused")
 
   def limits(p):
-    p.add_argument("--lease-seconds", type=float, default=60.0)
-    p.add_argument("--memory-limit-gb", type=float, default=16.0)
+    p.add_argument("--lease-seconds", type=float, default=60.0,
+                   help="how long a worker holds a job without renewing its lease")
+    p.add_argument("--memory-limit-gb", type=float, default=16.0,
+                   help="memory of the sandboxed verifier per job")
     p.add_argument("--time-limit", type=int, default=900,
                    help="the most seconds any one verification may take")
     p.add_argument("--time-per-check", type=float, default=10.0,
@@ -265,8 +320,8 @@ def main(argv=None) -> int:
   s = sub.add_parser("serve", help="run the server (and its validation workers)")
   storage(s)
   limits(s)
-  s.add_argument("--host", default="127.0.0.1")
-  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  s.add_argument("--port", type=int, default=8000, help="port to listen on")
   s.add_argument("--workers", type=int, default=1, help="validation worker processes")
   from dvbench.server import guard  # pylint: disable=g-import-not-at-top
   guard.add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
@@ -274,11 +329,13 @@ def main(argv=None) -> int:
                  help="jobs an owner may have waiting; beyond it closing a proof answers 429")
   s.add_argument("--abandon-after", type=duration, default=duration("24h"),
                  help="close proofs that received nothing this long as 'abandoned' (e.g. 24h)")
-  s.add_argument("--log-level", default="warning")
+  s.add_argument("--log-level", default="warning", help="uvicorn's log level")
   s.add_argument("--min-update-check-probability", type=float, default=0.1,
                  help="the least update check probability a root may carry")
-  s.add_argument("--min-state-check-probability", type=float, default=0.0)
-  s.add_argument("--min-probe-ratio", type=float, default=0.0)
+  s.add_argument("--min-state-check-probability", type=float, default=0.0,
+                 help="the least state check probability a root may carry")
+  s.add_argument("--min-probe-ratio", type=float, default=0.0,
+                 help="the least fraction of each batch's rows a root may open as probes")
   s.add_argument("--max-window", type=int, default=64,
                  help="the largest rolling window (steps unanswered or undecided) a root may carry")
   s.add_argument("--score-shard-rows", type=int, default=1 << 16,
@@ -288,7 +345,7 @@ def main(argv=None) -> int:
   w = sub.add_parser("worker", help="run one validation worker against the database")
   storage(w)
   limits(w)
-  w.add_argument("--worker-id", default=None)
+  w.add_argument("--worker-id", default=None, help="name in job leases (None: host and pid)")
   w.add_argument("--once", action="store_true", help="process one job, then exit")
   w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
   w.set_defaults(run=worker)
@@ -297,7 +354,7 @@ def main(argv=None) -> int:
   tsub = t.add_subparsers(dest="token_command", required=True)
   tc = tsub.add_parser("create", help="create an API token for OWNER and print it")
   storage(tc)
-  tc.add_argument("owner")
+  tc.add_argument("owner", help="the namespace the token writes to")
   tc.add_argument("--name", default=None, help="the token's name, for list and revoke "
                   "(default OWNER-XXXXXX)")
   tc.add_argument("--expires-in", type=float, default=None, metavar="DAYS",
@@ -316,7 +373,7 @@ def main(argv=None) -> int:
                      "read from stdin or a hidden prompt")
   l.add_argument("--token", default=None, help="the token on the command line (it leaks into "
                  "shell history and the process list; prefer stdin or the prompt)")
-  l.add_argument("--url", default=None)
+  l.add_argument("--url", default=None, help="the server to save with the token")
   l.set_defaults(run=login)
 
   _add_receipt_commands(sub)

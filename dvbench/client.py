@@ -38,6 +38,9 @@ def _read_token_file() -> tuple[str | None, str | None]:
   return data.get("token"), data.get("url")
 
 
+CONNECT_SECONDS = 3.0  # to open a connection, and to retry a server never reached
+
+
 def _retry_after(response: httpx.Response) -> float | None:
   """The server's ``Retry-After`` in seconds (bounded), if it sent one."""
   value = response.headers.get("retry-after", "")
@@ -53,23 +56,32 @@ def _error_text(response: httpx.Response) -> str:
 
 class Http:
   """Requests with bounded retries: connection errors, 429 and 5xx, with exponential
-  backoff that honours ``Retry-After``, until ``retry_seconds`` have passed."""
+  backoff that honours ``Retry-After``, until ``retry_seconds`` have passed.
+
+  Until the server has answered once, a connection that cannot be opened fails
+  within ``CONNECT_SECONDS`` (a wrong URL); afterwards, requests are retried for
+  ``retry_seconds`` (a server restarting).
+  """
 
   def __init__(self, url: str, token: str | None, timeout: float = 30.0,
                retry_seconds: float = 60.0):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     self.url = url.rstrip("/")
     self.retry_seconds = retry_seconds
-    self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+    self.reached = False  # whether the server has answered a request
+    self._client = httpx.Client(base_url=self.url, headers=headers,
+                                timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS))
 
   def request(self, method: str, path: str, *, ok=(200, 201), retry_seconds=None,
               **kwargs) -> httpx.Response:
-    deadline = time.monotonic() + (self.retry_seconds if retry_seconds is None else retry_seconds)
+    started = time.monotonic()
+    deadline = started + (self.retry_seconds if retry_seconds is None else retry_seconds)
     delay = 0.05
     while True:
       wait = delay
       try:
         response = self._client.request(method, path, **kwargs)
+        self.reached = True
         if response.status_code in ok:
           return response
         if response.status_code not in _RETRY_STATUS:
@@ -78,10 +90,17 @@ class Http:
         wait = _retry_after(response) or delay
       except httpx.TransportError as e:
         problem = f"{type(e).__name__}: {e}"
+        if not self.reached and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+          deadline = min(deadline, started + CONNECT_SECONDS)
       if time.monotonic() + wait > deadline:
+        if not self.reached:
+          raise errors.UploadError(
+              f"cannot reach a DVBench server at {self.url} ({problem}). Check the URL "
+              "(Client(API_URL), $DVBENCH_URL or `dvbench login --url`) and that `dvbench "
+              "serve` runs there.")
         raise errors.UploadError(
-            f"the DVBench server at {self.url} did not answer {method} {path} "
-            f"({problem}); is it running? Nothing local was lost.")
+            f"the DVBench server at {self.url} stopped answering {method} {path} "
+            f"({problem}) for {time.monotonic() - started:.0f} s; is it still running?")
       time.sleep(wait)
       delay = min(delay * 2, _MAX_DELAY)
 
@@ -128,9 +147,13 @@ class Experiment:
     """Uploads an existing transcript folder (again); returns its proof id.
 
     Records the server already has are skipped, so a client restarted after a
-    crash sends the same transcript and the server ends with exactly its records.
+    crash sends the same transcript and the server ends with exactly its records;
+    a proof the server has closed with all of them is not sent again.
     """
-    from dvbench.upload import Uploader  # pylint: disable=g-import-not-at-top
+    from dvbench.upload import Uploader, uploaded_already  # pylint: disable=g-import-not-at-top
+    done = uploaded_already(self.client.http, pathlib.Path(path))
+    if done is not None:  # a finished proof sent again: nothing to do
+      return done
     uploader = Uploader(self.client.http, self.name, pathlib.Path(path), **uploader_options)
     uploader.start()
     uploader.finish(timeout=timeout, require_final=False)

@@ -14,7 +14,7 @@ class ApiError(DVBenchError):
 
   def __init__(self, status: int, message: str):
     super().__init__(f"DVBench server answered {status}: {message}")
-    self.status = status
+    self.status, self.message = status, message
 
 
 class UploadError(DVBenchError, RuntimeError):

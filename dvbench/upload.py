@@ -20,9 +20,28 @@ from collections.abc import Callable
 
 from zkdv.transcript import BLOBS_DIR
 from zkdv.transcript import RECORDS_FILE
+from zkdv.transcript import read_transcript
 
 from dvbench import errors
 from dvbench import transport
+
+
+def uploaded_already(http, folder: pathlib.Path) -> str | None:
+  """The proof id of ``folder``'s transcript when the server has closed that proof with
+  every record the folder holds (sending it again would change nothing); else None."""
+  try:
+    contents = read_transcript(folder)
+  except (OSError, ValueError):
+    return None  # the uploader reports what is wrong with the folder
+  if not contents.records or contents.torn_tail is not None:
+    return None
+  proof_id = contents.records[0].record_id.hex()
+  status = http.request("GET", f"/api/v1/proofs/{proof_id}", ok=(200, 404))
+  if status.status_code != 200:
+    return None
+  proof = status.json()
+  closed = proof.get("state") not in ("receiving", None)
+  return proof_id if closed and proof.get("records") == len(contents.records) else None
 
 
 class Uploader(threading.Thread):
@@ -68,9 +87,14 @@ class Uploader(threading.Thread):
           f"uploading {self.folder} to DVBench did not finish within {timeout:.0f} s; the "
           f"transcript is intact there: upload it with experiment.upload(path).")
     if self.error is not None:
-      if isinstance(self.error, errors.DVBenchError):
-        raise self.error
-      raise errors.UploadError(f"uploading {self.folder} failed: {self.error!r}") from self.error
+      e = self.error
+      hint = (f" The transcript is intact in {self.folder}; once the cause is fixed, send it "
+              f"with experiment.upload({str(self.folder)!r}).")
+      if isinstance(e, errors.ApiError):
+        raise errors.ApiError(e.status, f"{e.message}.{hint}") from e
+      if isinstance(e, errors.DVBenchError):
+        raise type(e)(f"{e}{hint}") from e
+      raise errors.UploadError(f"uploading {self.folder} failed: {e!r}.{hint}") from e
 
   def stop(self) -> None:
     """Stops without closing the proof (for an abandoned, unfinished proof)."""

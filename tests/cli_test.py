@@ -1,6 +1,7 @@
 """The zkdv command line: claims, requirements, exit codes, help and messages."""
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -179,6 +180,108 @@ class CommandLineTest(absltest.TestCase):
     self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
     self.assertNotIn("\r", result.stderr)
     self.assertRegex(result.stderr, r"^replaying checks: 0/(\d+)\n(.*\n)*replaying checks: \1/\1\n$")
+
+
+def dvbench_cli(*args, **kwargs) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "dvbench.cli", *map(str, args)],
+                        capture_output=True, text=True, check=False, **kwargs)
+
+
+class DVBenchCommandLineTest(absltest.TestCase):
+  """dvbench: defaults in help, a missing --data refused, what serve and worker say, and
+  the client's messages for an unreachable server and a failed upload."""
+
+  def tempdir(self) -> pathlib.Path:
+    return pathlib.Path(self.enterContext(tempfile.TemporaryDirectory(prefix="dvbench-cli-")))
+
+  def test_help_shows_defaults_and_exit_codes(self):
+    from dvbench import cli as dvbench_cli_lib  # pylint: disable=g-import-not-at-top
+    result = dvbench_cli("serve", "--help")
+    self.assertEqual(result.returncode, 0, result.stderr)
+    text = " ".join(result.stdout.split())
+    for fragment in ("--port PORT port to listen on (default: 8000)",
+                     "(default: dvbench-data)", "(default: 0.1)",
+                     f"{dvbench_cli_lib.EXIT_NO_DATA} no data folder"):
+      self.assertIn(fragment, text)
+
+  def main(self, *args) -> tuple[int, str]:
+    """(exit status, stderr) of ``dvbench ARGS`` run in this process."""
+    from dvbench import cli as dvbench_cli_lib  # pylint: disable=g-import-not-at-top
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+      try:
+        status = dvbench_cli_lib.main(list(map(str, args)))
+      except SystemExit as e:
+        status = e.code
+    return status, stderr.getvalue()
+
+  def test_a_missing_data_folder_is_refused_unless_created(self):
+    missing = self.tempdir() / "dvbench-dat"  # a typo of the real folder
+    for args in (("serve",), ("worker", "--once"), ("token", "create", "alice"),
+                 ("server-key",)):
+      status, stderr = self.main(*args, "--data", missing)
+      with self.subTest(args[0]):
+        self.assertEqual(status, 66, stderr)
+        self.assertIn(f"there is no data folder {missing}", stderr)
+        self.assertIn("--create", stderr)
+        self.assertFalse(missing.exists())
+    empty = self.tempdir()  # a folder, but no server's
+    status, stderr = self.main("serve", "--data", empty)
+    self.assertEqual(status, 66, stderr)
+    self.assertIn("holds no DVBench database", stderr)
+    self.assertEqual(self.main("token", "create", "alice", "--data", missing, "--create")[0], 0)
+    self.assertTrue((missing / "dvbench.db").is_file())
+    idle = dvbench_cli("worker", "--once", "--data", missing)
+    self.assertEqual(idle.returncode, 0, idle.stderr)
+    self.assertIn("no job was waiting; nothing to verify", idle.stderr)
+
+  def test_serve_says_where_it_listens_and_keeps_its_data(self):
+    from dvbench.server.local import free_port  # pylint: disable=g-import-not-at-top
+    data, port = self.tempdir() / "data", free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dvbench.cli", "serve", "--create", "--data", str(data),
+         "--port", str(port), "--workers", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+      line = server.stderr.readline().strip()
+    finally:
+      server.terminate()
+      server.communicate(timeout=30)
+    self.assertEqual(line, f"dvbench serve: listening on http://127.0.0.1:{port}, data in "
+                     f"{data.resolve()}")
+
+  def test_an_unreachable_server_fails_fast_naming_its_url(self):
+    import time  # pylint: disable=g-import-not-at-top
+    import dvbench  # pylint: disable=g-import-not-at-top
+    from dvbench.server.local import free_port  # pylint: disable=g-import-not-at-top
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = dvbench.Client(url, token="t")
+    self.addCleanup(client.close)
+    started = time.monotonic()
+    with self.assertRaises(dvbench.errors.UploadError) as raised:
+      client.experiment("alice/run")
+    self.assertLess(time.monotonic() - started, 10)  # not the 60 s of a restarting server
+    message = str(raised.exception)
+    self.assertIn(f"cannot reach a DVBench server at {url}", message)
+    self.assertIn("dvbench serve", message)
+    self.assertNotIn("Nothing local was lost", message)
+
+  def test_a_failed_upload_names_the_folder_and_the_call_that_resends_it(self):
+    from dvbench.client import Http  # pylint: disable=g-import-not-at-top
+    from dvbench.errors import UploadError  # pylint: disable=g-import-not-at-top
+    from dvbench.server.local import free_port  # pylint: disable=g-import-not-at-top
+    from dvbench.upload import Uploader  # pylint: disable=g-import-not-at-top
+    folder = self.tempdir() / "run"
+    writer = transcript.TranscriptWriter(folder)
+    writer.append({"type": "root", "format_version": 2, "name": "run"})
+    writer.close()
+    http = Http(f"http://127.0.0.1:{free_port()}", token="t")
+    self.addCleanup(http.close)
+    uploader = Uploader(http, "alice/run", folder)
+    uploader.start()
+    with self.assertRaises(UploadError) as raised:
+      uploader.finish(timeout=30)
+    self.assertIn(f"The transcript is intact in {folder}", str(raised.exception))
+    self.assertIn(f"experiment.upload({str(folder)!r})", str(raised.exception))
 
 
 if __name__ == "__main__":

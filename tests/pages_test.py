@@ -21,6 +21,7 @@ import dvbench
 import zkdv
 from dvbench.server import page
 from dvbench.server.local import LocalServer
+from tests import metrics_test
 from tests import testing
 from tests.fake_prover import FakeProver
 
@@ -230,6 +231,15 @@ class PagesTest(absltest.TestCase):
       self.assertIn(message, response.json()["error"])
     self.assertEqual(prover.send(prover.step_record(metrics={"loss": "nan:7fc00000"}))
                      .status_code, 200)
+
+  def test_re_uploading_a_finished_proof_is_a_no_op(self):
+    path = metrics_test.transcript_with_metrics()[0]
+    with dvbench.Client(self.url, token=self.token) as client:
+      experiment = client.experiment("alice/offline")
+      proof_id = experiment.upload(path)
+      self.assertEqual(experiment.upload(path), proof_id)  # no 409: nothing to send
+      self.assertEqual(experiment.proofs()[0]["records"],
+                       len(testing.records_of(path)))
 
   def get_json(self, path: str):
     response = httpx.get(self.url + path, timeout=30)

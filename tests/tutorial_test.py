@@ -88,6 +88,12 @@ class TutorialTest(absltest.TestCase):
       self.assertEqual(report["steps"], 6)
       self.assertEqual(len(report["checks"]),
                        len(testing.records_of(out / name, "check")))
+    checkpoint = out / "jax-train-state" / "jax-checkpoint.msgpack"  # beside its records
+    self.assertIn(f"checkpoint (final params): {checkpoint}", result.stdout)
+    self.assertTrue(checkpoint.is_file())
+    self.assertFalse((out / "jax-checkpoint.msgpack").exists())  # nothing in the cwd
+    self.assertTrue(all("loss" in r["metrics"] for r in testing.records_of(
+        out / "batch-stats-dropout", "step")))
     claims = {c["name"]: c["status"] for c in reports["jax-train-state"]["claims"]}
     self.assertEqual(claims["start"], "holds")  # the example attests its start
     modes = {c["mode"] for c in reports["attest-apply-fn"]["checks"] if c["kind"] == "update"}

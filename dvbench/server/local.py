@@ -40,7 +40,7 @@ class LocalServer:
     self.data = data or pathlib.Path(tempfile.mkdtemp(prefix="dvbench-test-"))
     self.port = port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
-    self.args = ["serve", "--port", str(self.port), "--workers", str(workers),
+    self.args = ["serve", "--create", "--port", str(self.port), "--workers", str(workers),
                  "--lease-seconds", str(lease_seconds), "--max-body-mb", str(max_body_mb),
                  *extra_args]
     self.database_url = database_url

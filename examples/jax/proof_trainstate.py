@@ -6,8 +6,10 @@ It uses ``zkdv.jax.ZKDV`` directly, so it runs without a DVBench server:
 
 It trains the tutorial's classifier (its start attested with ``proof.init``), then the
 tutorial's variants (a subclass carrying BatchNorm ``batch_stats``, a PRNG key as a
-dynamic argument, an ``attest_apply_fn``, and each overlap policy), and prints where each
-transcript is, how many checks ran and the ``zkdv verify PATH`` that checks it.
+dynamic argument and its loss committed as a step metric, an ``attest_apply_fn``, and each
+overlap policy), and prints where each transcript is (``zkdv-proofs/`` or
+``--output-dir``), how many checks ran and the ``zkdv verify PATH`` that checks it. The
+tutorial's final params go into its transcript folder as ``jax-checkpoint.msgpack``.
 """
 
 import argparse
@@ -110,9 +112,11 @@ def tutorial(args):
     state = train_step(state, BATCH)
 
   proof.finish()
-  checkpoint = (args.output_dir or pathlib.Path(".")) / "jax-checkpoint.msgpack"
+  # The trained params go beside the records they were committed in.
+  checkpoint = proof.path / "jax-checkpoint.msgpack"
   checkpoint.write_bytes(serialization.to_bytes(state.params))
   report(proof)
+  print(f"  checkpoint (final params): {checkpoint}")
 
 
 def batch_stats_and_dropout(args):
@@ -137,15 +141,18 @@ def batch_stats_and_dropout(args):
       labels = batch[:, 4].astype(jnp.int32)
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updates
 
-    grads, updates = jax.grad(loss, has_aux=True)(state.params)
-    return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+    (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+    new_state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+    # Outputs beside the state are committed with each step as its metrics.
+    return new_state, {"loss": value}
 
   key = jax.random.key(1)
   for _ in range(args.steps):
     key, step_key = jax.random.split(key)
-    state = train_step(state, BATCH, step_key)
+    state, metrics = train_step(state, BATCH, step_key)
   proof.finish()
   report(proof)
+  print(f"  last committed loss: {float(metrics['loss']):.4f}")
 
 
 def classifier_step(state, batch):
