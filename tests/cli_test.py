@@ -194,6 +194,16 @@ class DVBenchCommandLineTest(absltest.TestCase):
   def tempdir(self) -> pathlib.Path:
     return pathlib.Path(self.enterContext(tempfile.TemporaryDirectory(prefix="dvbench-cli-")))
 
+  def test_ci_runs_the_readme_commands_as_written(self):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    quick_start = readme.split("## Quick start")[1].split("\n## ")[0]
+    commands = [block.split("\n")[1] for block in quick_start.split("```bash")[1:3]]
+    self.assertEqual(commands[1], ". .venv/bin/activate && scripts/test")
+    for command in commands:
+      self.assertIn(command, ci)
+
   def test_help_shows_defaults_and_exit_codes(self):
     from dvbench import cli as dvbench_cli_lib  # pylint: disable=g-import-not-at-top
     result = dvbench_cli("serve", "--help")

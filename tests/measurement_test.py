@@ -114,7 +114,7 @@ class Rows(html.parser.HTMLParser):
 def browse(test: absltest.TestCase, url: str, name: str) -> tuple[str, pathlib.Path]:
   """(the DOM headless Chromium rendered, its screenshot ``name``.png) of ``url``."""
   chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-  test.assertIsNotNone(chromium, "Debian's chromium package is needed (.ci/run installs it)")
+  test.assertIsNotNone(chromium, "Debian's chromium package is needed (scripts/test installs it)")
   out = pathlib.Path(os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR", tempfile.mkdtemp()))
   flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
            "--no-first-run", "--disable-background-networking", "--disable-component-update",

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import dvbench
 import zkdv
+from dvbench.server import charts
 from dvbench.server import page
 from dvbench.server.local import LocalServer
 from tests import metrics_test
@@ -86,6 +88,25 @@ def curve(t: int) -> dict:
   """What the fake run's step t commits."""
   return {"loss": 2.0 * math.exp(-t / 8), "accuracy": min(1.0, t / 20),
           "grad_norm": "inf" if t == 3 else 1.0 / (t + 1), "logits": bytes(32)}
+
+
+class ChartsTest(parameterized.TestCase):
+
+  @parameterized.parameters((0.0, 0.93), (3.0, 3.0), (-2e-9, 1e-9), (1e-320, 3e-320),
+                            (-1e308, 1e308), (1.7e308, 1.7e308), (0.0, 2**63))
+  def test_ticks_cover_any_committed_range_in_few_steps(self, low, high):
+    ticks = charts.nice_ticks(low, high)
+    self.assertBetween(len(ticks), 2, 13)
+    self.assertLessEqual(ticks[0], low)
+    self.assertGreaterEqual(ticks[-1], high)
+    self.assertEqual(ticks, sorted(ticks))
+
+  def test_a_chart_of_extreme_or_non_finite_values_is_still_drawn_or_explained(self):
+    self.assertIn("<svg", charts.metric_chart("loss", [(0, -1e308), (1, 1e308)], {}))
+    self.assertIn("no finite value", charts.metric_chart("loss", [(0, math.nan)], {0: "verified"}))
+    many = charts.metric_chart("loss", [(i, float(i)) for i in range(100_000)], {77_777: "failed"})
+    self.assertLess(many.count(","), 2 * charts.MAX_POINTS)  # thinned, the marked step kept
+    self.assertIn("data-step='77777'", many)
 
 
 class PagesTest(absltest.TestCase):

@@ -14,7 +14,7 @@ def _bin(name: str) -> str:
   found = shutil.which(name) or next(iter(sorted(glob.glob(
       f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
   if found is None:
-    raise RuntimeError(f"PostgreSQL's {name} is not installed (.ci/run installs the "
+    raise RuntimeError(f"PostgreSQL's {name} is not installed (scripts/test installs the "
                        "Debian package postgresql).")
   return found
 

@@ -26,16 +26,21 @@ MARK_STYLES = {  # mark -> (legend text, fill, stroke)
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
   """About ``count`` round tick values covering [low, high]. Example:
   ``nice_ticks(0, 0.93)`` is ``[0.0, 0.2, 0.4, 0.6, 0.8, 1.0]``."""
-  if not high > low:
-    low, high = low - 1, high + 1
+  if not high > low:  # one value: a span around it
+    wider = (low - abs(low) / 2 - 1, high + abs(high) / 2 + 1)
+    low, high = wider if all(map(math.isfinite, wider)) else (low, high)
   raw = (high - low) / count
-  magnitude = 10 ** math.floor(math.log10(raw))
+  if not (math.isfinite(raw) and raw > 0 and math.isfinite(low / raw)):
+    return [low, high]  # a span no round step describes (near the float range's ends)
+  magnitude = 10.0 ** math.floor(math.log10(raw))
   step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
   first = math.floor(low / step) * step
-  ticks = []
-  while not ticks or ticks[-1] < high - step * 1e-9:
-    ticks.append(round(first + len(ticks) * step, 12))
-  return ticks
+  ticks = [first]
+  while ticks[-1] < high and len(ticks) <= 2 * count + 2:
+    ticks.append(first + len(ticks) * step)
+  # Multiples of a step carry float noise (0.30000000000000004): round to its precision.
+  digits = max(0, -math.floor(math.log10(step)) + 2)
+  return [round(t, digits) if digits < 300 else t for t in ticks]
 
 
 def _label(value: float) -> str:
@@ -144,13 +149,13 @@ def checks_chart(steps: int, checks: list[dict]) -> str:
   """The server's replayed checks over steps: one tick per check, by kind and outcome."""
   x_ticks = nice_ticks(0, max(steps - 1, 1), 6)
   x_ticks = [t for t in x_ticks if t == int(t)] or x_ticks
-  kinds = ["update", "state", "probe", "start"]
-  present = [k for k in kinds if any(c["kind"] == k for c in checks)]
+  order = {"update": 0, "state": 1, "probe": 2, "start": 3}
+  present = sorted({c["kind"] for c in checks}, key=lambda k: (order.get(k, len(order)), k))
   frame = _Frame(x_ticks, [0, len(present) or 1])
-  rows = {k: i for i, k in enumerate(reversed(present))}
+  rows = {k: i for i, k in enumerate(reversed(present))}  # the first kind on top
   ticks = []
   for c in checks:
-    x, y = frame.x(c["step"]), frame.y(rows[c["kind"]] + 0.5) if c["kind"] in rows else 0
+    x, y = frame.x(c["step"]), frame.y(rows[c["kind"]] + 0.5)
     color = "#1a7f37" if c["status"] == "verified" else "#cf222e"
     ticks.append(f"<line class='check {e(c['status'])}' data-step='{c['step']}' x1='{x:.1f}' "
                  f"x2='{x:.1f}' y1='{y - 9:.1f}' y2='{y + 9:.1f}' stroke='{color}' "
@@ -167,7 +172,7 @@ def checks_chart(steps: int, checks: list[dict]) -> str:
               "text-anchor='middle'>step</text></g><g class='axis y' font-size='11'>")
   for kind, row in rows.items():
     axes.append(f"<text x='{_LEFT - 6}' y='{frame.y(row + 0.5) + 4:.1f}' "
-                f"text-anchor='end'>{kind}</text>")
+                f"text-anchor='end'>{e(kind)}</text>")
   axes.append("</g>")
   legend = _legend([
       ("<line x1='6' x2='6' y1='-6' y2='6' stroke='#1a7f37' stroke-width='2'/>", "verified"),

@@ -325,26 +325,35 @@ def _config_html(url: Url, proof_id: str, config: dict) -> str:
 
 
 def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: list[str],
-                  steps: int) -> str:
+                  steps: int, shown: int) -> str:
   json_link = (f"<p><a href='{e(url('proof_metrics', proof_id=proof_id))}'>metrics as JSON</a>"
                "</p>")
   if not curves:
-    return ("<p class='empty' id='no-metrics'>No metrics yet: "
-            + ("no step has been stored." if not steps else
-               "the steps return only the state. Return a loss or other values beside it "
-               "(<code>return state.apply_gradients(grads=grads), {\"loss\": loss}</code>) and "
-               "each step commits them.") + "</p>" + (json_link if steps else ""))
+    if not steps:
+      reason = "no step has been stored."
+    elif digests:
+      reason = (f"the steps commit no scalar, only arrays by digest ({e(', '.join(digests))})."
+                " Return scalars (a loss, an accuracy) beside the state to draw them.")
+    else:
+      reason = ("the steps return only the state. Return a loss or other values beside it "
+                "(<code>return state.apply_gradients(grads=grads), {\"loss\": loss}</code>) "
+                "and each step commits them.")
+    return (f"<p class='empty' id='no-metrics'>No metrics yet: {reason}</p>"
+            + (json_link if steps else ""))
   note = ("" if marks else "<p class='empty' id='no-marks'>No step is challenged yet, so no "
           "point is marked as replayed.</p>")
-  hashed = (f"<p id='digest-metrics'>Committed by digest (not scalars): {e(', '.join(digests))}.</p>"
-            if digests else "")
+  hashed = (f"<p id='digest-metrics'>Committed by digest (not scalars): "
+            f"{e(', '.join(digests))}.</p>" if digests else "")
+  if shown < steps:
+    note += (f"<p class='muted'>Drawn: steps 0 to {shown - 1} of {steps}; the JSON below "
+             "pages through the rest.</p>")
   return (note + "".join(charts.metric_chart(n, points, marks) for n, points in curves.items())
           + hashed + json_link)
 
 
 def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int,
           config: dict, curves: dict, marks: dict, digests: list[str],
-          has_receipt: bool) -> str:
+          has_receipt: bool, shown_steps: int) -> str:
   """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof, ``curves``
   ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks``."""
   rows = "".join(
@@ -377,6 +386,7 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified
  of {len(checks)}</td></tr>
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
-<h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'])}
+<h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'],
+                                          shown_steps)}
 <h2>Checks over steps</h2>{checks_html}
 <h2>Configuration</h2>{_config_html(url, p['id'], config)}""")

@@ -90,7 +90,7 @@ class PageRoutes:
                         run_view.run_config(self.store, proof_id), curves,
                         run_view.step_marks(rows, checks),
                         [n for n in series["metrics"] if n not in curves],
-                        self.store.receipt(proof_id) is not None)
+                        self.store.receipt(proof_id) is not None, len(series["steps"]))
     return HTMLResponse(await run_in_threadpool(gather))
 
   async def proof_metrics(self, request):

@@ -1,0 +1,28 @@
+"""pytest hooks: each test process keeps its temporary files in one folder it removes.
+
+Tests, the servers and workers they start (through ``TMPDIR``) and the browsers they run
+all use ``tempfile``'s folder; pointing it at a folder of the test process's own leaves
+nothing (``dvbench-test-*``, ``zkdv-test-*``, ...) in the system's temporary folder.
+"""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_TEMPORARY = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+  root = tempfile.mkdtemp(prefix="zkdv-tests-")
+  os.chmod(root, 0o711)  # PostgreSQL's test clusters run as the postgres user
+  config.stash[_TEMPORARY] = root
+  os.environ["TMPDIR"] = root
+  tempfile.tempdir = root
+
+
+def pytest_unconfigure(config):
+  root = config.stash.get(_TEMPORARY, None)
+  if root:
+    shutil.rmtree(root, ignore_errors=True)
