@@ -291,7 +291,8 @@ class ClientTest(DVBenchTestCase):
       os.environ.pop("DVBENCH_TOKEN", None)
       with self.assertRaisesRegex(dvbench.errors.ConfigurationError, "dvbench token create"):
         dvbench.Client(self.server.url).experiment("your-name/x")
-    with self.assertRaisesRegex(dvbench.errors.UploadError, "is it running"):
+    with self.assertRaisesRegex(dvbench.errors.UploadError,
+                                "cannot reach a DVBench server at http://127.0.0.1:9"):
       dvbench.client.Http("http://127.0.0.1:9", None, retry_seconds=0.3).request("GET", "/")
 
   def test_worker_time_limit_ends_invalid(self):

@@ -222,7 +222,7 @@ class PagesTest(absltest.TestCase):
       self.assertTrue(response.headers["content-type"].startswith("text/html"), path)
     dom = chromium_dom(self, f"{self.url}/proofs/nope")
     self.assertEqual(dom.find("h1")[0][2], "Not found")
-    self.assertIn("unknown proof", dom.find("p", id="not-found")[0][2])
+    self.assertIn("there is no proof 'nope' on this server", dom.find("p", id="not-found")[0][2])
     api = httpx.get(f"{self.url}/api/v1/proofs/nope")
     self.assertEqual((api.status_code, api.headers["content-type"]), (404, "application/json"))
 

@@ -165,13 +165,15 @@ def _bars(rows: list[dict]) -> str:
   top = max(abs(r["value"]) for r in rows) or 1.0
   height, bar = 26 * len(rows) + 10, []
   for i, r in enumerate(rows):
-    width = 360 * abs(r["value"]) / top
+    width = 300 * abs(r["value"]) / top
+    name = r["experiment"] if len(r["experiment"]) <= 48 else r["experiment"][:47] + "…"
     bar.append(
-        f"<text x='0' y='{26 * i + 22}' font-size='12'>{e(r['experiment'])}</text>"
-        f"<rect x='220' y='{26 * i + 8}' width='{width:.1f}' height='18' fill='#1a7f37'>"
+        f"<text x='0' y='{26 * i + 22}' font-size='12'>{e(name)}<title>{e(r['experiment'])}"
+        f"</title></text>"
+        f"<rect x='320' y='{26 * i + 8}' width='{width:.1f}' height='18' fill='#1a7f37'>"
         f"<title>{r['value']:.6g}</title></rect>"
-        f"<text x='{226 + width:.1f}' y='{26 * i + 22}' font-size='12'>{r['value']:.4g}</text>")
-  return (f"<svg class='values' width='680' height='{height}' role='img' "
+        f"<text x='{326 + width:.1f}' y='{26 * i + 22}' font-size='12'>{r['value']:.4g}</text>")
+  return (f"<svg class='values' width='700' height='{height}' role='img' "
           f"aria-label='ranked values'>{''.join(bar)}</svg>")
 
 

@@ -17,7 +17,7 @@ from dvbench.server import labels
 from dvbench.server import page
 from dvbench.server import routes_benchmarks
 from dvbench.server import run_view
-from dvbench.server.service import Service, check_name
+from dvbench.server.service import HEX_ID, Service, check_name
 
 
 def _url(request) -> page.Url:
@@ -78,7 +78,7 @@ class PageRoutes:
     proof_id = request.path_params["proof_id"]
 
     def gather():
-      proof = self.service.proof_or_404(proof_id)
+      proof = self._proof_or_404(proof_id)
       checks = self.store.proof_checks(proof_id)
       rows = self.store.challenge_rows(proof_id)
       summary = labels.challenge_summary(proof, self.store.challenger(proof_id), rows, checks,
@@ -92,6 +92,12 @@ class PageRoutes:
                         [n for n in series["metrics"] if n not in curves],
                         self.store.receipt(proof_id) is not None, len(series["steps"]))
     return HTMLResponse(await run_in_threadpool(gather))
+
+  def _proof_or_404(self, proof_id: str) -> dict:
+    proof = self.store.proof(proof_id) if HEX_ID.fullmatch(proof_id) else None
+    if proof is None:
+      raise HTTPException(404, f"there is no proof {proof_id[:64]!r} on this server.")
+    return proof
 
   async def proof_metrics(self, request):
     """``run_view.metric_series`` of a proof from ``?start=STEP``, with the marked steps."""
