@@ -20,6 +20,7 @@ import dataclasses
 import math
 
 from zkdv import challenge
+from zkdv import metrics
 
 MAX_INDEX = 1 << 40  # step indices, counts and positions stay below this
 MAX_LIST = 1 << 20
@@ -169,6 +170,15 @@ class Free(Spec):
           stack.append((v, f"{at}.{k}"))
 
 
+class StepMetrics(Spec):
+  """A step's committed metrics (``zkdv.metrics``: bounded names, exact values)."""
+
+  def check(self, value, where):
+    problems = metrics.problems(value)
+    if problems:
+      raise Invalid(f"{where}: {problems[0]}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Map(Spec):
   """A map (free-form inside, bounded by ``Free``)."""
@@ -229,14 +239,17 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
                 "inputs": Field(NAMES, _REQ), "post_state_outputs": Field(ListOf(INDEX), _REQ),
                 "platforms": Field(NAMES, _REQ), "function": Field(Text(MAX_TEXT)),
                 "params_leaves": Field(ListOf(INDEX)), "nr_devices": Field(Int(1, 1 << 24)),
-                "processes": Field(Int(1, 1 << 20)), "post_state_layout": Field(LAYOUTS)},
+                "processes": Field(Int(1, 1 << 20)), "post_state_layout": Field(LAYOUTS),
+                # [metric name, output index]; the verifier checks names and indices
+                "metric_outputs": Field(ListOf(Row((Text(metrics.MAX_NAME_LENGTH), INDEX)),
+                                               metrics.MAX_METRICS))},
     "init": {"program_id": Field(DIGEST, _REQ), "input_layout": Field(LAYOUTS, _REQ),
              "input_blobs": Field(DIGESTS, _REQ), "output_layout": Field(LAYOUTS, _REQ),
              "outputs": Field(DIGESTS, _REQ), "platforms": Field(NAMES, _REQ),
              "function": Field(Text(MAX_TEXT))},
     "step": {"index": Field(INDEX, _REQ), "program": Field(INDEX, _REQ),
              "pre_state": Field(DIGEST, _REQ), "batch": Field(DIGEST, _REQ),
-             "post_state": Field(DIGEST, _REQ)},
+             "post_state": Field(DIGEST, _REQ), "metrics": Field(StepMetrics())},
     "check": {"step": Field(INDEX, _REQ), "kind": Field(Text(20, CHECK_KINDS), _REQ),
               "pre_state_blobs": Field(DIGESTS), "batch_blobs": Field(DIGESTS),
               "post_state_blobs": Field(DIGESTS), "result": Field(Map()),
