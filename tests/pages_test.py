@@ -232,12 +232,17 @@ class PagesTest(absltest.TestCase):
     for n in range(page.PAGE_SIZE):
       prover.start(f"run {n}")
     total = len(self.get_json("/api/v1/experiments/alice/many")["proofs"])
-    first = httpx.get(self.url + "/").text
-    self.assertEqual(first.count("<tr data-proof="), page.PAGE_SIZE)
-    self.assertIn("rel='next' href='/?page=2'", first)
-    second = httpx.get(self.url + "/?page=2").text
-    self.assertGreater(second.count("<tr data-proof="), 0)
+    first = Dom(httpx.get(self.url + "/").text)
+    rows = [r[1]["data-proof"] for r in first.find("tr") if "data-proof" in r[1]]
+    self.assertLen(rows, page.PAGE_SIZE)
+    [older] = first.find("a", rel="next")
+    second = Dom(httpx.get(self.url + older[1]["href"]).text)
+    more = [r[1]["data-proof"] for r in second.find("tr") if "data-proof" in r[1]]
+    self.assertNotEmpty(more)
+    self.assertEmpty(set(rows) & set(more))
+    self.assertEqual(second.find("a", rel="first")[0][1]["href"], "/")
     self.assertGreaterEqual(total, page.PAGE_SIZE)
+    self.assertEqual(httpx.get(self.url + "/?after=x").status_code, 400)
     self.assertEqual(page.failure_summary("line one\n" + "x" * 500), "line one")
     self.assertLen(page.failure_summary("y" * 500), page.FAILURE_SUMMARY)
 

@@ -6,7 +6,7 @@ Every function takes ``url(name, **params)``, the app's named routes, e.g.
 
 Example::
 
-  html = index(url, experiments, counts, proofs, page=1, total=len(proofs))
+  html = index(url, experiments, counts, proofs, first=True, following=None, total=len(proofs))
 """
 
 import datetime
@@ -76,20 +76,18 @@ _PROOF_HEADS = ("<th>transcript</th><th>run name</th><th>steps</th><th>state</th
                 "<th>failure</th><th>updated</th>")
 
 
-def _pager(url: Url, page: int, total: int) -> str:
-  pages = max(1, -(-total // PAGE_SIZE))
-  links = []
-  if page > 1:
-    links.append(f"<a rel='prev' href='{e(url('index'))}?page={page - 1}'>← newer</a>")
-  links.append(f"page {page} of {pages} ({total} proofs)")
-  if page < pages:
-    links.append(f"<a rel='next' href='{e(url('index'))}?page={page + 1}'>older →</a>")
+def _pager(url: Url, first: bool, following: str | None, total: int) -> str:
+  links = [] if first else [f"<a rel='first' href='{e(url('index'))}'>← newest</a>"]
+  links.append(f"{total} proofs, {PAGE_SIZE} a page")
+  if following is not None:
+    links.append(f"<a rel='next' href='{e(url('index'))}?after={e(following)}'>older →</a>")
   return f"<p class='pager'>{' · '.join(links)}</p>"
 
 
 def index(url: Url, experiments: list[dict], counts: dict[int, int], proofs: list[dict],
-          page: int, total: int) -> str:
-  """Experiments (each links to its page) and one page of proofs, newest first."""
+          first: bool, following: str | None, total: int) -> str:
+  """Experiments (each links to its page) and a page of proofs, newest first (``following``:
+  the cursor of the next page, ``store.page_proofs``)."""
   exp_rows = "".join(
       f"<tr data-experiment='{e(x['full_name'])}'><td>{experiment_link(url, x['full_name'])}</td>"
       f"<td class='num'>{counts.get(x['id'], 0)}</td></tr>" for x in experiments)
@@ -99,7 +97,7 @@ def index(url: Url, experiments: list[dict], counts: dict[int, int], proofs: lis
       "<code>dvbench.Client(URL).experiment(\"owner/name\").proof(...)</code>.</p>")
   proofs_html = (
       f"<table id='proofs'><tr><th>experiment</th>{_PROOF_HEADS}</tr>"
-      f"{_proof_rows(url, proofs)}</table>{_pager(url, page, total)}"
+      f"{_proof_rows(url, proofs)}</table>{_pager(url, first, following, total)}"
       if proofs else "<p class='empty'>No proofs on this page.</p>" if total else
       "<p class='empty'>No proofs yet.</p>")
   return _page(url, "DVBench", f"""

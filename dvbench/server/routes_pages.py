@@ -30,13 +30,15 @@ class PageRoutes:
     self.service, self.store = service, service.store
 
   async def index(self, request):
-    page_no = _page_number(request)
+    after = request.query_params.get("after")
+    if after is not None and not HEX_ID.fullmatch(after):
+      raise HTTPException(400, "after is the id of the last proof of the previous page.")
 
     def gather():
-      proofs = self.store.list_proofs(limit=page.PAGE_SIZE, offset=(page_no - 1) * page.PAGE_SIZE)
+      proofs, following = self.store.page_proofs(page.PAGE_SIZE, after=after)
       counts = self.store.proof_counts()
-      return page.index(_url(request), self.store.list_experiments(), counts, proofs, page_no,
-                        sum(counts.values()))
+      return page.index(_url(request), self.store.list_experiments(), counts, proofs,
+                        first=after is None, following=following, total=sum(counts.values()))
     return HTMLResponse(await run_in_threadpool(gather))
 
   async def experiment_page(self, request):
@@ -117,13 +119,6 @@ class PageRoutes:
       return {"proof_id": proof_id, **series,
               "marks": {str(s): m for s, m in sorted(marks.items())}}
     return JSONResponse(await run_in_threadpool(gather))
-
-
-def _page_number(request) -> int:
-  try:
-    return max(1, int(request.query_params.get("page", "1")))
-  except ValueError:
-    raise HTTPException(400, "page is a page number (1, 2, ...).") from None
 
 
 def not_found_page(request, message: str) -> HTMLResponse:
