@@ -22,7 +22,7 @@ from dvbench import transport
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests.fake_prover import FakeProver, write_self_transcript
-from zkdv.transcript import encode_record
+from zkdv.transcript import encode_record, record_id
 
 # Short limits so that slow-client cases finish in about a second.
 _LIMITS = ("--body-timeout", "2", "--body-idle-timeout", "1", "--max-uploads", "6",
@@ -235,6 +235,24 @@ class TransportCases:
     self.assertRefused(prover.send(cbor2.dumps(tagged)), 400, "record 0 of the envelope",
                        "CBOR tags")
 
+  def test_decoding_never_holds_up_other_requests(self):
+    prover = self.prover("wide")
+    wide = b"\x9a" + (1 << 20).to_bytes(4, "big") + b"\x00" * (1 << 20)  # 2**20 + 1 items
+    stream = f"/api/v1/proofs/{prover.proof_id}/stream"
+    answers = []
+    posts = threading.Thread(target=lambda: answers.extend(together(2, lambda _: self.http.post(
+        stream, content=wide, timeout=60))))
+    posts.start()
+    latencies = []
+    while posts.is_alive():
+      start = time.monotonic()
+      self.assertEqual(httpx.get(f"{self.server.url}/api/v1/health", timeout=2).status_code, 200)
+      latencies.append(time.monotonic() - start)
+    posts.join()
+    for answer in answers:
+      self.assertRefused(answer, 400, "more than 1048576 items")
+    self.assertLess(max(latencies), 1.0, latencies)
+
   def test_no_or_unknown_token_is_refused_before_the_body_is_read(self):
     prover = self.prover("tokens")
     for auth, size in (("", 60 << 20), ("Authorization: Bearer not-a-token\r\n", 1000)):
@@ -259,6 +277,22 @@ class TransportCases:
     response = self.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{'0' * 64}",
                              content=parts())
     self.assertRefused(response, 413, "exceeds the limit")
+
+  def test_a_corrupted_chunk_is_refused_and_mended_by_its_resend(self):
+    prover = self.prover("chunks")
+    raw = prover.step_record()
+    half = len(raw) // 2
+
+    def chunk(seq: int, index: int, data: bytes) -> httpx.Response:
+      envelope = {"client_id": "c", "seq": seq, "kind": "chunk", "record_id": record_id(raw),
+                  "index": index, "count": 2, "data": data}
+      return self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
+                            content=encode_record(envelope))
+    self.assertEqual(chunk(0, 0, b"x" * half).status_code, 200)  # corrupted on the way
+    self.assertRefused(chunk(1, 1, raw[half:]), 400, "do not hash to record_id")
+    self.assertEqual(chunk(1, 0, raw[:half]).status_code, 200)  # the resend replaces it
+    self.assertEqual(chunk(2, 1, raw[half:]).json()["stored"], 1)
+    self.assertEqual(self.record_ids(prover.proof_id)[1], record_id(raw).hex())
 
   def test_unknown_tokens_are_rate_limited_per_address(self):
     head = "GET /api/v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong"

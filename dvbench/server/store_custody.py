@@ -74,27 +74,26 @@ class CustodyQueries:
 
   def put_chunk(self, conn, proof_id: str, record_id: bytes, idx: int, count: int,
                 data: bytes, max_bytes: int) -> bytes | None:
-    """Stores a chunk; returns the whole record once every chunk is here.
+    """Stores a chunk (a resent one replaces the one before, so a corrupted chunk can be
+    mended); returns the whole record once chunks ``0 .. count - 1`` are here.
 
     Raises RecordTooLarge when the record's chunks would exceed ``max_bytes``.
     """
     of_record = (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
-    exists = conn.execute(sa.select(chunks.c.idx).where(of_record & (chunks.c.idx == idx))).first()
-    if not exists:
-      held = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(chunks.c.data)),
-                                                     0)).where(of_record)).scalar()
-      if held + len(data) > max_bytes:
-        raise RecordTooLarge(f"the chunks of record {record_id.hex()} exceed {max_bytes} bytes.")
-      conn.execute(chunks.insert().values(proof_id=proof_id, record_id=record_id, idx=idx,
-                                          count=count, data=data))
-    parts = conn.execute(sa.select(chunks.c.idx, chunks.c.data).where(
-        (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
-    ).order_by(chunks.c.idx)).all()
+    held = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(chunks.c.data)),
+                                                   0)).where(of_record & (chunks.c.idx != idx))
+                        ).scalar()
+    if held + len(data) > max_bytes:
+      raise RecordTooLarge(f"the chunks of record {record_id.hex()} exceed {max_bytes} bytes.")
+    conn.execute(chunks.delete().where(of_record & (chunks.c.idx == idx)))
+    conn.execute(chunks.insert().values(proof_id=proof_id, record_id=record_id, idx=idx,
+                                        count=count, data=data))
+    parts = conn.execute(sa.select(chunks.c.data).where(of_record & (chunks.c.idx < count))
+                         .order_by(chunks.c.idx)).all()
     if len(parts) < count:
       return None
-    conn.execute(chunks.delete().where((chunks.c.proof_id == proof_id)
-                                       & (chunks.c.record_id == record_id)))
-    return b"".join(p[1] for p in parts)
+    conn.execute(chunks.delete().where(of_record))
+    return b"".join(p[0] for p in parts)
 
   def record_data(self, proof_id: str) -> list[bytes]:
     with self.engine.connect() as conn:
