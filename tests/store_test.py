@@ -73,16 +73,18 @@ class StoreTest(parameterized.TestCase):
     items = [(bytes([i]) * 32, "step", b"r%d" % i) for i in range(5)]
     with store.engine.begin() as conn:
       head = store.custody_head(conn, proof)
-      for record_id, kind, data in items[:3]:
-        head = store.append_record(conn, proof, head, record_id, kind, data)
+      head = dataclasses.replace(head, records=head.records + 3, steps=3, last_id=items[2][0])
+      store.append_records(conn, proof, head, items[:3])
     with store.engine.begin() as conn:
       head = store.custody_head(conn, proof)
       self.assertEqual((head.records, head.steps, head.last_id), (4, 3, items[2][0]))
       self.assertEqual(store.record_position(conn, proof, items[1][0]), 2)
       self.assertIsNone(store.record_position(conn, proof, items[3][0]))
-      stale = dataclasses.replace(head, records=2)  # a writer that lost a race for position 2
+      self.assertEqual(store.record_positions(conn, proof, [i[0] for i in items]),
+                       {items[0][0]: 1, items[1][0]: 2, items[2][0]: 3})
+      stale = dataclasses.replace(head, records=3)  # a writer that lost a race for position 2
       with self.assertRaises(sa.exc.IntegrityError):
-        store.append_record(conn, proof, stale, items[3][0], "step", b"other")
+        store.append_records(conn, proof, stale, [(items[3][0], "step", b"other")])
     self.assertEqual(store.record_data(proof), [b"root"] + [i[2] for i in items[:3]])
     self.assertEqual(store.proof(proof)["steps"], 3)
 

@@ -14,6 +14,7 @@ Example::
   parsed = parse_records(raws)  # off the event loop, before any database work
   with store.engine.begin() as conn:
     ingest = Ingest(store, conn, proof_id, ProofChallenger.of(store, proof_id))
+    ingest.expect(raw for raw, _ in parsed)
     for n, (raw, record) in enumerate(parsed):
       ingest.take(raw, record, n)
     ack = ingest.ack()
@@ -79,6 +80,8 @@ class Ingest:
   def __init__(self, store, conn, proof_id: str, challenger: ProofChallenger):
     self.store, self.conn, self.proof_id, self.challenger = store, conn, proof_id, challenger
     self.head = store.custody_head(conn, proof_id)
+    self._positions: dict[bytes, int] = {}  # of the records this request may repeat
+    self._new: list[tuple[bytes, str, bytes]] = []  # appended, written by ack()
     self.stored = self.duplicates = 0
     self.steps_seen: list[int] = []
     self.refs: set[str] = set()
@@ -86,11 +89,16 @@ class Ingest:
     self._rules = {"root": self._refuse_root, "step": self._check_step,
                    "check": self._check_answer, "final": self._check_final}
 
+  def expect(self, raws) -> None:
+    """Looks up at once which of the request's records are stored already."""
+    self._positions.update(self.store.record_positions(
+        self.conn, self.proof_id, [record_id(raw) for raw in raws]))
+
   def take(self, raw: bytes, record: dict, n: int) -> None:
-    """Stores record ``n`` of the request (checked by ``parse_record``) or counts it as a
-    duplicate."""
+    """Appends record ``n`` of the request (checked by ``parse_record``) or counts it as a
+    duplicate (``expect`` it first)."""
     rid = record_id(raw)
-    if self.store.record_position(self.conn, self.proof_id, rid) is not None:
+    if rid in self._positions:
       self.duplicates += 1
       if record["type"] == "step":
         self.steps_seen.append(record["index"])
@@ -98,8 +106,11 @@ class Ingest:
     self.check_receiving()
     self._check_chain(record, n)
     self._rules.get(record["type"], self._accept_other)(record, n)
-    self.head = self.store.append_record(self.conn, self.proof_id, self.head, rid,
-                                         record["type"][:20], raw)
+    self._positions[rid] = self.head.records
+    self._new.append((rid, record["type"], raw))
+    self.head = dataclasses.replace(self.head, records=self.head.records + 1,
+                                    steps=self.head.steps + (record["type"] == "step"),
+                                    last_id=rid, last_kind=record["type"])
     if record["type"] == "step":
       self._derive(record["index"], rid)
     self.stored += 1
@@ -107,6 +118,9 @@ class Ingest:
     self.probes |= transport.probe_blobs(record)
 
   def ack(self) -> dict:
+    """Writes what was appended; the acknowledgement with the challenges of its steps."""
+    self.store.append_records(self.conn, self.proof_id, self.head, self._new)
+    self._new = []
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
     self.store.add_probes(self.conn, self.proof_id, self.probes)
     rows = self.store.challenges_of(self.conn, self.proof_id, set(self.steps_seen))
@@ -129,7 +143,9 @@ class Ingest:
     prev = record["prev"]
     if prev == head.last_id:
       return
-    earlier = self.store.record_position(self.conn, self.proof_id, prev)
+    earlier = self._positions.get(prev)
+    if earlier is None:
+      earlier = self.store.record_position(self.conn, self.proof_id, prev)
     if earlier is not None:
       raise HTTPException(409, f"record {n} would rewrite position {earlier + 1}, which "
                           "already holds another record: stored transcripts are append-only.")

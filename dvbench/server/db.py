@@ -18,6 +18,7 @@ Example::
 """
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -148,6 +149,10 @@ class WriteLockingEngine:
 
   def __init__(self, engine: sa.Engine):
     self._engine = engine
+    # SQLite takes one writer at a time: this process's writers wait on a lock (woken in
+    # turn) rather than in SQLite's busy handler (which polls); other processes still
+    # meet the database lock.
+    self._writers = threading.RLock() if engine.dialect.name == "sqlite" else None
     if engine.dialect.name == "sqlite":  # SQLAlchemy, not the driver, starts transactions
       sa.event.listen(engine, "connect", lambda dbapi_conn, _: setattr(
           dbapi_conn, "isolation_level", None))
@@ -158,7 +163,7 @@ class WriteLockingEngine:
 
   @contextlib.contextmanager
   def begin(self):
-    with self._engine.connect() as conn:
+    with self._writers or contextlib.nullcontext(), self._engine.connect() as conn:
       conn.execution_options(**{_WRITE: True})
       with conn.begin():
         yield conn

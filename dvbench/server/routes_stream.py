@@ -88,6 +88,7 @@ class StreamRoutes:
     return ack
 
   def _records(self, ingest: Ingest, envelope: dict) -> dict:
+    ingest.expect(raw for raw, _ in envelope["records"])
     for n, (raw, record) in enumerate(envelope["records"]):
       ingest.take(raw, record, n)
     return ingest.ack()
@@ -106,7 +107,7 @@ class StreamRoutes:
       return {"chunk": idx, "of": count}
     if record_id(whole) != rid:
       raise HTTPException(400, "the reassembled chunks do not hash to record_id.")
-    ingest.take(whole, parse_record(whole, 0), 0)
+    ingest.take(whole, parse_record(whole, 0), 0)  # not stored: looked up above
     return {"chunk": idx, "of": count, **ingest.ack()}
 
   def _close(self, ingest: Ingest, envelope: dict) -> dict:

@@ -123,15 +123,26 @@ class CustodyQueries:
     return conn.execute(sa.select(records.c.position).where(
         (records.c.proof_id == proof_id) & (records.c.record_id == record_id))).scalar()
 
-  def append_record(self, conn, proof_id: str, head: CustodyHead, record_id: bytes,
-                    kind: str, data: bytes) -> CustodyHead:
-    """Stores a record at ``head.records``; returns the new head."""
-    conn.execute(records.insert().values(proof_id=proof_id, position=head.records,
-                                         record_id=record_id, kind=kind, data=data))
-    steps = head.steps + (kind == "step")
+  def record_positions(self, conn, proof_id: str, record_ids) -> dict[bytes, int]:
+    """Positions of those of ``record_ids`` the proof stores (one query per 500 ids)."""
+    ids, found = sorted(set(record_ids)), {}
+    for i in range(0, len(ids), 500):
+      found.update(conn.execute(sa.select(records.c.record_id, records.c.position).where(
+          (records.c.proof_id == proof_id) & records.c.record_id.in_(ids[i:i + 500]))).all())
+    return found
+
+  def append_records(self, conn, proof_id: str, head: CustodyHead,
+                     new: list[tuple[bytes, str, bytes]]) -> None:
+    """Stores ``new`` (record id, kind, bytes) after the ones stored; ``head`` is the head
+    with them (records, steps)."""
+    if not new:
+      return
+    first = head.records - len(new)
+    conn.execute(records.insert(), [
+        {"proof_id": proof_id, "position": first + i, "record_id": rid, "kind": kind,
+         "data": data} for i, (rid, kind, data) in enumerate(new)])
     conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
-        records=head.records + 1, steps=steps, updated_at=time.time()))
-    return CustodyHead(head.records + 1, steps, record_id, kind, head.state)
+        records=head.records, steps=head.steps, updated_at=time.time()))
 
   def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
     known = {r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
