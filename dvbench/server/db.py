@@ -137,10 +137,13 @@ _PG_WRITE_LOCK = 0x6476624E  # the advisory lock key every PostgreSQL write tran
 
 
 def _begin(conn) -> None:
-  write = conn.get_execution_options().get(_WRITE, False)
+  """Write transactions take the lock first; SQLite reads run each statement on its own, as
+  the driver did before (``engine.connect()`` is for reads)."""
+  if not conn.get_execution_options().get(_WRITE, False):
+    return
   if conn.dialect.name == "sqlite":
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-  elif write and conn.dialect.name == "postgresql":
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+  elif conn.dialect.name == "postgresql":
     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_WRITE_LOCK})")
 
 
