@@ -200,6 +200,19 @@ class NNXTest(parameterized.TestCase):
     self.assertIs(merged.proof, proof)
     self.assert_verified(proof, 2)
 
+  def test_state_is_donated_only_when_every_nnx_argument_is(self):
+    proof = testing.new_proof("nnx-donate", update_p=0.0)  # no views: donation takes effect
+    proof.start()
+    model = MLP(nnx.Rngs(0))
+    optimizer = zkdv_nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param, proof=proof)
+    step = proof.jit(train_step, donate_argnums=0)  # the model only: split with the optimizer
+    batch = _batches((4,), (8,))[0]
+    step(model, optimizer, *batch)
+    moment = optimizer.opt_state[0].mu["out"]["kernel"][...]
+    step(model, optimizer, *batch)
+    self.assertFalse(moment.is_deleted())  # the optimizer was not donated
+    proof.finish()
+
   def test_copies_share_the_proof(self):
     proof = testing.new_proof("nnx-copy")
     model = MLP(nnx.Rngs(0))

@@ -386,6 +386,8 @@ class ProofFunction:
     closed, out_shape, post_indices = self._trace(call, inputs)
     exact = self.manual or inputs.state.attest_apply_fn is None
     donated = self._spec.donated_leaves(call.dyn_args, call.dyn_kwargs, call.positions)
+    if call.nnx and not self._donates_every_nnx_argument(call):  # split together: all or none
+      donated = [d and i not in inputs.state_indices for i, d in enumerate(donated)]
     shardings = self._flat_shardings(call, out_shape)
     exported, blob, debug_calls = self._export(call, closed, shardings, exact)
     executable = self._compile(call, exported, blob, exact, donated, shardings)
@@ -405,6 +407,14 @@ class ProofFunction:
         donated=donated, overlap=None if self.manual else inputs.state.zkdv_overlap,
         executable=executable, compiler_options=self._options.get("compiler_options"),
         debug_calls=debug_calls if exact else [])  # else production's jax.jit prints itself
+
+  def _donates_every_nnx_argument(self, call: _Call) -> bool:
+    """Whether every argument that holds an NNX object is donated (as ``nnx.jit``
+    donates an object's state only when its argument is)."""
+    holds = _nnx().holds_node
+    return (all(p in self._spec.donate_nums
+                for p, a in zip(call.positions, call.dyn_args) if holds(a))
+            and all(k in self._spec.donate_names for k, v in call.dyn_kwargs.items() if holds(v)))
 
   def _classify(self, call: _Call) -> _Inputs:
     """Splits the flat inputs into the state's leaves and batch evidence."""
@@ -486,6 +496,12 @@ class ProofFunction:
     step = _flat_outputs(self._step_on_flat_inputs(call, swap_apply_fn=not exact))
     debug_calls = []
     if debug_calls_lib.has_debug_calls(closed.jaxpr):
+      if "out_shardings" in shardings:
+        raise errors.ExportError(
+            f"{self.__name__} calls jax.debug.print/jax.debug.callback and is given "
+            "out_shardings; proof.jit returns printed values as extra outputs, which "
+            "out_shardings does not place.",
+            fix=f"Remove the print from {self.__name__}, or its out_shardings.")
       if not exact:  # the replay program's own jaxpr
         closed = jax.make_jaxpr(step)(*call.specs)
       step, debug_calls = debug_calls_lib.lift(closed, self.__name__)

@@ -186,6 +186,11 @@ def _is_graph_state(x) -> bool:
   return isinstance(x, (GraphState, _NodeRef))
 
 
+def holds_node(tree) -> bool:
+  """Whether a pure argument (``split_graph``'s) stands for an NNX object."""
+  return any(_is_graph_state(x) for x in jax.tree.leaves(tree, is_leaf=_is_graph_state))
+
+
 def write_back(nodes: tuple, graph_state: GraphState) -> None:
   """Writes the step's new state into the caller's NNX objects, as ``nnx.jit`` does."""
   nnx.update(nodes, graph_state.state)
