@@ -4,6 +4,7 @@ The tests that also run the verifier are in ``StepVerifiedTest``.
 """
 
 import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,20 @@ class StepVerifiedTest(absltest.TestCase):
     report = verify.verify(_steps_with_tx_change("tx-change").path)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     self.assertEqual(report.steps, 4)
+
+  def test_backend_option_places_the_step_without_jax_deprecation_warnings(self):
+    proof = testing.new_proof("on-cpu", update_p=1.0)
+    proof.start()
+    state = testing.classifier_state(proof)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", DeprecationWarning)  # jit(backend=...) is deprecated
+      train_step = proof.jit(testing.classifier_step, backend="cpu")
+      for _ in range(2):
+        state = train_step(state, BATCH)
+      proof.finish()
+    self.assertEqual(state.params["Dense_0"]["bias"].devices(), {jax.local_devices(
+        backend="cpu")[0]})
+    self.assertEqual(verify.verify(proof.path).verdict, verify.VERIFIED)
 
 
 if __name__ == "__main__":
