@@ -119,7 +119,9 @@ def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dic
 <tr><th>latest proof</th><td><a href='{e(url('proof_page', proof_id=latest['id']))}'><code>
 {e(latest['id'][:16])}…</code></a> {_badge(latest['state'])}</td></tr>
 <tr><th>steps</th><td>{latest['steps']}</td></tr>
-<tr><th>updated</th><td>{_time(latest['updated_at'])}</td></tr>{values}</table>""" + (
+<tr><th>updated</th><td>{_time(latest['updated_at'])}</td></tr>
+{f"<tr><th colspan='2'>metrics committed by step {latest['steps'] - 1}</th></tr>" if values
+ else ""}{values}</table>""" + (
         "" if latest_metrics else "<p class='empty'>The latest proof has committed no step "
         "metrics yet.</p>")
     proofs_html = (f"<table id='proofs'><tr>{_PROOF_HEADS}</tr>"
