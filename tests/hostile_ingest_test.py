@@ -130,12 +130,19 @@ class DatabaseCases:
                        "envelope.client_id")
     long_type = prover.chain({"type": "x" * 21})
     self.assertRefused(prover.send(long_type), 400, "record 0.type")
+    nul = {"client_id": "c\x00", "seq": 0, "kind": "records", "records": []}
+    self.assertRefused(self.http.post(stream, content=encode_record(nul)), 400,
+                       "envelope.client_id: a string without NUL")
+    self.assertRefused(prover.send(prover.chain({"type": "st\x00ep"})), 400, "record 0.type")
     huge_text = prover.chain({"type": "program", "function": "f" * (transport.MAX_RECORD_STRING
                                                                      + 1)})
     self.assertRefused(prover.send(huge_text), 400, "not acceptable CBOR", "limit")
     # A root name longer than the column is stored cut to it, on every database.
     other = FakeProver(self.server.url, self.token, "alice/long-name")
-    response = other.post_root(other.root(other.slot(), name="n" * 60000))
+    slot = other.slot()
+    self.assertRefused(other.post_root(other.root(slot, name="n\x00")), 400,
+                       "(root).name: a string without NUL")
+    response = other.post_root(other.root(slot, name="n" * 60000))
     self.assertEqual(response.status_code, 201, response.text)
     self.assertLen(response.json()["name"], 400)
 

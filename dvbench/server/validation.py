@@ -105,6 +105,8 @@ class Text(Spec):
   def check(self, value, where):
     if not isinstance(value, str) or not self.min_len <= len(value) <= self.max_len:
       self.fail(value, where, f"a string of {self.min_len}-{self.max_len} characters")
+    if "\x00" in value:  # PostgreSQL text cannot hold it
+      raise Invalid(f"{where}: a string without NUL characters.")
     if self.choices and value not in self.choices:
       raise Invalid(f"{where}: one of {list(self.choices)}, got {value[:40]!r}.")
 
