@@ -6,8 +6,8 @@ On the benchmark MLP (784-1024x4-10, Adam), in one process and alternating in
 blocks of ``--block`` steps: ``jax.jit``; ``proof.jit`` with self-sampled
 checks at p (offline, no upload); ``proof.jit`` through a live ``dvbench serve``
 on loopback (no workers, so the server only stores, challenges and acks) with
-the server's p, once keeping every unanswered step's buffers (``retention="window"``)
-and once a snapshot per window (``retention="snapshot"``). Each step is timed to its outputs being ready; *throughput*
+the server's p, once with the adaptive segment length (the default) and once
+committing every step's state (``segment_length=1``). Each step is timed to its outputs being ready; *throughput*
 also counts the time to settle the block (every step committed and, with the
 server, every challenge answered). Peak RSS comes from a fresh subprocess per
 configuration; "generations" is its excess over ``jax.jit`` in units of the
@@ -29,7 +29,7 @@ import zkdv
 from benchmarks import common
 
 ROWS = ("jax.jit", "proof.jit self-sampled", "proof.jit DVBench live",
-        "proof.jit DVBench live, snapshot")
+        "proof.jit DVBench live, k=1")
 
 
 class Runner:
@@ -45,7 +45,7 @@ class Runner:
       return
     config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
                              output_dir=f"{folder}/{row.replace(' ', '_')}-{batch_size}",
-                             retention="snapshot" if row.endswith("snapshot") else "window")
+                             segment_length=1 if row.endswith("k=1") else None)
     if row == "proof.jit self-sampled":
       self.proof = zkdv.jax.ZKDV("challenges-benchmark", config)
     else:

@@ -1,18 +1,21 @@
 """What a verifiable step costs: proof.jit against jax.jit, a naive baseline and the floor.
 
-  python -m benchmarks.overhead [--workload mlp|cnn|all] [--rounds 6] [--block 5] [--rows ...]
+  python -m benchmarks.overhead [--workload mlp|mlp256|mlp128|cnn|all] [--rounds 6] [--block 5]
+                                [--rows ...]
 
 Every configuration trains its own copy of the workload in one process; the
 configurations take turns in blocks of ``--block`` steps (A, B, C, ..., A, B,
-...), after a warm-up, and each step is timed to its outputs being ready (a
-proof's pipeline is drained after its block, outside the timing). Peak RSS is
-measured for each configuration in a fresh subprocess. The table comes last.
+...), after a warm-up. *Throughput* is each block's time per step including the
+drain of the proof's pipeline after it (its commitments and checks), median over
+the blocks. Peak RSS is measured for each configuration in a fresh subprocess.
+Column *k* is the median segment length a proof used. The table comes last.
 
 Rows: ``jax.jit``; *naive* (``jax.jit`` + ``jax.device_get`` + ``hashlib.sha256``
 of state and batch every step); *floor* (``jax.jit`` + one native BLAKE3 pass
-over post-state and batch); ``proof.jit`` at p=0.01 for each overlap policy and
-digest backend; ``proof.jit`` at p=1.0; and Flax NNX: the same model (the Linen
-module through ``nnx.bridge.ToNNX``) with ``nnx.Optimizer`` under ``nnx.jit``, and
+over post-state and batch); ``proof.jit`` at p=0.01 with the adaptive segment
+length (the default) for each overlap policy, with segments of one step (every
+state committed, as format 2), with the device digest backend; ``proof.jit`` at
+p=1.0; and Flax NNX: the same model (the Linen module through ``nnx.bridge.ToNNX``) with ``nnx.Optimizer`` under ``nnx.jit``, and
 with ``zkdv.jax.contrib.nnx.Optimizer`` under ``proof.jit`` at p=0.01.
 """
 
@@ -22,6 +25,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,14 +61,21 @@ def cnn_workload(batch_size: int = 128):
 
 
 WORKLOADS = {"mlp": ("MLP 784-1024x4-10, Adam, batch 1024", common.mlp_workload),
+             "mlp256": ("MLP 784-1024x4-10, Adam, batch 256",
+                        lambda: common.mlp_workload(256)),
+             "mlp128": ("MLP 784-1024x4-10, Adam, batch 128",
+                        lambda: common.mlp_workload(128)),
              "cnn": ("CNN 2 conv + dense, Adam, batch 128", cnn_workload)}
 
-PROOF_CONFIGS = [(f"proof.jit p=0.01 {o.value} {b}", 0.01, o, b)
-                 for b in ("host", "device")
+# (row, p, overlap, digest backend, segment length: None is the adaptive default)
+PROOF_CONFIGS = [(f"proof.jit p=0.01 {o.value} host", 0.01, o, "host", None)
                  for o in (zkdv.overlap.UNCHECKED, zkdv.overlap.ALWAYS, zkdv.overlap.NEVER)]
-PROOF_CONFIGS.append(("proof.jit p=1.0 unchecked host", 1.0, zkdv.overlap.UNCHECKED, "host"))
+PROOF_CONFIGS += [
+    ("proof.jit p=0.01 unchecked host k=1", 0.01, zkdv.overlap.UNCHECKED, "host", 1),
+    ("proof.jit p=0.01 unchecked device", 0.01, zkdv.overlap.UNCHECKED, "device", None),
+    ("proof.jit p=1.0 unchecked host", 1.0, zkdv.overlap.UNCHECKED, "host", None)]
 NNX_PROOF_ROW = "NNX proof.jit p=0.01 unchecked host"
-PROOF_CONFIGS.append((NNX_PROOF_ROW, 0.01, zkdv.overlap.UNCHECKED, "host"))
+PROOF_CONFIGS.append((NNX_PROOF_ROW, 0.01, zkdv.overlap.UNCHECKED, "host", None))
 BASELINES = ["jax.jit", "floor (jit + one BLAKE3 pass)"]  # every table's ratios need them
 ROWS = ["jax.jit", "naive (jit + device_get + sha256)", "floor (jit + one BLAKE3 pass)"] + [
     c[0] for c in PROOF_CONFIGS if c[0] != NNX_PROOF_ROW] + ["NNX nnx.jit", NNX_PROOF_ROW]
@@ -77,10 +88,11 @@ class Runner:
     model, params, batch = WORKLOADS[workload][1]()
     self.batch, self.proof = batch, None
     if row.startswith("proof.jit"):
-      _, p, policy, backend = next(c for c in PROOF_CONFIGS if c[0] == row)
+      _, p, policy, backend, k = next(c for c in PROOF_CONFIGS if c[0] == row)
       self.proof = zkdv.jax.ZKDV(row, zkdv.ZKDVConfig(
           sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
-          digest_backend=backend, output_dir=f"{folder}/{row.replace(' ', '_')}"))
+          digest_backend=backend, segment_length=k,
+          output_dir=f"{folder}/{row.replace(' ', '_')}"))
       self.proof.start(rolling_window=4)
       self.state = zkdv.jax.contrib.TrainState.create(
           proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
@@ -112,6 +124,11 @@ class Runner:
   def settle(self):
     if self.proof is not None:
       self.proof.wait_for_commitments()
+
+  def segment_length(self) -> str:
+    if self.proof is None or not self.proof.segment_lengths:
+      return "-"
+    return f"{common.median(self.proof.segment_lengths[-8:]):.0f}"
 
   def step_record_bytes(self) -> tuple[float, float]:
     """(mean bytes of a step record, transcript bytes per step incl. blobs)."""
@@ -182,27 +199,30 @@ def measure(workload: str, rounds: int, block: int, rss: bool,
   times = {row: [] for row in rows}
   for _ in range(rounds):
     for row, r in runners.items():
+      start = time.perf_counter()
       for _ in range(block):
-        times[row].append(common.timed(r.step))
+        jax.block_until_ready(r.step())
       r.settle()
+      times[row].append((time.perf_counter() - start) / block)
   base = common.median(times["jax.jit"])
   table = []
   for row, r in runners.items():
+    k = r.segment_length()
     step_bytes, total_bytes = r.step_record_bytes()
     med = common.median(times[row])
-    table.append([row, f"{med * 1e3:.1f}", f"{med / base:.3f}",
-                  f"{peak_rss_mb(row, workload, 12):.0f}" if rss else "-",
+    table.append([row, k, f"{med * 1e3:.1f}", f"{med / base:.3f}",
+                  f"{peak_rss_mb(row, workload, 3 * block):.0f}" if rss else "-",
                   f"{step_bytes:.0f}" if r.proof else "-",
                   f"{total_bytes:,.0f}" if r.proof else "-"])
   floor = common.median(times["floor (jit + one BLAKE3 pass)"])
   for row in table:
-    row.insert(3, f"{common.median(times[row[0]]) / floor:.3f}")
+    row.insert(4, f"{common.median(times[row[0]]) / floor:.3f}")
   return table
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workload", choices=["mlp", "cnn", "all"], default="all")
+  parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
   parser.add_argument("--rounds", type=int, default=6)
   parser.add_argument("--block", type=int, default=5)
   parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
@@ -216,11 +236,12 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
-  header = ["configuration", "median step ms", "ratio to jax.jit", "ratio to floor",
-            "peak RSS MB", "step record bytes", "transcript bytes/step"]
+  header = ["configuration", "k", "ms/step incl. checks", "ratio to jax.jit",
+            "ratio to floor", "peak RSS MB", "step record bytes", "transcript bytes/step"]
   for name in names:
-    common.print_table(f"{WORKLOADS[name][0]} — median of {args.rounds * args.block} steps "
-                       f"per row, {jax.devices()[0].platform}", header, results[name])
+    common.print_table(f"{WORKLOADS[name][0]} — median of {args.rounds} blocks of "
+                       f"{args.block} steps per row, {jax.devices()[0].platform}", header,
+                       results[name])
     print()
 
 

@@ -151,8 +151,10 @@ class Benchmark:
 
     Args:
       aggregate: ``"mean"`` or ``"sum"`` of every row's output, computed by the server.
-      audit: the audit level a proof needs (``"min-probability"``; the server lists the
-        levels it supports in its 400 for another).
+      audit: the audit level a proof needs: ``"min-probability"`` (server-chosen checks at
+        ``min_update_check_probability``) or ``"full-replay"`` (every step re-executed by
+        the server's workers from an attested start); the server lists the levels it
+        supports in its 400 for another.
       allowed_programs: hex ids of the training programs a proof may use (None: any).
       training_set: a ``TrainingSet`` (its root and size) that probed rows must be in.
     """

@@ -101,8 +101,9 @@ def _signing_key(args):
 def _minimum_policy(args):
   from zkdv.challenge import Policy  # pylint: disable=g-import-not-at-top
   try:
-    return Policy(args.min_update_check_probability, args.min_state_check_probability,
-                  args.min_probe_ratio, args.max_window)
+    return Policy(1.0 if args.full_replay else args.min_update_check_probability,
+                  args.min_state_check_probability, args.min_probe_ratio, args.max_window,
+                  args.max_segment_length, args.full_replay)
   except ValueError as e:
     raise SystemExit(f"dvbench serve: {e}") from None
 
@@ -340,6 +341,10 @@ def main(argv=None) -> int:
                  help="the largest rolling window (steps unanswered or undecided) a root may carry")
   s.add_argument("--score-shard-rows", type=int, default=1 << 16,
                  help="evaluation rows per scoring job: larger sets split across workers")
+  s.add_argument("--max-segment-length", type=int, default=64,
+                 help="the most steps between two state commitments a root may carry")
+  s.add_argument("--full-replay", action="store_true",
+                 help="require every segment replayed (update check probability 1)")
   s.set_defaults(run=serve)
 
   w = sub.add_parser("worker", help="run one validation worker against the database")

@@ -126,7 +126,10 @@ def blob_refs(record: dict) -> set[str]:
   fields = BLOB_FIELDS + (("program_id",) if record.get("type") == "init" else ())
   for field in fields:
     value = record.get(field)
-    for d in value if isinstance(value, list) else [value]:
+    values = value if isinstance(value, list) else [value]
+    if field == "batch_blobs":  # format 3: one list per step of the segment
+      values = [d for v in values for d in (v if isinstance(v, list) else [v])]
+    for d in values:
       if isinstance(d, bytes) and len(d) == 32:
         refs.add(d.hex())
   return refs | probe_blobs(record)

@@ -251,7 +251,8 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
                   "audit": "min-probability", "min_update_check_probability": 0.5,
                   "allowed_programs": None, "training_set": None, "public_rows": False}
     for fields, message in (
-        ({"audit": "full-replay"}, "audit: one of \\['min-probability'\\], got 'full-replay'"),
+        ({"audit": "every-step"}, "audit: one of \\['min-probability', 'full-replay'\\], got "
+         "'every-step'"),
         ({"training_set": {"root": b"\0" * 31, "size": 4}}, "training_set root: a 32-byte"),
         ({"training_set": {"root": b"\0" * 32, "size": 0}}, "training_set: null or"),
         ({"params_layout": [{"path": "w", "dtype": "object", "shape": []}]},
@@ -326,6 +327,12 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
                                      allowed_programs=["ab" * 32])
     with self.refused(409, "trained with programs .* does not allow"):
       self.submitter.benchmark(pinned_elsewhere.name).submit(self.honest_proof, self.honest)
+    # Every step checked (p = 1) from an attested start is still not a full replay: the
+    # policy did not ask for it, so the workers replayed only what was challenged.
+    full = self.register(self.owner, "alice/full-replay-only", audit="full-replay")
+    self.assertEqual(self.submitter.benchmark(full.name).info()["audit"], "full-replay")
+    with self.refused(409, "'alice/full-replay-only' requires a full replay"):
+      self.submitter.benchmark(full.name).submit(self.honest_proof, self.honest)
     loose = self.submitter.benchmark("alice/any-program")
     entry = loose.wait(loose.submit(self.loose_proof, self.loose)["id"])
     self.assertEqual(entry["state"], "scored", str(entry))

@@ -103,12 +103,12 @@ class _LateProof(zkdv.jax.ZKDV):
     return delivered
 
 
-def _late_proof(update_p=1.0, window=2, timeout_s=30.0, retention="window", state_p=0.0):
+def _late_proof(update_p=1.0, window=2, timeout_s=30.0, segment_length=1, state_p=0.0):
   folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-test-")) / "late"
   proof = _LateProof("late", zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p,
                                           state_check_probability=state_p),
-      output_dir=folder, retention=retention))
+      output_dir=folder, segment_length=segment_length))
   proof.timeout_s = timeout_s
   proof.start(rolling_window=window, probe_ratio=0.5)
   return proof
@@ -174,9 +174,9 @@ class LateDecisionsTest(parameterized.TestCase):
     self.assertEqual(proof.checks["update"], 5)
     self.assertEqual(proof.failed_checks, [])
 
-  @parameterized.parameters("window", "snapshot")
-  def test_only_decided_checks_are_answered_and_verify(self, retention):
-    proof = _late_proof(update_p=0.5, state_p=0.3, window=3, retention=retention)
+  @parameterized.parameters(1, 3)
+  def test_only_decided_checks_are_answered_and_verify(self, segment_length):
+    proof = _late_proof(update_p=0.5, state_p=0.3, window=3, segment_length=segment_length)
     with _Serving(proof):
       self._train(proof, 12)
       proof.finish()
@@ -185,9 +185,11 @@ class LateDecisionsTest(parameterized.TestCase):
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     records = transcript.read_transcript(proof.path).records
     policy = challenge.Policy(0.5, 0.3, 0.5, 3)
-    expected = [t for t, r in enumerate(r for r in records if r.record["type"] == "step")
-                if challenge.decide(t, challenge.step_challenge_server(proof.key, r.record_id),
-                                    policy).update]
+    steps = [r for r in records if r.record["type"] == "step"]
+    ends = [t for t, r in enumerate(steps) if "post_state" in r.record]
+    self.assertEqual(ends, [t for t in range(12) if t % segment_length == segment_length - 1])
+    expected = [t for t in ends if challenge.decide(
+        t, challenge.step_challenge_server(proof.key, steps[t].record_id), policy).update]
     answered = [r.record["step"] for r in records
                 if r.record["type"] == "check" and r.record["kind"] == "update"]
     self.assertEqual(answered, expected)

@@ -153,7 +153,7 @@ class TamperedUploadTest(DVBenchTestCase):
     parsed = transcript.read_transcript(path).records
     position, step = next((n, r) for n, r in enumerate(parsed)
                           if r.record["type"] == "step" and r.record["index"] == 2)
-    at = step.offset + step.raw.find(step.record["post_state"]) + 5
+    at = step.offset + step.raw.find(step.record["batch"]) + 5
     tampered = bytearray(records)
     tampered[at] ^= 0x10
     (path / transcript.RECORDS_FILE).write_bytes(bytes(tampered))

@@ -1,9 +1,11 @@
-"""A pure-Python prover that writes format-2 records by hand and speaks the DVBench protocol.
+"""A pure-Python prover that writes format-3 records by hand and speaks the DVBench protocol.
 
 It needs no JAX: states are 32-byte digests, a step's post-state is a hash of
-its pre-state and batch, and a *faked* step's post-state is anything else. A
-dishonest prover cannot open a faked step, so it leaves the challenges that hit
-one unanswered (or answers them with openings of its own choosing).
+its pre-state and batch, and a *faked* step's post-state is anything else. The
+state is committed every ``segment_length`` steps. A dishonest prover cannot
+open a segment holding a faked step (its replay would not reach the committed
+end), so it leaves the challenges that hit one unanswered (or answers them with
+openings of its own choosing).
 
 Example::
 
@@ -32,14 +34,15 @@ class RunOutcome:
   """What a run sent: the challenged steps (step -> decision) and the faked ones hit."""
 
   decisions: dict[int, challenge.Decision] = dataclasses.field(default_factory=dict)
-  faked_hit: list[int] = dataclasses.field(default_factory=list)
+  faked_hit: list[int] = dataclasses.field(default_factory=list)  # faked steps caught
+  segments: dict[int, int] = dataclasses.field(default_factory=dict)  # last step -> first
   step_ids: dict[int, bytes] = dataclasses.field(default_factory=dict)
 
 
 class FakeProver:
   """One proof of ``experiment`` ("owner/name"), sent record by record."""
 
-  def __init__(self, url: str, token: str, experiment: str):
+  def __init__(self, url: str, token: str, experiment: str, segment_length: int = 1):
     self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
                              timeout=60)
     self.experiment = experiment
@@ -49,6 +52,8 @@ class FakeProver:
     self.records: list[bytes] = []
     self.steps = 0
     self.state = digest(b"initial state")
+    self.segment_length = segment_length
+    self.segment_first: int | None = None  # the open segment's first step
     self._seq = 0
 
   # -- root ----------------------------------------------------------------------
@@ -65,9 +70,10 @@ class FakeProver:
     challenger = {"kind": "dvbench", "server_key": bytes.fromhex(slot["server_key"]),
                   "nonce": bytes.fromhex(slot["nonce"]),
                   "key_commitment": bytes.fromhex(slot["key_commitment"]),
-                  "owner": owner, "experiment": self.experiment, "policy": slot["policy"]}
+                  "owner": owner, "experiment": self.experiment,
+                  "policy": {**slot["policy"], "segment_length": self.segment_length}}
     challenger.update(challenger_changes)
-    return {"type": "root", "format_version": 2, "prover": "whitebox-jax", "name": name,
+    return {"type": "root", "format_version": 3, "prover": "whitebox-jax", "name": name,
             "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
             "challenger": challenger}
 
@@ -104,21 +110,37 @@ class FakeProver:
       self.records += raws
     return response
 
-  def step_record(self, faked: bool = False, metrics: dict | None = None) -> bytes:
-    batch = digest(b"batch %d" % self.steps)
-    post = digest((b"faked" if faked else b"honest") + self.state + batch)
-    return self.chain({"type": "step", "index": self.steps, "program": 0,
-                       "pre_state": self.state, "batch": batch, "post_state": post,
-                       **({"metrics": metrics} if metrics is not None else {})})
+  def step_record(self, faked: bool = False, ends: bool | None = None,
+                  metrics: dict | None = None) -> bytes:
+    """The next step's record (with its committed ``metrics``): it commits its pre-state
+    when it starts a segment and its post-state when it ends one (by default every
+    ``segment_length`` steps)."""
+    fields = {"type": "step", "index": self.steps, "program": 0, "batch": self._batch(),
+              **({"metrics": metrics} if metrics is not None else {})}
+    if self.segment_first is None:
+      fields["pre_state"] = self.state
+    if ends if ends is not None else (self.steps + 1) % self.segment_length == 0:
+      fields["post_state"] = self._post(faked)
+    return self.chain(fields)
 
-  def step(self, faked: bool = False, metrics: dict | None = None) -> dict:
-    """Sends the next step (with its committed ``metrics``); returns its ack (raises on
-    refusal)."""
-    raw = self.step_record(faked, metrics)
+  def _batch(self) -> bytes:
+    return digest(b"batch %d" % self.steps)
+
+  def _post(self, faked: bool) -> bytes:
+    return digest((b"faked" if faked else b"honest") + self.state + self._batch())
+
+  def step(self, faked: bool = False, ends: bool | None = None,
+           metrics: dict | None = None) -> dict:
+    """Sends the next step; returns its ack (raises on refusal)."""
+    raw, post = self.step_record(faked, ends, metrics), self._post(faked)
     response = self.send(raw)
     if response.status_code != 200:
       raise AssertionError(f"step {self.steps} refused: {response.text}")
-    self.state = cbor2.loads(raw)["post_state"]
+    if self.segment_first is None:
+      self.segment_first = self.steps
+    if "post_state" in cbor2.loads(raw):
+      self.segment_first = None
+    self.state = post
     self.steps += 1
     return response.json()
 
@@ -128,15 +150,18 @@ class FakeProver:
     response.raise_for_status()
     return name
 
-  def check_record(self, step: int, kind: str) -> bytes:
-    """An answer to step ``step``'s ``kind`` challenge, its openings uploaded."""
+  def check_record(self, step: int, kind: str, first: int | None = None) -> bytes:
+    """An answer to step ``step``'s ``kind`` challenge, its openings uploaded (an update
+    check opens the segment ``first .. step``)."""
     def put(data: bytes) -> bytes:  # openings of this proof only
       return self.upload(data + self.proof_id.encode())
 
     fields = {"type": "check", "step": step, "kind": kind}
     if kind == "update":
-      fields |= {"pre_state_blobs": [put(b"pre-state of %d" % step)],
-                 "batch_blobs": [put(b"batch of %d" % step)], "result": {"equal": True}}
+      first = step if first is None else first
+      fields |= {"first": first, "pre_state_blobs": [put(b"pre-state of %d" % first)],
+                 "batch_blobs": [[put(b"batch of %d" % t)] for t in range(first, step + 1)],
+                 "result": {"equal": True}}
     elif kind == "state":
       fields |= {"post_state_blobs": [put(b"post-state of %d" % step)]}
     else:
@@ -144,11 +169,14 @@ class FakeProver:
                  "probes": [[0, 0, put(b"row 0 of %d" % step), []]]}
     return self.chain(fields)
 
-  def answer(self, decision: challenge.Decision) -> None:
-    for kind, needed in (("update", decision.update), ("state", decision.state),
+  def answer(self, decision: challenge.Decision, first: int | None = None) -> None:
+    """Answers ``decision``: its probes and, when its step ends the segment from
+    ``first`` (None: it ends none), the segment's checks."""
+    ends = first is not None
+    for kind, needed in (("update", decision.update and ends), ("state", decision.state and ends),
                          ("probe", decision.probe_ratio > 0)):
       if needed:
-        response = self.send(self.check_record(decision.step, kind))
+        response = self.send(self.check_record(decision.step, kind, first))
         if response.status_code != 200:
           raise AssertionError(f"answer to step {decision.step} refused: {response.text}")
 
@@ -157,19 +185,27 @@ class FakeProver:
             for c in ack["challenges"]]
 
   def run(self, steps: int, faked=(), skip_answer=(), metrics=None) -> RunOutcome:
-    """``steps`` steps; challenges answered except on faked steps and ``skip_answer``;
-    ``metrics(t)`` gives step t's committed metrics."""
+    """``steps`` steps, the last one ending a segment; challenges answered except for
+    segments holding a faked step and the steps in ``skip_answer``; ``metrics(t)`` gives
+    step t's committed metrics."""
     outcome = RunOutcome()
-    for _ in range(steps):
+    for n in range(steps):
       t = self.steps
-      ack = self.step(faked=t in faked, metrics=None if metrics is None else metrics(t))
+      first = t if self.segment_first is None else self.segment_first
+      ack = self.step(faked=t in faked, ends=True if n == steps - 1 else None,
+                      metrics=None if metrics is None else metrics(t))
+      if self.segment_first is None:
+        outcome.segments[t] = first
       outcome.step_ids[t] = record_id(self.records[-1])
       for decision in self.decisions(ack):
-        outcome.decisions[decision.step] = decision
-        if decision.step in faked and decision.any_check:
-          outcome.faked_hit.append(decision.step)
-        elif decision.step not in faked and decision.step not in skip_answer:
-          self.answer(decision)
+        step = decision.step
+        outcome.decisions[step] = decision
+        segment = outcome.segments.get(step)
+        inside = [] if segment is None else [s for s in faked if segment <= s <= step]
+        if inside and decision.any_check:
+          outcome.faked_hit += inside
+        elif step not in skip_answer and step not in faked:
+          self.answer(decision, segment)
     return outcome
 
   def final_record(self, steps: int | None = None, prev: bytes | None = None) -> bytes:
@@ -203,7 +239,7 @@ def write_self_transcript(folder, steps: int, name: str = "synthetic") -> list[b
   from zkdv import transcript  # pylint: disable=g-import-not-at-top
   writer = transcript.TranscriptWriter(folder)
   policy = challenge.Policy(update_check_probability=0.1).to_record()
-  writer.append({"type": "root", "format_version": 2, "prover": "whitebox-jax", "name": name,
+  writer.append({"type": "root", "format_version": 3, "prover": "whitebox-jax", "name": name,
                  "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
                  "challenger": {"kind": "self", "seed_commitment": digest(name.encode()),
                                 "policy": policy}})

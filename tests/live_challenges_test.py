@@ -1,6 +1,7 @@
 """Real JAX training challenged live by a real `dvbench serve`: independent verification
 of downloaded proofs, and a server that restarts mid-run."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -119,12 +120,14 @@ class IndependentVerificationTest(absltest.TestCase):
   def test_a_check_answered_with_other_openings_is_invalid_naming_it(self):
     honest = committer_lib.Committer._update_check  # pylint: disable=protected-access
 
-    def forged(committer, program, index, opened, post_views, replayed=None):
-      # The prover answers with a pre-state it did not commit (e.g. the weights it wished
-      # it had trained from); its own replay of them is what it reports.
-      forged_state = [np.array(a, copy=True) for a in opened]
-      forged_state[program.state_indices[-1]] += 1
-      return honest(committer, program, index, forged_state, post_views, replayed)
+    def forged(committer, segment):
+      # The prover answers with a start state it did not commit (e.g. the weights it
+      # wished it had trained from); its own replay of them is what it reports.
+      kept = committer._kept[segment.first]  # pylint: disable=protected-access
+      opened = [None if a is None else np.array(a, copy=True) for a in kept.job.opened]
+      opened[kept.job.program.state_indices[-1]] += 1
+      kept.job = dataclasses.replace(kept.job, opened=opened)
+      return honest(committer, segment)
 
     with mock.patch.object(committer_lib.Committer, "_update_check", forged):
       proof = _train(self.client.experiment("alice/forged-openings"), steps=6, update_p=1.0)

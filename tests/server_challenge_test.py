@@ -1,7 +1,7 @@
 """Server challenges, custody and receipts against a real `dvbench serve` on loopback.
 
-Each attack of issue 16 is played by a pure-Python prover (tests/fake_prover.py)
-that writes format-2 records by hand; no JAX is involved.
+Each attack is played by a pure-Python prover (tests/fake_prover.py) that writes
+format-3 records by hand; no JAX is involved.
 """
 
 import ast
@@ -52,8 +52,9 @@ class ServerChallengeTestCase(absltest.TestCase):
     cls.server.stop()
     super().tearDownClass()
 
-  def prover(self, experiment: str = "alice/run", token: str | None = None) -> FakeProver:
-    prover = FakeProver(self.server.url, token or self.token, experiment)
+  def prover(self, experiment: str = "alice/run", token: str | None = None,
+             segment_length: int = 1) -> FakeProver:
+    prover = FakeProver(self.server.url, token or self.token, experiment, segment_length)
     self.addCleanup(prover.http.close)
     return prover
 
@@ -90,6 +91,30 @@ class FakedStepsTest(ServerChallengeTestCase):
     self.assertEqual(status["state"], "invalid")
     self.assertEqual(status["challenger"], "dvbench")
     self.assertEqual(status["update_check_probability"], 0.5)
+
+  def test_faked_steps_inside_segments_are_caught_with_probability_p(self):
+    prover = self.prover(segment_length=4).start()
+    faked = {4 * s + s % 3 for s in range(30)}  # one faked step inside each segment
+    outcome = prover.run(steps=120, faked=faked)
+    ends = sorted(outcome.segments)
+    self.assertEqual(ends, list(range(3, 120, 4)))
+    # The server requires update checks at segment ends only, each with probability 1/2.
+    required = sorted(r["step"] for r in self.store().challenge_rows(prover.proof_id)
+                      if r["needs_update"])
+    self.assertTrue(set(required) <= set(ends), required)
+    caught = sorted(outcome.faked_hit)
+    self.assertEqual(caught, sorted(t for t in faked if (t | 3) in required))
+    # Binomial(30, 1/2): 15 expected; outside [5, 25] has probability < 1e-4.
+    self.assertBetween(len(caught), 5, 25)
+    response = prover.finish()
+    self.assertEqual(response.json()["state"], "invalid", response.text)
+    self.assertIn(f"step {caught[0] | 3} was challenged for an update check and never "
+                  "answered", self.proof(prover.proof_id)["failure"])
+
+  def test_a_root_with_longer_segments_than_the_server_allows_is_refused(self):
+    prover = self.prover(segment_length=128)
+    self.assertRefused(prover.post_root(prover.root(prover.slot())), 409,
+                       "weaker than the server's minimum", "segment_length")
 
   def test_unanswered_challenge_is_invalid_naming_the_step(self):
     prover = self.prover().start()

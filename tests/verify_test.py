@@ -1,7 +1,7 @@
 """The verifier fails closed: every tampering is caught and named.
 
-Transcripts here are written record by record (``write_transcript``) in format 2
-with a real exported program, so the verifier is tested on exactly what
+Transcripts here are written record by record (``write_transcript``) in format 3
+(or 2) with a real exported program, so the verifier is tested on exactly what
 docs/protocol.md specifies.
 """
 
@@ -81,39 +81,63 @@ class _Dvbench:
 
 
 def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=sgd_step,
-                     state=STATE, receipt_verdict="verified") -> pathlib.Path:
-  """An honest format-2 transcript: every challenge answered, blobs and all.
+                     state=STATE, receipt_verdict="verified", segment_length=1,
+                     format_version=transcript.FORMAT_VERSION, fake_step=None) -> pathlib.Path:
+  """An honest transcript: every challenge answered, blobs and all.
 
+  Format 3 commits the state every ``segment_length`` steps; format 2 every step.
   ``server`` (a ``_Dvbench``) makes it server-challenged, with a signed receipt.
+  ``fake_step`` writes that step's post-state as the honest one plus 1 (a faked step;
+  its check answers are those of the faked run).
   """
   folder = pathlib.Path(folder or tempfile.mkdtemp(prefix="zkdv-verify-")) / "t"
   policy = challenge.Policy(**(policy or {"update_check_probability": 1.0,
                                           "state_check_probability": 0.5,
-                                          "probe_ratio": 0.5}))
+                                          "probe_ratio": 0.5}),
+                            segment_length=segment_length)
+  policy_record = policy.to_record()
+  if format_version == 2:
+    policy_record = {k: policy_record[k] for k in list(policy_record)[:4]}
   writer = transcript.TranscriptWriter(folder)
   blob, run = exported_program(fn)
-  challenger = (server.challenger(policy.to_record()) if server else
+  challenger = (server.challenger(policy_record) if server else
                 {"kind": "self", "seed_commitment": challenge.key_commitment(SEED),
-                 "policy": policy.to_record()})
-  writer.append({"type": "root", "format_version": transcript.FORMAT_VERSION,
+                 "policy": policy_record})
+  writer.append({"type": "root", "format_version": format_version,
                  "prover": transcript.PROVER, "name": "hand-written", "versions": {},
                  "platform": "cpu", "device_kinds": ["cpu"],
                  "config": {"rtol": 1e-5, "atol": 1e-6}, "challenger": challenger})
   program_id = writer.put_blob(blob)
   writer.append(program_record(program_id, state))
   w, b = np.linspace(-1, 1, 3, dtype=np.float32), np.float32(0.25)
+  segment = None  # (first step, start state, batches)
   for t in range(steps):
     x = batch_of(t)
+    pre = [w, np.asarray(b)]
     post = [np.asarray(a) for a in run(w, b, x)]
-    pre_digest, _ = digest.digest_state_arrays(state, [w, np.asarray(b)])
+    if t == fake_step:
+      post = [post[0] + np.float32(1), post[1]]
+    pre_digest, _ = digest.digest_state_arrays(state, pre)
     post_digest, pieces = digest.digest_state_arrays(state, post)
     trees = digest.batch_trees(BATCH, [x])
-    step_id = writer.append({"type": "step", "index": t, "program": 0, "pre_state": pre_digest,
-                             "batch": digest.batch_digest(BATCH, [digest.tree_root(l) for l in trees]),
-                             "post_state": post_digest})
+    starts = format_version == 2 or t % segment_length == 0
+    ends = format_version == 2 or t % segment_length == segment_length - 1 or t == steps - 1
+    if starts:
+      segment = (t, pre, [])
+      first_c = challenge.step_challenge_self(SEED, t)  # decides a self-chosen segment
+    segment[2].append(x)
+    record = {"type": "step", "index": t, "program": 0,
+              "batch": digest.batch_digest(BATCH, [digest.tree_root(l) for l in trees])}
+    if starts:
+      record["pre_state"] = pre_digest
+    if ends:
+      record["post_state"] = post_digest
+    step_id = writer.append(record)
     c = (challenge.step_challenge_server(server.key, step_id) if server
          else challenge.step_challenge_self(SEED, t))
-    _answer(writer, challenge.decide(t, c, policy), [w, np.asarray(b)], x, post, trees)
+    segment_decision = challenge.decide(t, c if server else first_c, policy)
+    _answer(writer, challenge.decide(t, c, policy), segment_decision if ends else None,
+            segment, x, post, trees, format_version)
     w, b = post
   final = {"type": "final", "steps": steps, "status": "clean", "discontinuities": []}
   if steps:
@@ -131,13 +155,21 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
   return folder
 
 
-def _answer(writer, decision, pre, x, post, trees) -> None:
+def _answer(writer, decision, segment_decision, segment, x, post, trees,
+            format_version) -> None:
+  """Probes of the step; when it ends ``segment``, the segment's update and state checks
+  (``segment_decision``)."""
   blob = lambda a: writer.put_blob(digest.byte_view(np.asarray(a)))
-  if decision.update:
-    writer.append({"type": "check", "step": decision.step, "kind": "update",
-                   "pre_state_blobs": [blob(a) for a in pre], "batch_blobs": [blob(x)],
-                   "result": {"equal": True}})
-  if decision.state:
+  if segment_decision is not None and segment_decision.update:
+    first_step, start, batches = segment
+    record = {"type": "check", "step": decision.step, "kind": "update",
+              "pre_state_blobs": [blob(a) for a in start], "result": {"equal": True}}
+    if format_version == 2:
+      record["batch_blobs"] = [blob(x)]
+    else:
+      record.update(first=first_step, batch_blobs=[[blob(b)] for b in batches])
+    writer.append(record)
+  if segment_decision is not None and segment_decision.state:
     writer.append({"type": "check", "step": decision.step, "kind": "state",
                    "post_state_blobs": [blob(a) for a in post]})
   rows = decision.probe_rows(0, BATCH[0].rows)

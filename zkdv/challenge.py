@@ -11,6 +11,11 @@ decides what a transcript proves:
 * ``dvbench``: ``c_t`` is a keyed BLAKE3 of the server's secret per-proof key
   ``K`` and the id of step ``t``'s record, derived after the server stored it.
 
+Probes are drawn for every step. From format 3 on, states are committed once per
+*segment* (up to ``Policy.segment_length`` steps); the update and state checks
+that ``c_t`` decides apply to the segment that step ``t`` ends, and nothing
+when step ``t`` ends none.
+
 Example::
 
   seed = new_key()
@@ -63,16 +68,23 @@ def _chosen(challenge: bytes, label: bytes, probability: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """The checks a challenger requires: probabilities, probe ratio, window.
+  """The checks a challenger requires: probabilities, probe ratio, window, the
+  longest segment, full replay.
 
   A prover may ask for more than a server's minimum, never for less; the
-  effective policy is recorded in the root (``to_record``).
+  effective policy is recorded in the root (``to_record``). ``segment_length``
+  bounds the steps between two state commitments: a challenged segment is
+  replayed whole, so one faked step escapes with ``1 - update_check_probability``
+  whatever it is. ``full_replay`` challenges every segment (and needs an
+  attested start to show the whole run).
   """
 
   update_check_probability: float = 0.01
   state_check_probability: float = 0.0
   probe_ratio: float = 0.0
   rolling_window: int = 4
+  segment_length: int = 1
+  full_replay: bool = False
 
   def __post_init__(self):
     for name in ("update_check_probability", "state_check_probability", "probe_ratio"):
@@ -80,33 +92,52 @@ class Policy:
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}.")
       object.__setattr__(self, name, float(value))
-    window = self.rolling_window
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1 << 20:
-      raise ValueError(f"rolling_window must be an int in [1, 2**20], got {window!r}.")
+    for name in ("rolling_window", "segment_length"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+        raise ValueError(f"{name} must be an int in [1, 2**20], got {value!r}.")
+    if not isinstance(self.full_replay, bool):
+      raise ValueError(f"full_replay must be a bool, got {self.full_replay!r}.")
+    if self.full_replay and self.update_check_probability != 1.0:
+      raise ValueError("full_replay replays every segment: update_check_probability must "
+                       f"be 1, got {self.update_check_probability!r}.")
 
   def to_record(self) -> dict:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_record(cls, record) -> "Policy":
-    """Parses prover-written policy fields; ValueError names what is wrong."""
-    if not isinstance(record, dict) or set(record) != {f.name for f in dataclasses.fields(cls)}:
-      raise ValueError(f"a policy has exactly the fields {[f.name for f in dataclasses.fields(cls)]}.")
+  def from_record(cls, record, format_version: int = 3) -> "Policy":
+    """Parses prover-written policy fields; ValueError names what is wrong.
+
+    Format 2 policies have no ``segment_length`` (every step is its own segment)
+    and no ``full_replay``.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    if format_version == 2:
+      names = names[:4]
+    if not isinstance(record, dict) or set(record) != set(names):
+      raise ValueError(f"a format {format_version} policy has exactly the fields {names}.")
     return cls(**record)
 
   def at_least(self, minimum: "Policy") -> "Policy":
-    """This policy raised to ``minimum`` (probabilities, ratio) and capped at its window."""
-    return Policy(max(self.update_check_probability, minimum.update_check_probability),
+    """This policy raised to ``minimum`` (probabilities, ratio, full replay) and capped at
+    its window and segment length."""
+    full = self.full_replay or minimum.full_replay
+    return Policy(1.0 if full else max(self.update_check_probability,
+                                       minimum.update_check_probability),
                   max(self.state_check_probability, minimum.state_check_probability),
                   max(self.probe_ratio, minimum.probe_ratio),
-                  min(self.rolling_window, minimum.rolling_window))
+                  min(self.rolling_window, minimum.rolling_window),
+                  min(self.segment_length, minimum.segment_length), full)
 
   def weaker_than(self, minimum: "Policy") -> list[str]:
     """The fields in which this policy asks for less than ``minimum``."""
     weaker = [name for name in ("update_check_probability", "state_check_probability",
                                 "probe_ratio") if getattr(self, name) < getattr(minimum, name)]
-    if self.rolling_window > minimum.rolling_window:
-      weaker.append("rolling_window")
+    weaker += [name for name in ("rolling_window", "segment_length")
+               if getattr(self, name) > getattr(minimum, name)]
+    if minimum.full_replay and not self.full_replay:
+      weaker.append("full_replay")
     return weaker
 
 
@@ -159,6 +190,13 @@ def probe_rows(challenge: bytes, leaf: int, rows: int, ratio: float) -> list[int
   return sorted(chosen)
 
 
-def escape_probability(probability: float, faked_steps: int = 1) -> float:
-  """The chance that ``faked_steps`` faked steps all escape update checks at ``probability``."""
-  return (1.0 - probability) ** faked_steps
+def escape_probability(probability: float, faked_steps: int = 1,
+                       segment_length: int = 1) -> float:
+  """The largest chance that ``faked_steps`` faked steps all escape update checks at
+  ``probability`` when segments hold up to ``segment_length`` steps.
+
+  A challenged segment is replayed whole, so a faked step escapes only when its
+  segment is not challenged: one faked step escapes with ``1 - p`` whatever the
+  segment length; ``m`` faked steps touch at least ``ceil(m / k)`` segments.
+  """
+  return (1.0 - probability) ** math.ceil(faked_steps / segment_length)

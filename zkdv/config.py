@@ -10,7 +10,10 @@ import dataclasses
 import os
 
 DIGEST_BACKENDS = ("auto", "host", "device")
-RETENTIONS = ("window", "snapshot")
+# The largest segment an adaptive proof commits (and DVBench's default maximum).
+MAX_SEGMENT_LENGTH = 64
+# An adaptive proof keeps its state commitments under this share of training time.
+COMMITMENT_BUDGET = 0.05
 
 
 def _check_probability(name: str, value: float) -> float:
@@ -23,19 +26,26 @@ def _check_probability(name: str, value: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingPolicy:
-  """Probabilities that a step gets an update check or a state check.
+  """Probabilities that a segment gets an update check or a state check.
 
-  An update check keeps the pre-update state and batch, replays the exported
-  update program on them and opens them; a state check opens the post-state.
+  An update check opens the segment's start state and every batch in it, and
+  the segment is replayed from them; a state check opens the segment's end
+  state. ``full_replay=True`` asks for every segment to be replayed (an update
+  check probability of 1); attest the start with ``proof.init`` so the whole run
+  is shown.
   """
 
   update_check_probability: float = 0.01
   state_check_probability: float = 0.0
+  full_replay: bool = False
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      object.__setattr__(self, field.name, _check_probability(
-          field.name, getattr(self, field.name)))
+    for name in ("update_check_probability", "state_check_probability"):
+      object.__setattr__(self, name, _check_probability(name, getattr(self, name)))
+    if not isinstance(self.full_replay, bool):
+      raise TypeError(f"full_replay must be a bool, got {self.full_replay!r}.")
+    if self.full_replay:
+      object.__setattr__(self, "update_check_probability", 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +77,12 @@ class ZKDVConfig:
       replicated leaf after each step and raise ``ReplicaDivergenceError`` when
       one differs from the committed copy (replicas are otherwise hashed once;
       across processes, process 0 raises it from ``finish()``).
-    retention: what a step keeps while its challenge is pending (a server's
-      challenges arrive after the step ran): ``"window"`` keeps zero-copy views
-      of each unanswered step's inputs and outputs (up to ``rolling_window`` + 1
-      generations of state alive, nothing recomputed); ``"snapshot"`` keeps one
-      snapshot of the state per window plus each step's batch and recomputes a
-      challenged step's pre- and post-state exactly on demand (about two
-      generations; up to ``rolling_window`` extra steps run per challenge).
+    segment_length: steps per *segment*: the whole state is committed once per
+      segment, every batch at every step. A challenged segment is replayed whole
+      from its start state (docs/protocol.md). ``None`` (default) chooses it from
+      the measured step time and hashing throughput so that state commitments
+      cost at most 5% of training, up to ``MAX_SEGMENT_LENGTH`` (the bound the
+      root records); an int fixes it. A server's maximum caps either.
   """
 
   sampling_policy: SamplingPolicy = SamplingPolicy()
@@ -81,7 +90,7 @@ class ZKDVConfig:
   digest_backend: str = "auto"
   output_dir: str | os.PathLike | None = None
   cross_check_replicas: bool = False
-  retention: str = "window"
+  segment_length: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.sampling_policy, SamplingPolicy):
@@ -93,8 +102,10 @@ class ZKDVConfig:
     if not isinstance(self.cross_check_replicas, bool):
       raise TypeError("cross_check_replicas must be a bool, got "
                       f"{self.cross_check_replicas!r}.")
-    if self.retention not in RETENTIONS:
-      raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}.")
+    k = self.segment_length
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 1 << 20):
+      raise ValueError(f"segment_length must be None (adaptive) or an int in [1, 2**20], "
+                       f"got {k!r}.")
     if self.digest_backend not in DIGEST_BACKENDS:
       raise ValueError(f"digest_backend must be one of {DIGEST_BACKENDS}, got "
                        f"{self.digest_backend!r}.")
@@ -106,5 +117,5 @@ class ZKDVConfig:
         "atol": self.tolerance.atol,
         "digest_backend": self.digest_backend,
         "cross_check_replicas": self.cross_check_replicas,
-        "retention": self.retention,
+        "segment_length": "adaptive" if self.segment_length is None else self.segment_length,
     }

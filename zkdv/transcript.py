@@ -27,7 +27,8 @@ import numpy as np
 from zkdv import errors
 from zkdv.digest import numpy_dtype
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_FORMATS = (2, 3)
 PROVER = "whitebox-jax"
 RECORDS_FILE = "records.cborl"
 BLOBS_DIR = "blobs"

@@ -4,7 +4,9 @@ A stored transcript is append-only: a record whose ``prev`` is not the id of the
 last stored record is refused (409, naming the position), a resent record is a
 duplicate, a ``step`` carries the next index, a check answers a stored step
 once per kind, nothing follows ``final``. For a ``dvbench`` proof every stored
-step record gets its challenge ``c_t`` from the proof's secret key.
+step record gets its challenge ``c_t`` from the proof's secret key; it decides the
+step's probes and, for a step that ends a segment (it commits its post-state), the
+segment's update and state checks.
 
 Records are decoded and checked against their schema (``validation``) before the
 transaction starts; the transaction only orders and stores them.
@@ -63,15 +65,24 @@ class ProofChallenger:
     if row is None:
       raise HTTPException(409, f"proof {proof_id} predates server challenges (no challenger "
                           "recorded); start a new proof.")
-    return cls(row["kind"], challenge.Policy.from_record(json.loads(row["policy"])),
-               row["challenge_key"])
+    return cls(row["kind"], stored_policy(row["policy"]), row["challenge_key"])
 
-  def needs(self, step: int, record_id_: bytes) -> tuple[bytes, dict[str, bool]]:
-    """(c_t, kind -> required) of the stored step record ``record_id_``."""
+  def needs(self, step: int, record_id_: bytes,
+            ends_segment: bool) -> tuple[bytes, dict[str, bool]]:
+    """(c_t, kind -> required) of the stored step record ``record_id_``: probes of the
+    step and, when it ends a segment (commits its post-state), the segment's update
+    and state checks."""
     c = challenge.step_challenge_server(self.key, record_id_)
     decision = challenge.decide(step, c, self.policy)
-    return c, {"update": decision.update, "state": decision.state,
+    return c, {"update": decision.update and ends_segment,
+               "state": decision.state and ends_segment,
                "probe": decision.probe_ratio > 0}
+
+
+def stored_policy(text: str) -> challenge.Policy:
+  """A policy stored as JSON: a format-3 policy, or a format-2 one (no segments)."""
+  record = json.loads(text)
+  return challenge.Policy.from_record(record, 3 if "segment_length" in record else 2)
 
 
 class Ingest:
@@ -112,7 +123,7 @@ class Ingest:
                                     steps=self.head.steps + (record["type"] == "step"),
                                     last_id=rid, last_kind=record["type"])
     if record["type"] == "step":
-      self._derive(record["index"], rid)
+      self._derive(record["index"], rid, isinstance(record.get("post_state"), bytes))
     self.stored += 1
     self.refs |= transport.blob_refs(record)
     self.probes |= transport.probe_blobs(record)
@@ -185,8 +196,8 @@ class Ingest:
   def _accept_other(self, record: dict, n: int) -> None:
     """Program records and other types are the verifier's to judge."""
 
-  def _derive(self, step: int, rid: bytes) -> None:
+  def _derive(self, step: int, rid: bytes, ends_segment: bool) -> None:
     self.steps_seen.append(step)
     if self.challenger.kind == "dvbench":
-      c, needs = self.challenger.needs(step, rid)
+      c, needs = self.challenger.needs(step, rid, ends_segment)
       self.store.add_challenge(self.conn, self.proof_id, step, rid, c, needs)

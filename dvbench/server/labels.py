@@ -15,6 +15,9 @@ from zkdv import challenge
 
 STALE_SECONDS = 15.0  # workers report every 5 s while they verify
 SELF_AUDITED = "self-audited (detects faults, not a dishonest prover)"
+# The audit level a worker stores beside the claims when the verifier reported a full
+# replay: every segment replayed, chained from the attested start (docs/protocol.md).
+FULL_REPLAY = "full_replay"
 
 
 def _counts(rows: list[dict], checks: list[dict]) -> dict:
@@ -45,13 +48,16 @@ def progress(job: dict | None, now: float | None = None) -> str:
 
 
 def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
-          job: dict | None = None) -> str:
+          job: dict | None = None, full_replay: bool = False) -> str:
   if state in ("invalid", "abandoned"):
     return f"{state}: {failure}"
   if state in ("closed", "verifying"):
     return f"{state}: {progress(job)}"
   if chooser == "self":
     return SELF_AUDITED if state == "self-audited" else f"{state}; {SELF_AUDITED}"
+  if state == "verified" and full_replay:
+    return (f"verified (full replay): every one of {counts['steps']} steps re-executed by the "
+            f"server's workers from the attested start ({counts['update_replayed']} segments)")
   if state == "verified":
     return (f"verified: {counts['update_replayed']} server-chosen update checks replayed at "
             f"p = {p:g}; one faked step escapes with probability "
@@ -62,15 +68,23 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
   return state
 
 
+def is_full_replay(claims: dict | None) -> bool:
+  """Whether the stored claims (``Store.proof_claims``) show a full replay."""
+  return bool(claims) and claims["claims"].get(FULL_REPLAY) == "holds"
+
+
 def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
-                      checks: list[dict], job: dict | None = None) -> dict:
+                      checks: list[dict], job: dict | None = None,
+                      claims: dict | None = None) -> dict:
   """The fields of the proof JSON that say what its state means (``job``: its verification
-  job, for the progress of a running one)."""
+  job, for the progress of a running one; ``claims``: the stored claims of the server's
+  verification, which say whether it was a full replay)."""
   chooser = challenger["kind"] if challenger else "self"
   policy = json.loads(challenger["policy"]) if challenger else None
   p = policy["update_check_probability"] if policy else 0.0
   counts = _counts(rows, checks)
+  full = chooser == "dvbench" and proof["state"] == "verified" and is_full_replay(claims)
   return {"challenger": chooser, "policy": policy, "update_check_probability": p,
-          "escape_probability_one_faked_step": challenge.escape_probability(p),
-          "server_challenges": counts,
-          "label": label(proof["state"], chooser, p, counts, proof["failure"], job)}
+          "escape_probability_one_faked_step": 0.0 if full else challenge.escape_probability(p),
+          "full_replay": full, "server_challenges": counts,
+          "label": label(proof["state"], chooser, p, counts, proof["failure"], job, full)}

@@ -39,9 +39,10 @@ _DEFINITION = {"type", "metric", "higher_is_better", "aggregate", "batch_rows", 
                "allowed_programs", "public_rows"}
 _DEFINITION_ADDED = {"audit", "training_set"}  # absent from definitions registered before them
 _SUBMISSION = {"type", "proof_id", "params_layout", "params_blobs", "training_proofs"}
-# The audit levels a benchmark may require ("full-replay" joins once workers re-execute
-# every step); each names the check of a submitted proof in ``BenchmarkRoutes``.
-AUDITS = ("min-probability",)
+# The audit levels a benchmark may require; each names the check of a submitted proof in
+# ``BenchmarkRoutes``. "full-replay": the server's workers re-executed every step of the
+# proof from its attested start (docs/protocol.md).
+AUDITS = ("min-probability", "full-replay")
 _MAX_LEAVES, _MAX_RANK, _MAX_DIM = 4096, 8, 1 << 31
 _MAX_PROGRAM_BYTES = 64 << 20
 _MAX_PROOF_LENGTH = 64  # a training set of up to 2**64 rows
@@ -365,7 +366,8 @@ class BenchmarkRoutes:
                                   "were replayed are scored")
       raise HTTPException(409, f"proof {proof['id']} is {proof['state']}, not verified: "
                           f"{reason}.")
-    audit_checks = {"min-probability": self._check_min_probability}
+    audit_checks = {"min-probability": self._check_min_probability,
+                     "full-replay": self._check_full_replay}
     audit_checks[definition["audit"]](bench, proof)
     self._check_programs(bench, proof)
 
@@ -376,6 +378,16 @@ class BenchmarkRoutes:
       raise HTTPException(409, f"proof {proof['id']} was checked at p = {p:g}; "
                           f"'{bench['full_name']}' requires server-chosen update checks at p "
                           f">= {bench['min_update_check_probability']:g}.")
+
+  def _check_full_replay(self, bench: dict, proof: dict) -> None:
+    challenger = self.store.challenger(proof["id"])
+    if challenger["kind"] != "dvbench" or not labels.is_full_replay(
+        self.store.proof_claims(proof["id"])):
+      p = json.loads(challenger["policy"])["update_check_probability"]
+      raise HTTPException(409, f"'{bench['full_name']}' requires a full replay: every step "
+                          "re-executed by the server's workers from an attested start "
+                          "(SamplingPolicy(full_replay=True) and proof.init); proof "
+                          f"{proof['id']} was checked at p = {p:g}.")
 
   def _check_programs(self, bench: dict, proof: dict) -> None:
     if bench["allowed_programs"] is not None:
@@ -489,11 +501,13 @@ def audit(store, proof_id: str) -> dict:
   proof = store.proof(proof_id)
   checks = store.proof_checks(proof_id)
   summary = labels.challenge_summary(proof, store.challenger(proof_id),
-                                     store.challenge_rows(proof_id), checks)
+                                     store.challenge_rows(proof_id), checks,
+                                     claims=store.proof_claims(proof_id))
   return {"challenger": summary["challenger"],
           "checks_replayed": summary["server_challenges"]["update_replayed"],
           "update_check_probability": summary["update_check_probability"],
           "escape_probability": summary["escape_probability_one_faked_step"],
+          "full_replay": summary["full_replay"],
           "start_attested": any(c["kind"] == "start" and c["status"] == "verified"
                                 for c in checks),
           "proof_state": proof["state"], "steps": proof["steps"], **_strictness(store, proof_id)}
@@ -502,7 +516,8 @@ def audit(store, proof_id: str) -> dict:
 def _strictness(store, proof_id: str) -> dict:
   """Whether the proof passed ``zkdv verify --strict`` on the server, and what it lacks."""
   shown = store.proof_claims(proof_id) or {"claims": {}, "strict": False}
-  unmet = [f"{name}: {status}" for name, status in shown["claims"].items() if status != "holds"]
+  unmet = [f"{name}: {status}" for name, status in shown["claims"].items()
+           if status != "holds" and name != labels.FULL_REPLAY]
   return {"strict": shown["strict"], "unmet_claims": unmet or (
       [] if shown["strict"] else ["replays: not exact"])}
 
@@ -513,9 +528,11 @@ def training_programs(store, proof_id: str) -> list[str]:
           for r in store.records_of_kind(proof_id, "program")]
 
 
-def _unranked_because(entry: dict) -> list[str]:
+def _unranked_because(entry: dict, audit_level: str) -> list[str]:
   """Why a leaderboard entry is not ranked; empty when it is."""
   reasons = [] if entry["state"] == "scored" else [f"not scored ({entry['state']})"]
+  if audit_level == "full-replay" and not entry["full_replay"]:
+    reasons.append("the benchmark requires a full replay; this proof was not fully replayed")
   if entry["contamination"]:
     reasons.append(f"contaminated: {entry['contamination']} probed rows are evaluation rows")
   if entry["outside_training_set"]:
@@ -532,7 +549,8 @@ def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
   batch, probes), no probed row is in the evaluation set and, where the benchmark pins a
   training set, every probed row is a proven member of it."""
   dirty = store.benchmark_contamination(bench["id"])
-  pinned_rows = parse_definition(bench["definition"])["training_set"] is not None
+  definition = parse_definition(bench["definition"])
+  pinned_rows = definition["training_set"] is not None
   outside = store.training_outside(bench["id"]) if pinned_rows else {}
   entries = []
   for s in store.list_submissions(bench["id"]):
@@ -544,7 +562,7 @@ def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
              "training_set_pinned": pinned_rows,
              "outside_training_set": outside.get(s["proof_id"], 0) if pinned_rows else None,
              "rank": None}
-    entry["unranked_because"] = _unranked_because(entry)
+    entry["unranked_because"] = _unranked_because(entry, definition["audit"])
     entry["ranked"] = not entry["unranked_because"]
     entries.append(entry)
   sign = -1 if bench["higher_is_better"] else 1

@@ -84,7 +84,8 @@ class PageRoutes:
       checks = self.store.proof_checks(proof_id)
       rows = self.store.challenge_rows(proof_id)
       summary = labels.challenge_summary(proof, self.store.challenger(proof_id), rows, checks,
-                                         self.store.job("proof", proof_id))
+                                         self.store.job("proof", proof_id),
+                                         claims=self.store.proof_claims(proof_id))
       series = run_view.metric_series(self.store, proof_id)
       curves = run_view.scalar_curves(series)
       return page.proof(_url(request), proof, summary, checks,

@@ -15,13 +15,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dvbench import transport
+from dvbench.server import custody
 from dvbench.server import labels
 from dvbench.server import validation
 from dvbench.server.paging import fetch_page, paged
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name, decode
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
-from zkdv.transcript import record_id
+from zkdv.transcript import READABLE_FORMATS, record_id
 
 _CBOR = "application/cbor"
 _DVBENCH_FIELDS = {"kind", "server_key", "nonce", "key_commitment", "owner", "experiment",
@@ -46,9 +47,12 @@ def json_number(value):
   return value
 
 
-def _policy(challenger: dict) -> challenge.Policy:
+def _policy(challenger: dict, root: dict) -> challenge.Policy:
   try:
-    return challenge.Policy.from_record(challenger.get("policy"))
+    version = root.get("format_version")
+    if version not in READABLE_FORMATS or isinstance(version, bool):
+      raise ValueError(f"format_version {version!r} is not one of {list(READABLE_FORMATS)}")
+    return challenge.Policy.from_record(challenger.get("policy"), version)
   except (ValueError, TypeError) as e:
     raise HTTPException(409, f"the root's challenger policy is not acceptable: {e}") from None
 
@@ -71,15 +75,16 @@ class RootBinding:
     if challenger["kind"] == "self":
       if set(challenger) != _SELF_FIELDS:
         raise HTTPException(409, f"a self challenger has exactly the fields {sorted(_SELF_FIELDS)}.")
-      return {"kind": "self", "nonce": None, "policy": json.dumps(_policy(challenger).to_record())}
+      return {"kind": "self", "nonce": None,
+              "policy": json.dumps(_policy(challenger, root).to_record())}
     if set(challenger) != _DVBENCH_FIELDS:
       raise HTTPException(409, f"a dvbench challenger has exactly the fields "
                           f"{sorted(_DVBENCH_FIELDS)}.")
-    nonce = self._slot_nonce(challenger, proof_id)
+    nonce = self._slot_nonce(challenger, proof_id, root)
     return {"kind": "dvbench", "nonce": nonce,
-            "policy": json.dumps(_policy(challenger).to_record())}
+            "policy": json.dumps(_policy(challenger, root).to_record())}
 
-  def _slot_nonce(self, challenger: dict, proof_id: str) -> str:
+  def _slot_nonce(self, challenger: dict, proof_id: str, root: dict) -> str:
     nonce = challenger["nonce"]
     slot = self.service.store.slot(nonce.hex()) if isinstance(nonce, bytes) else None
     full = self.experiment["full_name"]
@@ -95,8 +100,7 @@ class RootBinding:
     wrong = sorted(k for k, v in expected.items() if challenger[k] != v)
     if wrong:
       raise HTTPException(409, f"the root's challenger does not match its slot in {wrong}.")
-    weaker = _policy(challenger).weaker_than(
-        challenge.Policy.from_record(json.loads(slot["policy"])))
+    weaker = _policy(challenger, root).weaker_than(custody.stored_policy(slot["policy"]))
     if weaker:
       raise HTTPException(409, f"the root's policy is weaker than the server's minimum in "
                           f"{weaker}.")
@@ -182,7 +186,8 @@ class ProofRoutes:
     checks = self.store.proof_checks(proof_id)
     summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
                                        self.store.challenge_rows(proof_id), checks,
-                                       self.store.job("proof", proof_id))
+                                       self.store.job("proof", proof_id),
+                                       claims=self.store.proof_claims(proof_id))
     return {**public_proof(proof), **summary, "checks": len(checks),
             "checks_verified": sum(c["status"] == "verified" for c in checks)}
 

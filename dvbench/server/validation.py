@@ -121,6 +121,24 @@ class Optional(Spec):
 
 
 @dataclasses.dataclass(frozen=True)
+class Either(Spec):
+  """A value matching ``first`` or, failing that, ``second`` (a format's two shapes)."""
+
+  first: Spec
+  second: Spec
+  rule: str
+
+  def check(self, value, where):
+    try:
+      self.first.check(value, where)
+    except Invalid:
+      try:
+        self.second.check(value, where)
+      except Invalid:
+        self.fail(value, where, self.rule)
+
+
+@dataclasses.dataclass(frozen=True)
 class Bool(Spec):
 
   def check(self, value, where):
@@ -249,11 +267,15 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              "input_blobs": Field(DIGESTS, _REQ), "output_layout": Field(LAYOUTS, _REQ),
              "outputs": Field(DIGESTS, _REQ), "platforms": Field(NAMES, _REQ),
              "function": Field(Text(MAX_TEXT))},
+    # Format 3 commits the states at segment boundaries only (format 2: at every step).
     "step": {"index": Field(INDEX, _REQ), "program": Field(INDEX, _REQ),
-             "pre_state": Field(DIGEST, _REQ), "batch": Field(DIGEST, _REQ),
-             "post_state": Field(DIGEST, _REQ), "metrics": Field(StepMetrics())},
+             "pre_state": Field(DIGEST), "batch": Field(DIGEST, _REQ),
+             "post_state": Field(DIGEST), "metrics": Field(StepMetrics())},
     "check": {"step": Field(INDEX, _REQ), "kind": Field(Text(20, CHECK_KINDS), _REQ),
-              "pre_state_blobs": Field(DIGESTS), "batch_blobs": Field(DIGESTS),
+              "first": Field(INDEX),  # format 3: the first step of the opened segment
+              "pre_state_blobs": Field(DIGESTS),
+              "batch_blobs": Field(Either(DIGESTS, ListOf(DIGESTS),
+                                          "a list of digests, or one such list per step")),
               "post_state_blobs": Field(DIGESTS), "result": Field(Map()),
               "pre_state_pieces": Field(PIECES), "batch_roots": Field(DIGESTS),
               # [leaf, row, the row's blob digest, its Merkle inclusion proof]
@@ -264,7 +286,7 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
               "seed": Field(Bytes(None))},
 }
 # The fields a check record of each kind must carry, beyond "step" and "kind".
-CHECK_REQUIRES = {"update": ("pre_state_blobs", "batch_blobs", "result"),
+CHECK_REQUIRES = {"update": ("pre_state_blobs", "batch_blobs"),
                   "state": ("post_state_blobs",), "probe": ("batch_roots", "probes"),
                   "start": ("pre_state_pieces",)}
 PREV = Field(DIGEST, _REQ)  # every record but the root chains to the one before

@@ -40,6 +40,7 @@ import time
 import cbor2
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from dvbench.server import labels
 from dvbench.server import receipts
 from dvbench.server import sandbox
 from dvbench.server import scoring
@@ -182,6 +183,9 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
   claims = {c["name"]: c["status"] for c in report.get("claims", [])}
   strict = (bool(claims) and all(status == "holds" for status in claims.values())
             and all(r["mode"] == "exact" for r in rows if r["kind"] == "update"))
+  if any(c["name"] == "replays" and c["status"] == "holds" and c.get("facts", {}).get(
+      "full_replay") is True for c in report.get("claims", [])):
+    claims[labels.FULL_REPLAY] = "holds"  # every step re-executed from the attested start
   return Verdict(_clean_state(challenger["kind"], replayed), "verified", None, rows, claims,
                  strict)
 

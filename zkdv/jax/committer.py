@@ -19,7 +19,9 @@ Example::
 
 import dataclasses
 import logging
+import time
 
+import jax
 import numpy as np
 
 from zkdv import challenge
@@ -43,21 +45,33 @@ class StepJob:
     index: the step's index in the transcript.
     program: the ``step.Program`` that ran.
     post: the post-state leaves the executable returned.
-    post_started: their digests as started by the digest backend.
-    pre_started: the pre-state's started digests, or None when the step
-      continues from the previous post-state (not hashed again).
+    post_started: their digests as started by the digest backend when the step
+      ends a segment (else None: nothing is hashed).
+    pre_started: the pre-state's started digests when the step starts a
+      segment that does not continue from a committed post-state.
     pre_hashed: the pre-state's piece digests when they had to be computed
       before donation (then ``pre_started`` is None).
     rows_started: the batch rows' started hashes (None when hashed already).
     batch_hashed: the batch's row hashes when computed before donation.
-    opened: host views of every input leaf, kept when an update check is
-      decided or may be (a pending decision); with ``retention="snapshot"``,
-      of the batch leaves alone (None for state leaves) except at a snapshot.
-    decision: the challenger's decision, or None while it is pending.
+    opened: host views of the input leaves: all of them when the step starts a
+      segment (the segment's start state), the batch leaves alone otherwise
+      (None for state leaves).
+    decision: the challenger's decision for this step, or None while it is pending.
+    segment_decision: a self-chosen segment's decision (its first step's), or None
+      for a server's (the decision of the segment's last step, which comes later).
     checked: in a multi-process run, (whole post-state, replayed post-state)
       gathered on the training thread for the checks.
-    snapshot: whether ``opened`` holds the whole inputs a pending step's
-      successors are recomputed from (``retention="snapshot"``).
+    starts: the step starts a segment (its record carries ``pre_state``).
+    ends: the step ends a segment by the length rule (its record carries
+      ``post_state`` at once); otherwise the record waits for the next step or
+      ``finish`` to say whether a segment ends there.
+    previous_end_started: at a segment boundary that the previous step did not
+      plan (a new program, a state changed outside ``proof.jit``), the started
+      digests of the previous step's post-state, or None when it is the
+      pre-state (an unchanged state) or could not be read (then that segment
+      has no end commitment).
+    previous_continues: the previous step's post-state is this step's
+      pre-state (the same arrays).
     metrics: (name, output) of the step's outputs beside the post-state.
   """
 
@@ -71,8 +85,12 @@ class StepJob:
   batch_hashed: "HashedBatch | None" = None
   opened: list | None = None
   decision: challenge.Decision | None = None
+  segment_decision: challenge.Decision | None = None
   checked: tuple | None = None
-  snapshot: bool = False
+  starts: bool = True
+  ends: bool = True
+  previous_end_started: object = None
+  previous_continues: bool = True
   metrics: list = dataclasses.field(default_factory=list)
 
 
@@ -96,59 +114,34 @@ class CommittedState:
 
 
 @dataclasses.dataclass
-class _Pending:
-  """What a step whose decision is pending keeps to answer any challenge
-  (``post_views`` is None when it is recomputed from a snapshot)."""
+class _Kept:
+  """What a step keeps until its decision and its segment's are answered."""
 
   job: StepJob
-  post_views: list | None
-  trees: list
-  post_digest: bytes
+  trees: tuple  # (row trees, {(leaf, row): bytes})
+  answered: bool = False
 
 
-class _Snapshots:
-  """With ``retention="snapshot"``: the steps that pending steps are recomputed through
-  (each window's snapshot of the whole inputs, and every step's batch)."""
+@dataclasses.dataclass
+class _Segment:
+  """Steps ``first .. last`` from the committed start state to the end state.
 
-  def __init__(self):
-    self._jobs: dict[int, StepJob] = {}
+  ``start`` holds host views of the whole inputs of step ``first`` (the
+  opened start state); ``end_views`` the end state's host views when a check
+  may open it (None otherwise); ``end`` its digest (None: no end commitment).
+  """
 
-  def keep(self, job: StepJob) -> None:
-    self._jobs[job.index] = job
-
-  def recompute(self, target: StepJob, post_digest: bytes):
-    """(job with whole inputs, post-state) of ``target``, recomputed exactly from the last
-    snapshot before it by the executable production ran."""
-    program = target.program
-    start = max(i for i, job in self._jobs.items() if i <= target.index and job.snapshot)
-    layouts = program.input_layouts
-    state = [self._jobs[start].opened[i] for i in program.state_indices]
-    for index in range(start, target.index + 1):
-      opened = list(self._jobs[index].opened)
-      for i, value in zip(program.state_indices, state):
-        opened[i] = value
-      outs = program.executable(*[arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)])
-      state = [arrays.host_copy(outs[i]) for i in program.post_indices]
-    if digest.digest_state_arrays(program.post_layouts, state)[0] != post_digest:
-      raise errors.ReplayError(
-          f"recomputing step {target.index} from the snapshot of step {start} does not "
-          "reproduce its committed post-state: the step is not deterministic here. Use "
-          'ZKDVConfig(retention="window").')
-    return dataclasses.replace(target, opened=opened), state
-
-  def release(self, oldest_pending: int | None) -> None:
-    """Drops the steps that no unanswered or future step is recomputed through."""
-    if not self._jobs:
-      return
-    anchor = max(self._jobs) + 1 if oldest_pending is None else oldest_pending
-    start = max((i for i, job in self._jobs.items() if i <= anchor and job.snapshot),
-                default=anchor)
-    for index in [i for i in self._jobs if i < start]:
-      del self._jobs[index]
+  first: int
+  start_digest: bytes
+  start_pieces: list
+  last: int | None = None
+  end: bytes | None = None
+  end_views: list | None = None
+  answered: bool = False
 
 
 class Committer:
-  """Owns the commit thread: step records, checks, late answers, ``final``.
+  """Owns the commit thread: step records, segments, checks, late answers, ``final``.
 
   Args:
     writer: the transcript writer (None on processes other than 0).
@@ -169,11 +162,17 @@ class Committer:
     self.discontinuities: list[int] = []
     self.committed_here = {"pieces": 0, "rows": 0}
     self.committed_steps = 0
+    self.written_steps = 0  # step records written (a step's record waits for its successor)
+    self.segment_lengths: list[int] = []
     self.last: CommittedState | None = None
+    self.hash_seconds: float | None = None  # the last whole-state hash, for the adaptive k
+    self.prover_replays = True
     self._program_numbers: dict[bytes, int] = {}
-    self._pending: dict[int, _Pending] = {}
+    self._kept: dict[int, _Kept] = {}
+    self._segments: dict[int, _Segment] = {}  # first step -> segment
+    self._open: _Segment | None = None
+    self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._state_checked: set[int] = set()
-    self._kept = _Snapshots()  # steps a pending step is recomputed through
     self._init = None
 
   # -- the training thread's side ---------------------------------------------
@@ -200,17 +199,22 @@ class Committer:
     return self.pipeline.submit(lambda pipeline_job: self._commit_step(pipeline_job, job),
                                 holds_slot=job.decision is not None)
 
+  def submit_close(self, last_post: list | None, layouts) -> None:
+    """Queues the end of the open segment at the last step (``finish``): ``last_post``
+    are the last step's post-state leaves (None when they cannot be read)."""
+    started = None if last_post is None else self.digests.start_state(last_post, layouts)
+    self.pipeline.submit(lambda job: self._close(started, last_post))
+
   def answer(self, decision: challenge.Decision) -> None:
     """Queues the answer to a decision that arrived after its step was dispatched.
 
     Called from any thread; the answer is written on the commit thread.
     """
-    self.pipeline.submit(lambda pipeline_job: self._answer_pending(decision),
-                         holds_slot=True)
+    self.pipeline.submit(lambda pipeline_job: self._answer_late(decision), holds_slot=True)
 
   @property
   def pending_steps(self) -> int:
-    return len(self._pending)
+    return sum(not kept.answered for kept in self._kept.values())
 
   # -- the commit thread ------------------------------------------------------
 
@@ -228,100 +232,189 @@ class Committer:
     self.writer.append({**init.record, "input_blobs": blobs}, durable=True)
 
   def _commit_step(self, pipeline_job, job: StepJob) -> None:
-    """Digests, the step record, then the answers to its decision (or keeps what
-    answering needs until the decision arrives).
+    """Digests, the step record (or holds it until the segment's end is known), then
+    the answers to its decision, or keeps what answering needs until it arrives.
 
-    In a multi-process run every process sends the digests of what it holds
-    to process 0, which writes the records (``job.checked`` then holds the
-    whole post-state and replayed outputs, gathered on the training thread).
+    In a multi-process run every segment is one step; every process sends the
+    digests of what it holds to process 0, which writes the records
+    (``job.checked`` then holds the whole post-state and replayed outputs).
     """
-    program, decision = job.program, job.decision
-    recomputed = decision is None and self.config.retention == "snapshot"
-    checks_post = (decision is None and not recomputed) or (decision is not None
-                                                             and decision.any_check)
-    # Checks need the post-state on the host: take views before the next step may donate it.
-    post_views = ([arrays.host_view(x) for x in job.post]
-                  if checks_post and job.checked is None else None)
-    materialized = self.digests.materialize(job.post_started)
-    replicas = (self.digests.replica_digests(job.post, program.post_layouts)
-                if self.config.cross_check_replicas else [])
-    pipeline_job.views_ready.set()
+    program = job.program
+    end_views = None
+    segment_decision = job.segment_decision
+    if job.ends and job.checked is None and (
+        segment_decision is None or segment_decision.state or not program.exact):
+      end_views = [arrays.host_view(x) for x in job.post]  # before the next step may donate
+    previous_end = self._started_digests(job.previous_end_started)
     pre = job.pre_hashed
     if job.pre_started is not None:
-      pre = self.digests.state_digests(self.digests.materialize(job.pre_started))
-    local = self.digests.state_digests(materialized)
-    self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
+      pre = self._started_digests(job.pre_started)
+    local = None
+    if job.ends:
+      materialized = self.digests.materialize(job.post_started)
+      hashed_at = time.perf_counter()
+      local = self.digests.state_digests(materialized)
+      self.hash_seconds = time.perf_counter() - hashed_at
+      self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
+    replicas = (self.digests.replica_digests(job.post, program.post_layouts)
+                if self.config.cross_check_replicas and job.ends else [])
+    pipeline_job.views_ready.set()
     gathered = self.group.gather(f"{job.index}/state", [local, pre, replicas])
     hashed = job.batch_hashed or self.hash_batch(program, job.index, job.rows_started,
-                                                 decision, copy=self.group.multi)
+                                                 job.decision, copy=self.group.multi)
     trees = self._gather_batch(program, job.index, hashed)
     if gathered is None:  # another process writes the records
-      self._count_checks(decision)
+      self._count_checks(job.decision)
       return
-    post_pieces = processes.merge([g[0] for g in gathered], "post-state")
-    post_digest = digest.state_digest_from_pieces(program.post_layouts, post_pieces)
     pre_pieces = None if pre is None else processes.merge([g[1] for g in gathered],
                                                            "pre-state")
-    pre_digest = self._pre_digest(program, job.index, pre_pieces)
-    record = {
-        "type": "step", "index": job.index, "program": self._program_numbers[program.program_id],
-        "pre_state": pre_digest, "post_state": post_digest,
-        "batch": digest.batch_digest(program.batch_layouts,
-                                     [digest.tree_root(t) for t in trees[0]]),
-    }
+    if job.starts:
+      self._end_previous(job, pre_pieces, previous_end)
+      self._start_segment(job, pre_pieces)
+    elif self._held is not None:  # the segment goes on through the held step
+      held_job, held_record = self._held
+      self._held = None
+      self._write_step(held_job, held_record, ends=False)
+    record = {"type": "step", "index": job.index,
+              "program": self._program_numbers[program.program_id],
+              "batch": digest.batch_digest(program.batch_layouts,
+                                           [digest.tree_root(t) for t in trees[0]])}
+    if job.starts:
+      record["pre_state"] = self._open.start_digest
     step_metrics = _step_metrics(job.metrics)
     if step_metrics:
       record["metrics"] = step_metrics
+    self._kept[job.index] = _Kept(job, trees)
+    self._open.last = job.index
+    if job.ends:
+      post_pieces = processes.merge([g[0] for g in gathered], "post-state")
+      post_digest = digest.state_digest_from_pieces(program.post_layouts, post_pieces)
+      self.last = CommittedState(post_digest, post_pieces, program.post_layouts,
+                                 program.params_mask)
+      record["post_state"] = post_digest
+      self._write_step(job, record, post_digest,
+                       job.checked[0] if job.checked is not None else end_views)
+      _cross_check_replicas(job.index, program.post_layouts, post_pieces,
+                            [g[2] for g in gathered])
+    else:
+      self._held = (job, record)
+    self.committed_steps = job.index + 1
+
+  def _started_digests(self, started):
+    if started is None:
+      return None
+    return self.digests.state_digests(self.digests.materialize(started))
+
+  def _start_segment(self, job: StepJob, pre_pieces) -> None:
+    program = job.program
+    if pre_pieces is None:  # continues from the committed post-state
+      start_digest, start_pieces = self.last.digest, self.last.pieces
+    else:
+      start_digest = digest.state_digest_from_pieces(program.state_layouts, pre_pieces)
+      start_pieces = pre_pieces
+    if self.last is not None and start_digest != self.last.digest:
+      self.discontinuities.append(job.index)
+      logger.warning("ZKDV: step %d does not start from the state step %d returned "
+                     "(changed outside proof.jit).", job.index, job.index - 1)
+    self._open = _Segment(job.index, start_digest, start_pieces)
+    self._segments[job.index] = self._open
+
+  def _end_previous(self, job: StepJob, pre_pieces, previous_end) -> None:
+    """A segment the previous step did not plan to end ends before ``job``."""
+    if self._held is None:
+      return
+    held_job, record = self._held
+    self._held = None
+    if job.previous_continues:
+      pieces = pre_pieces
+      end_views = [v for i, v in enumerate(job.opened) if i in job.program.state_indices]
+    else:
+      pieces, end_views = previous_end, None
+    if pieces is None:  # the previous post-state could not be read: no end commitment
+      self._write_step(held_job, record, None, None)
+      return
+    program = held_job.program
+    end = digest.state_digest_from_pieces(program.post_layouts, pieces)
+    self.last = CommittedState(end, pieces, program.post_layouts, program.params_mask)
+    self._write_step(held_job, {**record, "post_state": end}, end, end_views)
+
+  def _close(self, started, last_post) -> None:
+    """``finish``: the held last step ends the open segment."""
+    if self._held is None:
+      return
+    held_job, record = self._held
+    self._held = None
+    if started is None:
+      self._write_step(held_job, record, None, None)
+      return
+    program = held_job.program
+    pieces = self.digests.state_digests(self.digests.materialize(started))
+    end = digest.state_digest_from_pieces(program.post_layouts, pieces)
+    self.last = CommittedState(end, pieces, program.post_layouts, program.params_mask)
+    self._write_step(held_job, {**record, "post_state": end}, end,
+                     [arrays.host_view(x) for x in last_post])
+
+  def _write_step(self, job: StepJob, record: dict, end: bytes | None = None,
+                  end_views=None, ends: bool = True) -> None:
+    """Writes a step record (ending the open segment when ``ends``); a decision known
+    already (self-chosen) is answered now."""
     self.writer.append(record)
+    self.written_steps = job.index + 1
     if job.index == 0 and self._init is not None:  # links the attested start to step 0
       self.writer.append({"type": "check", "step": 0, "kind": "start",
-                          "pre_state_pieces": pre_pieces})
-    self.last = CommittedState(post_digest, post_pieces, program.post_layouts,
-                               program.params_mask)
-    self.committed_steps = job.index + 1
-    if job.checked is not None:
-      post_views = job.checked[0]
-    if decision is None:
-      self._pending[job.index] = _Pending(job, post_views, trees, post_digest)
-      if recomputed:
-        self._kept.keep(job)
-    else:
-      self._answer(job, decision, post_views, trees)
-    _cross_check_replicas(job.index, program.post_layouts, post_pieces,
-                          [g[2] for g in gathered])
+                          "pre_state_pieces": self._segments[0].start_pieces})
+    if ends:
+      self._open.last = job.index
+      self._end_open(end, end_views)
+    if job.decision is not None:  # self-chosen: the segment by its first step's decision
+      self._answer(job.decision, job.segment_decision if ends else None)
 
-  def _pre_digest(self, program, index: int, pre_pieces) -> bytes:
-    if pre_pieces is None:
-      pre_digest = self.last.digest
-    else:
-      pre_digest = digest.state_digest_from_pieces(program.state_layouts, pre_pieces)
-    if self.last is not None and pre_digest != self.last.digest:
-      self.discontinuities.append(index)
-      logger.warning("ZKDV: step %d does not start from the state step %d returned "
-                     "(changed outside proof.jit).", index, index - 1)
-    return pre_digest
+  def _end_open(self, end: bytes | None, end_views) -> None:
+    segment = self._open
+    segment.end, segment.end_views = end, end_views
+    self.segment_lengths.append(segment.last - segment.first + 1)
+    if end is None:  # nothing to challenge against: the verifier reports it
+      segment.answered = True
+      self._release()
 
-  def _answer_pending(self, decision: challenge.Decision) -> None:
-    pending = self._pending.get(decision.step)
-    if pending is None:
+  def _answer_late(self, decision: challenge.Decision) -> None:
+    kept = self._kept.get(decision.step)
+    if kept is None or kept.answered:
       raise errors.CommitmentError(
           f"a challenge arrived for step {decision.step}, which is not awaiting one.")
-    job, post_views = pending.job, pending.post_views
-    if post_views is None and (decision.update or decision.state):
-      job, post_views = self._kept.recompute(job, pending.post_digest)
-    self._answer(job, decision, post_views, pending.trees)
-    del self._pending[decision.step]
-    self._kept.release(min(self._pending, default=None))
+    self._answer(decision, decision)
 
-  def _answer(self, job: StepJob, decision, post_views, trees) -> None:
-    """Writes the check records that answer ``decision``; then the openings go."""
-    program = job.program
-    if decision.update:
-      replayed = None if job.checked is None else job.checked[1]
-      self._update_check(program, job.index, job.opened, post_views, replayed)
-    if decision.state:
-      self._state_check(job.index, post_views)
-    self._probe_check(program, job, decision, trees)
+  def _segment_ending(self, step: int) -> _Segment | None:
+    for segment in self._segments.values():
+      if segment.last == step and segment.end is not None and not segment.answered:
+        return segment
+    return None
+
+  def _answer(self, decision: challenge.Decision, segment_decision) -> None:
+    """Writes the check records that answer ``decision``: the probes of its step and,
+    when the step ends a segment, the segment's update and state checks as
+    ``segment_decision`` chose them."""
+    kept = self._kept[decision.step]
+    self._probe_check(kept.job.program, kept.job, decision, kept.trees)
+    kept.answered = True
+    segment = self._segment_ending(decision.step) if segment_decision is not None else None
+    if segment is not None:
+      if segment_decision.update:
+        self._update_check(segment)
+      if segment_decision.state:
+        self._state_check(segment.last, segment.end_views)
+      segment.answered = True
+    self._release()
+
+  def _release(self) -> None:
+    """Drops what no unanswered decision or segment needs any more."""
+    for first in [f for f, s in self._segments.items() if s.answered]:
+      segment = self._segments[first]
+      if all(self._kept.get(i, _Kept(None, None, True)).answered
+             for i in range(segment.first, segment.last + 1)):
+        for i in range(segment.first, segment.last + 1):
+          self._kept.pop(i, None)
+        del self._segments[first]
 
   def _count_checks(self, decision) -> None:
     if decision is not None:
@@ -381,32 +474,60 @@ class Committer:
 
   # -- checks -------------------------------------------------------------------
 
-  def _update_check(self, program, index, opened, post_views, replayed=None) -> None:
-    if replayed is None:
-      layouts = program.input_layouts
-      inputs = [arrays.from_host(a, layouts[i]) for i, a in enumerate(opened)]
-      outs = program.replay(*inputs)
-      replayed = [arrays.host_view(outs[i]) for i in program.post_indices]
-    result = replay.compare(program.state_layouts, replayed, post_views,
-                            exact=program.exact, tolerance=self.config.tolerance)
-    blobs = [self.writer.put_blob(digest.byte_view(a)) for a in opened]
+  def _update_check(self, segment: _Segment) -> None:
+    """Opens the segment's start state and every batch in it; unless the server replays
+    every segment, replays them here too and compares the end state."""
+    jobs = [self._kept[i].job for i in range(segment.first, segment.last + 1)]
+    first = jobs[0]
+    program = first.program
+    start = [first.opened[i] for i in program.state_indices]
+    result = None
+    if self.prover_replays:
+      result = self._replay_segment(segment, jobs, start)
+    blobs = [self.writer.put_blob(digest.byte_view(a)) for a in start]
     record = {
-        "type": "check", "step": index, "kind": "update",
-        "pre_state_blobs": [blobs[i] for i in program.state_indices],
-        "batch_blobs": [blobs[i] for i in program.batch_indices],
-        "result": result,
+        "type": "check", "step": segment.last, "kind": "update", "first": segment.first,
+        "pre_state_blobs": blobs,
+        "batch_blobs": [[self.writer.put_blob(digest.byte_view(job.opened[i]))
+                         for i in job.program.batch_indices] for job in jobs],
     }
+    if result is not None:
+      record["result"] = result
     if any(l.pieces for l in program.state_layouts):  # name the piece a bad opening breaks
-      record["pre_state_pieces"] = [
-          digest.piece_digests(l, opened[i])
-          for l, i in zip(program.state_layouts, program.state_indices)]
+      record["pre_state_pieces"] = segment.start_pieces
     if not program.exact:  # the verifier compares within tolerance: open post
       record["post_state_blobs"] = [self.writer.put_blob(digest.byte_view(a))
-                                    for a in post_views]
+                                    for a in segment.end_views]
     self.writer.append(record, durable=True)
     self.checks["update"] += 1
-    if not result["equal"]:
-      self.failed_checks.append({"step": index, **result})
+    if result is not None and not result["equal"]:
+      self.failed_checks.append({"step": segment.last, "first": segment.first, **result})
+
+  def _replay_segment(self, segment: _Segment, jobs: list, start: list) -> dict:
+    """Replays the segment's steps from its opened start; the result of comparing the
+    end state with its commitment (exact) or with the opened end state (equivalent)."""
+    state = None
+    for job in jobs:
+      program = job.program
+      if job.checked is not None and job.checked[1] is not None:  # replayed on the training thread
+        state = job.checked[1]
+        continue
+      layouts = program.input_layouts
+      inputs = list(job.opened)
+      for n, i in enumerate(program.state_indices):
+        inputs[i] = start[n] if state is None else state[n]
+      outs = program.replay(*[x if isinstance(x, jax.Array) else arrays.from_host(x, layouts[i])
+                              for i, x in enumerate(inputs)])
+      state = [outs[i] for i in program.post_indices]
+    program = jobs[-1].program
+    replayed = [arrays.host_view(x) if isinstance(x, jax.Array) else x for x in state]
+    if program.exact:
+      equal = digest.digest_state_arrays(program.post_layouts, replayed)[0] == segment.end
+      return {"mode": "exact", "equal": equal,
+              "mismatched_leaves": [] if equal else ["end state"],
+              "max_abs_error": 0.0, "max_rel_error": 0.0, "max_ulp_error": 0}
+    return replay.compare(program.state_layouts, replayed, segment.end_views, exact=False,
+                          tolerance=self.config.tolerance)
 
   def _state_check(self, index, post_views) -> None:
     self._state_checked.add(index)

@@ -1,9 +1,10 @@
 """The training thread's side of a proof: dispatching steps.
 
 For each ``proof.jit`` call the dispatcher takes a window slot, asks the
-challenger for the step's decision, prepares what must be hashed or kept
-before the executable may donate its inputs, runs the executable and hands
-the committer a ``StepJob``.
+challenger for the step's decision, places the step in a segment (a state
+commitment every ``k`` steps), prepares what must be hashed or kept before the
+executable may donate its inputs, runs the executable and hands the committer
+a ``StepJob``.
 
 Example::
 
@@ -11,18 +12,26 @@ Example::
   outs = dispatcher.run(program, leaves)
 """
 
+import math
 import threading
+import time
 
 import numpy as np
 
 from zkdv import challengers
+from zkdv import config as config_lib
 from zkdv import overlap as overlap_lib
 from zkdv.jax import arrays
 from zkdv.jax.committer import StepJob
 
 
 class Dispatcher:
-  """Runs steps on the training thread and queues their commitments.
+  """Runs steps on the training thread, plans segments and queues their commitments.
+
+  A segment ends after ``segment_length`` steps (fixed, or chosen per segment from
+  the measured step time and hashing cost: ``next_segment_length``), and before a
+  step of another program or one whose state is not the arrays the last step
+  returned. Multi-process runs and equivalent-mode programs commit every step.
 
   Attributes:
     steps: the number of steps dispatched so far.
@@ -35,7 +44,12 @@ class Dispatcher:
     self._lock = threading.Lock()
     self._last_post_leaves: list | None = None
     self._last_program = None
-    self._snapshot_at = None  # (step, program) of the last snapshot (retention="snapshot")
+    self._segment_first = 0
+    self._segment_length = 1
+    self._ended = True  # the last step ended its segment
+    self._segment_decision = None
+    self._step_times: list[float] = []
+    self._last_dispatch: float | None = None
 
   def run(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
@@ -44,6 +58,7 @@ class Dispatcher:
       committer.pipeline.raise_if_failed()
     # A step that cannot enter the window raises before anything is taken: call it again.
     committer.pipeline.reserve(waiting=self._waiting_for_window)
+    self._time_step()
     with self._lock:
       index = self.steps
       self.steps += 1
@@ -58,7 +73,9 @@ class Dispatcher:
       program.place_post_state(post)
     if committer.program_number(program) is None:
       committer.submit_program(program)
-    job.post, job.post_started = post, self._digests.start_state(post, program.post_layouts)
+    job.post = post
+    if job.ends:
+      job.post_started = self._digests.start_state(post, program.post_layouts)
     job.metrics = [(name, outs[i]) for name, i in program.metric_outputs]
     if multi and decision.any_check:  # collectives stay on this thread
       job.checked = ([arrays.gather(x) for x in post],
@@ -66,53 +83,95 @@ class Dispatcher:
     submitted = committer.submit_step(job)
     self._last_post_leaves, self._last_program = post, program
     overlap = program.overlap or overlap_lib.UNCHECKED
-    if overlap is overlap_lib.NEVER or (
-        overlap is overlap_lib.UNCHECKED and decision is not None and decision.any_check):
+    checked = job.segment_decision is not None and job.segment_decision.any_check
+    if overlap is overlap_lib.NEVER or (overlap is overlap_lib.UNCHECKED and checked
+                                        and job.ends):
       submitted.done.wait()
     if not multi:
       committer.pipeline.raise_if_failed()
     return outs
 
+  def _time_step(self) -> None:
+    now = time.perf_counter()
+    if self._last_dispatch is not None and self.steps >= 2:  # not the compiling steps
+      self._step_times = (self._step_times + [now - self._last_dispatch])[-16:]
+    self._last_dispatch = now
+
+  def next_segment_length(self, program) -> int:
+    """The length of a segment starting now: 1 across processes and for equivalent
+    programs, the configured one, or the adaptive choice (1 until measured)."""
+    bound = self._challenger.policy.segment_length
+    if self._group.multi or not program.exact:
+      return 1
+    if self._config.segment_length is not None:
+      return min(self._config.segment_length, bound)
+    hash_seconds = self._committer.hash_seconds
+    if hash_seconds is None or len(self._step_times) < 2:
+      return 1
+    step_seconds = float(np.median(self._step_times))
+    wanted = math.ceil(hash_seconds / (config_lib.COMMITMENT_BUDGET * max(step_seconds, 1e-6)))
+    return max(1, min(wanted, bound))
+
   def _prepare(self, program, index: int, leaves: list, decision) -> StepJob:
-    """The step's job before dispatch: what must be hashed or copied before donation."""
+    """The step's job before dispatch: its place in a segment and what must be hashed
+    or kept before donation."""
     digests = self._digests
     state = [leaves[i] for i in program.state_indices]
     batch = [leaves[i] for i in program.batch_indices]
     job = StepJob(index, program, post=[], post_started=None, decision=decision)
     continuous = (self._last_post_leaves is not None and len(state) == len(self._last_post_leaves)
                   and all(a is b for a, b in zip(state, self._last_post_leaves)))
-    if not continuous:  # otherwise the previous post-state, not hashed again
-      job.pre_started = digests.start_state(state, program.state_layouts)
-      if any(program.donated[i] for i in program.state_indices):  # hash before donation
-        job.pre_hashed = digests.state_digests(digests.materialize(job.pre_started))
-        job.pre_started = None
+    same_program = program is self._last_program
+    job.starts = self._ended or not continuous or not same_program
+    if job.starts:
+      if not self._ended:  # a boundary the last step did not plan: it ends there
+        job.previous_continues = continuous
+        if not continuous:
+          job.previous_end_started = self._readable_last_post()
+      self._segment_first, self._segment_length = index, self.next_segment_length(program)
+      self._segment_decision = decision  # self-chosen: the first step's decides the segment
+      if not (continuous and self._ended):  # else the committed post-state, not hashed again
+        job.pre_started = digests.start_state(state, program.state_layouts)
+        if any(program.donated[i] for i in program.state_indices):  # hash before donation
+          job.pre_hashed = digests.state_digests(digests.materialize(job.pre_started))
+          job.pre_started = None
+    job.ends = index - self._segment_first + 1 >= self._segment_length
+    job.segment_decision = self._segment_decision
+    self._ended = job.ends
     job.rows_started = digests.start_rows(batch, program.batch_layouts)
     if any(program.donated[i] for i in program.batch_indices):
       job.batch_hashed = self._committer.hash_batch(program, index, job.rows_started,
                                                     decision, copy=True)
       job.rows_started = None
-    if decision is None and self._config.retention == "snapshot":
-      self._keep_for_recomputation(job, leaves, continuous)
-    elif decision is None or decision.update:
-      # Openings are whole leaves. A zero-copy host view keeps its input alive (JAX does
-      # not donate a buffer a view holds), so nothing is copied; across processes,
-      # gathering them is a collective.
-      open_leaf = arrays.gather if self._group.multi else arrays.host_view
-      job.opened = [open_leaf(x) for x in leaves]
+    # Openings are whole leaves: the start state and every batch of a segment. A
+    # zero-copy host view keeps its input alive (JAX does not donate a buffer a view
+    # holds), so nothing is copied; across processes, gathering them is a collective.
+    # A self-chosen segment that no update check hit keeps nothing.
+    opens = job.segment_decision is None or job.segment_decision.update
+    if self._group.multi:
+      if opens:
+        job.opened = [arrays.gather(x) for x in leaves]
+    elif opens or decision is None:
+      kept = set(program.batch_indices) | (set(program.state_indices) if job.starts else set())
+      job.opened = [arrays.host_view(x) if i in kept else None for i, x in enumerate(leaves)]
     return job
 
-  def _keep_for_recomputation(self, job: StepJob, leaves: list, continuous: bool) -> None:
-    """``retention="snapshot"``: views of the whole inputs at a window's first step (or
-    where the chain of identical programs breaks), of the batch alone elsewhere."""
-    program, window = job.program, self._challenger.policy.rolling_window
-    snapshot = self._snapshot_at
-    job.snapshot = (snapshot is None or not continuous or snapshot[1] is not program
-                    or job.index - snapshot[0] >= window)
-    if job.snapshot:
-      self._snapshot_at = (job.index, program)
-    batch = set(program.batch_indices)
-    job.opened = [arrays.host_view(x) if job.snapshot or i in batch else None
-                  for i, x in enumerate(leaves)]
+  def _readable_last_post(self):
+    """The last post-state's started digests, or None when its arrays are gone."""
+    try:
+      return self._digests.start_state(self._last_post_leaves, self._last_program.post_layouts)
+    except (RuntimeError, ValueError):
+      return None
+
+  def close(self) -> None:
+    """Ends the open segment at the last step (``finish``)."""
+    if self._ended or self._last_post_leaves is None:
+      return
+    leaves = self._last_post_leaves
+    if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+      leaves = None
+    self._committer.submit_close(leaves, self._last_program.post_layouts)
+    self._ended = True
 
   def _waiting_for_window(self, seconds: float) -> None:
     if not self._group.multi:

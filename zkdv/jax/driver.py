@@ -139,6 +139,11 @@ class ZKDV:
     return [] if self._committer is None else self._committer.discontinuities
 
   @property
+  def segment_lengths(self) -> list[int]:
+    """The length of each committed segment (steps between two state commitments)."""
+    return [] if self._committer is None else list(self._committer.segment_lengths)
+
+  @property
   def committed_here(self) -> dict:
     return ({"pieces": 0, "rows": 0} if self._committer is None
             else self._committer.committed_here)
@@ -159,15 +164,19 @@ class ZKDV:
     Args:
       rolling_window: at most this many steps may be in flight whose records
         are not yet written or whose challenges are not yet answered (bounds
-        the buffer generations ZKDV keeps).
+        the batches ZKDV keeps for a server's late challenges).
       probe_ratio: the fraction of each batch's rows opened as data probes.
     """
     if self._group is not None:
       raise errors.ProofStateError(f"{self!r} is already started; start() runs once.")
     sampling = self.config.sampling_policy
-    policy = challenge.Policy(sampling.update_check_probability,
-                              sampling.state_check_probability, probe_ratio, rolling_window)
     group = processes.ProcessGroup.current()
+    # A step's record waits for the next step, which a window of one would never admit.
+    segment_length = (1 if group.multi or rolling_window == 1 else self.config.segment_length
+                      or config_lib.MAX_SEGMENT_LENGTH)
+    policy = challenge.Policy(sampling.update_check_probability,
+                              sampling.state_check_probability, probe_ratio, rolling_window,
+                              segment_length, sampling.full_replay)
 
     def open_transcript() -> dict:  # on process 0; a failure leaves every process unstarted
       seed = challenge.new_key()
@@ -196,6 +205,7 @@ class ZKDV:
     self._digests = digests_lib.for_config(self.config.digest_backend)
     self._committer = Committer(self._writer, group, self._digests, self.config,
                                 self.policy.rolling_window, on_error=self._report_failure)
+    self._committer.prover_replays = not self.policy.full_replay  # the verifier replays all
     if isinstance(self._challenger, challengers.ServerChallenger):
       self._challenger.on_decision = self._committer.answer
     self._dispatcher = Dispatcher(self._committer, self._challenger, self._digests, group,
@@ -229,6 +239,7 @@ class ZKDV:
         raise self._finish_error
       return self.path
     self.ensure_started()
+    self._dispatcher.close()
     error = self._complete_commitments()
     if error is None and self.failed_checks:
       first = self.failed_checks[0]
@@ -278,7 +289,7 @@ class ZKDV:
     pipeline = self._committer.pipeline
     pipeline.drain()
     if isinstance(self._challenger, challengers.ServerChallenger) and pipeline.error is None:
-      self._challenger.wait_for(self._committer.committed_steps)
+      self._challenger.wait_for(self._committer.written_steps)
       pipeline.drain()
 
   def _complete_commitments(self) -> errors.ZKDVError | None:

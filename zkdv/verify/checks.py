@@ -80,6 +80,9 @@ def _open_post(ctx, check, step, program, where):
 
 
 def state_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
+  if step.post_state is None:
+    ctx.report.fail("check_step", where, f"step {step.index} commits no post_state to open.")
+    return CheckOutcome(step.index, "state", "opening", "failed")
   post = _open_post(ctx, check, step, program, where)
   return CheckOutcome(step.index, "state", "opening", "failed" if post is None else "verified")
 
@@ -103,25 +106,113 @@ def _open_update(ctx, check, step, program, where):
   return pre, batch
 
 
-def update_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
-  outcome = CheckOutcome(step.index, "update", program.mode, "failed")
-  opened = _open_update(ctx, check, step, program, where)
+def _open_segment(ctx, check, segment, program, where, chained: bool):
+  """(start state, [batch per step]) opened and matched to the segment's commitments; the
+  start is not opened when ``chained`` (a replay reached it already)."""
+  fields = check.fields
+  if fields["first"] != segment.first:
+    ctx.report.fail("opening", where, f"the check opens a segment from step {fields['first']}, "
+                    f"the segment ending at step {segment.last} starts at step {segment.first}.")
+    return None
+  batches = _open_batches(ctx, check, segment, program, where)
+  if batches is None or chained:
+    return None if batches is None else (None, batches)
+  pieces = fields.get("pre_state_pieces")
+  if pieces is not None and digest.state_digest_from_pieces(program.state,
+                                                            pieces) != segment.start:
+    ctx.report.fail("opening", where, "pre_state_pieces do not make up the segment's start "
+                    "state.")
+    return None
+  pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state", pieces)
+  if pre is None or not state_matches(ctx, fields["pre_state_blobs"], pre, program.state,
+                                      segment.start, where, "start state"):
+    return None
+  return pre, batches
+
+
+def _open_batches(ctx, check, segment, program, where):
+  fields = check.fields
+  steps = ctx.model.steps[segment.first:segment.last + 1]
+  batch_blobs = fields["batch_blobs"]
+  if len(batch_blobs) != len(steps):
+    ctx.report.fail("schema", where, f"the check opens {len(batch_blobs)} batches for a "
+                    f"segment of {len(steps)} steps.")
+    return None
+  batches = []
+  for s, blobs in zip(steps, batch_blobs):
+    batch = open_blobs(ctx, blobs, program.batch, where, f"batch of step {s.index}")
+    if batch is None:
+      return None
+    if digest.digest_batch_arrays(program.batch, batch) != s.batch:
+      ctx.report.fail("opening", where, f"opened batch of step {s.index} does not match its "
+                      "commitment.")
+      return None
+    batches.append(batch)
+  return batches
+
+
+def segment_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
+  """Format 3: replays the segment ending at ``step`` from its opened start state and
+  batches; the end state must match its commitment bit for bit (an exact program) or
+  the opened end state within tolerance (an equivalent one, one step)."""
+  segment = ctx.model.segment_ending(step.index)
+  outcome = CheckOutcome(step.index, "update", program.mode, "failed",
+                         first=check.fields.get("first"))
+  if segment is None:
+    ctx.report.fail("check_step", where, f"step {step.index} ends no segment (it commits "
+                    "no post_state): an update check answers a segment's last step.")
+    return outcome
+  outcome.first = segment.first
+  # A segment that starts where the last replayed one ended (and was verified there)
+  # continues from that replay's state on the device: its start is neither read nor hashed.
+  last = ctx.replayed_end
+  chained = (ctx.options.replay != "none" and last is not None and program.exact
+             and last[0] == segment.first - 1 and last[1] == program.number
+             and segment.start == last[2])
+  opened = _open_segment(ctx, check, segment, program, where, chained)
   post = None if program.exact else _open_post(ctx, check, step, program, where)
+  ctx.replayed_end = None
   if opened is None or (post is None and not program.exact):
     return outcome
   if ctx.options.replay == "none":
     outcome.status = "not replayed"
     return outcome
-  outputs = ctx.programs.replay_outputs(program, *opened, where)
-  if outputs is None:
+  start, batches = (last[3], opened[1]) if chained else opened
+  replayed = ctx.programs.replay_segment(program, start, batches, where, chained)
+  if replayed is None:
     return outcome
-  replayed = [outputs[i] for i in program.post_state_outputs]
+  outcome = _compare(ctx, outcome, program, replayed[0], post, segment.end, where)
+  steps = ctx.model.steps[segment.first:segment.last + 1]
+  if not all([_metrics_match(ctx, s, program, outputs, where)
+              for s, outputs in zip(steps, replayed[2])]):
+    outcome.status = "failed"
+  if outcome.status == "verified" and program.exact:
+    ctx.replayed_end = (segment.last, program.number, segment.end, replayed[1])
+  return outcome
+
+
+def _metrics_match(ctx: Verification, step, program, outputs, where: str) -> bool:
+  """Whether each metric the step committed is what the replay computes, bit for bit
+  (``outputs``: the replay's outputs by index, the metrics' at least)."""
+  ok = True
+  for name, committed in step.metrics.items():
+    index = program.metric_outputs[name]
+    replayed = (metrics.encode(outputs[index]) if outputs[index] is not None
+                else "no such output")
+    if not metrics.identical(replayed, committed):
+      ctx.report.fail("replay", where, f"step {step.index}: metric {name!r} is committed as "
+                      f"{metrics.describe(committed)} but the replay computes "
+                      f"{metrics.describe(replayed)}.")
+      ok = False
+  return ok
+
+
+def _compare(ctx, outcome, program, replayed, post, committed, where) -> CheckOutcome:
   if program.exact:
-    ok = digest.digest_state_arrays(program.post, replayed)[0] == step.post_state
+    ok = digest.digest_state_arrays(program.post, replayed)[0] == committed
     if not ok:
       ctx.report.fail("replay", where, "replaying the update program does not reproduce "
                       "the committed post-state bit for bit.")
-    ok = _metrics_match(ctx, step, program, outputs, where) and ok
     outcome.status = "verified" if ok else "failed"
     return outcome
   result = ctx.programs.compare(program.state, replayed, post, exact=False,
@@ -136,19 +227,26 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   return outcome
 
 
-def _metrics_match(ctx: Verification, step, program, outputs, where: str) -> bool:
-  """Whether each metric the step committed is what the replay computes, bit for bit."""
-  ok = True
-  for name, committed in step.metrics.items():
-    index = program.metric_outputs[name]
-    replayed = (metrics.encode(outputs[index]) if index < len(outputs)
-                else "no such output")
-    if not metrics.identical(replayed, committed):
-      ctx.report.fail("replay", where, f"step {step.index}: metric {name!r} is committed as "
-                      f"{metrics.describe(committed)} but the replay computes "
-                      f"{metrics.describe(replayed)}.")
-      ok = False
-  return ok
+def update_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
+  """Format 2: replays one step from its opened pre-state and batch."""
+  if ctx.model.format_version >= 3:
+    return segment_check(ctx, check, step, program, where)
+  outcome = CheckOutcome(step.index, "update", program.mode, "failed")
+  opened = _open_update(ctx, check, step, program, where)
+  post = None if program.exact else _open_post(ctx, check, step, program, where)
+  if opened is None or (post is None and not program.exact):
+    return outcome
+  if ctx.options.replay == "none":
+    outcome.status = "not replayed"
+    return outcome
+  outputs = ctx.programs.replay_outputs(program, *opened, where)
+  if outputs is None:
+    return outcome
+  replayed = [outputs[i] for i in program.post_state_outputs]
+  outcome = _compare(ctx, outcome, program, replayed, post, step.post_state, where)
+  if program.exact and not _metrics_match(ctx, step, program, outputs, where):
+    outcome.status = "failed"
+  return outcome
 
 
 CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_check,

@@ -21,7 +21,8 @@ from zkdv.verify.report import (COULD_NOT_VERIFY, DOES_NOT_HOLD, HOLDS, INVALID,
 _ANY = frozenset({"unreadable", "no_root", "format_version", "malformed"})
 _RECORDS = frozenset({"torn_tail", "encoding", "chain", "schema", "after_final", "step_index",
                       "program_id", "discontinuity", "unfinished", "aborted", "step_count",
-                      "final", "final_state", "final_params", "no_steps", "check_step"})
+                      "final", "final_state", "final_params", "no_steps", "check_step",
+                      "segment", "segment_length"})
 _KEYS = frozenset({"challenger", "policy", "seed", "server_key", "challenge_key", "receipt",
                    "receipt_verdict"})
 # The finding codes each claim rests on.
@@ -75,16 +76,36 @@ def _challenges(ctx: Verification) -> Claim:
                f"stored; key from the {ctx.keys.source}", facts)
 
 
+def full_replay(ctx: Verification, replayed: list) -> bool:
+  """Every step was re-executed, chained from the attested start: the policy challenged
+  every segment, each was replayed, and step 0's start is attested."""
+  segments = ctx.model.segments
+  return (ctx.challenger.policy.full_replay and bool(segments)
+          and {c.step for c in replayed} == {s.last for s in segments}
+          and any(c.kind == "start" and c.status == "verified" for c in ctx.report.checks))
+
+
 def _replays(ctx: Verification) -> Claim:
-  p = ctx.challenger.policy.update_check_probability
+  policy = ctx.challenger.policy
+  p, k = policy.update_check_probability, policy.segment_length
   replayed = [c for c in ctx.report.checks if c.kind == "update" and c.challenged
               and c.status == "verified"]
   exact = all(c.mode == "exact" for c in replayed)
+  segments = {s.last: s.length for s in ctx.model.segments}
+  steps_replayed = sum(segments.get(c.step, 0) for c in replayed)
+  full = full_replay(ctx, replayed)
   facts = {"count": len(replayed), "p": p, "escape_probability": challenge.escape_probability(p),
-           "exact": exact, "steps": len(ctx.model.steps)}
-  detail = (f"{len(replayed)} challenged update checks replayed "
-            f"{'bit for bit' if exact else 'within tolerance'} over {len(ctx.model.steps)} "
-            f"steps at p={p:g}; one faked step escapes with probability {1 - p:g}")
+           "exact": exact, "steps": len(ctx.model.steps), "segment_length": k,
+           "segments": len(segments), "steps_replayed": steps_replayed, "full_replay": full}
+  how = "bit for bit" if exact else "within tolerance"
+  if full:
+    detail = (f"full replay: all {len(ctx.model.steps)} steps re-executed {how} in "
+              f"{len(segments)} segments, chained from the attested start")
+  else:
+    detail = (f"{len(replayed)} challenged segments ({steps_replayed} steps) replayed {how} "
+              f"of {len(segments)} segments over {len(ctx.model.steps)} steps at p={p:g}, "
+              f"segments of up to {k} steps; one faked step escapes with probability "
+              f"{1 - p:g}")
   if not ctx.decisions.known:
     return Claim("replays", COULD_NOT_VERIFY, f"{detail}; whether every challenge was "
                  f"answered could not be verified ({ctx.decisions.unknown})", facts)

@@ -3,8 +3,10 @@
 ``self``: each step's challenge is keyed by the seed revealed in ``final``
 (checked against the root's commitment). ``dvbench``: keyed by the server's key
 ``K`` (from a receipt, or the server's own worker) and the id of the step's
-record. Every decided update check, state check and probe set must have its
-check record.
+record. Every decided probe set must have its check record, and every decided update
+and state check of a segment (format 2: every step is one), keyed by the
+segment's last step. A server's segment is decided by the challenge of its last
+step; a self-chosen one by its first step's.
 
 Example::
 
@@ -22,22 +24,27 @@ from zkdv.verify.context import Verification
 
 @dataclasses.dataclass(frozen=True)
 class Decisions:
-  """Each step's Decision, or None with the reason they are unknown."""
+  """Each step's Decision (its probes) and each segment's (its update and state checks,
+  keyed by the segment's last step), or None with the reason they are unknown."""
 
   by_step: tuple | None
   unknown: str | None = None
+  by_segment: dict = dataclasses.field(default_factory=dict)
 
   @property
   def known(self) -> bool:
     return self.by_step is not None
 
   def challenged(self, step: int, kind: str) -> bool:
-    """Whether ``kind`` was chosen for ``step`` (True when the decisions are unknown)."""
+    """Whether ``kind`` was chosen for ``step`` (True when the decisions are unknown);
+    update and state checks belong to the segment that ``step`` ends."""
     if not self.known:
       return True
-    decision = self.by_step[step]
-    return {"update": decision.update, "state": decision.state,
-            "probe": decision.probe_ratio > 0}.get(kind, False)
+    if kind == "probe":
+      return self.by_step[step].probe_ratio > 0
+    decision = self.by_segment.get(step)
+    return decision is not None and {"update": decision.update,
+                                     "state": decision.state}.get(kind, False)
 
 
 def probe_count(layout, ratio: float) -> int:
@@ -84,8 +91,14 @@ def derive(ctx: Verification) -> Decisions:
   if isinstance(challenges, Decisions):
     return challenges
   policy = ctx.challenger.policy
-  return Decisions(tuple(challenge.decide(s.index, c, policy)
-                         for s, c in zip(ctx.model.steps, challenges)))
+  by_step = tuple(challenge.decide(s.index, c, policy)
+                  for s, c in zip(ctx.model.steps, challenges))
+  # A server decides a segment after its last step is stored; a self-chosen segment is
+  # decided by its first step (known then anyway), so an unchecked one keeps nothing.
+  deciding = (lambda segment: segment.first) if ctx.challenger.kind == "self" else (
+      lambda segment: segment.last)
+  return Decisions(by_step, by_segment={
+      s.last: by_step[deciding(s)] for s in ctx.model.segments if s.end is not None})
 
 
 def require_answers(ctx: Verification, decisions: Decisions) -> None:
@@ -95,8 +108,7 @@ def require_answers(ctx: Verification, decisions: Decisions) -> None:
   model = ctx.model
   for step, decision in zip(model.steps, decisions.by_step):
     program = model.program_of(step)
-    wanted = [kind for kind, chosen in (("update", decision.update), ("state", decision.state))
-              if chosen]
+    wanted = [kind for kind in ("update", "state") if decisions.challenged(step.index, kind)]
     if program is not None and any(probe_count(l, decision.probe_ratio) for l in program.batch):
       wanted.append("probe")
     for kind in wanted:

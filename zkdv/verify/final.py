@@ -22,14 +22,34 @@ _FINAL_STATE_FIELDS = ("final_state", "final_state_leaves", "final_params")
 
 
 def continuity(ctx: Verification) -> None:
-  steps, report = ctx.model.steps, ctx.report
-  report.steps = len(steps)
-  for prev, step in zip(steps, steps[1:]):
-    if step.pre_state != prev.post_state:
-      report.discontinuities.append(step.index)
-      report.fail("discontinuity", f"step {step.index}",
-                  f"pre-state of step {step.index} is not the post-state of step "
-                  f"{prev.index}: the state was changed outside proof.jit.")
+  """Each segment starts from the committed end of the one before it, holds at most
+  the policy's segment length and one program (one step for an equivalent one)."""
+  model, report = ctx.model, ctx.report
+  report.steps = len(model.steps)
+  report.segments = len(model.segments)
+  bound = None if ctx.challenger is None else ctx.challenger.policy.segment_length
+  for prev, segment in zip(model.segments, model.segments[1:]):
+    if segment.start != prev.end:
+      report.discontinuities.append(segment.first)
+      how = ("the segment before it has no committed end state" if prev.end is None else
+             f"it is not the post-state of step {prev.last}")
+      report.fail("discontinuity", f"step {segment.first}",
+                  f"pre-state of step {segment.first}: {how}; the state was changed "
+                  "outside proof.jit.")
+  for segment in model.segments:
+    where = f"steps {segment.first}..{segment.last}"
+    if bound is not None and segment.length > bound:
+      report.fail("segment_length", where, f"a segment of {segment.length} steps exceeds "
+                  f"the policy's segment_length {bound}.")
+    steps = model.steps[segment.first:segment.last + 1]
+    programs = {s.program for s in steps}
+    if len(programs) > 1:
+      report.fail("segment", where, f"a segment runs programs {sorted(programs)}; each "
+                  "segment runs one program.")
+    program = model.programs.get(steps[0].program)
+    if program is not None and not program.exact and segment.length > 1:
+      report.fail("segment", where, "an equivalent-mode (tolerance) program commits every "
+                  "step's state: its segments hold one step.")
 
 
 def check_final(ctx: Verification) -> None:
@@ -60,7 +80,7 @@ def check_final(ctx: Verification) -> None:
 
 def _final_state(ctx: Verification, final: dict, last_step) -> None:
   report, program = ctx.report, ctx.model.program_of(last_step)
-  if final.get("final_state") != last_step.post_state:
+  if last_step.post_state is None or final.get("final_state") != last_step.post_state:
     report.fail("final_state", "final", "final state digest is not the last step's post-state.")
     return
   leaves = final.get("final_state_leaves")

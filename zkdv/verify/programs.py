@@ -106,7 +106,50 @@ class ProgramLoader:
     inputs = [next(state if kind == "state" else rows) for kind in program.inputs]
     return self.run(program, inputs, where)
 
-  def run(self, program, inputs, where: str):
+  def replay_segment(self, program: Program, start, batches, where: str,
+                     start_on_device: bool = False):
+    """(host views of the end state, its device arrays, each step's outputs by index with
+    only the metrics' read) after replaying ``program`` once per batch from ``start``
+    (host arrays, or the device arrays a previous replay returned). The state stays on
+    the device between steps (one compiled executable for every step). None (with a
+    finding) when it cannot run here."""
+    info = self.load(program)
+    if info.exported is None or not batches:
+      return None
+    metric_indices = set(program.metric_outputs.values())
+    per_step = []
+
+    def keep(outs) -> list:
+      per_step.append([self._arrays.host_view(x) if i in metric_indices else None
+                       for i, x in enumerate(outs)])
+      return [outs[i] for i in program.post_state_outputs]
+
+    try:
+      if start_on_device:
+        compiled, state = self._compile(program, info), list(start)
+      else:
+        outs = self.run(program, self._inputs(program, list(zip(start, program.state)),
+                                              batches[0]), where, host=False)
+        if outs is None:
+          return None
+        compiled, batches, state = self._compile(program, info), batches[1:], keep(outs)
+      for batch in batches:
+        device_batch = [self._arrays.from_host(a, l) for a, l in zip(batch, program.batch)]
+        rows, states = iter(device_batch), iter(state)
+        state = keep(compiled(*[next(states if kind == "state" else rows)
+                                for kind in program.inputs]))
+    except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding
+      self._report.fail("replay_error", where, f"replay raised {type(e).__name__}: "
+                        f"{str(e)[:500]}", INVALID)
+      return None
+    return [self._arrays.host_view(x) for x in state], state, per_step
+
+  @staticmethod
+  def _inputs(program: Program, state, batch) -> list:
+    states, rows = iter(state), iter(zip(batch, program.batch))
+    return [next(states if kind == "state" else rows) for kind in program.inputs]
+
+  def run(self, program, inputs, where: str, host: bool = True):
     """Every output of ``program`` (a Program or the Init) on ``inputs``, [(array,
     layout)], on the host; None (with a finding) when it cannot run here."""
     info = self.load(program)
@@ -122,7 +165,7 @@ class ProgramLoader:
       return None
     try:
       outs = self._compile(program, info)(*[self._arrays.from_host(a, l) for a, l in inputs])
-      return [self._arrays.host_view(x) for x in outs]
+      return [self._arrays.host_view(x) for x in outs] if host else outs
     except errors.ReplayError as e:  # fewer devices, or other collectives, than it needs
       self._report.fail("replay_environment", where, str(e), UNVERIFIABLE)
     except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding

@@ -52,6 +52,7 @@ class CheckOutcome:
   max_abs_error: float = 0.0
   max_rel_error: float = 0.0
   max_ulp_error: int = 0
+  first: int | None = None  # format 3: the first step of the replayed segment
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class Report:
   challenger: str | None = None
   records: int = 0
   steps: int = 0
+  segments: int = 0
   finished: bool = False
   checks: list[CheckOutcome] = dataclasses.field(default_factory=list)
   discontinuities: list[int] = dataclasses.field(default_factory=list)
@@ -122,7 +124,7 @@ class Report:
         "challenger": self.challenger, "required": list(self.required),
         "claims": [c.to_json() for c in self.claims],
         "unmet": [c.name for c in self.unmet],
-        "records": self.records, "steps": self.steps, "finished": self.finished,
+        "records": self.records, "steps": self.steps, "segments": self.segments, "finished": self.finished,
         "checks": [dataclasses.asdict(c) for c in self.checks],
         "discontinuities": self.discontinuities, "probed_rows": self.probed_rows,
         "receipt": self.receipt, "notes": self.notes,

@@ -53,11 +53,11 @@ SCHEMAS = {
                       frozenset({"function", "params_leaves", "static_arguments",
                                  "compiler_options", "nr_devices", "collectives",
                                  "processes", "post_state_layout", "metric_outputs"})),
-    "step": Schema({"index": int, "program": int, "pre_state": bytes, "batch": bytes,
-                    "post_state": bytes}, frozenset({"metrics"})),
+    "step": Schema({"index": int, "program": int, "batch": bytes},
+                   frozenset({"pre_state", "post_state", "metrics"})),
     "check": Schema({"step": int, "kind": str},
-                    frozenset({"pre_state_blobs", "batch_blobs", "result", "pre_state_pieces",
-                               "post_state_blobs", "batch_roots", "probes"})),
+                    frozenset({"first", "pre_state_blobs", "batch_blobs", "result",
+                               "pre_state_pieces", "post_state_blobs", "batch_roots", "probes"})),
     "init": Schema({"program_id": bytes, "input_layout": list, "input_blobs": list,
                     "output_layout": list, "outputs": list, "platforms": list},
                    frozenset({"function"})),
@@ -65,14 +65,18 @@ SCHEMAS = {
                     frozenset({"discontinuities", "final_state", "final_state_leaves",
                                "final_params", "seed"})),
 }
+# Format 2 step records commit both states; format 3 only at segment boundaries.
+STEP_STATES = {2: ("pre_state", "post_state"), 3: ()}
 # A check record of each kind (docs/protocol.md), beyond "step" and "kind".
 CHECK_SCHEMAS = {
-    "update": Schema({"pre_state_blobs": list, "batch_blobs": list, "result": dict},
-                     frozenset({"pre_state_pieces", "post_state_blobs"})),
+    "update": Schema({"first": int, "pre_state_blobs": list, "batch_blobs": list},
+                     frozenset({"pre_state_pieces", "post_state_blobs", "result"})),
     "state": Schema({"post_state_blobs": list}),
     "probe": Schema({"batch_roots": list, "probes": list}),
     "start": Schema({"pre_state_pieces": list}),
 }
+FORMAT_2_UPDATE = Schema({"pre_state_blobs": list, "batch_blobs": list, "result": dict},
+                         frozenset({"pre_state_pieces", "post_state_blobs"}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +126,35 @@ class Init:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
+  """A step record; ``pre_state``/``post_state`` are None where it commits no state
+  (format 3: only a segment's first and last steps do)."""
+
   index: int
   program: int
-  pre_state: bytes
+  pre_state: bytes | None
   batch: bytes
-  post_state: bytes
+  post_state: bytes | None
   record_id: bytes
   where: str
   metrics: dict = dataclasses.field(default_factory=dict)  # name -> committed value
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Steps ``first .. last`` between two state commitments (format 2: one step).
+
+  ``start`` is the committed state before step ``first``; ``end`` after step
+  ``last``, or None when the next segment starts without it (a discontinuity).
+  """
+
+  first: int
+  last: int
+  start: bytes
+  end: bytes | None
+
+  @property
+  def length(self) -> int:
+    return self.last - self.first + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +181,18 @@ class Transcript:
   steps: list = dataclasses.field(default_factory=list)
   checks: dict = dataclasses.field(default_factory=dict)  # (step, kind) -> Check
   final: dict | None = None
+  format_version: int = transcript_lib.FORMAT_VERSION
+  segments: list = dataclasses.field(default_factory=list)  # Segment, in order
 
   def program_of(self, step: Step) -> Program | None:
     return self.programs.get(step.program)
+
+  def segment_ending(self, step: int) -> Segment | None:
+    """The segment whose last step is ``step`` and that commits its end state."""
+    for segment in self.segments:
+      if segment.last == step and segment.end is not None:
+        return segment
+    return None
 
 
 def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
@@ -175,15 +209,41 @@ def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
     report.fail("no_root", "record 0", "the transcript does not start with a root record.")
     return None
   version = contents.records[0].record.get("format_version")
-  if version != transcript_lib.FORMAT_VERSION:
+  if version not in transcript_lib.READABLE_FORMATS or isinstance(version, bool):
     report.fail("format_version", "record 0",
                 f"could not verify: format {version!r} is not supported by this zkdv; it "
-                f"verifies format {transcript_lib.FORMAT_VERSION} (challenges chosen by a "
-                "committed seed or by DVBench, docs/protocol.md). Verify it with the zkdv "
-                "release that wrote it.", UNVERIFIABLE)
+                f"verifies formats {list(transcript_lib.READABLE_FORMATS)} (format 2: a state "
+                "commitment per step; format 3: per segment; docs/protocol.md). Verify it "
+                "with the zkdv release that wrote it.", UNVERIFIABLE)
     return None
+  model.format_version = version
   _chain(contents, model, report)
+  model.segments = _segments(model, report)
   return model
+
+
+def _segments(model: Transcript, report: Report) -> list:
+  """The segments the step records delimit: one starts at a step carrying
+  ``pre_state`` and ends at the next step carrying ``post_state``."""
+  segments, first, start = [], None, None
+  for step in model.steps:
+    if step.pre_state is not None:
+      if first is not None:  # the segment before has no end commitment
+        segments.append(Segment(first, step.index - 1, start, None))
+      first, start = step.index, step.pre_state
+    elif first is None:
+      report.fail("segment", step.where, f"step {step.index} follows the end of a segment "
+                  "but carries no pre_state: a segment starts with its committed state.")
+      first, start = step.index, b""
+    if step.post_state is not None:
+      segments.append(Segment(first, step.index, start, step.post_state))
+      first = None
+  if first is not None:
+    last = model.steps[-1]
+    report.fail("segment", last.where, f"the last step ({last.index}) commits no post_state: "
+                f"the segment from step {first} has no end state.")
+    segments.append(Segment(first, last.index, start, None))
+  return segments
 
 
 def _chain(contents, model: Transcript, report: Report) -> None:
@@ -206,6 +266,12 @@ def _chain(contents, model: Transcript, report: Report) -> None:
       report.fail("schema", where, f"unknown record type {kind!r}.")
       continue
     problems = SCHEMAS[kind].problems(rec)
+    if kind == "step":
+      problems += [f"lacks or mistypes ['{name} (bytes)']"
+                   for name in STEP_STATES.get(model.format_version, ())
+                   if not isinstance(rec.get(name), bytes)]
+      problems += [f"{name} is not 32 bytes" for name in ("pre_state", "post_state")
+                   if name in rec and not (isinstance(rec[name], bytes) and len(rec[name]) == 32)]
     if problems:
       report.fail("schema", where, f"{kind} record {'; '.join(problems)}.")
       if any(p.startswith("lacks") for p in problems):
@@ -346,8 +412,8 @@ def _read_step(model, parsed, where, report) -> None:
   if problems:
     report.fail("schema", where, f"step {expected}: {'; '.join(problems[:3])}.")
     step_metrics = {}
-  model.steps.append(Step(expected, rec["program"], rec["pre_state"], rec["batch"],
-                          rec["post_state"], parsed.record_id, where, step_metrics))
+  model.steps.append(Step(expected, rec["program"], rec.get("pre_state"), rec["batch"],
+                          rec.get("post_state"), parsed.record_id, where, step_metrics))
 
 
 def _read_check(model, parsed, where, report) -> None:
@@ -356,8 +422,9 @@ def _read_check(model, parsed, where, report) -> None:
   if kind not in CHECK_SCHEMAS:
     report.fail("schema", where, f"unknown check kind {kind!r}.")
     return
-  problems = CHECK_SCHEMAS[kind].problems(
-      {k: v for k, v in rec.items() if k not in ("step", "kind")})
+  schema = (FORMAT_2_UPDATE if kind == "update" and model.format_version == 2
+            else CHECK_SCHEMAS[kind])
+  problems = schema.problems({k: v for k, v in rec.items() if k not in ("step", "kind")})
   if problems:
     report.fail("schema", where, f"{kind} check {'; '.join(problems)}.")
     return

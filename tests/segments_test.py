@@ -1,0 +1,88 @@
+"""Format 3 segments: a challenged segment is replayed whole from its committed start, so a
+faked step anywhere in it is caught; format 2 transcripts still verify."""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
+from zkdv import challenge
+from zkdv import verify
+
+ALWAYS = {"update_check_probability": 1.0, "state_check_probability": 0.5, "probe_ratio": 0.5}
+
+
+@functools.cache
+def segmented(fake_step=None):
+  """Six steps in two segments of three, every segment challenged."""
+  return write_transcript(policy=ALWAYS, segment_length=3, fake_step=fake_step)
+
+
+class SegmentsTest(VerifierTestCase):
+
+  def test_segments_replay_from_their_start_and_verify(self):
+    report = verify.verify(segmented())
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual((report.steps, report.segments), (6, 2))
+    updates = [(c.first, c.step, c.status) for c in report.checks if c.kind == "update"]
+    self.assertEqual(updates, [(0, 2, "verified"), (3, 5, "verified")])
+    facts = report.claim("replays").facts
+    self.assertEqual((facts["segments"], facts["steps_replayed"], facts["segment_length"]),
+                     (2, 6, 3))
+    self.assertFalse(facts["full_replay"])  # the policy did not ask for it, no attested start
+
+  def test_format_2_still_verifies(self):
+    report = verify.verify(write_transcript(policy=ALWAYS, format_version=2))
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual(report.segments, 6)
+
+  def test_an_unknown_format_could_not_be_verified_naming_those_read(self):
+    def edit(records):
+      records[0]["format_version"] = 4
+      return records
+    report = self.assert_fails(rechained(edit, segmented()), "format_version",
+                               verify.UNVERIFIABLE)
+    self.assertIn("formats [2, 3]", report.dumps())
+
+  @parameterized.parameters(3, 4, 5)
+  def test_a_faked_step_anywhere_in_a_challenged_segment_is_caught(self, faked):
+    report = self.assert_fails(segmented(faked), "replay")
+    replay = [f for f in report.findings if f.code == "replay"]
+    self.assertLen(replay, 1)
+    self.assertIn("update check of step 5", replay[0].where)  # the segment 3..5
+    self.assertEqual([c.status for c in report.checks if c.kind == "update"],
+                     ["verified", "failed"])
+
+  def test_a_segment_longer_than_the_policy_allows(self):
+    def edit(records):  # steps 0..5 as one segment of 6 > segment_length 3
+      first(records, "step", index=2).pop("post_state")
+      first(records, "step", index=3).pop("pre_state")
+      return [r for r in records if not (r["type"] == "check" and r["step"] == 2
+                                         and r["kind"] in ("update", "state"))]
+    report = self.assert_fails(rechained(edit, segmented()), "segment_length")
+    self.assertIn("a segment of 6 steps exceeds the policy's segment_length 3", report.dumps())
+
+  def test_a_check_that_opens_another_segment_is_refused(self):
+    def edit(records):
+      first(records, "check", kind="update", step=5)["first"] = 4
+      return records
+    report = self.assert_fails(rechained(edit, segmented()), "opening")
+    self.assertIn("the segment ending at step 5 starts at step 3", report.dumps())
+
+  def test_a_segment_without_its_end_is_a_discontinuity(self):
+    def edit(records):
+      first(records, "step", index=2).pop("post_state")
+      return [r for r in records if not (r["type"] == "check" and r["step"] == 2
+                                         and r["kind"] in ("update", "state"))]
+    report = self.assert_fails(rechained(edit, segmented()), "discontinuity")
+    self.assertIn("the segment before it has no committed end state", report.dumps())
+
+  def test_escape_probability_with_segments(self):
+    self.assertEqual(challenge.escape_probability(0.5, 1, 64), 0.5)  # one faked step: 1 - p
+    self.assertEqual(challenge.escape_probability(0.5, 8, 4), 0.25)  # 8 steps touch >= 2
+    self.assertEqual(challenge.escape_probability(0.5, 8, 1), 0.5**8)
+
+
+if __name__ == "__main__":
+  absltest.main()
