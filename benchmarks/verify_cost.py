@@ -10,7 +10,7 @@ Ratios are reported for the whole verification and for the marginal cost per
 replayed step (which leaves out the one-time compilation of the exported
 program). The verifier keeps one compiled executable, keeps the state on the
 device through a segment, and continues a segment from the previous one's
-replayed end state when they meet (so it neither reads nor hashes that start).
+replayed end state on the device when they meet.
 """
 
 import argparse

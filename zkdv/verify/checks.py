@@ -106,17 +106,16 @@ def _open_update(ctx, check, step, program, where):
   return pre, batch
 
 
-def _open_segment(ctx, check, segment, program, where, chained: bool):
-  """(start state, [batch per step]) opened and matched to the segment's commitments; the
-  start is not opened when ``chained`` (a replay reached it already)."""
+def _open_segment(ctx, check, segment, program, where):
+  """(start state, [batch per step]) opened and matched to the segment's commitments."""
   fields = check.fields
   if fields["first"] != segment.first:
     ctx.report.fail("opening", where, f"the check opens a segment from step {fields['first']}, "
                     f"the segment ending at step {segment.last} starts at step {segment.first}.")
     return None
   batches = _open_batches(ctx, check, segment, program, where)
-  if batches is None or chained:
-    return None if batches is None else (None, batches)
+  if batches is None:
+    return None
   pieces = fields.get("pre_state_pieces")
   if pieces is not None and digest.state_digest_from_pieces(program.state,
                                                             pieces) != segment.start:
@@ -164,12 +163,13 @@ def segment_check(ctx: Verification, check, step, program, where: str) -> CheckO
     return outcome
   outcome.first = segment.first
   # A segment that starts where the last replayed one ended (and was verified there)
-  # continues from that replay's state on the device: its start is neither read nor hashed.
+  # continues from that replay's state on the device; its opened start is still checked
+  # against its names and the commitment (every blob byte is checked), not copied over.
   last = ctx.replayed_end
   chained = (ctx.options.replay != "none" and last is not None and program.exact
              and last[0] == segment.first - 1 and last[1] == program.number
              and segment.start == last[2])
-  opened = _open_segment(ctx, check, segment, program, where, chained)
+  opened = _open_segment(ctx, check, segment, program, where)
   post = None if program.exact else _open_post(ctx, check, step, program, where)
   ctx.replayed_end = None
   if opened is None or (post is None and not program.exact):
