@@ -315,14 +315,15 @@ class BlobCustodyTest(ServerChallengeTestCase):
     first.run(steps=4)
     second = self.prover("alice/private").start("second")
     second.upload(b"only mine")
-    folder = pathlib.Path(tempfile.mkdtemp()) / "transcript"
+    work = pathlib.Path(tempfile.mkdtemp())
     store = self.store()
     from dvbench.server.blobs import BlobStore  # pylint: disable=g-import-not-at-top
-    worker._materialize(store, BlobStore(self.server.data / "blobs"), second.proof_id, folder)
-    blobs = folder / BLOBS_DIR
-    self.assertFalse(blobs.is_symlink())
-    self.assertEqual(sorted(p.name for p in blobs.iterdir()), [digest(b"only mine").hex()])
-    self.assertEqual((folder / RECORDS_FILE).read_bytes(), b"".join(second.records))
+    folder = worker.child_folder(work, BlobStore(self.server.data / "blobs"),
+                                 store.proof_blob_digests(second.proof_id))
+    self.assertFalse((work / BLOBS_DIR).is_symlink())
+    self.assertEqual(sorted(p.name for p in (folder / BLOBS_DIR).iterdir()),
+                     [digest(b"only mine").hex()])
+    self.assertEqual(b"".join(store.record_data(second.proof_id)), b"".join(second.records))
 
 
 class ReceiptTest(ServerChallengeTestCase):
