@@ -319,7 +319,7 @@ class HostDigestsTest(MultiProcessRun, absltest.TestCase):
       proof_id = client.experiment("your-name/two-processes").upload(self.folder)
       status = client.wait_for_verdict(proof_id, 300)
       # An offline transcript chose its own checks: replayed, and labelled self-audited.
-      self.assertEqual(status["state"], "self-audited", status)
+      self.assertEqual(status["state"], "self-audited", str(status))
       self.assertEqual((status["checks"], status["checks_verified"]), (3 * STEPS, 3 * STEPS))
     finally:
       server.stop()

@@ -395,8 +395,6 @@ class Committer:
     when the step ends a segment, the segment's update and state checks as
     ``segment_decision`` chose them."""
     kept = self._kept[decision.step]
-    self._probe_check(kept.job.program, kept.job, decision, kept.trees)
-    kept.answered = True
     segment = self._segment_ending(decision.step) if segment_decision is not None else None
     if segment is not None:
       if segment_decision.update:
@@ -404,6 +402,8 @@ class Committer:
       if segment_decision.state:
         self._state_check(segment.last, segment.end_views)
       segment.answered = True
+    self._probe_check(kept.job.program, kept.job, decision, kept.trees)
+    kept.answered = True
     self._release()
 
   def _release(self) -> None:
