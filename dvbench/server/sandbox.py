@@ -5,7 +5,8 @@ A child that runs an uploaded program gets, before ``exec``:
 * ``PR_SET_PDEATHSIG`` (SIGKILL): it dies with the worker that started it;
 * rlimits: address space, CPU time, no core files;
 * a fresh network namespace (``unshare(CLONE_NEWNET)``, inside a new user namespace when
-  not root): no interface but a down loopback, so no socket reaches anything;
+  not root): no interface but its own loopback (a multi-process replay's gloo collectives
+  talk over it), so no socket reaches anything outside;
 * Landlock (Linux 5.13+): no file may be created, written, removed or renamed outside its
   own folder (existing device files such as /dev/null may still be opened for writing).
 
@@ -20,10 +21,13 @@ Example::
 """
 
 import ctypes
+import fcntl
 import functools
 import os
 import resource
 import signal
+import socket
+import struct
 
 NETWORK = "network namespace"
 LANDLOCK = "landlock"
@@ -32,6 +36,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 _LANDLOCK_CREATE_RULESET_VERSION = 1
 _LANDLOCK_RULE_PATH_BENEATH = 1
@@ -69,15 +74,26 @@ def _write(path: str, text: str) -> None:
 
 
 def _isolate_network() -> None:
-  """A new, empty network namespace; as non-root inside a user namespace mapping only us."""
+  """A new network namespace with only its own loopback; as non-root inside a user namespace
+  mapping only us."""
   if os.geteuid() == 0:
     _check(_libc.unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-    return
-  uid, gid = os.geteuid(), os.getegid()
-  _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET), "unshare(CLONE_NEWUSER|CLONE_NEWNET)")
-  _write("/proc/self/setgroups", "deny")
-  _write("/proc/self/uid_map", f"{uid} {uid} 1")
-  _write("/proc/self/gid_map", f"{gid} {gid} 1")
+  else:
+    uid, gid = os.geteuid(), os.getegid()
+    _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET), "unshare(CLONE_NEWUSER|CLONE_NEWNET)")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+  _loopback_up()
+
+
+def _loopback_up() -> None:
+  """Brings up the new namespace's own ``lo``: a multi-process replay talks over loopback
+  (gloo), which reaches nothing outside the namespace."""
+  request = struct.Struct("16sH14x")
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    flags = request.unpack(fcntl.ioctl(s, _SIOCGIFFLAGS, request.pack(b"lo", 0)))[1]
+    fcntl.ioctl(s, _SIOCSIFFLAGS, request.pack(b"lo", flags | _IFF_UP))
 
 
 def _landlock_abi() -> int:
