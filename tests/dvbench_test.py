@@ -40,16 +40,6 @@ def local_ids(path) -> list[str]:
   return [r.record_id.hex() for r in transcript.read_transcript(path).records]
 
 
-def wait_until(predicate, timeout=60.0, every=0.05):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    value = predicate()
-    if value:
-      return value
-    time.sleep(every)
-  raise AssertionError("condition not reached in time")
-
-
 class DVBenchTestCase(absltest.TestCase):
   server: Server
   server_args: tuple[str, ...] = ()  # e.g. the operator's minimum check probability
@@ -330,8 +320,8 @@ class CrashRecoveryTest(DVBenchTestCase):
         __file__).resolve().parent.parent), env={**os.environ, "DVBENCH_TOKEN": self.token})
     client = dvbench.Client(self.server.url)
     experiment = client.experiment("your-name/killed-client")
-    proof_id = wait_until(lambda: experiment.proofs() and experiment.proofs()[0]["id"])
-    wait_until(lambda: len(self.server_ids(client, proof_id)) >= 30)
+    proof_id = testing.wait_until(lambda: experiment.proofs() and experiment.proofs()[0]["id"])
+    testing.wait_until(lambda: len(self.server_ids(client, proof_id)) >= 30)
     child.send_signal(signal.SIGKILL)
     child.wait()
     self.assertEqual(experiment.upload(folder), proof_id)
@@ -391,7 +381,7 @@ class CrashRecoveryTest(DVBenchTestCase):
                "--lease-seconds", "2"]
     first = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-    wait_until(lambda: client.proof_status(proof_id)["state"] == "verifying", every=0.01)
+    testing.wait_until(lambda: client.proof_status(proof_id)["state"] == "verifying", every=0.01)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
     self.assertEqual(client.proof_status(proof_id)["state"], "verifying")

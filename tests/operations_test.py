@@ -32,6 +32,7 @@ from dvbench.server.local import LocalServer
 from dvbench.server.store_jobs import QueueFull
 from dvbench.server.store_tokens import BadName
 from dvbench.server.supervisor import Supervisor
+from tests import testing
 from tests.fake_prover import FakeProver
 from tests.postgres import PostgresCluster
 from zkdv import receipt
@@ -47,16 +48,6 @@ def setUpModule():
 
 def tearDownModule():
   _PG.stop()
-
-
-def wait_until(predicate, timeout=60.0, every=0.02):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    value = predicate()
-    if value:
-      return value
-    time.sleep(every)
-  raise AssertionError("condition not reached in time")
 
 
 def processes_mentioning(text: str) -> dict[int, str]:
@@ -76,14 +67,7 @@ def processes_mentioning(text: str) -> dict[int, str]:
 def fresh_database(backend: str) -> str:
   if backend == "sqlite":
     return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
-  import sqlalchemy as sa  # pylint: disable=g-import-not-at-top
-  name = f"ops{time.monotonic_ns()}"
-  engine = sa.create_engine(_PG.url.replace("postgresql://", "postgresql+psycopg://"),
-                            isolation_level="AUTOCOMMIT")
-  with engine.connect() as conn:
-    conn.exec_driver_sql(f"CREATE DATABASE {name}")
-  engine.dispose()
-  return _PG.url.rsplit("/", 1)[0] + "/" + name
+  return _PG.new_database()
 
 
 def send_steps_until_refused(prover: FakeProver) -> bytes:
@@ -147,19 +131,19 @@ class SupervisionTest(absltest.TestCase):
 
     def folders():
       return sorted(p.name for p in (server.data / "work").iterdir())
-    wait_until(lambda: live_ids() and folders() == live_ids(), timeout=30)
+    testing.wait_until(lambda: live_ids() and folders() == live_ids(), timeout=30)
 
   def assert_no_process_left(self, server: Server) -> None:
-    wait_until(lambda: not processes_mentioning(str(server.data)), timeout=10)
+    testing.wait_until(lambda: not processes_mentioning(str(server.data)), timeout=10)
 
   def test_kill_9_of_the_server_during_ingestion_and_verification(self):
     server = self.server("--min-update-check-probability", "0")  # steps only, no challenges
     token = server.token("alice")
     ingesting = FakeProver(server.url, token, "alice/ingest").start()
     verifying = closed_proof(server.url, token, "alice/verify")
-    wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
+    testing.wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
     uploads = concurrent.futures.ThreadPoolExecutor(1).submit(send_steps_until_refused, ingesting)
-    wait_until(lambda: ingesting.steps >= 2)
+    testing.wait_until(lambda: ingesting.steps >= 2)
     server.kill_server_only()  # with a step in flight, and the other proof mid-verification
     in_flight = uploads.result(timeout=60)
     self.assert_no_process_left(server)  # workers and verifier children died with it
@@ -170,7 +154,7 @@ class SupervisionTest(absltest.TestCase):
     ingesting.run(1)
     ingesting.finish()
     for prover in (ingesting, verifying):
-      wait_until(lambda p=prover: server.settled(p.proof_id), timeout=120)
+      testing.wait_until(lambda p=prover: server.settled(p.proof_id), timeout=120)
       listed = httpx.get(f"{server.url}/api/v1/proofs/{prover.proof_id}/records").json()
       self.assertEqual(listed, [record_id(r).hex() for r in prover.records])
     jobs = [server.store().job("proof", p.proof_id) for p in (ingesting, verifying)]
@@ -185,13 +169,13 @@ class SupervisionTest(absltest.TestCase):
     prover = closed_proof(server.url, server.token("alice"), "alice/deadly")
     store = server.store()
     for attempt in (1, 2):
-      job = wait_until(lambda a=attempt: (j := store.job("proof", prover.proof_id))[
+      job = testing.wait_until(lambda a=attempt: (j := store.job("proof", prover.proof_id))[
           "state"] == "running" and j["attempts"] == a and j)
       self.assertRegex(server.proof(prover.proof_id)["label"],
                        rf"verifying: attempt {attempt}, running for \d+ s, its worker reported")
       [pid] = processes_mentioning(f"--worker-id {job['lease_owner']}")
       os.kill(pid, signal.SIGKILL)
-    proof = wait_until(lambda: server.settled(prover.proof_id), timeout=60)
+    proof = testing.wait_until(lambda: server.settled(prover.proof_id), timeout=60)
     self.assertEqual(proof["state"], "invalid")
     self.assertIn("could not verify: verification was given up after 2 attempts; the last one "
                   "ended because the worker process was killed by SIGKILL", proof["failure"])
@@ -206,7 +190,7 @@ class SupervisionTest(absltest.TestCase):
     dying = Supervisor([sys.executable, "-c", "raise SystemExit(3)"], 2, store,
                        poll_seconds=0.05).start()
     self.addCleanup(dying.stop)
-    health = wait_until(lambda: (h := dying.health())["restarts"] >= 4 and h)
+    health = testing.wait_until(lambda: (h := dying.health())["restarts"] >= 4 and h)
     self.assertEqual(health["alive"], 0)  # restarted with a growing delay, never alive
     service = Service(store, BlobStore(pathlib.Path(tempfile.mkdtemp())),
                       receipt.new_signing_key(), workers=dying.health)
@@ -279,7 +263,7 @@ class IdleServerTest(absltest.TestCase):
   def test_a_proof_left_receiving_is_abandoned_and_never_verified(self):
     prover = FakeProver(self.server.url, self.token, "alice/crashed").start()
     prover.run(1)
-    proof = wait_until(lambda: self.server.settled(prover.proof_id), timeout=30)
+    proof = testing.wait_until(lambda: self.server.settled(prover.proof_id), timeout=30)
     self.assertEqual(proof["state"], "abandoned")
     self.assertEqual(proof["failure"], "no record arrived for 2 s: the run stopped before "
                      "closing the proof, so it is never verified.")
@@ -388,7 +372,7 @@ class TokenTest(absltest.TestCase):
     self.assertIn("API token 'bob-ci' was revoked; ask the server's operator for a new one",
                   refused.json()["error"])
     self.assertFalse(store.revoke_token("bob-ci"))
-    wait_until(lambda: self.write(short).status_code == 401, timeout=10)
+    testing.wait_until(lambda: self.write(short).status_code == 401, timeout=10)
     self.assertIn("API token 'bob-short' expired", self.write(short).json()["error"])
     listed = self.token_cli("list", "bob").stdout
     self.assertRegex(listed, r"bob-ci +bob .* revoked\n")

@@ -6,6 +6,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import time
 
 from dvbench.server.local import free_port
 
@@ -41,6 +42,17 @@ class PostgresCluster:
                  "-o", f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1",
                  "start")
     return self
+
+  def new_database(self) -> str:
+    """The URL of a new, empty database in this cluster."""
+    import sqlalchemy as sa  # pylint: disable=g-import-not-at-top
+    name = f"t{time.monotonic_ns()}"
+    engine = sa.create_engine(self.url.replace("postgresql://", "postgresql+psycopg://"),
+                              isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+      conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    engine.dispose()
+    return self.url.rsplit("/", 1)[0] + "/" + name
 
   def stop(self) -> None:
     _as_postgres(_bin("pg_ctl"), "-D", str(self.folder / "data"), "-m", "immediate", "stop")

@@ -30,13 +30,7 @@ def tearDownModule():
 def _fresh_url(backend: str) -> str:
   if backend == "sqlite":
     return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
-  name = f"t{time.monotonic_ns()}"
-  engine = sa.create_engine(_PG.url.replace("postgresql://", "postgresql+psycopg://"),
-                            isolation_level="AUTOCOMMIT")
-  with engine.connect() as conn:
-    conn.exec_driver_sql(f"CREATE DATABASE {name}")
-  engine.dispose()
-  return _PG.url.rsplit("/", 1)[0] + "/" + name
+  return _PG.new_database()
 
 
 @parameterized.parameters("sqlite", "postgresql")

@@ -2,6 +2,7 @@
 
 import pathlib
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -106,3 +107,14 @@ def records_of(path, kind=None) -> list[dict]:
   from zkdv import transcript  # pylint: disable=g-import-not-at-top
   recs = [r.record for r in transcript.read_transcript(path).records]
   return [r for r in recs if kind is None or r["type"] == kind]
+
+
+def wait_until(predicate, timeout=60.0, every=0.02):
+  """``predicate()``'s first truthy value, polled every ``every`` s for at most ``timeout`` s."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    value = predicate()
+    if value:
+      return value
+    time.sleep(every)
+  raise AssertionError("condition not reached in time")
