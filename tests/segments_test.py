@@ -9,6 +9,7 @@ from absl.testing import parameterized
 from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
 from zkdv import challenge
 from zkdv import verify
+from zkdv.jax import dispatch
 
 ALWAYS = {"update_check_probability": 1.0, "state_check_probability": 0.5, "probe_ratio": 0.5}
 
@@ -82,6 +83,22 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual(challenge.escape_probability(0.5, 1, 64), 0.5)  # one faked step: 1 - p
     self.assertEqual(challenge.escape_probability(0.5, 8, 4), 0.25)  # 8 steps touch >= 2
     self.assertEqual(challenge.escape_probability(0.5, 8, 1), 0.5**8)
+
+  @parameterized.named_parameters(
+      # 25 ms steps: a 1.25 ms budget; the batch leaves 0.75 ms for a 10 ms state hash.
+      ("state_and_batch_fit", 0.025, 0.010, 0.0005, 64, 14),
+      ("no_batch_cost", 0.025, 0.010, 0.0, 64, 8),
+      ("a_fast_state_hash_every_step", 0.025, 0.0001, 0.0, 64, 1),
+      ("batches_take_the_budget", 0.025, 0.010, 0.002, 64, 64),
+      ("capped_by_the_bound", 0.025, 0.010, 0.00124, 16, 16))
+  def test_adaptive_length_keeps_commitments_within_the_budget(self, step, state, batch, bound,
+                                                               expected):
+    k = dispatch.adaptive_segment_length(step, state, batch, bound)
+    self.assertEqual(k, expected)
+    if k < bound:  # the shortest k within 5 % of a step
+      self.assertLessEqual(state / k + batch, 0.05 * step + 1e-12)
+      if k > 1:
+        self.assertGreater(state / (k - 1) + batch, 0.05 * step)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import os
 DIGEST_BACKENDS = ("auto", "host", "device")
 # The largest segment an adaptive proof commits (and DVBench's default maximum).
 MAX_SEGMENT_LENGTH = 64
-# An adaptive proof keeps its state commitments under this share of training time.
+# An adaptive proof keeps its commitments (states and batches) under this share of training time.
 COMMITMENT_BUDGET = 0.05
 
 
@@ -80,8 +80,8 @@ class ZKDVConfig:
     segment_length: steps per *segment*: the whole state is committed once per
       segment, every batch at every step. A challenged segment is replayed whole
       from its start state (docs/protocol.md). ``None`` (default) chooses it from
-      the measured step time and hashing throughput so that state commitments
-      cost at most 5% of training, up to ``MAX_SEGMENT_LENGTH`` (the bound the
+      the measured step time and hashing throughput so that commitments (the
+      state every k steps, the batch every step) cost at most 5% of training, up to ``MAX_SEGMENT_LENGTH`` (the bound the
       root records); an int fixes it. A server's maximum caps either.
   """
 

@@ -111,9 +111,7 @@ def row_leaf_hashes(layout: LeafLayout, array: np.ndarray, rows: int | None = No
   rows = layout.rows if rows is None else rows
   if rows == 0:
     return []
-  data = byte_view(array)
-  width = data.size // rows
-  return [merkle.leaf_hash(data[i * width:(i + 1) * width]) for i in range(rows)]
+  return merkle.leaf_hashes(byte_view(array).reshape(rows, -1))
 
 
 def _table_digest(entries: list) -> bytes:

@@ -165,7 +165,9 @@ class Committer:
     self.written_steps = 0  # step records written (a step's record waits for its successor)
     self.segment_lengths: list[int] = []
     self.last: CommittedState | None = None
-    self.hash_seconds: float | None = None  # the last whole-state hash, for the adaptive k
+    # For the adaptive k: the last whole-state hash, and the recent steps' batch commitments.
+    self.hash_seconds: float | None = None
+    self.batch_seconds: list[float] = []
     self.prover_replays = True
     self._program_numbers: dict[bytes, int] = {}
     self._kept: dict[int, _Kept] = {}
@@ -260,9 +262,11 @@ class Committer:
                 if self.config.cross_check_replicas and job.ends else [])
     pipeline_job.views_ready.set()
     gathered = self.group.gather(f"{job.index}/state", [local, pre, replicas])
+    batch_started = time.perf_counter()
     hashed = job.batch_hashed or self.hash_batch(program, job.index, job.rows_started,
                                                  job.decision, copy=self.group.multi)
     trees = self._gather_batch(program, job.index, hashed)
+    self.batch_seconds = (self.batch_seconds + [time.perf_counter() - batch_started])[-16:]
     if gathered is None:  # another process writes the records
       self._count_checks(job.decision)
       return

@@ -25,6 +25,20 @@ from zkdv.jax import arrays
 from zkdv.jax.committer import StepJob
 
 
+def adaptive_segment_length(step_seconds: float, state_seconds: float, batch_seconds: float,
+                            bound: int) -> int:
+  """The shortest k whose commitments (a state hash per k steps, a batch every step)
+  cost at most ``COMMITMENT_BUDGET`` of a step; ``bound`` when the batches alone do not fit.
+
+  Example: 10 ms state hashes, 0.5 ms batches, 25 ms steps: the budget is 1.25 ms a
+  step, 0.75 ms of it left for the state, so ``k = ceil(10 / 0.75) = 14``.
+  """
+  spare = config_lib.COMMITMENT_BUDGET * step_seconds - batch_seconds
+  if spare * bound <= state_seconds:
+    return bound
+  return max(1, math.ceil(state_seconds / spare))
+
+
 class Dispatcher:
   """Runs steps on the training thread, plans segments and queues their commitments.
 
@@ -105,12 +119,11 @@ class Dispatcher:
       return 1
     if self._config.segment_length is not None:
       return min(self._config.segment_length, bound)
-    hash_seconds = self._committer.hash_seconds
-    if hash_seconds is None or len(self._step_times) < 2:
+    hash_seconds, batch_seconds = self._committer.hash_seconds, self._committer.batch_seconds
+    if hash_seconds is None or not batch_seconds or len(self._step_times) < 2:
       return 1
-    step_seconds = float(np.median(self._step_times))
-    wanted = math.ceil(hash_seconds / (config_lib.COMMITMENT_BUDGET * max(step_seconds, 1e-6)))
-    return max(1, min(wanted, bound))
+    return adaptive_segment_length(float(np.median(self._step_times)), hash_seconds,
+                                   float(np.median(batch_seconds)), bound)
 
   def _prepare(self, program, index: int, leaves: list, decision) -> StepJob:
     """The step's job before dispatch: its place in a segment and what must be hashed
