@@ -6,8 +6,10 @@ import functools
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
+from tests.verify_test import (VerifierTestCase, copy_of, first, flip_byte, rechained,
+                               records_of, write_transcript)
 from zkdv import challenge
+from zkdv import transcript
 from zkdv import verify
 from zkdv.jax import dispatch
 
@@ -78,6 +80,23 @@ class SegmentsTest(VerifierTestCase):
                                          and r["kind"] in ("update", "state"))]
     report = self.assert_fails(rechained(edit, segmented()), "discontinuity")
     self.assertIn("the segment before it has no committed end state", report.dumps())
+
+  @parameterized.parameters(None, 1, 4)
+  def test_read_ahead_reaches_the_same_report(self, fake_step):
+    path = segmented(fake_step)
+    ahead, inline = (verify.verify(path, read_ahead=r) for r in (True, False))
+    self.assertEqual(ahead.dumps(), inline.dumps())
+    self.assertEqual(ahead.verdict, verify.VERIFIED if fake_step is None else verify.INVALID)
+
+  def test_a_batch_blob_is_checked_against_its_step_not_its_name(self):
+    path = copy_of(segmented())
+    check = next(r for r in records_of(path, "check") if r["kind"] == "update")
+    blob = transcript.blob_path(path, check["batch_blobs"][1][0])
+    flip_byte(blob, 0)
+    for read_ahead in (True, False):
+      report = self.assert_fails(path, "opening", read_ahead=read_ahead)
+      self.assertIn(f"opened batch of step {check['first'] + 1} does not match its commitment",
+                    report.dumps())
 
   def test_escape_probability_with_segments(self):
     self.assertEqual(challenge.escape_probability(0.5, 1, 64), 0.5)  # one faked step: 1 - p

@@ -281,7 +281,7 @@ class VerifierTest(VerifierTestCase):
       path = copy_of(good_transcript())
       flip_byte(path / transcript.BLOBS_DIR / blob.name, rng.randrange(blob.stat().st_size))
       report = self.assert_fails(path)
-      self.assertTrue({f.code for f in report.findings} & {"blob", "program_id", "probe"})
+      self.assertTrue({f.code for f in report.findings} & {"blob", "program_id", "probe", "opening"})
 
   def test_flipped_program_blob_byte_fails_naming_the_program(self):
     program = records_of(good_transcript(), "program")[0]

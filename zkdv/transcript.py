@@ -171,8 +171,9 @@ def blob_path(folder: str | os.PathLike, digest: bytes) -> pathlib.Path:
 
 
 def read_blob(folder: str | os.PathLike, digest: bytes, dtype: str,
-              shape: tuple[int, ...]) -> np.ndarray:
-  """The blob ``digest`` as an array, after checking its size and its hash."""
+              shape: tuple[int, ...], check_name: bool = True) -> np.ndarray:
+  """The blob ``digest`` as an array, after checking its size and (unless the caller
+  checks its bytes against another commitment) that it hashes to its name."""
   path = blob_path(folder, digest)
   expected = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
   size = path.stat().st_size
@@ -181,6 +182,6 @@ def read_blob(folder: str | os.PathLike, digest: bytes, dtype: str,
         f"blob {digest.hex()} holds {size} bytes; its layout {dtype}{list(shape)} "
         f"needs {expected}.")
   data = path.read_bytes()
-  if blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest() != digest:
+  if check_name and blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest() != digest:
     raise errors.TranscriptFormatError(f"blob {digest.hex()} does not hash to its name.")
   return np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from zkdv import errors
 from zkdv import transcript
 from zkdv.config import Tolerance
+from zkdv.verify import blobs
 from zkdv.verify import checks
 from zkdv.verify import claims
 from zkdv.verify import decisions
@@ -50,11 +51,14 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
            tolerance: Tolerance | None = None, min_checks: int = 1,
            required=DEFAULT_REQUIRED, strict: bool = False,
            server_key: bytes | None = None, challenge_key: bytes | None = None,
-           progress: Callable[[int, int], None] | None = None) -> Report:
+           progress: Callable[[int, int], None] | None = None,
+           read_ahead: bool | None = None) -> Report:
   """Verifies the transcript at ``path`` (a folder or its records file).
 
   ``server_key`` (32 bytes) checks ``receipt.cbor`` beside the records;
-  ``challenge_key`` (the server's ``K``) is for DVBench's own workers. Raises
+  ``challenge_key`` (the server's ``K``) is for DVBench's own workers.
+  ``read_ahead`` reads and hashes the next check's openings on a thread while
+  the current check replays (None: where there are more than two cores). Raises
   ValueError only for bad arguments, never for a bad transcript.
   """
   options = policy.VerifierPolicy(replay, tolerance or Tolerance(), min_checks,
@@ -67,12 +71,15 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
     ctx.report.fail("unreadable", str(path), str(e),
                     UNVERIFIABLE if isinstance(e, OSError) else INVALID)
   else:
+    ctx.blobs = blobs.BlobReader(transcript.records_path(path).parent, read_ahead)
     try:
       _run(ctx, contents, transcript.records_path(path).parent, server_key, challenge_key,
            progress)
     except Exception as e:  # pylint: disable=broad-except  # fail closed, never crash
       ctx.report.fail("malformed", "transcript", f"verification stopped on malformed "
                       f"content: {type(e).__name__}: {e}")
+    finally:
+      ctx.blobs.close()
   claims.build_claims(ctx)
   return ctx.report
 

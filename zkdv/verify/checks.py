@@ -19,6 +19,7 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
 from zkdv import transcript
+from zkdv.verify import blobs
 from zkdv.verify import probes
 from zkdv.verify import start
 from zkdv.verify.context import Verification
@@ -36,15 +37,17 @@ def _bad_pieces(folder, blob, layout, pieces) -> list:
     return []
 
 
-def open_blobs(ctx: Verification, blobs, layouts, where: str, what: str, pieces=None):
-  """The arrays ``blobs`` name, each checked against its name; None with a finding."""
+def open_blobs(ctx: Verification, blobs, layouts, where: str, what: str, pieces=None,
+               check_name: bool = True):
+  """The arrays ``blobs`` name, each checked against its name (a batch's are checked
+  against its row Merkle tree by the caller instead); None with a finding."""
   if not isinstance(blobs, list) or len(blobs) != len(layouts):
     ctx.report.fail("schema", where, f"{what} blobs do not match the program layout.")
     return None
   arrays = []
   for b, l in zip(blobs, layouts):
     try:
-      arrays.append(transcript.read_blob(ctx.model.folder, b, l.dtype, l.shape))
+      arrays.append(ctx.blobs.read(b, l.dtype, l.shape, check_name))
     except FileNotFoundError:
       ctx.report.fail("missing_blob", where, f"{what} blob for {l.path} is missing.",
                       UNVERIFIABLE)
@@ -96,7 +99,8 @@ def _open_update(ctx, check, step, program, where):
     ctx.report.fail("opening", where, "pre_state_pieces do not make up the pre-state digest.")
     return None
   pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state", pieces)
-  batch = open_blobs(ctx, fields["batch_blobs"], program.batch, where, "batch")
+  batch = open_blobs(ctx, fields["batch_blobs"], program.batch, where, "batch",
+                     check_name=False)
   if pre is None or batch is None or not state_matches(
       ctx, fields["pre_state_blobs"], pre, program.state, step.pre_state, where, "pre-state"):
     return None
@@ -139,7 +143,8 @@ def _open_batches(ctx, check, segment, program, where):
     return None
   batches = []
   for s, blobs in zip(steps, batch_blobs):
-    batch = open_blobs(ctx, blobs, program.batch, where, f"batch of step {s.index}")
+    batch = open_blobs(ctx, blobs, program.batch, where, f"batch of step {s.index}",
+                       check_name=False)
     if batch is None:
       return None
     if digest.digest_batch_arrays(program.batch, batch) != s.batch:
@@ -256,15 +261,18 @@ CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_
 def run_checks(ctx: Verification, progress=None) -> None:
   """Every check record, in transcript order, through its kind's checker."""
   checks = sorted(ctx.model.checks.values(), key=lambda c: int(c.where.split()[-1]))
-  for n, check in enumerate(checks):
+  programs = [ctx.model.program_of(ctx.model.steps[c.step]) for c in checks]
+  for n, (check, program) in enumerate(zip(checks, programs)):
     if progress:
       progress(n, len(checks))
     step = ctx.model.steps[check.step]
-    program = ctx.model.program_of(step)
     where = f"{check.where} ({check.kind} check of step {check.step})"
     if program is None:
       ctx.report.fail("check_step", where, "the step's program is unknown.")
       continue
+    if n + 1 < len(checks) and programs[n + 1] is not None:  # read while this one replays
+      ctx.blobs.prefetch(blobs.wanted_blobs(checks[n + 1], programs[n + 1],
+                                            ctx.model.format_version))
     outcome = CHECKERS[check.kind](ctx, check, step, program, where)
     if outcome is not None:
       ctx.report.checks.append(dataclasses.replace(

@@ -34,6 +34,7 @@ class Verification:
   keys: KeySource = dataclasses.field(default_factory=KeySource)
   decisions: object = None  # decisions.Decisions
   programs: object = None  # programs.ProgramLoader
+  blobs: object = None  # blobs.BlobReader
   # (last step, program number, end digest, device state) of the last verified segment
   # replay, which the next segment continues from when it starts there
   replayed_end: tuple | None = None
