@@ -16,6 +16,7 @@ difference in standard errors. The table is printed last.
 import argparse
 import math
 import random
+import time
 
 from dvbench.server.local import LocalServer
 from tests.fake_prover import FakeProver
@@ -36,7 +37,15 @@ def caught(server: LocalServer, token: str, p: float, k: int, length: int,
     faked = set(random.sample(range(steps), k))
     prover.run(steps, faked=faked)
     touched = len({t // length for t in faked})
-    return prover.finish().json()["state"] == "invalid", 1 - (1 - p) ** touched
+    response = prover.finish()
+    for _ in range(20):  # a busy server answers 503 or 429 with Retry-After: close again
+      if response.status_code not in (429, 503):
+        break
+      time.sleep(float(response.headers.get("retry-after", 1)))
+      response = prover.close()
+    if response.status_code != 200:
+      raise RuntimeError(f"close refused: {response.status_code} {response.text}")
+    return response.json()["state"] == "invalid", 1 - (1 - p) ** touched
   finally:
     prover.http.close()
 

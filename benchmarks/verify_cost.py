@@ -10,10 +10,12 @@ Ratios are reported for the whole verification and for the marginal cost per
 replayed step (which leaves out the one-time compilation of the exported
 program). The verifier keeps one compiled executable, keeps the state on the
 device through a segment, and continues a segment from the previous one's
-replayed end state on the device when they meet.
+replayed end state on the device when they meet; each configuration is timed
+with and without read-ahead of the next check's openings (alternating).
 """
 
 import argparse
+import functools
 import pathlib
 import tempfile
 
@@ -69,20 +71,23 @@ def main(argv=None):
     for length in args.segments:
       one = _transcript(workload, length, length, folder / name.split()[0])
       many = _transcript(workload, args.checks * length, length, folder / name.split()[0])
-      times = common.alternate({"one": lambda: verify.verify(one),
-                                "many": lambda: verify.verify(many)}, args.repeats)
+      runs = {f"{size} {ahead}": functools.partial(verify.verify, path, read_ahead=ahead)
+              for size, path in (("one", one), ("many", many)) for ahead in (False, True)}
+      times = common.alternate(runs, args.repeats)
       assert verify.verify(many).verdict == verify.VERIFIED
-      t_one, t_many = common.median(times["one"]), common.median(times["many"])
       steps = args.checks * length
-      marginal = (t_many - t_one) / (steps - length)
       ideal = steps * step_s
-      rows.append([name, length, args.checks, steps, f"{step_s * 1e3:.2f}", f"{ideal:.3f}",
-                   f"{t_many:.3f}", f"{t_many / ideal:.2f}x", f"{marginal * 1e3:.2f}",
-                   f"{marginal / step_s:.2f}x"])
+      for ahead in (False, True):
+        t_one, t_many = (common.median(times[f"{size} {ahead}"]) for size in ("one", "many"))
+        marginal = (t_many - t_one) / (steps - length)
+        rows.append([name, length, "on" if ahead else "off", args.checks, steps,
+                     f"{step_s * 1e3:.2f}", f"{ideal:.3f}", f"{t_many:.3f}",
+                     f"{t_many / ideal:.2f}x", f"{marginal * 1e3:.2f}",
+                     f"{marginal / step_s:.2f}x"])
   common.print_table(
       "zkdv verify cost against re-running the replayed steps",
-      ["workload", "L", "checks", "steps", "jax.jit step ms", "ideal s", "verify s", "ratio",
-       "marginal ms/step", "marginal ratio"], rows)
+      ["workload", "L", "read-ahead", "checks", "steps", "jax.jit step ms", "ideal s",
+       "verify s", "ratio", "marginal ms/step", "marginal ratio"], rows)
 
 
 if __name__ == "__main__":
