@@ -1,6 +1,6 @@
 """What `zkdv verify` costs against re-running the checked steps.
 
-  python -m benchmarks.verify_cost [--checks 12] [--repeats 3] [--segments 1 8]
+  python -m benchmarks.verify_cost [--checks 12] [--repeats 3] [--segments 1 8] [--jobs 2]
 
 For each workload and segment length L it trains a proof with every segment
 checked, then times ``zkdv.verify`` (median of alternating runs) on a transcript
@@ -11,7 +11,10 @@ replayed step (which leaves out the one-time compilation of the exported
 program). The verifier keeps one compiled executable, keeps the state on the
 device through a segment, and continues a segment from the previous one's
 replayed end state on the device when they meet; each configuration is timed
-with and without read-ahead of the next check's openings (alternating).
+without and with read-ahead of the next check's openings, and in ``--jobs``
+processes (alternating). A transcript of one check runs in one process either
+way, so the parallel row's marginal cost includes starting its processes and
+compiling the program in each.
 """
 
 import argparse
@@ -58,6 +61,8 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--segments", type=int, nargs="+", default=[1, 8],
                       help="segment lengths L to measure")
+  parser.add_argument("--jobs", type=int, default=2,
+                      help="processes for the parallel row (zkdv verify --jobs)")
   parser.add_argument("--workload", choices=["tutorial", "mlp", "all"], default="all")
   args = parser.parse_args(argv)
   folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-verify-cost-"))
@@ -71,22 +76,24 @@ def main(argv=None):
     for length in args.segments:
       one = _transcript(workload, length, length, folder / name.split()[0])
       many = _transcript(workload, args.checks * length, length, folder / name.split()[0])
-      runs = {f"{size} {ahead}": functools.partial(verify.verify, path, read_ahead=ahead)
-              for size, path in (("one", one), ("many", many)) for ahead in (False, True)}
+      configs = [(False, 1), (True, 1), (False, args.jobs)]  # (read-ahead, processes)
+      runs = {(size, ahead, jobs): functools.partial(verify.verify, path, read_ahead=ahead,
+                                                     jobs=jobs)
+              for size, path in (("one", one), ("many", many)) for ahead, jobs in configs}
       times = common.alternate(runs, args.repeats)
       assert verify.verify(many).verdict == verify.VERIFIED
       steps = args.checks * length
       ideal = steps * step_s
-      for ahead in (False, True):
-        t_one, t_many = (common.median(times[f"{size} {ahead}"]) for size in ("one", "many"))
+      for ahead, jobs in configs:
+        t_one, t_many = (common.median(times[(size, ahead, jobs)]) for size in ("one", "many"))
         marginal = (t_many - t_one) / (steps - length)
-        rows.append([name, length, "on" if ahead else "off", args.checks, steps,
+        rows.append([name, length, "on" if ahead else "off", jobs, args.checks, steps,
                      f"{step_s * 1e3:.2f}", f"{ideal:.3f}", f"{t_many:.3f}",
                      f"{t_many / ideal:.2f}x", f"{marginal * 1e3:.2f}",
                      f"{marginal / step_s:.2f}x"])
   common.print_table(
       "zkdv verify cost against re-running the replayed steps",
-      ["workload", "L", "read-ahead", "checks", "steps", "jax.jit step ms", "ideal s",
+      ["workload", "L", "read-ahead", "jobs", "checks", "steps", "jax.jit step ms", "ideal s",
        "verify s", "ratio", "marginal ms/step", "marginal ratio"], rows)
 
 

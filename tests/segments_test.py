@@ -2,6 +2,7 @@
 faked step anywhere in it is caught; format 2 transcripts still verify."""
 
 import functools
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -12,6 +13,7 @@ from zkdv import challenge
 from zkdv import transcript
 from zkdv import verify
 from zkdv.jax import dispatch
+from zkdv.verify import parallel
 
 ALWAYS = {"update_check_probability": 1.0, "state_check_probability": 0.5, "probe_ratio": 0.5}
 
@@ -87,6 +89,16 @@ class SegmentsTest(VerifierTestCase):
     ahead, inline = (verify.verify(path, read_ahead=r) for r in (True, False))
     self.assertEqual(ahead.dumps(), inline.dumps())
     self.assertEqual(ahead.verdict, verify.VERIFIED if fake_step is None else verify.INVALID)
+
+  def test_segments_replayed_in_two_processes_reach_the_same_report(self):
+    path = segmented(fake_step=4)  # the second segment holds a faked step
+    with mock.patch.object(parallel, "replay_groups", wraps=parallel.replay_groups) as spy:
+      two = verify.verify(path, jobs=2)
+    positions, jobs = spy.call_args.args[2:4]
+    self.assertEqual((len(positions), jobs), (2, 2))  # the two update checks, in 2 processes
+    self.assertEqual(verify.verify(path, jobs=1).dumps(), two.dumps())
+    self.assertEqual([c.status for c in two.checks if c.kind == "update"],
+                     ["verified", "failed"])
 
   def test_a_batch_blob_is_checked_against_its_step_not_its_name(self):
     path = copy_of(segmented())

@@ -292,6 +292,9 @@ def _parser() -> argparse.ArgumentParser:
                  "challenge from the key it publishes")
   v.add_argument("--challenge-key-file", type=_challenge_key, metavar="FILE",
                  help="the challenge key K in hex (DVBench's own workers, before a receipt)")
+  v.add_argument("--jobs", type=_jobs, default=1, metavar="N",
+                 help="replay segments' update checks in N processes (same report; pays "
+                 "where one replay leaves cores idle)")
   i = sub.add_parser("inspect", help="summarize a transcript and its programs without "
                      "running them", description="Summarize a transcript and its programs "
                      "without running them.", epilog=_INSPECT_EXIT_CODES,
@@ -302,6 +305,13 @@ def _parser() -> argparse.ArgumentParser:
   i.add_argument("--stablehlo", metavar="OUT", help="write each program's StableHLO text "
                  "into the folder OUT")
   return parser
+
+
+def _jobs(text: str) -> int:
+  if not text.isdigit() or not 1 <= int(text) <= 256:
+    raise argparse.ArgumentTypeError(f"--jobs takes a number of processes in [1, 256], "
+                                     f"got {text!r}.")
+  return int(text)
 
 
 def _run_inspect(args) -> int:
@@ -333,7 +343,8 @@ def main(argv=None) -> int:
         args.path, replay=args.replay, min_checks=args.min_checks, required=args.require,
         strict=args.strict, server_key=args.server_key, challenge_key=args.challenge_key_file,
         tolerance=Tolerance(*args.tolerance) if args.tolerance else None,
-        progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None)
+        progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None,
+        jobs=args.jobs)
   if args.json:
     print(report.dumps())
   elif not args.quiet:

@@ -52,15 +52,19 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
            required=DEFAULT_REQUIRED, strict: bool = False,
            server_key: bytes | None = None, challenge_key: bytes | None = None,
            progress: Callable[[int, int], None] | None = None,
-           read_ahead: bool | None = None) -> Report:
+           read_ahead: bool | None = None, jobs: int = 1) -> Report:
   """Verifies the transcript at ``path`` (a folder or its records file).
 
   ``server_key`` (32 bytes) checks ``receipt.cbor`` beside the records;
   ``challenge_key`` (the server's ``K``) is for DVBench's own workers.
   ``read_ahead`` reads and hashes the next check's openings on a thread while
-  the current check replays (None: where there are more than two cores). Raises
-  ValueError only for bad arguments, never for a bad transcript.
+  the current check replays (None: where there are more than two cores).
+  ``jobs`` > 1 replays a segmented transcript's update checks in that many
+  processes (same report). Raises ValueError only for bad arguments, never for
+  a bad transcript.
   """
+  if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= 256:
+    raise ValueError(f"jobs must be an int in [1, 256], got {jobs!r}.")
   options = policy.VerifierPolicy(replay, tolerance or Tolerance(), min_checks,
                                   tuple(required), strict)
   path = pathlib.Path(path)
@@ -74,7 +78,7 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
     ctx.blobs = blobs.BlobReader(transcript.records_path(path).parent, read_ahead)
     try:
       _run(ctx, contents, transcript.records_path(path).parent, server_key, challenge_key,
-           progress)
+           progress, jobs)
     except Exception as e:  # pylint: disable=broad-except  # fail closed, never crash
       ctx.report.fail("malformed", "transcript", f"verification stopped on malformed "
                       f"content: {type(e).__name__}: {e}")
@@ -84,7 +88,8 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
   return ctx.report
 
 
-def _run(ctx: Verification, contents, folder, server_key, challenge_key, progress) -> None:
+def _run(ctx: Verification, contents, folder, server_key, challenge_key, progress,
+         jobs) -> None:
   report = ctx.report
   ctx.model = structure.read(contents, folder, report)
   if ctx.model is None or ctx.model.root is None:
@@ -102,7 +107,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
     ctx.programs.load(program)
   decisions.require_answers(ctx, ctx.decisions)
   start.require_start(ctx)
-  checks.run_checks(ctx, progress)
+  checks.run_checks(ctx, progress, jobs)
   _enough_replays(ctx)
   receipt.compare_verdicts(ctx)
 

@@ -31,10 +31,9 @@ class BlobReader:
 
   def __init__(self, folder, read_ahead: bool | None = None):
     self._folder = folder
-    if read_ahead is None:
-      read_ahead = default_read_ahead()
+    self.read_ahead = default_read_ahead() if read_ahead is None else read_ahead
     self._pool = (concurrent.futures.ThreadPoolExecutor(1, "zkdv-read-ahead")
-                  if read_ahead else None)
+                  if self.read_ahead else None)
     self._pending: dict[tuple, concurrent.futures.Future] = {}
 
   def prefetch(self, wanted: list[tuple]) -> None:

@@ -258,22 +258,44 @@ CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_
             "start": start.start_check}
 
 
-def run_checks(ctx: Verification, progress=None) -> None:
-  """Every check record, in transcript order, through its kind's checker."""
-  checks = sorted(ctx.model.checks.values(), key=lambda c: int(c.where.split()[-1]))
+def ordered_checks(model) -> list:
+  """The transcript's check records in transcript order."""
+  return sorted(model.checks.values(), key=lambda c: int(c.where.split()[-1]))
+
+
+def where_of(check) -> str:
+  return f"{check.where} ({check.kind} check of step {check.step})"
+
+
+def run_checks(ctx: Verification, progress=None, jobs: int = 1) -> None:
+  """Every check record, in transcript order, through its kind's checker; with
+  ``jobs`` > 1, segments' update checks replay in that many processes."""
+  checks = ordered_checks(ctx.model)
   programs = [ctx.model.program_of(ctx.model.steps[c.step]) for c in checks]
+  replayed = {}
+  if jobs > 1:
+    from zkdv.verify import parallel  # pylint: disable=g-import-not-at-top
+    positions = parallel.parallel_checks(ctx, checks, programs)
+    if len(positions) > 1:
+      replayed = parallel.replay_groups(ctx.report.path, ctx.options, positions, jobs,
+                                        ctx.blobs.read_ahead)
   for n, (check, program) in enumerate(zip(checks, programs)):
     if progress:
       progress(n, len(checks))
     step = ctx.model.steps[check.step]
-    where = f"{check.where} ({check.kind} check of step {check.step})"
+    where = where_of(check)
     if program is None:
       ctx.report.fail("check_step", where, "the step's program is unknown.")
       continue
-    if n + 1 < len(checks) and programs[n + 1] is not None:  # read while this one replays
-      ctx.blobs.prefetch(blobs.wanted_blobs(checks[n + 1], programs[n + 1],
-                                            ctx.model.format_version))
-    outcome = CHECKERS[check.kind](ctx, check, step, program, where)
+    if n in replayed:
+      outcome, findings = replayed[n]
+      ctx.report.findings.extend(findings)
+    else:
+      following = next((m for m in range(n + 1, len(checks)) if m not in replayed), None)
+      if following is not None and programs[following] is not None:  # read while replaying
+        ctx.blobs.prefetch(blobs.wanted_blobs(checks[following], programs[following],
+                                              ctx.model.format_version))
+      outcome = CHECKERS[check.kind](ctx, check, step, program, where)
     if outcome is not None:
       ctx.report.checks.append(dataclasses.replace(
           outcome, challenged=check.kind == "start"
