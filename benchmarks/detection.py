@@ -58,8 +58,9 @@ def main() -> None:
   parser.add_argument("--segments", type=int, nargs="+", default=[1, 4],
                       help="segment lengths L (steps between state commitments)")
   args = parser.parse_args()
-  server = LocalServer(workers=0, extra_args=(
-      "--min-update-check-probability", str(min(args.p)))).start()
+  server = LocalServer(workers=0, extra_args=(  # no workers: honest runs stay queued
+      "--min-update-check-probability", str(min(args.p)), "--max-queued-per-owner",
+      str(args.runs * len(args.p) * len(args.k) * len(args.segments)))).start()
   rows = []
   try:
     token = server.token("bench")
