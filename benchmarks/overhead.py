@@ -96,7 +96,7 @@ class Runner:
           sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
           digest_backend=backend, segment_length=k,
           output_dir=f"{folder}/{row.replace(' ', '_')}"))
-      self.proof.start(rolling_window=4)
+      self.proof.start()
       self.state = zkdv.jax.contrib.TrainState.create(
           proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
           zkdv_overlap=policy)
@@ -163,7 +163,7 @@ class NNXRunner(Runner):
       self.proof = zkdv.jax.ZKDV(row, zkdv.ZKDVConfig(
           sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01),
           output_dir=f"{folder}/{row.replace(' ', '_')}"))
-      self.proof.start(rolling_window=4)
+      self.proof.start()
       self.optimizer = zkdv.jax.contrib.nnx.Optimizer(self.model, optax.adam(1e-3),
                                                       wrt=nnx.Param, proof=self.proof)
       self._step = self.proof.jit(nnx_train_step, donate_argnums=(0, 1))

@@ -102,7 +102,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
             "once the server answers (the unanswered steps are kept), or proof.finish() to "
             "end the run; a proof with unanswered challenges is invalid on DVBench.")
 
-  def start(self, rolling_window: int = 4, probe_ratio: float = 0.0):
+  def start(self, rolling_window: int = 16, probe_ratio: float = 0.0):
     super().start(rolling_window=rolling_window, probe_ratio=probe_ratio)
     challenger = self._challenger
     self._uploader = Uploader(self.experiment.client.http, self.experiment.name, self.path,

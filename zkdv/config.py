@@ -81,8 +81,10 @@ class ZKDVConfig:
       segment, every batch at every step. A challenged segment is replayed whole
       from its start state (docs/protocol.md). ``None`` (default) chooses it from
       the measured step time and hashing throughput so that commitments (the
-      state every k steps, the batch every step) cost at most 5% of training, up to ``MAX_SEGMENT_LENGTH`` (the bound the
-      root records); an int fixes it. A server's maximum caps either.
+      state every k steps, the batch every step) cost at most 5% of training, up
+      to the rolling window (``proof.start``, 16 by default) and at most
+      ``MAX_SEGMENT_LENGTH``, the bound the root records; an int fixes it. A
+      server's maximum caps either.
   """
 
   sampling_policy: SamplingPolicy = SamplingPolicy()

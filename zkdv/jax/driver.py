@@ -155,7 +155,7 @@ class ZKDV:
 
   # -- lifecycle -------------------------------------------------------------
 
-  def start(self, rolling_window: int = 4, probe_ratio: float = 0.0) -> "ZKDV":
+  def start(self, rolling_window: int = 16, probe_ratio: float = 0.0) -> "ZKDV":
     """Opens the transcript and writes its root record.
 
     A proof that is used without ``start()`` starts itself at its first step
@@ -164,7 +164,9 @@ class ZKDV:
     Args:
       rolling_window: at most this many steps may be in flight whose records
         are not yet written or whose challenges are not yet answered (bounds
-        the batches ZKDV keeps for a server's late challenges).
+        the batches ZKDV keeps for a server's late challenges). An adaptive
+        segment is at most this long, so an undecided segment's batches stay
+        within the window too.
       probe_ratio: the fraction of each batch's rows opened as data probes.
     """
     if self._group is not None:
@@ -173,7 +175,7 @@ class ZKDV:
     group = processes.ProcessGroup.current()
     # A step's record waits for the next step, which a window of one would never admit.
     segment_length = (1 if group.multi or rolling_window == 1 else self.config.segment_length
-                      or config_lib.MAX_SEGMENT_LENGTH)
+                      or min(config_lib.MAX_SEGMENT_LENGTH, rolling_window))
     policy = challenge.Policy(sampling.update_check_probability,
                               sampling.state_check_probability, probe_ratio, rolling_window,
                               segment_length, sampling.full_replay)
