@@ -17,8 +17,12 @@ between the two servers; the clients are this tree's in both.
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
+import select
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -74,17 +78,13 @@ class Target:
   def run(self, records: int, uploaders: int) -> tuple[float, list[float], int]:
     """(seconds until every upload closed, read latencies, failed reads)."""
     folders = [self.transcript(records) for _ in range(uploaders)]
-    latencies, failed, done = [], [0], threading.Event()
-
-    def read():
-      with httpx.Client(base_url=self.server.url, timeout=30) as http:
-        while not done.is_set():
-          start = time.perf_counter()
-          if http.get(f"/api/v1/proofs/{self.read_id}").status_code == 200:
-            latencies.append(time.perf_counter() - start)
-          else:
-            failed[0] += 1
-          time.sleep(0.01)
+    # The reader is a process of its own: in this one it would wait for the GIL of the
+    # uploading threads, and the latencies would be the client's, not the server's.
+    reader = subprocess.Popen([sys.executable, "-m", "benchmarks.ingest", "--read",
+                               self.server.url, self.read_id], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    if reader.stdout.readline() != "reading\n":
+      raise RuntimeError(f"{self.label}: the reader did not start")
     errors = []
 
     def upload(folder):
@@ -92,24 +92,40 @@ class Target:
         self.experiment.upload(folder)
       except Exception as e:  # pylint: disable=broad-except  # counted, reported
         errors.append(repr(e))
-    reader = threading.Thread(target=read)
     threads = [threading.Thread(target=upload, args=(f,)) for f in folders]
-    reader.start()
     start = time.perf_counter()
     for t in threads:
       t.start()
     for t in threads:
       t.join()
     seconds = time.perf_counter() - start
-    done.set()
-    reader.join()
+    reader.stdin.close()
+    latencies, failed = json.loads(reader.stdout.read())
+    reader.wait()
     if errors:
       raise RuntimeError(f"{self.label}: {len(errors)} uploads failed, first {errors[0]}")
-    return seconds, latencies, failed[0]
+    return seconds, latencies, failed
 
   def stop(self):
     self.client.close()
     self.server.stop()
+
+
+def read_until_stdin_closes(url: str, proof_id: str) -> None:
+  """Says ``reading``, polls ``GET /api/v1/proofs/ID`` every 10 ms until stdin closes,
+  then prints ``[latencies, failed reads]`` as JSON."""
+  latencies, failed = [], 0
+  with httpx.Client(base_url=url, timeout=30) as http:
+    http.get(f"/api/v1/proofs/{proof_id}")
+    print("reading", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:
+      start = time.perf_counter()
+      if http.get(f"/api/v1/proofs/{proof_id}").status_code == 200:
+        latencies.append(time.perf_counter() - start)
+      else:
+        failed += 1
+      time.sleep(0.01)
+  print(json.dumps([latencies, failed]))
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -123,7 +139,10 @@ def main(argv=None):
   parser.add_argument("--uploaders", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--before", default=None, help="a source tree to compare against")
+  parser.add_argument("--read", nargs=2, metavar=("URL", "PROOF_ID"), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.read:
+    return read_until_stdin_closes(*args.read)
   root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-ingest-"))
   targets, file_times, results = [], [], {}
   try:

@@ -60,10 +60,13 @@ def data_folder(args) -> pathlib.Path:
   return data
 
 
+def _database_url(args) -> str:
+  return args.database_url or f"sqlite:///{(data_folder(args) / 'dvbench.db').resolve()}"
+
+
 def _store(args):
   from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
-  data = data_folder(args)
-  return Store.open(args.database_url or f"sqlite:///{(data / 'dvbench.db').resolve()}")
+  return Store.open(_database_url(args))
 
 
 def _store_and_blobs(args):
@@ -110,27 +113,39 @@ def _minimum_policy(args):
 
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
+  from dvbench.server import connections  # pylint: disable=g-import-not-at-top
   from dvbench.server import guard  # pylint: disable=g-import-not-at-top
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
+  from dvbench.server.ingest_processes import IngestProcesses  # pylint: disable=g-import-not-at-top
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   from dvbench.server.supervisor import Supervisor  # pylint: disable=g-import-not-at-top
   isolation = sandbox.describe(sandbox.available())  # probed before any thread starts
   store, blobs = _store_and_blobs(args)
   store.max_queued_per_owner = args.max_queued_per_owner
+  if args.ingest_processes < 1:
+    raise SystemExit("dvbench serve: --ingest-processes must be at least 1.")
+  signing_key = _signing_key(args)
+  ingest_processes = IngestProcesses(args.ingest_processes, _database_url(args), signing_key, {
+      "max_queued_per_owner": args.max_queued_per_owner}).start()
   supervisor = Supervisor(_worker_command(args), args.workers, store,
                           abandon_after=args.abandon_after).start()
-  service = Service(store, blobs, _signing_key(args), _minimum_policy(args),
+  service = Service(store, blobs, signing_key, _minimum_policy(args),
                     limits=guard.Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
-                    time_limit=args.time_limit, workers=supervisor.health, isolation=isolation)
+                    time_limit=args.time_limit, workers=supervisor.health, isolation=isolation,
+                    ingest_processes=ingest_processes)
   database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
   print(f"dvbench serve: listening on http://{args.host}:{args.port}, data in "
         f"{pathlib.Path(args.data).resolve()}{database}", file=sys.stderr, flush=True)
   try:
-    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    ingest_processes.wait_ready()
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                http=connections.guarded_h11(service.limits),
+                limit_concurrency=service.limits.max_connections)
   finally:
     supervisor.stop()
+    ingest_processes.stop()
   return 0
 
 
@@ -324,6 +339,9 @@ def main(argv=None) -> int:
   s.add_argument("--host", default="127.0.0.1", help="address to listen on")
   s.add_argument("--port", type=int, default=8000, help="port to listen on")
   s.add_argument("--workers", type=int, default=1, help="validation worker processes")
+  s.add_argument("--ingest-processes", type=int, default=1,
+                 help="processes that decode, check and store uploaded envelopes (off the "
+                 "web process, so reads do not wait behind uploads)")
   from dvbench.server import guard  # pylint: disable=g-import-not-at-top
   guard.add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
   s.add_argument("--max-queued-per-owner", type=int, default=16,

@@ -4,6 +4,8 @@ Example::
 
   blobs = BlobStore("data/blobs")
   blobs.put(digest, data)               # False when data does not hash to digest
+  upload = blobs.upload(digest)         # a blob arriving in parts, never whole in memory
+  upload.write(part); upload.commit()   # False when the parts do not hash to digest
   blobs.link_into(folder, [digest])     # a verifier's private copy of a proof's blobs
 """
 
@@ -11,10 +13,9 @@ import os
 import pathlib
 import re
 import shutil
+import uuid
 
 import blake3
-
-from zkdv.transcript import write_atomically
 
 _HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -43,23 +44,14 @@ class BlobStore:
     return self.path(digest).exists()
 
   def put(self, digest: str, data: bytes) -> bool:
-    """Stores ``data`` (read-only) under ``digest``; False when it does not hash to it.
+    """Stores ``data`` (read-only) under ``digest``; False when it does not hash to it."""
+    upload = self.upload(digest)
+    upload.write(data)
+    return upload.commit()
 
-    Each write goes through its own temporary file, fsynced, then renamed (and the folder
-    fsynced): concurrent writers of one blob each rename a whole copy, and the final name
-    never holds a part.
-    """
-    path = self.path(digest)
-    if hexdigest(data) != digest:
-      return False
-    if not path.exists():
-      write_atomically(path, data, mode=0o444)
-      folder = os.open(self.folder, os.O_RDONLY)
-      try:
-        os.fsync(folder)
-      finally:
-        os.close(folder)
-    return True
+  def upload(self, digest: str) -> "BlobUpload":
+    """A blob of ``digest`` to write in parts (``BlobUpload``)."""
+    return BlobUpload(self.path(digest))
 
   def link_into(self, folder: pathlib.Path, digests) -> None:
     """Hard links (copies across file systems) ``digests`` into ``folder``: only those."""
@@ -69,3 +61,47 @@ class BlobStore:
         os.link(self.path(digest), folder / digest)
       except OSError:
         shutil.copyfile(self.path(digest), folder / digest)
+
+
+class BlobUpload:
+  """A blob written in parts to its own temporary file beside the store, hashed as it
+  arrives; ``commit`` fsyncs it and renames it to its digest (and fsyncs the folder).
+
+  Concurrent writers of one blob each rename a whole copy: the final name never holds a
+  part. Call ``discard`` when the upload fails (it is a no-op after ``commit``).
+  """
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self._tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.part")
+    self._file = open(os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444), "wb")
+    self._hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+  def write(self, data: bytes) -> None:
+    self._hash.update(data)
+    self._file.write(data)
+
+  def commit(self) -> bool:
+    """True once the blob is stored under its digest; False (nothing kept) when the
+    bytes written do not hash to it."""
+    try:
+      if self._hash.hexdigest() != self.path.name:
+        return False
+      if self.path.exists():  # the same bytes, stored before
+        return True
+      self._file.flush()
+      os.fsync(self._file.fileno())
+      self._file.close()
+      os.replace(self._tmp, self.path)
+      folder = os.open(self.path.parent, os.O_RDONLY)
+      try:
+        os.fsync(folder)
+      finally:
+        os.close(folder)
+      return True
+    finally:
+      self.discard()
+
+  def discard(self) -> None:
+    self._file.close()
+    self._tmp.unlink(missing_ok=True)

@@ -3,7 +3,8 @@
 A stored transcript is append-only: a record whose ``prev`` is not the id of the
 last stored record is refused (409, naming the position), a resent record is a
 duplicate, a ``step`` carries the next index, a check answers a stored step
-once per kind, nothing follows ``final``. For a ``dvbench`` proof every stored
+once per kind, nothing follows ``final``, no segment holds more steps than the root's
+``segment_length``. For a ``dvbench`` proof every stored
 step record gets its challenge ``c_t`` from the proof's secret key; it decides the
 step's probes and, for a step that ends a segment (it commits its post-state), the
 segment's update and state checks.
@@ -97,6 +98,7 @@ class Ingest:
     self.steps_seen: list[int] = []
     self.refs: set[str] = set()
     self.probes: set[str] = set()
+    self._open_segment: int | None = None  # stored steps after the last post_state
     self._rules = {"root": self._refuse_root, "step": self._check_step,
                    "check": self._check_answer, "final": self._check_final}
 
@@ -123,7 +125,9 @@ class Ingest:
                                     steps=self.head.steps + (record["type"] == "step"),
                                     last_id=rid, last_kind=record["type"])
     if record["type"] == "step":
-      self._derive(record["index"], rid, isinstance(record.get("post_state"), bytes))
+      ends_segment = isinstance(record.get("post_state"), bytes)
+      self._open_segment = 0 if ends_segment else self._open_segment + 1
+      self._derive(record["index"], rid, ends_segment)
     self.stored += 1
     self.refs |= transport.blob_refs(record)
     self.probes |= transport.probe_blobs(record)
@@ -172,6 +176,14 @@ class Ingest:
     if index != self.head.steps:
       raise HTTPException(409, f"record {n} is step {index}, but {self.head.steps} steps "
                           f"are stored: the next step record is step {self.head.steps}.")
+    longest = self.challenger.policy.segment_length
+    if self._open_segment is None:
+      self._open_segment = self.store.open_segment_steps(self.conn, self.proof_id, longest)
+    if self._open_segment >= longest:
+      raise HTTPException(409, f"record {n} is step {index}, which would be step "
+                          f"{longest + 1} of the segment that starts at step {index - longest}"
+                          f": the proof's segments hold at most {longest} steps (its root's "
+                          f"segment_length), so step {index - 1} had to end it with post_state.")
 
   def _check_answer(self, record: dict, n: int) -> None:
     step, kind = record["step"], record["kind"]

@@ -281,13 +281,16 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
                       conn=None, **fields) -> None:
     if state not in PROOF_STATES:
       raise ValueError(f"unknown proof state {state!r}.")
-    statement = proofs.update().where(proofs.c.id == proof_id).values(
-        state=state, failure=failure, updated_at=time.time(), **fields)
-    if conn is not None:
-      conn.execute(statement)
-    else:
+    """Sets the proof's state; a proof that takes no more records (any state but
+    ``receiving``) keeps no chunks of records it never completed."""
+    if conn is None:
       with self.engine.begin() as c:
-        c.execute(statement)
+        return self.set_proof_state(proof_id, state, failure, c, **fields)
+    conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
+        state=state, failure=failure, updated_at=time.time(), **fields))
+    if state != "receiving":
+      conn.execute(chunks.delete().where(chunks.c.proof_id == proof_id))
+    return None
 
   # -- settings ------------------------------------------------------------------------
 

@@ -14,6 +14,9 @@ An ASGI middleware in front of every route (``app.create_app`` installs it):
   ``bad_token_window`` seconds gets 429 with ``Retry-After`` for every authenticated
   request until the window has passed.
 
+``Limits`` also holds what ``connections`` applies before a request exists: the header
+deadline and the connection limits.
+
 Example::
 
   app = Starlette(routes, middleware=[Middleware(Guard, limits=Limits(max_body=1 << 20))])
@@ -44,12 +47,17 @@ class Limits:
   max_uploads: int = 64
   bad_tokens: int = 20
   bad_token_window: float = 60.0
+  header_timeout: float = 10.0  # these three: ``connections``, before a request exists
+  max_connections: int = 1024
+  max_connections_per_address: int = 64
 
   @classmethod
   def from_args(cls, args: argparse.Namespace) -> "Limits":
     return cls(max_body=args.max_body_mb << 20, body_timeout=args.body_timeout,
                body_idle_timeout=args.body_idle_timeout, max_uploads=args.max_uploads,
-               bad_tokens=args.bad_token_limit, bad_token_window=args.bad_token_window)
+               bad_tokens=args.bad_token_limit, bad_token_window=args.bad_token_window,
+               header_timeout=args.header_timeout, max_connections=args.max_connections,
+               max_connections_per_address=args.max_connections_per_address)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="unknown tokens per client address and window before 429")
   parser.add_argument("--bad-token-window", type=float, default=d.bad_token_window,
                       help="seconds of the bad-token window")
+  parser.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                      help="seconds a request's line and headers may take to arrive")
+  parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                      help="open connections and requests at once; more get 503")
+  parser.add_argument("--max-connections-per-address", type=int,
+                      default=d.max_connections_per_address,
+                      help="open connections per client address; more are closed at once")
 
 
 class _BadTokens:

@@ -17,20 +17,35 @@ from dvbench.server.paging import paged
 from dvbench.server.service import Service
 
 
+_WRITE_BYTES = 1 << 20  # body bytes held in memory before they are written out
+
+
 class BlobRoutes:
 
   def __init__(self, service: Service):
     self.service, self.store, self.blobs = service, service.store, service.blobs
 
   async def put_blob(self, request):
-    """Token, proof and name first; then the body, hashed and written in a worker thread."""
+    """Token, proof and name first; then the body, streamed to a temporary file while
+    hashed (in worker threads, ``_WRITE_BYTES`` at a time), and renamed to its digest."""
     digest = self.service.blob_name(request.path_params["digest"])
     proof = await run_in_threadpool(self.service.proof_for_write, request,
                                     request.path_params["proof_id"])
-    data = await self.service.body(request)
+    upload = await run_in_threadpool(self.blobs.upload, digest)
+    try:
+      pending = bytearray()
+      async for part in request.stream():
+        pending += part
+        if len(pending) >= _WRITE_BYTES:
+          await run_in_threadpool(upload.write, bytes(pending))
+          pending.clear()
+      await run_in_threadpool(upload.write, bytes(pending))
+      stored = await run_in_threadpool(upload.commit)
+    finally:
+      upload.discard()
 
-    def put():
-      if not self.blobs.put(digest, data):
+    def record():
+      if not stored:
         failure = (f"blob {digest} uploaded for this proof does not hash to its name: the "
                    "opening was altered.")
         if proof["state"] == "receiving":
@@ -38,7 +53,7 @@ class BlobRoutes:
         raise HTTPException(400, failure)
       self.store.add_proof_blob(proof["id"], digest)
       return 201
-    return Response(status_code=await run_in_threadpool(put))
+    return Response(status_code=await run_in_threadpool(record))
 
   def _custody(self, request) -> tuple[dict, str]:
     """(proof, digest) when ``digest`` was uploaded for the proof; 404 otherwise."""

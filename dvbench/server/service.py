@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.concurrency import run_in_threadpool
@@ -63,6 +64,7 @@ class Service:
   time_limit: int = 3600
   workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
   isolation: str = ""  # what confines the verifier child, for /health
+  ingest_processes: Any = None  # an ``IngestProcesses``; None: ingestion runs in threads
 
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)

@@ -9,6 +9,7 @@ A mixin of ``db.Store``. Example::
 import dataclasses
 import time
 
+import cbor2
 import sqlalchemy as sa
 
 from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, proof_blobs,
@@ -130,6 +131,19 @@ class CustodyQueries:
       found.update(conn.execute(sa.select(records.c.record_id, records.c.position).where(
           (records.c.proof_id == proof_id) & records.c.record_id.in_(ids[i:i + 500]))).all())
     return found
+
+  def open_segment_steps(self, conn, proof_id: str, limit: int) -> int:
+    """How many of the proof's last stored steps carry no ``post_state`` (at most
+    ``limit``): the steps of the segment that is still open."""
+    rows = conn.execute(sa.select(records.c.data).where(
+        (records.c.proof_id == proof_id) & (records.c.kind == "step"))
+                        .order_by(records.c.position.desc()).limit(limit)).all()
+    count = 0
+    for (data,) in rows:  # stored records were decoded and checked at ingestion
+      if isinstance(cbor2.loads(data).get("post_state"), bytes):
+        break
+      count += 1
+    return count
 
   def append_records(self, conn, proof_id: str, head: CustodyHead,
                      new: list[tuple[bytes, str, bytes]]) -> None:

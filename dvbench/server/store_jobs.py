@@ -12,7 +12,7 @@ import time
 import sqlalchemy as sa
 
 from dvbench.server import scoring
-from dvbench.server.schema import (checks, experiments, jobs, measurement_samples,
+from dvbench.server.schema import (checks, chunks, experiments, jobs, measurement_samples,
                                    measurements, owners, probes, proof_claims, proofs, records,
                                    score_shards, submissions)
 
@@ -177,7 +177,8 @@ class JobQueries:
 
   def abandon_idle_proofs(self, idle_seconds: float) -> list[str]:
     """Closes proofs left ``receiving`` with no record for ``idle_seconds`` as ``abandoned``
-    (never verified); returns their ids."""
+    (never verified); returns their ids. Drops the chunks of incomplete records of every
+    proof that takes no more records (these and any left by an older server)."""
     cutoff = time.time() - idle_seconds
     stale = (proofs.c.state == "receiving") & (proofs.c.updated_at < cutoff)
     failure = (f"no record arrived for {_duration(idle_seconds)}: the run stopped before "
@@ -187,6 +188,8 @@ class JobQueries:
       if ids:
         conn.execute(proofs.update().where(stale & proofs.c.id.in_(ids)).values(
             state="abandoned", failure=failure, updated_at=time.time()))
+      conn.execute(chunks.delete().where(chunks.c.proof_id.in_(
+          sa.select(proofs.c.id).where(proofs.c.state != "receiving"))))
     return ids
 
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,

@@ -1,0 +1,178 @@
+"""Ingestion processes: the stream's envelopes are decoded, checked and stored in child
+processes of ``dvbench serve``, not in the web process.
+
+Decoding and checking an envelope of thousands of records is Python work that holds a
+GIL; in the web process it made every read wait its turn (read p99 under four uploaders:
+~0.5 s, benchmarks/RESULTS.md). Each child runs ``Ingestion`` on its own connection to
+the database and takes one envelope at a time over a pipe; the web process only
+receives bodies and forwards them.
+
+A child dies with the server (``PR_SET_PDEATHSIG``, bound to the thread that starts it:
+``start`` and the replacements run on the server's main thread). A child that dies while
+storing an envelope is replaced, and that request is answered 503: its transaction did
+not commit, or committed and a resend is acknowledged as a duplicate.
+
+Example::
+
+  processes = IngestProcesses(2, "sqlite:///data/dvbench.db", signing_key).start()
+  processes.wait_ready()
+  ack = await processes.ingest(proof, body)  # in the event loop; HTTPException when refused
+  processes.stop()
+"""
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+
+import anyio
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from starlette.exceptions import HTTPException
+
+from dvbench.server.store_jobs import QueueFull
+
+logger = logging.getLogger("dvbench.ingest")
+
+_REFUSALS = (HTTPException, QueueFull)  # sent back as they are; the app answers them
+_SPAWN = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks copied
+
+
+def _serve(conn, database_url: str, key: bytes, store_options: dict, parent_pid: int) -> None:
+  """A child's loop: ``(proof, body)`` in, ``("ok", ack)`` or ``("raise", exception)`` out,
+  until the server closes the pipe."""
+  from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
+  from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
+  from dvbench.server.ingestion import Ingestion  # pylint: disable=g-import-not-at-top
+  sandbox.die_with_parent(parent_pid)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this
+  store = Store.open(database_url)
+  for name, value in store_options.items():
+    setattr(store, name, value)
+  ingestion = Ingestion(store, ed25519.Ed25519PrivateKey.from_private_bytes(key))
+  conn.send(("ready", None))
+  while True:
+    try:
+      proof, body = conn.recv()
+    except EOFError:
+      return
+    try:
+      reply = ("ok", ingestion.ingest(proof, body))
+    except _REFUSALS as e:
+      reply = ("raise", e)
+    except Exception as e:  # pylint: disable=broad-except  # logged here, a 500 there
+      logger.exception("ingesting an envelope of proof %s failed", proof.get("id"))
+      reply = ("raise", RuntimeError(f"ingestion failed: {type(e).__name__}"))
+    conn.send(reply)
+
+
+class _NotSent(Exception):
+  """The child died before it took the envelope."""
+
+
+class _Child:
+  """One ingestion process and the server's end of its pipe."""
+
+  def __init__(self, args: tuple):
+    self.conn, child_end = _SPAWN.Pipe()
+    self.process = _SPAWN.Process(target=_serve, args=(child_end, *args),
+                                  name="dvbench-ingest", daemon=True)
+    self.process.start()
+    child_end.close()  # so that a dead child reads as EOF here
+    self.ready = False
+
+  def wait_ready(self, timeout: float | None = None) -> None:
+    """Waits for the child's store to open (EOFError: it died; TimeoutError)."""
+    if not self.ready:
+      if not self.conn.poll(timeout):
+        raise TimeoutError(f"the ingestion process did not start in {timeout} s.")
+      self.conn.recv()
+      self.ready = True
+
+  def call(self, proof: dict, body: bytes):
+    """The child's reply; ``_NotSent`` when it was dead before taking the envelope,
+    EOFError or OSError when it died with it."""
+    try:
+      self.wait_ready()
+      self.conn.send((proof, body))
+    except (EOFError, OSError) as e:
+      raise _NotSent() from e
+    return self.conn.recv()
+
+  def stop(self, timeout: float) -> None:
+    self.conn.close()
+    self.process.join(timeout)
+    if self.process.is_alive():
+      self.process.kill()
+      self.process.join()
+
+
+class IngestProcesses:
+  """``count`` ingestion processes; ``ingest`` gives each envelope to an idle one."""
+
+  def __init__(self, count: int, database_url: str, signing_key: ed25519.Ed25519PrivateKey,
+               store_options: dict | None = None):
+    if count < 1:
+      raise ValueError(f"ingestion needs at least one process, not {count}.")
+    key = signing_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                    serialization.NoEncryption())
+    self.count = count
+    self._args = (database_url, key, dict(store_options or {}), os.getpid())
+    self._children: list[_Child] = []
+    self._idle: asyncio.Queue | None = None  # made in the server's event loop
+
+  def start(self) -> "IngestProcesses":
+    """Starts the children; call it on the thread that lives as long as the server."""
+    self._children = [_Child(self._args) for _ in range(self.count)]
+    return self
+
+  def wait_ready(self, timeout: float = 60.0) -> None:
+    """Returns once every child has opened the database (raises if one failed to)."""
+    for child in self._children:
+      try:
+        child.wait_ready(timeout)
+      except EOFError:
+        raise RuntimeError(f"an ingestion process exited at start (code "
+                           f"{child.process.exitcode}); see its error above.") from None
+
+  async def ingest(self, proof: dict, body: bytes) -> dict:
+    """The acknowledgement of ``body`` (see ``Ingestion.ingest``), stored by a child."""
+    if self._idle is None:
+      self._idle = asyncio.Queue()
+      for child in self._children:
+        self._idle.put_nowait(child)
+    child = await self._idle.get()
+    try:
+      try:
+        outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
+      except _NotSent:  # it died idle: its replacement takes the envelope
+        child = self._replace(child)
+        outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
+    except (_NotSent, EOFError, OSError):
+      child = self._replace(child)
+      raise HTTPException(503, "the server's ingestion process ended while storing this "
+                          "envelope; resend it (if it was stored, it is acknowledged as a "
+                          "duplicate).") from None
+    finally:
+      self._idle.put_nowait(child)
+    if outcome == "raise":
+      raise value
+    return value
+
+  def _replace(self, child: _Child) -> _Child:
+    """A new child in place of a dead one (started on the event loop's thread, the
+    server's main thread, which its PR_SET_PDEATHSIG is bound to)."""
+    logger.error("an ingestion process ended (exit code %s); starting another",
+                 child.process.exitcode)
+    child.stop(timeout=1.0)
+    replacement = _Child(self._args)
+    self._children[self._children.index(child)] = replacement
+    return replacement
+
+  def pids(self) -> list[int]:
+    return [child.process.pid for child in self._children]
+
+  def stop(self, timeout: float = 10.0) -> None:
+    for child in self._children:
+      child.stop(timeout)

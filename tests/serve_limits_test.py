@@ -1,0 +1,262 @@
+"""`dvbench serve` bounded below and beside the routes: connections before a request,
+blob bodies never held whole, ingestion in its own supervised process, no stale chunks,
+no segment longer than the root allows. Real servers on loopback, SQLite and PostgreSQL
+where the store decides.
+"""
+
+import os
+import pathlib
+import signal
+import socket
+import time
+
+import blake3
+import httpx
+import sqlalchemy as sa
+from absl.testing import absltest
+
+from dvbench.server.db import Store
+from dvbench.server.local import LocalServer
+from dvbench.server.schema import chunks
+from tests import testing
+from tests.fake_prover import FakeProver, digest
+from zkdv.transcript import encode_record, record_id
+
+_HEADER_TIMEOUT = 2.0
+
+
+def children(pid: int) -> dict[int, str]:
+  """pid -> command line of the live child processes of ``pid``."""
+  found = {}
+  for entry in pathlib.Path("/proc").iterdir():
+    try:
+      stat = (entry / "stat").read_text()
+      if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+        found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ValueError):
+      continue
+  return found
+
+
+def ingest_children(pid: int) -> list[int]:
+  return sorted(p for p, command in children(pid).items() if "multiprocessing.spawn" in command)
+
+
+def exited(pid: int) -> bool:
+  """Whether every thread of ``pid`` has exited (a zombie not yet reaped counts)."""
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) == 1
+  except FileNotFoundError:
+    return True
+
+
+def memory_kib(pid: int, field: str) -> int:
+  for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+    if line.startswith(field + ":"):
+      return int(line.split()[1])
+  raise KeyError(field)
+
+
+def health_seconds(url: str) -> float:
+  start = time.monotonic()
+  assert httpx.get(f"{url}/api/v1/health", timeout=5).status_code == 200
+  return time.monotonic() - start
+
+
+class ConnectionsAndBlobsTest(absltest.TestCase):
+  """One SQLite server with a short header deadline and 4 connections per address."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0, extra_args=(
+        "--header-timeout", str(_HEADER_TIMEOUT), "--max-connections-per-address", "4")).start()
+    cls.token = cls.server.token("alice")
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def connect(self, source: str) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", self.server.port), timeout=10,
+                                 source_address=(source, 0))
+    self.addCleanup(s.close)
+    return s
+
+  def test_headers_trickled_a_byte_at_a_time_are_cut_off(self):
+    s = self.connect("127.0.0.2")
+    s.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n")
+    s.settimeout(0.2)
+    start, answer = time.monotonic(), b""
+    while not answer and time.monotonic() - start < 3 * _HEADER_TIMEOUT:
+      try:
+        s.sendall(b"X")  # one more byte of a header line that never ends
+        answer = s.recv(4096) or b"closed"
+      except socket.timeout:
+        self.assertLess(health_seconds(self.server.url), 1.0)
+      except ConnectionError:
+        answer = b"reset"
+    self.assertLess(time.monotonic() - start, _HEADER_TIMEOUT + 1.0)
+    self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer)
+    self.assertIn(b"the request headers did not arrive in time", answer)
+
+  def test_an_address_holds_at_most_its_connections(self):
+    held = [self.connect("127.0.0.3") for _ in range(4)]
+    testing.wait_until(lambda: health_seconds(self.server.url) < 1.0)  # all four accepted
+    extra = self.connect("127.0.0.3")
+    extra.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+      self.assertEqual(extra.recv(4096), b"")  # closed unanswered
+    except ConnectionError:
+      pass
+    other = self.connect("127.0.0.4")  # another address is served meanwhile
+    other.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    self.assertTrue(other.recv(4096).startswith(b"HTTP/1.1 200 "))
+    for s in held:
+      s.close()
+    again = testing.wait_until(lambda: self._health_from("127.0.0.3"), timeout=5)
+    self.assertTrue(again.startswith(b"HTTP/1.1 200 "))
+
+  def _health_from(self, source: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", self.server.port), timeout=5,
+                                  source_address=(source, 0)) as s:
+      s.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+      try:
+        return s.recv(4096)
+      except ConnectionError:
+        return b""
+
+  def test_a_large_blob_is_streamed_to_disk_not_held_in_memory(self):
+    prover = FakeProver(self.server.url, self.token, "alice/blobs").start()
+    data = os.urandom(48 << 20)
+    name = blake3.blake3(data).hexdigest()
+    pid = self.server.process.pid
+    pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := RSS now
+    before = memory_kib(pid, "VmRSS")
+    response = prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{name}", content=data)
+    self.assertEqual(response.status_code, 201, response.text)
+    grown_mib = (memory_kib(pid, "VmHWM") - before) / 1024
+    self.assertLess(grown_mib, 16, "the server held the blob's body in memory")
+    stored = self.server.data / "blobs" / name
+    self.assertEqual(blake3.blake3(stored.read_bytes()).hexdigest(), name)
+    self.assertEqual(stored.stat().st_mode & 0o777, 0o444)
+    # Bytes that do not hash to the name: refused, nothing kept, no temporary file left.
+    wrong = "0" * 64
+    refused = prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{wrong}",
+                              content=data[:1 << 20])
+    self.assertEqual(refused.status_code, 400, refused.text)
+    self.assertIn("does not hash to its name", refused.json()["error"])
+    self.assertEqual(sorted(p.name for p in (self.server.data / "blobs").iterdir()), [name])
+
+
+class IngestProcessTest(absltest.TestCase):
+  """Envelopes are stored by a child of the server, replaced when killed, gone with it."""
+
+  def test_a_killed_ingestion_process_is_replaced_and_dies_with_the_server(self):
+    server = LocalServer(workers=0, extra_args=("--min-update-check-probability", "0"))
+    self.addCleanup(server.stop)
+    server.start()
+    prover = FakeProver(server.url, server.token("alice"), "alice/ingest").start()
+    prover.run(2)
+    (first,) = ingest_children(server.process.pid)
+    os.kill(first, signal.SIGKILL)
+    testing.wait_until(lambda: exited(first))
+    prover.run(2)  # the next envelope finds it dead, starts another and is stored
+    (second,) = ingest_children(server.process.pid)
+    self.assertNotEqual(second, first)
+    self.assertEqual(prover.finish().status_code, 200)
+    listed = httpx.get(f"{server.url}/api/v1/proofs/{prover.proof_id}").json()
+    self.assertEqual((listed["state"], listed["records"], listed["steps"]), ("closed", 6, 4))
+    server.process.send_signal(signal.SIGKILL)  # the web process alone
+    server.process.wait()
+    testing.wait_until(lambda: exited(second), timeout=10)
+
+
+class StoreCases:
+  """Where the database decides: chunk clean-up, the open segment's length."""
+
+  database_url: str | None = None
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0, database_url=cls.database_url, extra_args=(
+        "--min-update-check-probability", "0", "--abandon-after", "3s")).start()
+    cls.token = cls.server.token("alice")
+    cls.store = Store.open(cls.database_url or f"sqlite:///{cls.server.data / 'dvbench.db'}")
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def held_chunks(self, proof_id: str) -> int:
+    with self.store.engine.connect() as conn:
+      return conn.execute(sa.select(sa.func.count()).select_from(chunks).where(
+          chunks.c.proof_id == proof_id)).scalar()
+
+  def send_chunk(self, prover: FakeProver) -> None:
+    """Half of a record that never completes."""
+    envelope = {"client_id": "fake", "seq": prover._seq, "kind": "chunk",  # pylint: disable=protected-access
+                "record_id": digest(b"never completed"), "index": 0, "count": 2,
+                "data": b"x" * 1000}
+    response = prover.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
+                                content=encode_record(envelope))
+    self.assertEqual(response.json(), {"chunk": 0, "of": 2, "seq": prover._seq})  # pylint: disable=protected-access
+    prover._seq += 1  # pylint: disable=protected-access
+    self.assertEqual(self.held_chunks(prover.proof_id), 1)
+
+  def test_chunks_of_a_closed_or_abandoned_proof_are_dropped(self):
+    closed = FakeProver(self.server.url, self.token, "alice/closed").start()
+    closed.run(1)
+    self.send_chunk(closed)
+    self.assertEqual(closed.finish().status_code, 200)
+    self.assertEqual(self.held_chunks(closed.proof_id), 0)
+    left = FakeProver(self.server.url, self.token, "alice/left").start()
+    self.send_chunk(left)
+    testing.wait_until(lambda: self.store.proof(left.proof_id)["state"] == "abandoned",
+                       timeout=30)
+    self.assertEqual(self.held_chunks(left.proof_id), 0)
+
+  def test_a_step_beyond_the_roots_segment_length_is_refused(self):
+    prover = FakeProver(self.server.url, self.token, "alice/segments", segment_length=3)
+    prover.start()
+    self.assertEqual(prover.policy.segment_length, 3)
+    prover.step(ends=False)  # steps 0 and 1 open a segment, in envelopes of their own
+    prover.step(ends=False)
+    step_2 = prover.step_record(ends=False)  # a third inner step: the segment is full...
+    step_3 = encode_record({"type": "step", "index": 3, "program": 0, "batch": digest(b"batch 3"),
+                            "prev": record_id(step_2)})
+    refused = prover.send(step_2, step_3)  # ...and step 3 would be its fourth step
+    self.assertEqual(refused.status_code, 409, refused.text)
+    self.assertIn("record 1 is step 3, which would be step 4 of the segment that starts at "
+                  "step 0: the proof's segments hold at most 3 steps", refused.json()["error"])
+    self.assertEqual(self.store.proof(prover.proof_id)["steps"], 2)  # nothing of it kept
+    prover.step(ends=True)  # step 2 ends the segment: accepted, and the next one starts
+    prover.step(ends=True)
+    self.assertEqual(prover.finish().status_code, 200)
+
+
+class SqliteStoreTest(StoreCases, absltest.TestCase):
+  pass
+
+
+class PostgresStoreTest(StoreCases, absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    from tests.postgres import PostgresCluster  # pylint: disable=g-import-not-at-top
+    cls.cluster = PostgresCluster().start()
+    cls.database_url = cls.cluster.new_database()
+    super().setUpClass()
+
+  @classmethod
+  def tearDownClass(cls):
+    super().tearDownClass()
+    cls.cluster.stop()
+
+
+if __name__ == "__main__":
+  absltest.main()
