@@ -226,16 +226,21 @@ class StoreCases:
     self.assertEqual(prover.policy.segment_length, 3)
     prover.step(ends=False)  # steps 0 and 1 open a segment, in envelopes of their own
     prover.step(ends=False)
-    step_2 = prover.step_record(ends=False)  # a third inner step: the segment is full...
-    step_3 = encode_record({"type": "step", "index": 3, "program": 0, "batch": digest(b"batch 3"),
-                            "prev": record_id(step_2)})
-    refused = prover.send(step_2, step_3)  # ...and step 3 would be its fourth step
-    self.assertEqual(refused.status_code, 409, refused.text)
-    self.assertIn("record 1 is step 3, which would be step 4 of the segment that starts at "
-                  "step 0: the proof's segments hold at most 3 steps", refused.json()["error"])
-    self.assertEqual(self.store.proof(prover.proof_id)["steps"], 2)  # nothing of it kept
-    prover.step(ends=True)  # step 2 ends the segment: accepted, and the next one starts
-    prover.step(ends=True)
+    third = prover.step_record(ends=False)  # a third step that does not end it
+    ending = prover.step_record(ends=True)
+    envelope = [ending]  # ...and, after one that does, three more that do not
+    for index in (3, 4, 5):
+      envelope.append(encode_record({"type": "step", "index": index, "program": 0,
+                                     "batch": digest(b"batch %d" % index),
+                                     "prev": record_id(envelope[-1])}))
+    for records, n, step, first in (([third], 0, 2, 0), (envelope, 3, 5, 3)):
+      refused = prover.send(*records)
+      self.assertEqual(refused.status_code, 409, refused.text)
+      self.assertIn(f"record {n} is step {step}, step 3 of the segment that starts at step "
+                    f"{first}, and carries no post_state: the proof's segments hold at most 3 "
+                    "steps", refused.json()["error"])
+    self.assertEqual(self.store.proof(prover.proof_id)["steps"], 2)  # nothing of either kept
+    prover.step(ends=True)  # step 2 ends the segment: accepted
     self.assertEqual(prover.finish().status_code, 200)
 
 

@@ -179,11 +179,12 @@ class Ingest:
     longest = self.challenger.policy.segment_length
     if self._open_segment is None:
       self._open_segment = self.store.open_segment_steps(self.conn, self.proof_id, longest)
-    if self._open_segment >= longest:
-      raise HTTPException(409, f"record {n} is step {index}, which would be step "
-                          f"{longest + 1} of the segment that starts at step {index - longest}"
-                          f": the proof's segments hold at most {longest} steps (its root's "
-                          f"segment_length), so step {index - 1} had to end it with post_state.")
+    if self._open_segment + 1 >= longest and not isinstance(record.get("post_state"), bytes):
+      raise HTTPException(409, f"record {n} is step {index}, step {self._open_segment + 1} "
+                          f"of the segment that starts at step {index - self._open_segment}, "
+                          f"and carries no post_state: the proof's segments hold at most "
+                          f"{longest} steps (its root's segment_length), so this step must "
+                          "end its segment.")
 
   def _check_answer(self, record: dict, n: int) -> None:
     step, kind = record["step"], record["kind"]
