@@ -56,12 +56,17 @@ def python_path(tree: str | None):
 class Target:
   """A server (of some tree) with a client and a proof to read during uploads."""
 
-  def __init__(self, label: str, tree: str | None, root: pathlib.Path,
-               extra_args: tuple[str, ...] = ()):
+  def __init__(self, label: str, tree: str | None, root: pathlib.Path):
     self.label, self.root, self.runs = label, root, 0
-    self.server = LocalServer(workers=0, extra_args=extra_args)
-    if tree is not None:  # an earlier tree's serve may not know every flag of this one
+    self.server = LocalServer(workers=0)
+    # No worker verifies here: the closed proofs wait in the queue, beyond the owner quota.
+    # An earlier tree's serve may not know every flag of this one.
+    serve = (pathlib.Path(tree or pathlib.Path(__file__).parents[1]) / "dvbench" / "cli.py"
+             ).read_text()
+    if "--create" not in serve:
       self.server.args.remove("--create")
+    if "--max-queued-per-owner" in serve:
+      self.server.args += ["--max-queued-per-owner", "100000"]
     with python_path(tree):
       self.server.start()
       token = self.server.token("bench")
@@ -148,8 +153,7 @@ def main(argv=None):
   try:
     if args.before:
       targets.append(Target("before", args.before, root))
-    # No worker verifies here: the closed proofs wait in the queue, beyond the owner quota.
-    targets.append(Target("after", None, root, ("--max-queued-per-owner", "100000")))
+    targets.append(Target("after", None, root))
     results = {t.label: [] for t in targets}
     for _ in range(args.repeats):
       start = time.perf_counter()
