@@ -8,7 +8,8 @@ records: digests, chain, deterministic CBOR) and alternates:
 * ``file``: writing one transcript to a local file with ``TranscriptWriter``;
 * ``server``: ``--uploaders`` clients uploading one transcript each at once to a
   ``dvbench serve`` process on loopback (SQLite in WAL mode), until every close is
-  acknowledged, while a reader polls ``GET /api/v1/proofs/ID`` (read latency, p50/p99).
+  acknowledged, while a reader (a process of its own) polls ``GET /api/v1/proofs/ID``
+  (read latency, p50/p99).
 
 With ``--before TREE`` (a checkout of an earlier commit, e.g. ``git worktree add
 /tmp/before COMMIT``) a second server runs that tree's code and the runs alternate
