@@ -197,21 +197,21 @@ class StoreCases:
       return conn.execute(sa.select(sa.func.count()).select_from(chunks).where(
           chunks.c.proof_id == proof_id)).scalar()
 
-  def send_chunk(self, prover: FakeProver) -> None:
-    """Half of a record that never completes."""
+  def send_chunk(self, prover: FakeProver, record: bytes = b"never completed") -> None:
+    """Half of a record that never completes; it is the one chunk the proof holds."""
     envelope = {"client_id": "fake", "seq": prover._seq, "kind": "chunk",  # pylint: disable=protected-access
-                "record_id": digest(b"never completed"), "index": 0, "count": 2,
-                "data": b"x" * 1000}
+                "record_id": digest(record), "index": 0, "count": 2, "data": b"x" * 1000}
     response = prover.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
                                 content=encode_record(envelope))
     self.assertEqual(response.json(), {"chunk": 0, "of": 2, "seq": prover._seq})  # pylint: disable=protected-access
     prover._seq += 1  # pylint: disable=protected-access
     self.assertEqual(self.held_chunks(prover.proof_id), 1)
 
-  def test_chunks_of_a_closed_or_abandoned_proof_are_dropped(self):
+  def test_chunks_of_given_up_closed_or_abandoned_records_are_dropped(self):
     closed = FakeProver(self.server.url, self.token, "alice/closed").start()
     closed.run(1)
-    self.send_chunk(closed)
+    self.send_chunk(closed, b"given up")
+    self.send_chunk(closed)  # another record's chunk: the one given up is dropped
     self.assertEqual(closed.finish().status_code, 200)
     self.assertEqual(self.held_chunks(closed.proof_id), 0)
     left = FakeProver(self.server.url, self.token, "alice/left").start()

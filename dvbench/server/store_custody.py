@@ -78,8 +78,14 @@ class CustodyQueries:
     """Stores a chunk (a resent one replaces the one before, so a corrupted chunk can be
     mended); returns the whole record once chunks ``0 .. count - 1`` are here.
 
+    A proof holds the chunks of one incomplete record, the one being sent: records are
+    sent in chain order, so the chunks of any other are of a record that was given up
+    (its client crashed and sent another, or never meant to finish it) and are dropped.
+
     Raises RecordTooLarge when the record's chunks would exceed ``max_bytes``.
     """
+    conn.execute(chunks.delete().where((chunks.c.proof_id == proof_id)
+                                       & (chunks.c.record_id != record_id)))
     of_record = (chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
     held = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(chunks.c.data)),
                                                    0)).where(of_record & (chunks.c.idx != idx))
