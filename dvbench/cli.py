@@ -123,6 +123,7 @@ def serve(args) -> int:
   isolation = sandbox.describe(sandbox.available())  # probed before any thread starts
   store, blobs = _store_and_blobs(args)
   store.max_queued_per_owner = args.max_queued_per_owner
+  blobs.remove_stale_parts(older_than=args.body_timeout)  # no upload lasts longer
   if args.ingest_processes < 1:
     raise SystemExit("dvbench serve: --ingest-processes must be at least 1.")
   signing_key = _signing_key(args)

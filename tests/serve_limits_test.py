@@ -71,7 +71,12 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.server = LocalServer(workers=0, extra_args=(
-        "--header-timeout", str(_HEADER_TIMEOUT), "--max-connections-per-address", "4")).start()
+        "--header-timeout", str(_HEADER_TIMEOUT), "--max-connections-per-address", "4"))
+    left = cls.server.data / "blobs" / f".{'1' * 64}.0123.part"  # by a server killed mid-upload
+    left.parent.mkdir()
+    left.write_bytes(b"part of a blob")
+    os.utime(left, (time.time() - 3600,) * 2)
+    cls.server.start()
     cls.token = cls.server.token("alice")
 
   @classmethod
@@ -142,7 +147,8 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
     stored = self.server.data / "blobs" / name
     self.assertEqual(blake3.blake3(stored.read_bytes()).hexdigest(), name)
     self.assertEqual(stored.stat().st_mode & 0o777, 0o444)
-    # Bytes that do not hash to the name: refused, nothing kept, no temporary file left.
+    # Bytes that do not hash to the name: refused, nothing kept, no temporary file left (nor
+    # the one a killed server left, removed at start).
     wrong = "0" * 64
     refused = prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{wrong}",
                               content=data[:1 << 20])

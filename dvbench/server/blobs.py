@@ -13,6 +13,7 @@ import os
 import pathlib
 import re
 import shutil
+import time
 import uuid
 
 import blake3
@@ -52,6 +53,19 @@ class BlobStore:
   def upload(self, digest: str) -> "BlobUpload":
     """A blob of ``digest`` to write in parts (``BlobUpload``)."""
     return BlobUpload(self.path(digest))
+
+  def remove_stale_parts(self, older_than: float) -> int:
+    """Removes the temporary files of uploads that stopped over ``older_than`` seconds
+    ago (a server killed mid-upload leaves them); returns how many."""
+    removed = 0
+    for part in self.folder.glob(".*.part"):
+      try:
+        if time.time() - part.stat().st_mtime > older_than:
+          part.unlink()
+          removed += 1
+      except FileNotFoundError:  # its upload finished meanwhile
+        pass
+    return removed
 
   def link_into(self, folder: pathlib.Path, digests) -> None:
     """Hard links (copies across file systems) ``digests`` into ``folder``: only those."""
