@@ -170,9 +170,6 @@ class IngestProcesses:
     self._children[self._children.index(child)] = replacement
     return replacement
 
-  def pids(self) -> list[int]:
-    return [child.process.pid for child in self._children]
-
   def stop(self, timeout: float = 10.0) -> None:
     for child in self._children:
       child.stop(timeout)

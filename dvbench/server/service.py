@@ -11,7 +11,6 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable
-from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.concurrency import run_in_threadpool
@@ -22,6 +21,7 @@ from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.guard import Limits
+from dvbench.server.ingest_processes import IngestProcesses
 from dvbench.server.store_tokens import NAME, NAME_RULE
 from zkdv import challenge
 from zkdv import receipt
@@ -64,7 +64,7 @@ class Service:
   time_limit: int = 3600
   workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
   isolation: str = ""  # what confines the verifier child, for /health
-  ingest_processes: Any = None  # an ``IngestProcesses``; None: ingestion runs in threads
+  ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
 
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)
