@@ -130,7 +130,8 @@ def serve(args) -> int:
   ingest_processes = IngestProcesses(args.ingest_processes, _database_url(args), signing_key, {
       "max_queued_per_owner": args.max_queued_per_owner}).start()
   supervisor = Supervisor(_worker_command(args), args.workers, store,
-                          abandon_after=args.abandon_after).start()
+                          abandon_after=args.abandon_after,
+                          ingest_processes=ingest_processes).start()
   service = Service(store, blobs, signing_key, _minimum_policy(args),
                     limits=guard.Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
@@ -145,8 +146,8 @@ def serve(args) -> int:
                 http=connections.guarded_h11(service.limits),
                 limit_concurrency=service.limits.max_connections)
   finally:
+    ingest_processes.stop()  # first: those the supervisor started die with its thread
     supervisor.stop()
-    ingest_processes.stop()
   return 0
 
 

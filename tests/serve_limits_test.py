@@ -23,32 +23,8 @@ from tests.fake_prover import FakeProver, digest
 from zkdv.transcript import encode_record, record_id
 
 _HEADER_TIMEOUT = 2.0
-
-
-def children(pid: int) -> dict[int, str]:
-  """pid -> command line of the live child processes of ``pid``."""
-  found = {}
-  for entry in pathlib.Path("/proc").iterdir():
-    try:
-      stat = (entry / "stat").read_text()
-      if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-        found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except (OSError, ValueError):
-      continue
-  return found
-
-
-def ingest_children(pid: int) -> list[int]:
-  return sorted(p for p, command in children(pid).items() if "multiprocessing.spawn" in command)
-
-
-def exited(pid: int) -> bool:
-  """Whether every thread of ``pid`` has exited (a zombie not yet reaped counts)."""
-  try:
-    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) == 1
-  except FileNotFoundError:
-    return True
+_MAX_CONNECTIONS = 10
+_HEALTH_REQUEST = b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 def memory_kib(pid: int, field: str) -> int:
@@ -64,14 +40,19 @@ def health_seconds(url: str) -> float:
   return time.monotonic() - start
 
 
+def health(url: str) -> dict:
+  return httpx.get(f"{url}/api/v1/health", timeout=5).json()
+
+
 class ConnectionsAndBlobsTest(absltest.TestCase):
-  """One SQLite server with a short header deadline and 4 connections per address."""
+  """One SQLite server with a short header deadline, 4 connections per address, 10 in all."""
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.server = LocalServer(workers=0, extra_args=(
-        "--header-timeout", str(_HEADER_TIMEOUT), "--max-connections-per-address", "4"))
+        "--header-timeout", str(_HEADER_TIMEOUT), "--max-connections-per-address", "4",
+        "--max-connections", str(_MAX_CONNECTIONS)))
     left = cls.server.data / "blobs" / f".{'1' * 64}.0123.part"  # by a server killed mid-upload
     left.parent.mkdir()
     left.write_bytes(b"part of a blob")
@@ -127,26 +108,38 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
   def _health_from(self, source: str) -> bytes:
     with socket.create_connection(("127.0.0.1", self.server.port), timeout=5,
                                   source_address=(source, 0)) as s:
-      s.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-      try:
-        return s.recv(4096)
-      except ConnectionError:
-        return b""
+      return self.ask(s)
 
-  def test_a_large_blob_is_streamed_to_disk_not_held_in_memory(self):
-    prover = FakeProver(self.server.url, self.token, "alice/blobs").start()
-    data = os.urandom(48 << 20)
-    name = blake3.blake3(data).hexdigest()
+  def prover(self, experiment: str) -> FakeProver:
+    prover = FakeProver(self.server.url, self.token, experiment).start()
+    self.addCleanup(prover.http.close)  # no kept-alive connection counts in later tests
+    return prover
+
+  def assert_streamed(self, put, data: bytes) -> None:
+    """``put(data)`` answers 201 without the server's peak memory growing by the body."""
     pid = self.server.process.pid
     pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")  # peak RSS := RSS now
     before = memory_kib(pid, "VmRSS")
-    response = prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{name}", content=data)
+    response = put(data)
     self.assertEqual(response.status_code, 201, response.text)
     grown_mib = (memory_kib(pid, "VmHWM") - before) / 1024
     self.assertLess(grown_mib, 16, "the server held the blob's body in memory")
-    stored = self.server.data / "blobs" / name
-    self.assertEqual(blake3.blake3(stored.read_bytes()).hexdigest(), name)
+    stored = self.server.data / "blobs" / blake3.blake3(data).hexdigest()
+    self.assertEqual(stored.read_bytes(), data)
     self.assertEqual(stored.stat().st_mode & 0o777, 0o444)
+
+  def assert_nothing_kept_of(self, refused: str) -> None:
+    """Neither the refused blob nor any temporary file is left in the store."""
+    self.assertFalse((self.server.data / "blobs" / refused).exists())
+    self.assertEqual(list((self.server.data / "blobs").glob(".*")), [])
+
+  def test_a_large_blob_is_streamed_to_disk_not_held_in_memory(self):
+    prover = self.prover("alice/blobs")
+    data = os.urandom(48 << 20)
+    name = blake3.blake3(data).hexdigest()
+    self.assert_streamed(
+        lambda d: prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/{name}", content=d),
+        data)
     # Bytes that do not hash to the name: refused, nothing kept, no temporary file left (nor
     # the one a killed server left, removed at start).
     wrong = "0" * 64
@@ -154,30 +147,74 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
                               content=data[:1 << 20])
     self.assertEqual(refused.status_code, 400, refused.text)
     self.assertIn("does not hash to its name", refused.json()["error"])
-    self.assertEqual(sorted(p.name for p in (self.server.data / "blobs").iterdir()), [name])
+    self.assert_nothing_kept_of(wrong)
+
+  def test_a_large_benchmark_blob_is_streamed_too(self):
+    data = os.urandom(40 << 20)
+    name = blake3.blake3(data).hexdigest()
+    base = f"{self.server.url}/api/v1/benchmarks/alice/streamed/blobs"
+    with httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, timeout=60) as http:
+      self.assert_streamed(lambda d: http.put(f"{base}/{name}", content=d), data)
+      self.assertEqual(http.head(f"{base}/{name}").status_code, 200)
+      wrong = http.put(f"{base}/{'0' * 64}", content=data[:1 << 20])
+      self.assertEqual(wrong.status_code, 400, wrong.text)
+      self.assertIn("does not hash to its name", wrong.json()["error"])
+      self.assert_nothing_kept_of("0" * 64)
+      bob = httpx.put(f"{base}/{name}", content=b"x", headers={
+          "Authorization": f"Bearer {self.server.token('bob')}"})
+      self.assertEqual(bob.status_code, 403, bob.text)  # refused before the body is read
+
+  def ask(self, s: socket.socket) -> bytes:
+    """The answer to a health request on the open connection ``s``."""
+    s.sendall(_HEALTH_REQUEST)
+    try:
+      return s.recv(4096)
+    except ConnectionError:
+      return b""
+
+  def test_past_max_connections_every_request_gets_503_health_included(self):
+    # 9 open connections from three addresses (each under its own limit of 4) ...
+    held = [self.connect(f"127.0.0.{10 + i % 3}") for i in range(_MAX_CONNECTIONS - 1)]
+    self.assertTrue(self.ask(held[-1]).startswith(b"HTTP/1.1 200 "))  # ... are served
+    full = self.connect("127.0.0.13")  # the tenth: a request on it finds the server full
+    answer = self.ask(full)
+    while part := full.recv(4096):  # to the end: uvicorn closes that connection
+      answer += part
+    self.assertTrue(answer.startswith(b"HTTP/1.1 503 "), answer)
+    self.assertIn(b"connection: close", answer)
+    self.assertTrue(answer.endswith(b"Service Unavailable"), answer)
+    self.assertTrue(self.ask(held[0]).startswith(b"HTTP/1.1 200 "))  # 9 again: served
 
 
 class IngestProcessTest(absltest.TestCase):
   """Envelopes are stored by a child of the server, replaced when killed, gone with it."""
 
-  def test_a_killed_ingestion_process_is_replaced_and_dies_with_the_server(self):
+  def test_a_killed_ingestion_process_is_replaced_at_once_and_dies_with_the_server(self):
     server = LocalServer(workers=0, extra_args=("--min-update-check-probability", "0"))
     self.addCleanup(server.stop)
     server.start()
     prover = FakeProver(server.url, server.token("alice"), "alice/ingest").start()
     prover.run(2)
-    (first,) = ingest_children(server.process.pid)
+    self.assertEqual(health(server.url)["ingest_processes"],
+                     {"alive": 1, "expected": 1, "restarts": 0})
+    (first,) = testing.ingest_children(server.process.pid)
     os.kill(first, signal.SIGKILL)
-    testing.wait_until(lambda: exited(first))
-    prover.run(2)  # the next envelope finds it dead, starts another and is stored
-    (second,) = ingest_children(server.process.pid)
+    killed = time.monotonic()
+    replaced = testing.wait_until(  # with no envelope sent meanwhile
+        lambda: (h := health(server.url))["ingest_processes"]["restarts"] == 1 and h, timeout=5)
+    self.assertLess(time.monotonic() - killed, 3.0)
+    self.assertEqual(replaced["ingest_processes"], {"alive": 1, "expected": 1, "restarts": 1})
+    self.assertTrue(replaced["ok"])
+    self.assertTrue(testing.exited(first))
+    (second,) = testing.ingest_children(server.process.pid)
     self.assertNotEqual(second, first)
+    prover.run(2)  # stored by the replacement
     self.assertEqual(prover.finish().status_code, 200)
     listed = httpx.get(f"{server.url}/api/v1/proofs/{prover.proof_id}").json()
     self.assertEqual((listed["state"], listed["records"], listed["steps"]), ("closed", 6, 4))
     server.process.send_signal(signal.SIGKILL)  # the web process alone
     server.process.wait()
-    testing.wait_until(lambda: exited(second), timeout=10)
+    testing.wait_until(lambda: testing.exited(second), timeout=10)
 
 
 class StoreCases:

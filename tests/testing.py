@@ -1,5 +1,6 @@
 """Shared fixtures of the test suites: small models, batches and proofs."""
 
+import os
 import pathlib
 import tempfile
 import time
@@ -118,3 +119,30 @@ def wait_until(predicate, timeout=60.0, every=0.02):
       return value
     time.sleep(every)
   raise AssertionError("condition not reached in time")
+
+
+def children(pid: int) -> dict[int, str]:
+  """pid -> command line of the live child processes of ``pid``."""
+  found = {}
+  for entry in pathlib.Path("/proc").iterdir():
+    try:
+      stat = (entry / "stat").read_text()
+      if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+        found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, ValueError):
+      continue
+  return found
+
+
+def ingest_children(pid: int) -> list[int]:
+  """The ingestion processes of the ``dvbench serve`` process ``pid``."""
+  return sorted(p for p, command in children(pid).items() if "multiprocessing.spawn" in command)
+
+
+def exited(pid: int) -> bool:
+  """Whether every thread of ``pid`` has exited (a zombie not yet reaped counts)."""
+  try:
+    state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) == 1
+  except FileNotFoundError:
+    return True

@@ -3,7 +3,6 @@
 Example::
 
   blobs = BlobStore("data/blobs")
-  blobs.put(digest, data)               # False when data does not hash to digest
   upload = blobs.upload(digest)         # a blob arriving in parts, never whole in memory
   upload.write(part); upload.commit()   # False when the parts do not hash to digest
   blobs.link_into(folder, [digest])     # a verifier's private copy of a proof's blobs
@@ -43,12 +42,6 @@ class BlobStore:
 
   def has(self, digest: str) -> bool:
     return self.path(digest).exists()
-
-  def put(self, digest: str, data: bytes) -> bool:
-    """Stores ``data`` (read-only) under ``digest``; False when it does not hash to it."""
-    upload = self.upload(digest)
-    upload.write(data)
-    return upload.commit()
 
   def upload(self, digest: str) -> "BlobUpload":
     """A blob of ``digest`` to write in parts (``BlobUpload``)."""

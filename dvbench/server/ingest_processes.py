@@ -8,15 +8,20 @@ the database and takes one envelope at a time over a pipe; the web process only
 receives bodies and forwards them.
 
 A child dies with the server (``PR_SET_PDEATHSIG``, bound to the thread that starts it:
-``start`` and the replacements run on the server's main thread). A child that dies while
-storing an envelope is replaced, and that request is answered 503: its transaction did
-not commit, or committed and a resend is acknowledged as a duplicate.
+the server's main thread, its event loop, or the supervisor's thread, all of which live as
+long as the server). The server's supervisor calls ``replace_dead`` a few times a second,
+so a child that died idle is replaced before the next envelope needs it; ``health`` is
+what ``/api/v1/health`` reports. A child that dies while storing an envelope is replaced,
+and that request is answered 503: its transaction did not commit, or committed and a
+resend is acknowledged as a duplicate.
 
 Example::
 
   processes = IngestProcesses(2, "sqlite:///data/dvbench.db", signing_key).start()
   processes.wait_ready()
   ack = await processes.ingest(proof, body)  # in the event loop; HTTPException when refused
+  processes.replace_dead()  # from the supervisor's thread
+  processes.health()  # {"alive": 2, "expected": 2, "restarts": 0}
   processes.stop()
 """
 
@@ -25,6 +30,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 
 import anyio
 from cryptography.hazmat.primitives import serialization
@@ -118,12 +124,16 @@ class IngestProcesses:
     key = signing_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                     serialization.NoEncryption())
     self.count = count
+    self.restarts = 0
     self._args = (database_url, key, dict(store_options or {}), os.getpid())
     self._children: list[_Child] = []
-    self._idle: asyncio.Queue | None = None  # made in the server's event loop
+    self._lock = threading.Lock()  # guards the three below (event loop and supervisor)
+    self._taken: set[int] = set()  # indices of children storing an envelope
+    self._stopped = False
+    self._idle: asyncio.Queue | None = None  # indices, made in the server's event loop
 
   def start(self) -> "IngestProcesses":
-    """Starts the children; call it on the thread that lives as long as the server."""
+    """Starts the children; call it on a thread that lives as long as the server."""
     self._children = [_Child(self._args) for _ in range(self.count)]
     return self
 
@@ -136,40 +146,64 @@ class IngestProcesses:
         raise RuntimeError(f"an ingestion process exited at start (code "
                            f"{child.process.exitcode}); see its error above.") from None
 
+  def health(self) -> dict:
+    """``{"alive", "expected", "restarts"}`` of the children, e.g. for ``/api/v1/health``."""
+    alive = sum(child.process.is_alive() for child in list(self._children))
+    return {"alive": alive, "expected": self.count, "restarts": self.restarts}
+
   async def ingest(self, proof: dict, body: bytes) -> dict:
     """The acknowledgement of ``body`` (see ``Ingestion.ingest``), stored by a child."""
     if self._idle is None:
       self._idle = asyncio.Queue()
-      for child in self._children:
-        self._idle.put_nowait(child)
-    child = await self._idle.get()
+      for index in range(self.count):
+        self._idle.put_nowait(index)
+    index = await self._idle.get()
+    with self._lock:
+      self._taken.add(index)
+      child = self._children[index]
     try:
       try:
         outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
       except _NotSent:  # it died idle: its replacement takes the envelope
-        child = self._replace(child)
+        child = self._replace(index, child)
         outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
     except (_NotSent, EOFError, OSError):
-      child = self._replace(child)
+      self._replace(index, child)
       raise HTTPException(503, "the server's ingestion process ended while storing this "
                           "envelope; resend it (if it was stored, it is acknowledged as a "
                           "duplicate).") from None
     finally:
-      self._idle.put_nowait(child)
+      with self._lock:
+        self._taken.discard(index)
+      self._idle.put_nowait(index)
     if outcome == "raise":
       raise value
     return value
 
-  def _replace(self, child: _Child) -> _Child:
-    """A new child in place of a dead one (started on the event loop's thread, the
-    server's main thread, which its PR_SET_PDEATHSIG is bound to)."""
-    logger.error("an ingestion process ended (exit code %s); starting another",
-                 child.process.exitcode)
-    child.stop(timeout=1.0)
-    replacement = _Child(self._args)
-    self._children[self._children.index(child)] = replacement
-    return replacement
+  def replace_dead(self) -> None:
+    """Replaces the children that died idle (the supervisor calls it; a child that dies
+    storing an envelope is replaced by ``ingest``)."""
+    with self._lock:
+      dead = [(index, child) for index, child in enumerate(self._children)
+              if index not in self._taken and not child.process.is_alive()]
+    for index, child in dead:
+      self._replace(index, child)
+
+  def _replace(self, index: int, dead: _Child) -> _Child:
+    """The child at ``index``: a new one when it still is ``dead`` (once, whoever asks
+    first), started on the calling thread, which its PR_SET_PDEATHSIG is bound to."""
+    with self._lock:
+      if self._children[index] is not dead or self._stopped:
+        return self._children[index]
+      logger.error("an ingestion process ended (exit code %s); starting another",
+                   dead.process.exitcode)
+      dead.stop(timeout=1.0)
+      self._children[index] = _Child(self._args)
+      self.restarts += 1
+      return self._children[index]
 
   def stop(self, timeout: float = 10.0) -> None:
+    with self._lock:
+      self._stopped = True
     for child in self._children:
       child.stop(timeout)

@@ -219,15 +219,13 @@ class BenchmarkRoutes:
   # -- blobs -------------------------------------------------------------------------------
 
   async def put_blob(self, request):
+    """Token, owner and name first; then the body, streamed to the store while hashed
+    (``Service.receive_blob``)."""
     digest_ = self.service.blob_name(request.path_params["digest"])
-    data = await self.service.body(request)
-
-    def put():
-      full = self._owned(request)
-      if not self.blobs.put(digest_, data):
-        raise HTTPException(400, f"blob {digest_} does not hash to its name.")
-      self.store.add_benchmark_blob(full, digest_)
-    await run_in_threadpool(put)
+    full = await run_in_threadpool(self._owned, request)
+    if not await self.service.receive_blob(request, digest_):
+      raise HTTPException(400, f"blob {digest_} does not hash to its name.")
+    await run_in_threadpool(self.store.add_benchmark_blob, full, digest_)
     return Response(status_code=201)
 
   def _custody(self, request) -> str:

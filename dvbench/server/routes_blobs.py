@@ -17,32 +17,18 @@ from dvbench.server.paging import paged
 from dvbench.server.service import Service
 
 
-_WRITE_BYTES = 1 << 20  # body bytes held in memory before they are written out
-
-
 class BlobRoutes:
 
   def __init__(self, service: Service):
     self.service, self.store, self.blobs = service, service.store, service.blobs
 
   async def put_blob(self, request):
-    """Token, proof and name first; then the body, streamed to a temporary file while
-    hashed (in worker threads, ``_WRITE_BYTES`` at a time), and renamed to its digest."""
+    """Token, proof and name first; then the body, streamed to the store while hashed
+    (``Service.receive_blob``)."""
     digest = self.service.blob_name(request.path_params["digest"])
     proof = await run_in_threadpool(self.service.proof_for_write, request,
                                     request.path_params["proof_id"])
-    upload = await run_in_threadpool(self.blobs.upload, digest)
-    try:
-      pending = bytearray()
-      async for part in request.stream():
-        pending += part
-        if len(pending) >= _WRITE_BYTES:
-          await run_in_threadpool(upload.write, bytes(pending))
-          pending.clear()
-      await run_in_threadpool(upload.write, bytes(pending))
-      stored = await run_in_threadpool(upload.commit)
-    finally:
-      upload.discard()
+    stored = await self.service.receive_blob(request, digest)
 
     def record():
       if not stored:

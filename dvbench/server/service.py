@@ -4,6 +4,7 @@ Example::
 
   service = Service(store, blobs, signing_key, minimum_policy=Policy(0.1))
   body = await service.body(request)
+  stored = await service.receive_blob(request, digest)  # after checking who may write it
   proof = service.proof_for_write(request, proof_id)
 """
 
@@ -27,6 +28,7 @@ from zkdv import challenge
 from zkdv import receipt
 
 HEX_ID = re.compile(r"[0-9a-f]{64}")
+_WRITE_BYTES = 1 << 20  # blob body bytes held in memory before they are written out
 MINIMUM_POLICY_SETTING = "minimum_policy"
 
 
@@ -74,6 +76,23 @@ class Service:
     """The request's body, read only once its token is known (``Guard`` bounds size and time)."""
     await run_in_threadpool(self.owner, request)
     return await request.body()
+
+  async def receive_blob(self, request: Request, digest: str) -> bool:
+    """Streams the request's body to a temporary file while hashing it (in worker threads,
+    ``_WRITE_BYTES`` at a time) and renames it to ``digest``; False, nothing kept, when
+    the bytes do not hash to it. Check the token and the right to write first."""
+    upload = await run_in_threadpool(self.blobs.upload, digest)
+    try:
+      pending = bytearray()
+      async for part in request.stream():
+        pending += part
+        if len(pending) >= _WRITE_BYTES:
+          await run_in_threadpool(upload.write, bytes(pending))
+          pending.clear()
+      await run_in_threadpool(upload.write, bytes(pending))
+      return await run_in_threadpool(upload.commit)
+    finally:
+      upload.discard()
 
   def owner(self, request: Request) -> str:
     """The owner of the request's token (looked up once per request); 401 without one."""

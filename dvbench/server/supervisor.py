@@ -1,5 +1,5 @@
-"""The server's housekeeping thread: keeps its validation workers running, closes abandoned
-proofs.
+"""The server's housekeeping thread: keeps its validation workers and ingestion processes
+running, closes abandoned proofs.
 
 Workers are child processes of ``dvbench serve`` that die with it, even when it is
 SIGKILLed: each sets ``PR_SET_PDEATHSIG`` (SIGKILL) on itself at start, bound to this
@@ -7,11 +7,13 @@ thread, which lives as long as the server (and checks that the server did not di
 that). A worker that exits is replaced at once (with a growing delay when workers keep
 dying right after starting), and its running job is released so that the replacement
 takes it now rather than when the lease expires; the cause is kept on the job, which is
-given up after ``max_attempts`` (``store_jobs``).
+given up after ``max_attempts`` (``store_jobs``). Ingestion processes that died idle are
+replaced on the same beat (``IngestProcesses.replace_dead``).
 
 Example::
 
-  supervisor = Supervisor(worker_command, count=2, store=store, abandon_after=86400)
+  supervisor = Supervisor(worker_command, count=2, store=store, abandon_after=86400,
+                          ingest_processes=ingest_processes)
   supervisor.start()
   supervisor.health()  # {"alive": 2, "expected": 2, "restarts": 0}
   supervisor.stop()
@@ -27,6 +29,7 @@ import threading
 import time
 
 from dvbench.server.db import Store
+from dvbench.server.ingest_processes import IngestProcesses
 
 logger = logging.getLogger("dvbench.supervisor")
 
@@ -65,8 +68,9 @@ class Supervisor:
   """``count`` worker processes from ``command`` (+ ``--worker-id``, ``--parent-pid``)."""
 
   def __init__(self, command: list[str], count: int, store: Store, *,
-               abandon_after: float | None = None, poll_seconds: float = 0.2):
-    self.command, self.store = command, store
+               abandon_after: float | None = None, poll_seconds: float = 0.2,
+               ingest_processes: IngestProcesses | None = None):
+    self.command, self.store, self.ingest_processes = command, store, ingest_processes
     self.abandon_after, self.poll_seconds = abandon_after, poll_seconds
     self.slots = [_Slot(i) for i in range(count)]
     self.restarts = 0
@@ -142,6 +146,8 @@ class Supervisor:
             self._reap(slot)
           if slot.process is None and time.monotonic() >= slot.not_before:
             self._spawn(slot)
+        if self.ingest_processes is not None:
+          self.ingest_processes.replace_dead()
         last = self._housekeeping(last)
       except Exception:  # pylint: disable=broad-except  # e.g. the database is unreachable
         logger.exception("housekeeping failed; retrying")
