@@ -133,8 +133,14 @@ class SupervisionTest(absltest.TestCase):
       return sorted(p.name for p in (server.data / "work").iterdir())
     testing.wait_until(lambda: live_ids() and folders() == live_ids(), timeout=30)
 
-  def assert_no_process_left(self, server: Server) -> None:
-    testing.wait_until(lambda: not processes_mentioning(str(server.data)), timeout=10)
+  def end_leaving_no_process(self, server: Server, end) -> None:
+    """``end()`` ends the server; then no process naming its data folder (workers, verifier
+    children) is left, nor any child it had before (its ingestion process among them)."""
+    before = testing.children(server.process.pid)
+    self.assertTrue(testing.ingest_children(server.process.pid))
+    end()
+    testing.wait_until(lambda: not processes_mentioning(str(server.data))
+                       and all(testing.exited(pid) for pid in before), timeout=10)
 
   def test_kill_9_of_the_server_during_ingestion_and_verification(self):
     server = self.server("--min-update-check-probability", "0")  # steps only, no challenges
@@ -144,9 +150,9 @@ class SupervisionTest(absltest.TestCase):
     testing.wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
     uploads = concurrent.futures.ThreadPoolExecutor(1).submit(send_steps_until_refused, ingesting)
     testing.wait_until(lambda: ingesting.steps >= 2)
-    server.kill_server_only()  # with a step in flight, and the other proof mid-verification
+    # With a step in flight and the other proof mid-verification; its children die with it.
+    self.end_leaving_no_process(server, server.kill_server_only)
     in_flight = uploads.result(timeout=60)
-    self.assert_no_process_left(server)  # workers and verifier children died with it
     server.start()  # the same data folder and port
     resent = ingesting.send(in_flight)  # its ack may have been lost: the same envelope again
     self.assertEqual(resent.status_code, 200, resent.text)
@@ -161,8 +167,7 @@ class SupervisionTest(absltest.TestCase):
     self.assertEqual([j["state"] for j in jobs], ["done", "done"])
     self.assertEqual(jobs[1]["attempts"], 2)  # the killed attempt, then one that finished
     self.assert_only_live_workers_have_folders(server)
-    server.stop()
-    self.assert_no_process_left(server)
+    self.end_leaving_no_process(server, server.stop)
 
   def test_a_job_that_kills_its_workers_is_given_up_with_the_reason(self):
     server = self.server("--max-attempts", "2", workers=1)

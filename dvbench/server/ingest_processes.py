@@ -10,7 +10,8 @@ receives bodies and forwards them.
 A child dies with the server (``PR_SET_PDEATHSIG``, bound to the thread that starts it:
 the server's main thread, its event loop, or the supervisor's thread, all of which live as
 long as the server). The server's supervisor calls ``replace_dead`` a few times a second,
-so a child that died idle is replaced before the next envelope needs it; ``health`` is
+so a child that died idle is replaced before the next envelope needs it (with a growing
+delay while children die right after start, ``supervisor.Restarts``); ``health`` is
 what ``/api/v1/health`` reports. A child that dies while storing an envelope is replaced,
 and that request is answered 503: its transaction did not commit, or committed and a
 resend is acknowledged as a duplicate.
@@ -38,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.exceptions import HTTPException
 
 from dvbench.server.store_jobs import QueueFull
+from dvbench.server.supervisor import Restarts
 
 logger = logging.getLogger("dvbench.ingest")
 
@@ -87,6 +89,7 @@ class _Child:
     self.process.start()
     child_end.close()  # so that a dead child reads as EOF here
     self.ready = False
+    self.found_dead = False
 
   def wait_ready(self, timeout: float | None = None) -> None:
     """Waits for the child's store to open (EOFError: it died; TimeoutError)."""
@@ -126,8 +129,9 @@ class IngestProcesses:
     self.count = count
     self.restarts = 0
     self._args = (database_url, key, dict(store_options or {}), os.getpid())
+    self._lock = threading.Lock()  # guards the four below (event loop and supervisor)
     self._children: list[_Child] = []
-    self._lock = threading.Lock()  # guards the three below (event loop and supervisor)
+    self._restarts = [Restarts() for _ in range(count)]
     self._taken: set[int] = set()  # indices of children storing an envelope
     self._stopped = False
     self._idle: asyncio.Queue | None = None  # indices, made in the server's event loop
@@ -135,6 +139,8 @@ class IngestProcesses:
   def start(self) -> "IngestProcesses":
     """Starts the children; call it on a thread that lives as long as the server."""
     self._children = [_Child(self._args) for _ in range(self.count)]
+    for restarts in self._restarts:
+      restarts.started()
     return self
 
   def wait_ready(self, timeout: float = 60.0) -> None:
@@ -169,9 +175,9 @@ class IngestProcesses:
         outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
     except (_NotSent, EOFError, OSError):
       self._replace(index, child)
-      raise HTTPException(503, "the server's ingestion process ended while storing this "
-                          "envelope; resend it (if it was stored, it is acknowledged as a "
-                          "duplicate).") from None
+      raise HTTPException(503, "the server's ingestion process ended before or while "
+                          "storing this envelope; resend it (if it was stored, it is "
+                          "acknowledged as a duplicate).") from None
     finally:
       with self._lock:
         self._taken.discard(index)
@@ -191,14 +197,22 @@ class IngestProcesses:
 
   def _replace(self, index: int, dead: _Child) -> _Child:
     """The child at ``index``: a new one when it still is ``dead`` (once, whoever asks
-    first), started on the calling thread, which its PR_SET_PDEATHSIG is bound to."""
+    first) and its restart is due, started on the calling thread, which its
+    PR_SET_PDEATHSIG is bound to."""
     with self._lock:
       if self._children[index] is not dead or self._stopped:
         return self._children[index]
-      logger.error("an ingestion process ended (exit code %s); starting another",
-                   dead.process.exitcode)
-      dead.stop(timeout=1.0)
+      restarts = self._restarts[index]
+      if not dead.found_dead:
+        dead.found_dead = True
+        dead.stop(timeout=1.0)
+        restarts.exited()
+        logger.error("an ingestion process ended (exit code %s); starting another",
+                     dead.process.exitcode)
+      if not restarts.due():
+        return dead
       self._children[index] = _Child(self._args)
+      restarts.started()
       self.restarts += 1
       return self._children[index]
 

@@ -29,11 +29,10 @@ import threading
 import time
 
 from dvbench.server.db import Store
-from dvbench.server.ingest_processes import IngestProcesses
 
 logger = logging.getLogger("dvbench.supervisor")
 
-_FAST_EXIT = 5.0  # seconds: a worker that dies sooner than this is restarted with a delay
+_FAST_EXIT = 5.0  # seconds: a process that dies sooner than this is restarted with a delay
 _MAX_DELAY = 30.0
 
 
@@ -55,13 +54,40 @@ def exit_cause(returncode: int) -> str:
 
 
 @dataclasses.dataclass
+class Restarts:
+  """When a process that exited may start again: at once, or after a delay growing from
+  1 s to 30 s while it keeps dying within 5 s of its start (e.g. the database is down).
+
+  Example::
+
+    restarts.started()  # when it starts
+    restarts.exited()   # once, when it is found dead
+    restarts.due()      # whether to start it again now
+  """
+
+  started_at: float = 0.0
+  quick_deaths: int = 0
+  not_before: float = 0.0
+
+  def started(self) -> None:
+    self.started_at = time.monotonic()
+
+  def exited(self) -> None:
+    quick = time.monotonic() - self.started_at < _FAST_EXIT
+    self.quick_deaths = self.quick_deaths + 1 if quick else 0
+    self.not_before = time.monotonic() + (
+        min(_MAX_DELAY, 0.5 * 2 ** self.quick_deaths) if quick else 0.0)
+
+  def due(self) -> bool:
+    return time.monotonic() >= self.not_before
+
+
+@dataclasses.dataclass
 class _Slot:
   index: int
   process: subprocess.Popen | None = None
   worker_id: str = ""
-  started: float = 0.0
-  quick_deaths: int = 0
-  not_before: float = 0.0
+  restarts: Restarts = dataclasses.field(default_factory=Restarts)
 
 
 class Supervisor:
@@ -69,7 +95,7 @@ class Supervisor:
 
   def __init__(self, command: list[str], count: int, store: Store, *,
                abandon_after: float | None = None, poll_seconds: float = 0.2,
-               ingest_processes: IngestProcesses | None = None):
+               ingest_processes=None):  # an IngestProcesses to keep running
     self.command, self.store, self.ingest_processes = command, store, ingest_processes
     self.abandon_after, self.poll_seconds = abandon_after, poll_seconds
     self.slots = [_Slot(i) for i in range(count)]
@@ -98,7 +124,7 @@ class Supervisor:
     slot.worker_id = f"{os.uname().nodename}-{os.getpid()}-w{slot.index}-{self._generation}"
     slot.process = subprocess.Popen([*self.command, "--worker-id", slot.worker_id,
                                      "--parent-pid", str(os.getpid())])
-    slot.started = time.monotonic()
+    slot.restarts.started()
 
   def _reap(self, slot: _Slot) -> None:
     """Releases the job of a worker that exited and plans its replacement."""
@@ -106,10 +132,7 @@ class Supervisor:
     released = self.store.release_jobs(slot.worker_id, cause)
     logger.warning("worker %s stopped: %s; %d running job(s) released, replacing it",
                    slot.worker_id, cause, released)
-    quick = time.monotonic() - slot.started < _FAST_EXIT
-    slot.quick_deaths = slot.quick_deaths + 1 if quick else 0
-    slot.not_before = time.monotonic() + (
-        min(_MAX_DELAY, 0.5 * 2 ** slot.quick_deaths) if quick else 0.0)
+    slot.restarts.exited()
     slot.process = None
     self.restarts += 1
 
@@ -144,7 +167,7 @@ class Supervisor:
         for slot in self.slots:
           if slot.process is not None and slot.process.poll() is not None:
             self._reap(slot)
-          if slot.process is None and time.monotonic() >= slot.not_before:
+          if slot.process is None and slot.restarts.due():
             self._spawn(slot)
         if self.ingest_processes is not None:
           self.ingest_processes.replace_dead()
