@@ -1,5 +1,6 @@
-"""Sharded training on 4 and 8 forced CPU devices (each case in its own process,
-since the device count is fixed before JAX starts)."""
+"""Sharded training on 4 and 8 forced CPU devices. The device count is fixed before JAX
+starts, so each count runs in a process of its own, which trains every case of that count
+(each with its own proof) once for the whole class."""
 
 import json
 import os
@@ -9,16 +10,14 @@ import sys
 import textwrap
 
 from absl.testing import absltest
-from absl.testing import parameterized
 
 from tests import testing
-from zkdv import transcript
 from zkdv import verify
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 PRELUDE = """
-import os, sys, json
+import os, sys, json, traceback
 N = int(os.environ["ZKDV_TEST_DEVICES"])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={N}"
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -27,7 +26,6 @@ import zkdv
 from tests import testing
 from zkdv import transcript
 from zkdv import verify
-from tests import testing
 
 assert len(jax.devices()) == N
 mesh = Mesh(np.array(jax.devices()).reshape(2, N // 2), ("data", "model"))
@@ -66,78 +64,34 @@ def run(step_fn, proof, state, x, y, steps=3, replicas=False):
     reference = jax.jit(plain_step)(reference, jnp.asarray(x), jnp.asarray(y))
   close = all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(reference.params)))
-  print(json.dumps({"verdict": report.verdict, "findings": [f.message for f in report.findings],
-                    "checks": [c.status for c in report.checks], "close": close,
-                    "path": str(proof.path), "failed": proof.failed_checks}))
+  return {"verdict": report.verdict, "findings": [f.message for f in report.findings],
+          "checks": [c.status for c in report.checks], "close": close,
+          "path": str(proof.path), "failed": proof.failed_checks}
 """
 
-
-def run_case(body: str, devices: int) -> dict:
-  script = PRELUDE + textwrap.dedent(body)
-  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600,
-                          env={**os.environ, "ZKDV_TEST_DEVICES": str(devices)})
-  assert result.returncode == 0, result.stderr[-3000:]
-  # Commitments never make XLA gather a sharded array to one device.
-  assert "involuntary full rematerialization" not in result.stderr.lower(), result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-class ShardingTest(parameterized.TestCase):
-  """On 4 forced CPU devices; the model-parallel case on 8 as well."""
-
-  def assert_verified(self, result):
-    self.assertEqual(result["verdict"], "verified", result)
-    # Three update checks, and for sharded params the opening of the last post-state
-    # that final_params is derived from.
-    self.assertIn(len(result["checks"]), (3, 4))
-    self.assertEqual(set(result["checks"]), {"verified"})
-    self.assertEqual(result["failed"], [])
-    self.assertTrue(result["close"], "sharded training differs from the unsharded run")
-
-  @parameterized.parameters((4,))
-  def test_mesh_with_in_shardings(self, devices):
-    result = run_case("""
+# Each case is the body of a function of the training process that returns a JSON value.
+CASES = {
+    "mesh": """
         proof, state = new_state("mesh")
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         state = jax.device_put(state, replicated)
         step = proof.jit(plain_step, in_shardings=(replicated, rows, rows),
                          out_shardings=replicated, donate_argnums=0)
-        run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
-        """, devices)
-    self.assert_verified(result)
-    # A verifier with one device cannot replay it, and says how many it needs.
-    report = verify.verify(result["path"])
-    self.assertEqual(report.verdict, verify.UNVERIFIABLE)
-    self.assertIn(f"exported for {devices} devices", report.dumps())
-
-  @parameterized.parameters((4,))
-  def test_placed_inputs_without_in_shardings(self, devices):
+        return run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
+        """,
     # Idiomatic JAX: place the state on the mesh and let jit follow; XLA then picks output
     # shardings of its own (some biases come back split), and the next call follows those.
-    result = run_case("""
+    "placed": """
         proof, state = new_state("placed")
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         by_column = NamedSharding(mesh, P(None, "model"))
         state = jax.device_put(state, jax.tree.map(
             lambda v: by_column if getattr(v, "ndim", 0) == 2 and v.shape[1] % (N // 2) == 0
             else replicated, state))
-        run(proof.jit(plain_step, donate_argnums=0), proof, state,
-            jax.device_put(x, rows), jax.device_put(y, rows))
-        """, devices)
-    self.assert_verified(result)
-    programs = testing.records_of(result["path"], "program")
-    self.assertEqual(programs[0]["nr_devices"], devices)
-    kernel = next(l for l in programs[0]["state_layout"] if l["path"].endswith("['kernel']"))
-    self.assertLen(kernel["pieces"], devices // 2)
-    # Each program's post-state is laid out as it placed it, and the next takes it from there.
-    for before, after in zip(programs, programs[1:]):
-      self.assertEqual(before.get("post_state_layout", before["state_layout"]),
-                       after["state_layout"])
-
-  @parameterized.parameters((4,))
-  def test_shard_map_gradients(self, devices):
-    result = run_case("""
+        return run(proof.jit(plain_step, donate_argnums=0), proof, state,
+                   jax.device_put(x, rows), jax.device_put(y, rows))
+        """,
+    "shard_map": """
         proof, state = new_state("shard-map")
         flat_mesh = Mesh(np.array(jax.devices()), ("data",))
 
@@ -150,13 +104,10 @@ class ShardingTest(parameterized.TestCase):
                                     state.params, x, y)
           return state.apply_gradients(grads=grads)
 
-        run(proof.jit(step), proof, state, x, y)
-        """, devices)
-    self.assert_verified(result)
-
-  @parameterized.parameters((4,), (8,))
-  def test_model_parallel_params_are_committed_by_shard(self, devices):
-    result = run_case("""
+        return run(proof.jit(step), proof, state, x, y)
+        """,
+    # Trained, verified, then one shard of one opened leaf tampered with and verified again.
+    "model_parallel": """
         proof, state = new_state("model-parallel")
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         by_column = NamedSharding(mesh, P(None, "model"))
@@ -166,32 +117,20 @@ class ShardingTest(parameterized.TestCase):
         state = jax.device_put(state, shardings)
         step = proof.jit(plain_step, in_shardings=(shardings, rows, rows),
                          out_shardings=shardings, donate_argnums=0)
-        run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
-        """, devices)
-    self.assert_verified(result)
-    program = testing.records_of(result["path"], "program")[0]
-    kernel = next(l for l in program["state_layout"] if l["path"].endswith("['kernel']"))
-    self.assertLen(kernel["pieces"], devices // 2)
-    self.assertEqual([len(p) for p in testing.records_of(result["path"], "final")[0][
-        "final_state_leaves"]], [len(l.get("pieces", [0])) for l in program["state_layout"]])
-    # Tamper with one shard of one opened leaf: the report names the leaf and the shard.
-    check = testing.records_of(result["path"], "check")[0]
-    index = [l["path"] for l in program["state_layout"]].index(kernel["path"])
-    blob = transcript.blob_path(result["path"], check["pre_state_blobs"][index])
-    data = bytearray(blob.read_bytes())
-    data[-1] ^= 0x40  # the last column: the last shard
-    blob.write_bytes(bytes(data))
-    report = run_case(f"""
-        report = verify.verify({result["path"]!r})
-        print(json.dumps({{"verdict": report.verdict, "text": report.dumps()}}))
-        """, devices)
-    self.assertEqual(report["verdict"], "invalid")
-    self.assertIn(kernel["path"], report["text"])
-    self.assertIn(f"shard {devices // 2 - 1}", report["text"])
-
-  @parameterized.parameters((4,))
-  def test_diverged_replica_is_reported_when_replicas_are_cross_checked(self, devices):
-    result = run_case("""
+        result = run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
+        program = testing.records_of(proof.path, "program")[0]
+        paths = [l["path"] for l in program["state_layout"]]
+        kernel = next(p for p in paths if p.endswith("['kernel']"))
+        check = testing.records_of(proof.path, "check")[0]
+        blob = transcript.blob_path(proof.path, check["pre_state_blobs"][paths.index(kernel)])
+        data = bytearray(blob.read_bytes())
+        data[-1] ^= 0x40  # the last column: the last shard
+        blob.write_bytes(bytes(data))
+        report = verify.verify(proof.path)
+        return {**result, "tampered_leaf": kernel, "tampered_verdict": report.verdict,
+                "tampered_report": report.dumps()}
+        """,
+    "replicas": """
         replicated = NamedSharding(mesh, P())
         def train(cross_check):
           proof = testing.new_proof("replicas", update_p=0.0, cross_check_replicas=cross_check)
@@ -212,25 +151,120 @@ class ShardingTest(parameterized.TestCase):
           except zkdv.errors.ReplicaDivergenceError as e:
             return str(e)
           return None
-        print(json.dumps({"unchecked": train(False), "checked": train(True),
-                          "device": str(jax.devices()[1])}))
-        """, devices)
-    self.assertIsNone(result["unchecked"])  # replicas are hashed once by default
-    self.assertIn("step 0: the replica of .params['Dense_0']['bias']", result["checked"])
-    self.assertIn(f"on {result['device']} differs", result["checked"])
-
-  @parameterized.parameters((4,))
-  def test_pmap_data_parallel_with_replicated_state(self, devices):
-    result = run_case("""
+        return {"unchecked": train(False), "checked": train(True),
+                "device": str(jax.devices()[1])}
+        """,
+    "pmap": """
         proof, state = new_state("pmap")
         def local(state, x, y):
           grads = jax.grad(lambda p: loss(state, p, x, y))(state.params)
           return state.apply_gradients(grads=jax.lax.pmean(grads, "devices"))
         replicated = jax.tree.map(lambda v: jnp.stack([jnp.asarray(v)] * N), state)
-        run(proof.jit(jax.pmap(local, axis_name="devices")), proof, replicated,
-            x.reshape(N, 8 // N, 16), y.reshape(N, 8 // N), replicas=True)
-        """, devices)
+        return run(proof.jit(jax.pmap(local, axis_name="devices")), proof, replicated,
+                   x.reshape(N, 8 // N, 16), y.reshape(N, 8 // N), replicas=True)
+        """,
+}
+# Every case on 4 devices; the model-parallel one on 8 as well.
+DEVICE_COUNTS = {4: list(CASES), 8: ["model_parallel"]}
+
+
+def run_cases(devices: int, names: list[str]) -> tuple[dict, str]:
+  """Runs the named cases, in order, in one process with ``devices`` CPU devices; returns
+  each case's result (or its traceback) and the process's stderr."""
+  script = PRELUDE + "".join(
+      f"\ndef case_{name}():\n" + textwrap.indent(textwrap.dedent(CASES[name]), "  ")
+      for name in names) + textwrap.dedent(f"""
+      results = {{}}
+      for name in {names!r}:
+        try:
+          results[name] = {{"result": globals()["case_" + name]()}}
+        except Exception:  # each case fails on its own
+          results[name] = {{"error": traceback.format_exc()}}
+      print(json.dumps(results))
+      """)
+  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "ZKDV_TEST_DEVICES": str(devices)})
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+class ShardingTest(absltest.TestCase):
+  """On 4 forced CPU devices; the model-parallel case on 8 as well."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.results, cls.stderr = {}, {}
+    for devices, names in DEVICE_COUNTS.items():
+      cls.results[devices], cls.stderr[devices] = run_cases(devices, names)
+
+  def result(self, case: str, devices: int = 4):
+    outcome = self.results[devices][case]
+    self.assertNotIn("error", outcome, outcome.get("error"))
+    return outcome["result"]
+
+  def assert_verified(self, result):
+    self.assertEqual(result["verdict"], "verified", result)
+    # Three update checks, and for sharded params the opening of the last post-state
+    # that final_params is derived from.
+    self.assertIn(len(result["checks"]), (3, 4))
+    self.assertEqual(set(result["checks"]), {"verified"})
+    self.assertEqual(result["failed"], [])
+    self.assertTrue(result["close"], "sharded training differs from the unsharded run")
+
+  def test_commitments_never_gather_a_sharded_array_to_one_device(self):
+    for devices, stderr in self.stderr.items():
+      self.assertNotIn("involuntary full rematerialization", stderr.lower(),
+                       f"{devices} devices: {stderr[-3000:]}")
+
+  def test_mesh_with_in_shardings(self):
+    result = self.result("mesh")
     self.assert_verified(result)
+    # A verifier with one device cannot replay it, and says how many it needs.
+    report = verify.verify(result["path"])
+    self.assertEqual(report.verdict, verify.UNVERIFIABLE)
+    self.assertIn("exported for 4 devices", report.dumps())
+
+  def test_placed_inputs_without_in_shardings(self):
+    result = self.result("placed")
+    self.assert_verified(result)
+    programs = testing.records_of(result["path"], "program")
+    self.assertEqual(programs[0]["nr_devices"], 4)
+    kernel = next(l for l in programs[0]["state_layout"] if l["path"].endswith("['kernel']"))
+    self.assertLen(kernel["pieces"], 2)
+    # Each program's post-state is laid out as it placed it, and the next takes it from there.
+    for before, after in zip(programs, programs[1:]):
+      self.assertEqual(before.get("post_state_layout", before["state_layout"]),
+                       after["state_layout"])
+
+  def test_shard_map_gradients(self):
+    self.assert_verified(self.result("shard_map"))
+
+  def test_model_parallel_params_are_committed_by_shard(self):
+    for devices in DEVICE_COUNTS:
+      with self.subTest(devices=devices):
+        result = self.result("model_parallel", devices)
+        self.assert_verified(result)
+        program = testing.records_of(result["path"], "program")[0]
+        kernel = next(l for l in program["state_layout"] if l["path"].endswith("['kernel']"))
+        self.assertLen(kernel["pieces"], devices // 2)
+        self.assertEqual([len(p) for p in testing.records_of(result["path"], "final")[0][
+            "final_state_leaves"]], [len(l.get("pieces", [0])) for l in program["state_layout"]])
+        # One shard of one opened leaf tampered with: the report names the leaf and the shard.
+        self.assertEqual(result["tampered_leaf"], kernel["path"])
+        self.assertEqual(result["tampered_verdict"], "invalid")
+        self.assertIn(kernel["path"], result["tampered_report"])
+        self.assertIn(f"shard {devices // 2 - 1}", result["tampered_report"])
+
+  def test_diverged_replica_is_reported_when_replicas_are_cross_checked(self):
+    result = self.result("replicas")
+    self.assertIsNone(result["unchecked"])  # replicas are hashed once by default
+    self.assertIn("step 0: the replica of .params['Dense_0']['bias']", result["checked"])
+    self.assertIn(f"on {result['device']} differs", result["checked"])
+
+  def test_pmap_data_parallel_with_replicated_state(self):
+    self.assert_verified(self.result("pmap"))
 
 
 if __name__ == "__main__":
