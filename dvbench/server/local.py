@@ -26,11 +26,6 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def dvbench(*args: str, data: pathlib.Path) -> str:
-  return subprocess.run([sys.executable, "-m", "dvbench.cli", *args, "--data", str(data)],
-                        capture_output=True, text=True, check=True).stdout.strip()
-
-
 class LocalServer:
   """A ``dvbench serve`` subprocess with its own data folder."""
 
@@ -65,8 +60,14 @@ class LocalServer:
     raise RuntimeError("dvbench serve did not start in 60 s")
 
   def token(self, owner: str) -> str:
-    extra = ("--database-url", self.database_url) if self.database_url else ()
-    return dvbench("token", "create", owner, *extra, data=self.data)
+    """A new API token of ``owner``, as ``dvbench token create OWNER`` makes it (in this
+    process: no second interpreter to start)."""
+    from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
+    store = Store.open(self.database_url or f"sqlite:///{(self.data / 'dvbench.db').resolve()}")
+    try:
+      return store.create_token(owner)[1]
+    finally:
+      store.engine.dispose()
 
   def kill(self) -> None:
     """SIGKILLs the server and its workers (its whole process group)."""
