@@ -23,7 +23,21 @@ def zkdv(*args) -> subprocess.CompletedProcess:
                         capture_output=True, text=True, check=False)
 
 
+def zkdv_here(*args) -> subprocess.CompletedProcess:
+  """``zkdv ARGS`` run by ``cli.main`` in this process (no interpreter or JAX to start):
+  for transcripts of one CPU device, which need no replay set up before JAX starts."""
+  stdout, stderr = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    try:
+      status = cli.main(list(map(str, args)))
+    except SystemExit as e:
+      status = e.code
+  return subprocess.CompletedProcess(args, status, stdout.getvalue(), stderr.getvalue())
+
+
 class VerifyCliTest(absltest.TestCase):
+  """Exit codes and reports of zkdv verify (``python -m zkdv.cli`` in a process of its own
+  for the first test, ``cli.main`` in this process for the others)."""
 
   def test_self_audited_run_exits_0_and_says_so(self):
     result = zkdv("verify", good_transcript())
@@ -32,15 +46,16 @@ class VerifyCliTest(absltest.TestCase):
     self.assertIn("exit 0: verified, every required claim holds", result.stdout)
 
   def test_required_claims_decide_the_exit_code(self):
-    self.assertEqual(zkdv("verify", good_transcript(), "--require", "challenges").returncode, 1)
-    self.assertEqual(zkdv("verify", good_transcript(), "--strict", "--quiet").returncode, 1)
-    self.assertEqual(zkdv("verify", good_transcript(), "--replay", "none").returncode, 2)
-    bad = zkdv("verify", good_transcript(), "--require", "vibes")
+    path = good_transcript()
+    self.assertEqual(zkdv_here("verify", path, "--require", "challenges").returncode, 1)
+    self.assertEqual(zkdv_here("verify", path, "--strict", "--quiet").returncode, 1)
+    self.assertEqual(zkdv_here("verify", path, "--replay", "none").returncode, 2)
+    bad = zkdv_here("verify", path, "--require", "vibes")
     self.assertEqual(bad.returncode, cli.EXIT_USAGE)
     self.assertIn("unknown claims", bad.stderr)
 
   def test_json_lists_every_claim(self):
-    report = json.loads(zkdv("verify", good_transcript(), "--json").stdout)
+    report = json.loads(zkdv_here("verify", good_transcript(), "--json").stdout)
     self.assertEqual([c["name"] for c in report["claims"]],
                      ["chain", "challenges", "replays", "start", "program", "data"])
     replays = next(c for c in report["claims"] if c["name"] == "replays")
@@ -51,18 +66,19 @@ class VerifyCliTest(absltest.TestCase):
   def test_server_key_from_hex_or_file_and_challenge_key_file(self):
     server = _Dvbench()
     path = write_transcript(server=server, steps=3)
-    self.assertEqual(zkdv("verify", path).returncode, 2)  # no key: could not verify
+    self.assertEqual(zkdv_here("verify", path).returncode, 2)  # no key: could not verify
     key_file = pathlib.Path(tempfile.mkdtemp()) / "server.key"
     key_file.write_text(server.server_key.hex())
     for key in (server.server_key.hex(), key_file):
-      result = zkdv("verify", path, "--server-key", key, "--require",
-                    "chain,replays,challenges")
+      result = zkdv_here("verify", path, "--server-key", key, "--require",
+                         "chain,replays,challenges")
       self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
       self.assertIn("agrees", result.stdout)
     k_file = key_file.with_name("k")
     k_file.write_text(server.key.hex())
-    self.assertEqual(zkdv("verify", path, "--challenge-key-file", k_file).returncode, 0)
-    self.assertEqual(zkdv("verify", path, "--server-key", "abcd").returncode, cli.EXIT_USAGE)
+    self.assertEqual(zkdv_here("verify", path, "--challenge-key-file", k_file).returncode, 0)
+    self.assertEqual(zkdv_here("verify", path, "--server-key", "abcd").returncode,
+                     cli.EXIT_USAGE)
 
 
 class _Terminal(io.StringIO):
