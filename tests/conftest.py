@@ -2,11 +2,13 @@
 
 Tests, the servers and workers they start (through ``TMPDIR``) and the browsers they run
 all use ``tempfile``'s folder; pointing it at a folder of the test process's own leaves
-nothing (``dvbench-test-*``, ``zkdv-test-*``, ...) in the system's temporary folder.
+nothing (``dvbench-test-*``, ``zkdv-test-*``, ...) in the system's temporary folder. The
+PostgreSQL cluster the process's suites shared (tests/postgres.py) is stopped first.
 """
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -23,6 +25,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+  if "tests.postgres" in sys.modules:  # the PostgreSQL cluster the suites shared
+    sys.modules["tests.postgres"].stop_shared_cluster()
   root = config.stash.get(_TEMPORARY, None)
   if root:
     shutil.rmtree(root, ignore_errors=True)

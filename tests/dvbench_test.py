@@ -117,21 +117,16 @@ class PostgresServerTest(TutorialAgainstServerTest):
 
   @classmethod
   def setUpClass(cls):
-    from tests.postgres import PostgresCluster  # pylint: disable=g-import-not-at-top
-    cls.cluster = PostgresCluster().start()
-    cls.server = Server(workers=1, database_url=cls.cluster.url,
+    from tests import postgres  # pylint: disable=g-import-not-at-top
+    cls.database_url = postgres.shared_cluster().new_database()
+    cls.server = Server(workers=1, database_url=cls.database_url,
                         extra_args=cls.server_args).start()
     cls.token = cls.server.token("your-name")
     cls.env = mock.patch.dict(os.environ, {"DVBENCH_TOKEN": cls.token})
     cls.env.start()
 
-  @classmethod
-  def tearDownClass(cls):
-    super().tearDownClass()
-    cls.cluster.stop()
-
   def store(self) -> Store:
-    return Store.open(self.cluster.url)
+    return Store.open(self.database_url)
 
 
 class TamperedUploadTest(DVBenchTestCase):

@@ -34,21 +34,9 @@ from dvbench.server.store_tokens import BadName
 from dvbench.server.supervisor import Supervisor
 from tests import testing
 from tests.fake_prover import FakeProver
-from tests.postgres import PostgresCluster
+from tests import postgres
 from zkdv import receipt
 from zkdv.transcript import record_id
-
-_PG: PostgresCluster | None = None
-
-
-def setUpModule():
-  global _PG
-  _PG = PostgresCluster().start()
-
-
-def tearDownModule():
-  _PG.stop()
-
 
 def processes_mentioning(text: str) -> dict[int, str]:
   """pid -> command line of every process whose command line contains ``text``."""
@@ -67,7 +55,7 @@ def processes_mentioning(text: str) -> dict[int, str]:
 def fresh_database(backend: str) -> str:
   if backend == "sqlite":
     return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
-  return _PG.new_database()
+  return postgres.shared_cluster().new_database()
 
 
 def send_steps_until_refused(prover: FakeProver) -> bytes:

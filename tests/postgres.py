@@ -1,5 +1,11 @@
-"""A throwaway PostgreSQL cluster on loopback for tests (runs as the postgres user)."""
+"""A throwaway PostgreSQL cluster on loopback for tests (runs as the postgres user).
 
+Suites share one cluster per test process and take a new database each::
+
+  url = postgres.shared_cluster().new_database()
+"""
+
+import atexit
 import glob
 import os
 import pathlib
@@ -57,3 +63,23 @@ class PostgresCluster:
   def stop(self) -> None:
     _as_postgres(_bin("pg_ctl"), "-D", str(self.folder / "data"), "-m", "immediate", "stop")
     shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_SHARED: PostgresCluster | None = None
+
+
+def shared_cluster() -> PostgresCluster:
+  """This process's cluster: started on first use, stopped by ``stop_shared_cluster`` (which
+  pytest calls at the end of the session) or else when the process exits."""
+  global _SHARED
+  if _SHARED is None:
+    _SHARED = PostgresCluster().start()
+    atexit.register(stop_shared_cluster)
+  return _SHARED
+
+
+def stop_shared_cluster() -> None:
+  global _SHARED
+  if _SHARED is not None:
+    _SHARED.stop()
+    _SHARED = None

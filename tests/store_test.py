@@ -13,24 +13,13 @@ from absl.testing import parameterized
 
 from dvbench.server import db
 from zkdv import challenge
-from tests.postgres import PostgresCluster
-
-_PG: PostgresCluster | None = None
-
-
-def setUpModule():
-  global _PG
-  _PG = PostgresCluster().start()
-
-
-def tearDownModule():
-  _PG.stop()
+from tests import postgres
 
 
 def _fresh_url(backend: str) -> str:
   if backend == "sqlite":
     return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
-  return _PG.new_database()
+  return postgres.shared_cluster().new_database()
 
 
 @parameterized.parameters("sqlite", "postgresql")
