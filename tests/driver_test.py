@@ -6,6 +6,7 @@ verifier on the transcript are grouped in the classes named ``...VerifiedTest``.
 """
 
 import dataclasses
+import functools
 import os
 import tempfile
 from unittest import mock
@@ -219,6 +220,7 @@ def _run_in_context(proof, fail: bool):
   return proof
 
 
+@functools.cache  # LifecycleTest and LifecycleVerifiedTest read the same runs
 def _run_with_overlap(policy, backend: str, steps: int = 12):
   proof = testing.new_proof(f"overlap-{policy.value}", update_p=0.5, state_p=0.3,
                             digest_backend=backend)
