@@ -292,15 +292,9 @@ class PostgresStoreTest(StoreCases, absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
-    from tests.postgres import PostgresCluster  # pylint: disable=g-import-not-at-top
-    cls.cluster = PostgresCluster().start()
-    cls.database_url = cls.cluster.new_database()
+    from tests import postgres  # pylint: disable=g-import-not-at-top
+    cls.database_url = postgres.shared_cluster().new_database()
     super().setUpClass()
-
-  @classmethod
-  def tearDownClass(cls):
-    super().tearDownClass()
-    cls.cluster.stop()
 
 
 if __name__ == "__main__":
