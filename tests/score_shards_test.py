@@ -13,18 +13,9 @@ from dvbench.server import db
 from dvbench.server import scoring
 from dvbench.server import store_benchmarks
 from tests.store_test import _fresh_url
-from tests import store_test
 from zkdv import challenge
 
 SUBMISSION = "cd" * 32
-
-
-def setUpModule():
-  store_test.setUpModule()
-
-
-def tearDownModule():
-  store_test.tearDownModule()
 
 
 def _benchmark(store, aggregate: str = "mean", rows: int = 5) -> dict:
