@@ -26,8 +26,8 @@ from tests import tutorial_steps
 from zkdv import transcript
 
 
-def local_transcript(steps: int, update_p: float = 1.0) -> pathlib.Path:
-  proof = testing.new_proof("local", update_p=update_p)
+def local_transcript(steps: int, update_p: float = 1.0, **config) -> pathlib.Path:
+  proof = testing.new_proof("local", update_p=update_p, **config)
   proof.start()
   state = testing.classifier_state(proof)
   train_step = proof.jit(testing.classifier_step, donate_argnums=0)
@@ -336,7 +336,8 @@ class CrashRecoveryTest(DVBenchTestCase):
     server = Server(workers=1).start()
     self.addCleanup(server.stop)
     token = server.token("your-name")
-    path = local_transcript(60, update_p=0.1)
+    # 60 one-step segments at p = 0.5: some update check is drawn (all but 2**-60 of runs).
+    path = local_transcript(60, update_p=0.5, segment_length=1)
     client = dvbench.Client(server.url, token=token)
     experiment = client.experiment("your-name/server-restart")
     held, release, failed = threading.Event(), threading.Event(), threading.Event()
@@ -372,7 +373,8 @@ class CrashRecoveryTest(DVBenchTestCase):
       uploading.join(120)
     self.assertEqual(result.get("id"), proof_id)
     self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
-    self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "self-audited")
+    verdict = client.wait_for_verdict(proof_id, 120)
+    self.assertEqual(verdict["state"], "self-audited", str(verdict))
 
   def test_killed_worker_job_completes_on_another(self):
     server = Server(workers=0).start()

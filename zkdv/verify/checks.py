@@ -19,7 +19,7 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
 from zkdv import transcript
-from zkdv.verify import blobs
+from zkdv.verify.blobs import wanted_blobs
 from zkdv.verify import probes
 from zkdv.verify import start
 from zkdv.verify.context import Verification
@@ -293,8 +293,8 @@ def run_checks(ctx: Verification, progress=None, jobs: int = 1) -> None:
     else:
       following = next((m for m in range(n + 1, len(checks)) if m not in replayed), None)
       if following is not None and programs[following] is not None:  # read while replaying
-        ctx.blobs.prefetch(blobs.wanted_blobs(checks[following], programs[following],
-                                              ctx.model.format_version))
+        ctx.blobs.prefetch(wanted_blobs(checks[following], programs[following],
+                                        ctx.model.format_version))
       outcome = CHECKERS[check.kind](ctx, check, step, program, where)
     if outcome is not None:
       ctx.report.checks.append(dataclasses.replace(
