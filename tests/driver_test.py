@@ -223,7 +223,7 @@ def _run_in_context(proof, fail: bool):
 @functools.cache  # LifecycleTest and LifecycleVerifiedTest read the same runs
 def _run_with_overlap(policy, backend: str, steps: int = 12):
   proof = testing.new_proof(f"overlap-{policy.value}", update_p=0.5, state_p=0.3,
-                            digest_backend=backend)
+                            digest_backend=backend, segment_length=1)
   proof.start(rolling_window=2)
   state = testing.classifier_state(proof, zkdv_overlap=policy)
   train_step = proof.jit(testing.classifier_step, donate_argnums=0)
@@ -287,7 +287,8 @@ def _decided_checks(path) -> set[tuple[int, str]]:
 
 
 def _run_sampled(name: str, steps: int = 16):
-  proof = testing.new_proof(name, update_p=0.5, state_p=0.5)
+  # One-step segments: 16 draws at p = 0.5, so some update check is drawn (all but 2**-16).
+  proof = testing.new_proof(name, update_p=0.5, state_p=0.5, segment_length=1)
   proof.start()
   state = testing.classifier_state(proof)
   train_step = proof.jit(testing.classifier_step)

@@ -253,9 +253,11 @@ class Committer:
       pre = self._started_digests(job.pre_started)
     local = None
     if job.ends:
-      materialized = self.digests.materialize(job.post_started)
       hashed_at = time.perf_counter()
-      local = self.digests.state_digests(materialized)
+      # The host views live only for the hash: a view held longer would keep the next step
+      # from donating the post-state (one more generation of memory).
+      local = self.digests.state_digests(self.digests.materialize(job.post_started))
+      job.post_started = None
       self.hash_seconds = time.perf_counter() - hashed_at
       self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
     replicas = (self.digests.replica_digests(job.post, program.post_layouts)
