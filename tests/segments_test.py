@@ -100,6 +100,24 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual([c.status for c in two.checks if c.kind == "update"],
                      ["verified", "failed"])
 
+  @parameterized.named_parameters(
+      ("batch_blobs_a_string", "batch_blobs", "x"),
+      ("batch_blobs_of_other_types", "batch_blobs", [[1, None], "y", [b"short"]]),
+      ("pre_state_blobs_too_many", "pre_state_blobs", [b"\x00" * 32] * 1000),
+      ("pre_state_blobs_missing", "pre_state_blobs", None))
+  def test_hostile_openings_read_ahead_reaches_the_same_report(self, field, value):
+    def edit(records):
+      check = next(r for r in records if r.get("kind") == "update")
+      if value is None:
+        check.pop(field)
+      else:
+        check[field] = value
+      return records
+    path = rechained(edit, segmented())
+    ahead, inline = (verify.verify(path, read_ahead=r) for r in (True, False))
+    self.assertEqual(ahead.dumps(), inline.dumps())
+    self.assertNotEqual(ahead.verdict, verify.VERIFIED)
+
   def test_a_batch_blob_is_checked_against_its_step_not_its_name(self):
     path = copy_of(segmented())
     check = next(r for r in records_of(path, "check") if r["kind"] == "update")
