@@ -17,7 +17,8 @@ Rows: ``jax.jit``; *naive* (``jax.jit`` + ``jax.device_get`` + ``hashlib.sha256`
 of state and batch every step); *floor* (``jax.jit`` + one native BLAKE3 pass
 over post-state and batch); ``proof.jit`` at p=0.01 with the adaptive segment
 length (the default) for each overlap policy, with segments of one step (every
-state committed, as format 2), with the device digest backend; ``proof.jit`` at
+state committed, as format 2), with a rolling window of 64 steps (so the adaptive
+segments may reach 64), with the device digest backend; ``proof.jit`` at
 p=1.0; and Flax NNX: the same model (the Linen module through ``nnx.bridge.ToNNX``) with ``nnx.Optimizer`` under ``nnx.jit``, and
 with ``zkdv.jax.contrib.nnx.Optimizer`` under ``proof.jit`` at p=0.01.
 """
@@ -70,15 +71,18 @@ WORKLOADS = {"mlp": ("MLP 784-1024x4-10, Adam, batch 1024", common.mlp_workload)
                         lambda: common.mlp_workload(128)),
              "cnn": ("CNN 2 conv + dense, Adam, batch 128", cnn_workload)}
 
-# (row, p, overlap, digest backend, segment length: None is the adaptive default)
-PROOF_CONFIGS = [(f"proof.jit p=0.01 {o.value} host", 0.01, o, "host", None)
+# (row, p, overlap, digest backend, segment length: None is the adaptive default,
+#  rolling window: None is proof.start's default)
+PROOF_CONFIGS = [(f"proof.jit p=0.01 {o.value} host", 0.01, o, "host", None, None)
                  for o in (zkdv.overlap.UNCHECKED, zkdv.overlap.ALWAYS, zkdv.overlap.NEVER)]
 PROOF_CONFIGS += [
-    ("proof.jit p=0.01 unchecked host k=1", 0.01, zkdv.overlap.UNCHECKED, "host", 1),
-    ("proof.jit p=0.01 unchecked device", 0.01, zkdv.overlap.UNCHECKED, "device", None),
-    ("proof.jit p=1.0 unchecked host", 1.0, zkdv.overlap.UNCHECKED, "host", None)]
+    ("proof.jit p=0.01 unchecked host k=1", 0.01, zkdv.overlap.UNCHECKED, "host", 1, None),
+    ("proof.jit p=0.01 unchecked host window=64", 0.01, zkdv.overlap.UNCHECKED, "host", None,
+     64),
+    ("proof.jit p=0.01 unchecked device", 0.01, zkdv.overlap.UNCHECKED, "device", None, None),
+    ("proof.jit p=1.0 unchecked host", 1.0, zkdv.overlap.UNCHECKED, "host", None, None)]
 NNX_PROOF_ROW = "NNX proof.jit p=0.01 unchecked host"
-PROOF_CONFIGS.append((NNX_PROOF_ROW, 0.01, zkdv.overlap.UNCHECKED, "host", None))
+PROOF_CONFIGS.append((NNX_PROOF_ROW, 0.01, zkdv.overlap.UNCHECKED, "host", None, None))
 BASELINES = ["jax.jit", "floor (jit + one BLAKE3 pass)"]  # every table's ratios need them
 ROWS = ["jax.jit", "naive (jit + device_get + sha256)", "floor (jit + one BLAKE3 pass)"] + [
     c[0] for c in PROOF_CONFIGS if c[0] != NNX_PROOF_ROW] + ["NNX nnx.jit", NNX_PROOF_ROW]
@@ -91,12 +95,12 @@ class Runner:
     model, params, batch = WORKLOADS[workload][1]()
     self.batch, self.proof = batch, None
     if row.startswith("proof.jit"):
-      _, p, policy, backend, k = next(c for c in PROOF_CONFIGS if c[0] == row)
+      _, p, policy, backend, k, window = next(c for c in PROOF_CONFIGS if c[0] == row)
       self.proof = zkdv.jax.ZKDV(row, zkdv.ZKDVConfig(
           sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
           digest_backend=backend, segment_length=k,
           output_dir=f"{folder}/{row.replace(' ', '_')}"))
-      self.proof.start()
+      self.proof.start(**({} if window is None else {"rolling_window": window}))
       self.state = zkdv.jax.contrib.TrainState.create(
           proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
           zkdv_overlap=policy)
