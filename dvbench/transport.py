@@ -136,13 +136,15 @@ def blob_refs(record: dict) -> set[str]:
 
 
 def probe_blobs(record: dict) -> set[str]:
-  """Hex digests of the probed batch rows a probe check opens (each row's BLAKE3)."""
+  """Hex digests of the probed batch rows a probe check opens (each row's BLAKE3; a
+  group of rows opens one blob per row)."""
   is_probe = record.get("type") == "check" and record.get("kind") == "probe"
   probes = record.get("probes") if is_probe else None
   if not isinstance(probes, list):
     return set()
-  return {p[2].hex() for p in probes
-          if isinstance(p, list) and len(p) == 4 and isinstance(p[2], bytes) and len(p[2]) == 32}
+  opened = [p[2] for p in probes if isinstance(p, list) and len(p) == 4]
+  return {d.hex() for blobs in opened for d in (blobs if isinstance(blobs, list) else [blobs])
+          if isinstance(d, bytes) and len(d) == 32}
 
 
 class RecordScanner:

@@ -215,13 +215,19 @@ class MultiProcessTest(absltest.TestCase):
         self.assertEqual(sum(h["pieces"] for h in here),
                          sum(len(l.get("pieces", [0])) for s in run_steps
                              for l in layouts[s["program"]]))
-        self.assertEqual(sum(h["rows"] for h in here), 2 * 8 * len(run_steps))
+        # Merkle rows: groups of row_group rows, none spanning the two processes' rows.
+        merkle_rows = [[8 // l.get("row_group", 1) for l in p["batch_layout"]]
+                       for p in testing.records_of(run_folder, "program")]
+        self.assertEqual(sum(h["rows"] for h in here),
+                         sum(sum(merkle_rows[s["program"]]) for s in run_steps))
       # ... and every row is probed, so process 0 wrote rows that process 1 sent.
       probes = [c for c in testing.records_of(folder, "check") if c["kind"] == "probe"]
       self.assertEqual([c["step"] for c in probes], list(range(STEPS)))
+      rows = [8 // l.get("row_group", 1) for l in programs[0]["batch_layout"]]
+      self.assertTrue(all(n >= 2 for n in rows), programs[0]["batch_layout"])
       for c in probes:
         self.assertCountEqual([(leaf, row) for leaf, row, _, _ in c["probes"]],
-                              [(leaf, row) for leaf in (0, 1) for row in range(8)])
+                              [(leaf, row) for leaf in (0, 1) for row in range(rows[leaf])])
       # Each kernel is committed as two column pieces, one held by each process.
       kernel = next(i for i, l in enumerate(programs[0]["state_layout"])
                     if l["path"] == ".params['Dense_0']['kernel']")

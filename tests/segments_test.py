@@ -44,11 +44,11 @@ class SegmentsTest(VerifierTestCase):
 
   def test_an_unknown_format_could_not_be_verified_naming_those_read(self):
     def edit(records):
-      records[0]["format_version"] = 4
+      records[0]["format_version"] = 5
       return records
     report = self.assert_fails(rechained(edit, segmented()), "format_version",
                                verify.UNVERIFIABLE)
-    self.assertIn("formats [2, 3]", report.dumps())
+    self.assertIn("formats [2, 3, 4]", report.dumps())
 
   @parameterized.parameters(3, 4, 5)
   def test_a_faked_step_anywhere_in_a_challenged_segment_is_caught(self, faked):

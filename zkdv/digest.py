@@ -3,7 +3,8 @@
 A leaf digest is ``BLAKE3(np.asarray(x).tobytes())``. A state digest is the
 BLAKE3 of the deterministic CBOR of ``[(keypath, dtype, shape, pieces)]``; a
 batch digest is the same with each leaf's rows (leading axis) folded into an
-RFC 9162 Merkle tree, so single rows can later be opened with a proof.
+RFC 9162 Merkle tree, so single rows can later be opened with a proof. A leaf of
+the tree holds ``row_group`` consecutive rows (format 4; 1 in format 3).
 
 Example::
 
@@ -35,6 +36,15 @@ class LeafLayout:
   shape: tuple[int, ...]
   key_impl: str | None = None
   pieces: tuple | None = None  # distinct shard boxes ((start, stop) per dim); None: whole
+  row_group: int = 1  # a batch leaf's leading-axis rows per Merkle leaf (format 4)
+
+  def __post_init__(self):
+    group = self.row_group
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+      raise ValueError(f"row_group of {self.path} must be a positive int, got {group!r}.")
+    if group > 1 and (self._logical_ndim < 1 or self.shape[0] % group):
+      raise ValueError(f"row_group {group} of {self.path} does not divide its leading axis "
+                       f"(shape {self.shape}).")
 
   def to_record(self) -> dict:
     record = {"path": self.path, "dtype": self.dtype, "shape": list(self.shape)}
@@ -42,6 +52,8 @@ class LeafLayout:
       record["key_impl"] = self.key_impl
     if self.pieces is not None:
       record["pieces"] = [[list(b) for b in box] for box in self.pieces]
+    if self.row_group != 1:
+      record["row_group"] = self.row_group
     return record
 
   @classmethod
@@ -50,7 +62,8 @@ class LeafLayout:
     return cls(path=record["path"], dtype=record["dtype"],
                shape=tuple(record["shape"]), key_impl=record.get("key_impl"),
                pieces=None if pieces is None else tuple(
-                   tuple((int(s), int(e)) for s, e in box) for box in pieces))
+                   tuple((int(s), int(e)) for s, e in box) for box in pieces),
+               row_group=record.get("row_group", 1))
 
   @property
   def boxes(self) -> tuple:
@@ -62,10 +75,38 @@ class LeafLayout:
     return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
 
   @property
+  def _logical_ndim(self) -> int:
+    return len(self.shape) - (1 if self.key_impl else 0)
+
+  @property
   def rows(self) -> int:
-    """Rows for the batch Merkle tree: the leading axis of the logical array."""
-    logical_ndim = len(self.shape) - (1 if self.key_impl else 0)
-    return self.shape[0] if logical_ndim >= 1 else 1
+    """Rows of the batch Merkle tree: groups of ``row_group`` rows of the logical
+    array's leading axis (one row without axes)."""
+    return self.shape[0] // self.row_group if self._logical_ndim >= 1 else 1
+
+
+# A batch's Merkle leaves hold at least this many bytes where its rows allow: BLAKE3 hashes
+# 16 KiB (16 chunks) in parallel, so one leaf per small row costs ~5x the bytes' hashing.
+MIN_LEAF_BYTES = 16 * 1024
+
+
+def row_group_for(layout: LeafLayout, boundaries=()) -> int:
+  """The rows per Merkle leaf for a batch leaf: the least power of two whose rows hold
+  ``MIN_LEAF_BYTES``, at most the largest power of two that divides the leading axis
+  and every row ``boundaries`` offset (where processes split the rows).
+
+  Example::
+
+    assert row_group_for(LeafLayout("x", "float32", (128, 784))) == 8   # 8 x 3,136 bytes
+  """
+  if layout.key_impl is not None or layout._logical_ndim < 1 or layout.shape[0] == 0:
+    return 1
+  row_bytes = layout.nbytes // layout.shape[0]
+  group = 1
+  while group * row_bytes < MIN_LEAF_BYTES and all(
+      n % (group * 2) == 0 for n in (layout.shape[0], *boundaries)):
+    group *= 2
+  return group
 
 
 def numpy_dtype(name: str) -> np.dtype:

@@ -27,8 +27,8 @@ import numpy as np
 from zkdv import errors
 from zkdv.digest import numpy_dtype
 
-FORMAT_VERSION = 3
-READABLE_FORMATS = (2, 3)
+FORMAT_VERSION = 4
+READABLE_FORMATS = (2, 3, 4)
 PROVER = "whitebox-jax"
 RECORDS_FILE = "records.cborl"
 BLOBS_DIR = "blobs"

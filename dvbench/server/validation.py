@@ -278,8 +278,11 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
                                           "a list of digests, or one such list per step")),
               "post_state_blobs": Field(DIGESTS), "result": Field(Map()),
               "pre_state_pieces": Field(PIECES), "batch_roots": Field(DIGESTS),
-              # [leaf, row, the row's blob digest, its Merkle inclusion proof]
-              "probes": Field(ListOf(Row((INDEX, INDEX, DIGEST, ListOf(DIGEST, 64)))))},
+              # [leaf, row, the row's blob digest (format 4: a group's, one per row), its
+              # Merkle inclusion proof]
+              "probes": Field(ListOf(Row((INDEX, INDEX, Either(DIGEST, DIGESTS,
+                                                               "a digest or a list of them"),
+                                          ListOf(DIGEST, 64)))))},
     "final": {"steps": Field(INDEX, _REQ), "status": Field(Text(20), _REQ),
               "discontinuities": Field(ListOf(INDEX)), "final_state": Field(DIGEST),
               "final_state_leaves": Field(PIECES), "final_params": Field(DIGEST),

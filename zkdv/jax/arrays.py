@@ -4,11 +4,14 @@ A PRNG key leaf is committed as its key data (``jax.random.key_data``); its
 layout names the key implementation so it can be rebuilt for replay.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from zkdv import digest
 from zkdv import errors
 from zkdv.digest import LeafLayout
 
@@ -61,6 +64,17 @@ def layout_of(path: str, x: jax.Array, sharded: bool = False) -> LeafLayout:
                     pieces=boxes_of(x) if sharded else None)
 
 
+def batch_layout_of(path: str, x: jax.Array) -> LeafLayout:
+  """A batch leaf's layout, its rows grouped per Merkle leaf (``digest.row_group_for``);
+  in a multi-process run no group spans the rows of two shards."""
+  layout = layout_of(path, x)
+  boundaries = ()
+  if not _fully_addressable(x) and not is_key(x) and x.ndim:
+    boundaries = tuple(b for index in x.sharding.devices_indices_map(tuple(x.shape)).values()
+                       for b in index_box(index, x.shape)[0])
+  return dataclasses.replace(layout, row_group=digest.row_group_for(layout, boundaries))
+
+
 def piece_views(x: jax.Array, layout: LeafLayout) -> list[np.ndarray | None]:
   """Host views of the leaf's pieces that this process holds, None for the others.
 
@@ -88,7 +102,8 @@ def replica_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, str, jax
 
 
 def row_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, int, jax.Array]]:
-  """(first row, row count, data) of the blocks of rows of a batch leaf held here.
+  """(first row, row count, data) of the blocks of Merkle rows of a batch leaf held
+  here, counted in ``layout.rows`` (groups of ``layout.row_group`` leading-axis rows).
 
   The whole leaf where it is all here (or has no rows); in a multi-process
   run, each shard this process commits (replica 0), which must hold whole
@@ -109,7 +124,8 @@ def row_shards(x: jax.Array, layout: LeafLayout) -> list[tuple[int, int, jax.Arr
           f"batch leaf {layout.path} is split along an axis other than its rows "
           f"(shard {box}); a multi-process run commits batch rows where they live. "
           "Shard batches along the leading axis only (PartitionSpec('data')).")
-    blocks.append((box[0][0], box[0][1] - box[0][0], s.data))
+    group = layout.row_group
+    blocks.append((box[0][0] // group, (box[0][1] - box[0][0]) // group, s.data))
   return blocks
 
 

@@ -470,7 +470,7 @@ class Committer:
         data = row_data.get((leaf, row))
         if data is None:  # a pending decision: the row comes from the opened batch
           data = _row_bytes(job.opened[program.batch_indices[leaf]], layout.rows, row)
-        probes.append([leaf, row, self.writer.put_blob(data),
+        probes.append([leaf, row, self._put_row(layout, data),
                        merkle.inclusion_proof(tree_levels[leaf], row)])
     if not probes:
       return
@@ -478,6 +478,15 @@ class Committer:
                         "batch_roots": [digest.tree_root(t) for t in tree_levels],
                         "probes": probes})
     self.checks["probe"] += 1
+
+  def _put_row(self, layout, data):
+    """The blob of a probed Merkle row; of a group of rows, one blob per leading-axis
+    row, so each is named by its own BLAKE3 (a server matches those against datasets)."""
+    if layout.row_group == 1:
+      return self.writer.put_blob(data)
+    width = len(data) // layout.row_group
+    return [self.writer.put_blob(data[i * width:(i + 1) * width])
+            for i in range(layout.row_group)]
 
   # -- checks -------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class DeviceDigests(HostDigests):
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
     """As the host's, each block paired with its row hashes started on its device."""
     return [[(first, count, (block, None if l.key_impl or not l.shape
-                             else device_digest.row_leaf_words(block)))
+                             else device_digest.row_leaf_words(block.reshape(count, -1))))
              for first, count, block in arrays.row_shards(x, l)]
             for x, l in zip(leaves, layouts)]
 
@@ -123,7 +123,9 @@ class DeviceDigests(HostDigests):
     return [device_digest.words_to_bytes(w) for w in np.asarray(words)]
 
   def _row_view(self, block, count: int, row: int) -> np.ndarray:
-    return digest.byte_view(np.asarray(arrays.host_view(block[0][row])))
+    """One row, sliced where the block lives (only its bytes reach the host)."""
+    data = arrays.unwrap_key(block[0])
+    return digest.byte_view(np.asarray(arrays.host_view(data.reshape(count, -1)[row])))
 
 
 def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:

@@ -428,7 +428,8 @@ class ProofFunction:
         state=state, state_indices=state_indices, batch_indices=batch_indices,
         state_layouts=[arrays.layout_of(p, call.leaves[i], sharded=True)
                        for p, i in zip(state_paths, state_indices)],
-        batch_layouts=[arrays.layout_of(all_paths[i], call.leaves[i]) for i in batch_indices],
+        batch_layouts=[arrays.batch_layout_of(all_paths[i], call.leaves[i])
+                       for i in batch_indices],
         params_mask=(state.params_mask() if call.nnx
                      else [p.startswith(".params") for p in state_paths]))
 

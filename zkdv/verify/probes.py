@@ -2,8 +2,10 @@
 
 A probe check record carries the batch's row roots (which must make up the
 step's batch digest) and, per probed row, ``[leaf, row, blob, merkle proof]``
-(RFC 9162). The rows must be exactly those ``Decision.probe_rows`` selects; the
-count is compared before any row is drawn, so hostile sizes cost nothing.
+(RFC 9162). A Merkle row of a leaf with ``row_group`` g > 1 (format 4) is g
+leading-axis rows, opened as a list of g blobs, one per row. The rows must be
+exactly those ``Decision.probe_rows`` selects; the count is compared before any
+row is drawn, so hostile sizes cost nothing.
 
 Example::
 
@@ -25,16 +27,26 @@ def _entry_ok(entry, layouts) -> bool:
   return (isinstance(entry, list) and len(entry) == 4
           and all(isinstance(x, int) and not isinstance(x, bool) for x in entry[:2])
           and 0 <= entry[0] < len(layouts) and 0 <= entry[1] < layouts[entry[0]].rows
-          and isinstance(entry[2], bytes) and isinstance(entry[3], list)
+          and _blobs_ok(entry[2], layouts[entry[0]].row_group) and isinstance(entry[3], list)
           and len(entry[3]) <= MAX_PROOF_LENGTH
           and all(isinstance(p, bytes) for p in entry[3]))
 
 
+def _blobs_ok(blobs, row_group: int) -> bool:
+  """One blob for a single row; a list of one blob per row for a group."""
+  if row_group == 1:
+    return isinstance(blobs, bytes)
+  return (isinstance(blobs, list) and len(blobs) == row_group
+          and all(isinstance(b, bytes) for b in blobs))
+
+
 def _row_proven(ctx, entry, layout, root, where) -> bool:
-  leaf, row, blob, proof = entry
+  leaf, row, blobs, proof = entry
+  blobs = [blobs] if layout.row_group == 1 else blobs
+  width = layout.nbytes // max(layout.rows, 1) // layout.row_group
   try:
-    data = transcript.read_blob(ctx.model.folder, blob, "uint8",
-                                (layout.nbytes // max(layout.rows, 1),))
+    data = b"".join(transcript.read_blob(ctx.model.folder, b, "uint8", (width,)).tobytes()
+                    for b in blobs)
   except FileNotFoundError:
     ctx.report.fail("probe", where, f"probe blob of row {row} of {layout.path} is missing.",
                     UNVERIFIABLE)
@@ -42,8 +54,7 @@ def _row_proven(ctx, entry, layout, root, where) -> bool:
   except (OSError, errors.TranscriptFormatError, TypeError, ValueError) as e:
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: {e}")
     return False
-  if not merkle.verify_inclusion(merkle.leaf_hash(data.tobytes()), row, layout.rows, proof,
-                                 root):
+  if not merkle.verify_inclusion(merkle.leaf_hash(data), row, layout.rows, proof, root):
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path} (leaf {leaf}) is "
                     "not in the committed batch (its Merkle proof fails).")
     return False

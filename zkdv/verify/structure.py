@@ -65,8 +65,9 @@ SCHEMAS = {
                     frozenset({"discontinuities", "final_state", "final_state_leaves",
                                "final_params", "seed"})),
 }
-# Format 2 step records commit both states; format 3 only at segment boundaries.
-STEP_STATES = {2: ("pre_state", "post_state"), 3: ()}
+# Format 2 step records commit both states; formats 3 and 4 only at segment boundaries
+# (format 4 adds row groups to batch layouts).
+STEP_STATES = {2: ("pre_state", "post_state"), 3: (), 4: ()}
 # A check record of each kind (docs/protocol.md), beyond "step" and "kind".
 CHECK_SCHEMAS = {
     "update": Schema({"first": int, "pre_state_blobs": list, "batch_blobs": list},
@@ -213,7 +214,8 @@ def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
     report.fail("format_version", "record 0",
                 f"could not verify: format {version!r} is not supported by this zkdv; it "
                 f"verifies formats {list(transcript_lib.READABLE_FORMATS)} (format 2: a state "
-                "commitment per step; format 3: per segment; docs/protocol.md). Verify it "
+                "commitment per step; format 3: per segment; format 4: batch rows grouped per "
+                "Merkle leaf; docs/protocol.md). Verify it "
                 "with the zkdv release that wrote it.", UNVERIFIABLE)
     return None
   model.format_version = version
@@ -298,7 +300,7 @@ def _read_program(model, parsed, where, report) -> None:
     report.fail("program_id", where, "program blob and program id differ.")
   try:
     program = _parse_program(rec, _program_blob(model.folder, rec["program_id"], where, report),
-                             where)
+                             where, model.format_version)
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     report.fail("schema", where, f"program layout is malformed: {e!r}.")
     return
@@ -336,10 +338,14 @@ def _layouts(records) -> tuple:
   return layouts
 
 
-def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
+def _parse_program(rec: dict, blob: bytes | None, where: str, format_version: int) -> Program:
   state, batch = _layouts(rec["state_layout"]), _layouts(rec["batch_layout"])
   # The post-state is laid out as the program places its outputs (by default as its inputs).
   post = _layouts(rec.get("post_state_layout", rec["state_layout"]))
+  grouped = [l.path for l in (*state, *post, *(batch if format_version < 4 else ()))
+             if l.row_group != 1]
+  if grouped:
+    raise ValueError(f"row_group is a format 4 field of batch layouts only: {grouped[:4]}")
   if [(l.path, l.dtype, l.shape) for l in post] != [(l.path, l.dtype, l.shape) for l in state]:
     raise ValueError("post_state_layout does not match state_layout")
   if sorted(rec["inputs"]) != sorted(["state"] * len(state) + ["batch"] * len(batch)):

@@ -1,0 +1,131 @@
+"""Format 4 row groups: where a batch's rows are small, a Merkle leaf of its row tree holds
+several of them (``digest.row_group_for``), so committing a batch takes a few hashes
+instead of one per row. A probe opens a whole group, one blob per row, each named by the
+row's own BLAKE3."""
+
+import functools
+
+import blake3
+import jax
+import numpy as np
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from dvbench import transport
+from tests import testing
+from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
+from zkdv import digest
+from zkdv import verify
+from zkdv.digest import LeafLayout
+
+ROWS, WIDTH, STEPS = 32, 256, 4  # uint32 rows of 1 KiB: 16 per Merkle leaf, 2 leaves
+
+
+def batch(step: int) -> np.ndarray:
+  return np.random.default_rng(step).integers(0, 2, (ROWS, WIDTH), dtype=np.uint32)
+
+
+@functools.cache
+def grouped_transcript():
+  """Four steps of the tutorial's classifier on 1 KiB rows, every step probed."""
+  proof = testing.new_proof("grouped", update_p=1.0)
+  proof.start(probe_ratio=0.5)
+  state = testing.classifier_state(proof)
+  train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+  for step in range(STEPS):
+    state = train_step(state, jax.numpy.asarray(batch(step)))
+  return proof.finish()
+
+
+class RowGroupForTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("images_784_floats", LeafLayout("x", "float32", (128, 784)), (), 8),
+      ("labels", LeafLayout("y", "int32", (128,)), (), 128),
+      ("divides_the_leading_axis", LeafLayout("y", "int32", (100,)), (), 4),
+      ("large_rows_alone", LeafLayout("x", "float32", (8, 64, 64, 3)), (), 1),
+      ("within_each_process", LeafLayout("y", "int32", (128,)), (0, 48, 48, 128), 16),
+      ("key", LeafLayout("k", "uint32", (4, 2), key_impl="threefry2x32"), (), 1),
+      ("scalar", LeafLayout("s", "float32", ()), (), 1),
+      ("no_rows", LeafLayout("x", "float32", (0, 3)), (), 1))
+  def test_group(self, layout, boundaries, expected):
+    group = digest.row_group_for(layout, boundaries)
+    self.assertEqual(group, expected)
+    grouped = LeafLayout(layout.path, layout.dtype, layout.shape, layout.key_impl,
+                         row_group=group)
+    self.assertEqual(grouped.rows, layout.rows // group if layout.shape else 1)
+
+  @parameterized.parameters(0, -2, True, 3, 2.0, "4")
+  def test_a_row_group_that_does_not_divide_the_rows_is_refused(self, group):
+    with self.assertRaisesRegex(ValueError, "row_group"):
+      LeafLayout.from_record({"path": "y", "dtype": "int32", "shape": [128],
+                              "row_group": group})
+
+  def test_a_scalar_has_no_groups(self):
+    with self.assertRaisesRegex(ValueError, "does not divide"):
+      LeafLayout("s", "float32", (), row_group=2)
+
+
+class RowGroupsTest(VerifierTestCase):
+
+  def test_small_rows_are_grouped_and_verify(self):
+    report = verify.verify(grouped_transcript())
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual(report.probed_rows, STEPS)  # one group of the two at each step
+    records = testing.records_of(grouped_transcript())
+    self.assertEqual(records[0]["format_version"], 4)
+    layout = first(records, "program")["batch_layout"][0]
+    self.assertEqual((layout["shape"], layout["row_group"]), ([ROWS, WIDTH], 16))
+
+  def test_a_probe_opens_each_row_of_its_group_under_the_rows_own_digest(self):
+    probes = [r for r in testing.records_of(grouped_transcript(), "check")
+              if r["kind"] == "probe"]
+    self.assertLen(probes, STEPS)
+    for record in probes:
+      (leaf, group, blobs, proof), = record["probes"]
+      rows = batch(record["step"])[group * 16:(group + 1) * 16]
+      self.assertEqual((leaf, len(proof)), (0, 1))
+      self.assertEqual(blobs, [blake3.blake3(r.tobytes()).digest() for r in rows])
+      # The server matches these digests against benchmark and training-set rows.
+      self.assertEqual(transport.probe_blobs(record), {b.hex() for b in blobs})
+
+  def test_rows_swapped_within_a_group_are_caught(self):
+    def swap(records):
+      probe = first(records, "check", kind="probe")
+      blobs = probe["probes"][0][2]
+      probe["probes"][0][2] = [blobs[1], blobs[0], *blobs[2:]]
+      return records
+    report = self.assert_fails(rechained(swap, grouped_transcript()), "probe")
+    self.assertIn("not in the committed batch", report.dumps())
+
+  def test_a_group_opened_as_one_blob_is_malformed(self):
+    def one_blob(records):
+      probe = first(records, "check", kind="probe")
+      probe["probes"][0][2] = probe["probes"][0][2][0]
+      return records
+    report = self.assert_fails(rechained(one_blob, grouped_transcript()), "probe")
+    self.assertIn("malformed probe entry", report.dumps())
+
+  @parameterized.parameters(1, 8, 32)
+  def test_a_relabelled_grouping_does_not_make_up_the_batch_digests(self, group):
+    def regroup(records):
+      first(records, "program")["batch_layout"][0]["row_group"] = group
+      return records
+    report = self.assert_fails(rechained(regroup, grouped_transcript()))
+    self.assertIn("batch_roots do not make up the batch digest", report.dumps())
+
+  def test_row_groups_in_a_format_3_transcript_are_malformed(self):
+    def as_format_3(records):
+      records[0]["format_version"] = 3
+      return records
+    report = self.assert_fails(rechained(as_format_3, grouped_transcript()), "schema")
+    self.assertIn("row_group is a format 4 field", report.dumps())
+
+  def test_format_3_still_verifies(self):
+    report = verify.verify(write_transcript(format_version=3, segment_length=2))
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertGreater(report.probed_rows, 0)
+
+
+if __name__ == "__main__":
+  absltest.main()
