@@ -71,7 +71,7 @@ class RowGroupsTest(VerifierTestCase):
   def test_small_rows_are_grouped_and_verify(self):
     report = verify.verify(grouped_transcript())
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
-    self.assertEqual(report.probed_rows, STEPS)  # one group of the two at each step
+    self.assertEqual(report.probed_rows, STEPS * 16)  # one group of the two at each step
     records = testing.records_of(grouped_transcript())
     self.assertEqual(records[0]["format_version"], 4)
     layout = first(records, "program")["batch_layout"][0]

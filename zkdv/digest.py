@@ -42,7 +42,7 @@ class LeafLayout:
     group = self.row_group
     if not isinstance(group, int) or isinstance(group, bool) or group < 1:
       raise ValueError(f"row_group of {self.path} must be a positive int, got {group!r}.")
-    if group > 1 and (self._logical_ndim < 1 or self.shape[0] % group):
+    if group > 1 and (self.logical_ndim < 1 or self.shape[0] % group):
       raise ValueError(f"row_group {group} of {self.path} does not divide its leading axis "
                        f"(shape {self.shape}).")
 
@@ -75,14 +75,14 @@ class LeafLayout:
     return int(np.prod(self.shape, dtype=np.int64)) * numpy_dtype(self.dtype).itemsize
 
   @property
-  def _logical_ndim(self) -> int:
+  def logical_ndim(self) -> int:
     return len(self.shape) - (1 if self.key_impl else 0)
 
   @property
   def rows(self) -> int:
     """Rows of the batch Merkle tree: groups of ``row_group`` rows of the logical
     array's leading axis (one row without axes)."""
-    return self.shape[0] // self.row_group if self._logical_ndim >= 1 else 1
+    return self.shape[0] // self.row_group if self.logical_ndim >= 1 else 1
 
 
 # A batch's Merkle leaves hold at least this many bytes where its rows allow: BLAKE3 hashes
@@ -99,7 +99,7 @@ def row_group_for(layout: LeafLayout, boundaries=()) -> int:
 
     assert row_group_for(LeafLayout("x", "float32", (128, 784))) == 8   # 8 x 3,136 bytes
   """
-  if layout.key_impl is not None or layout._logical_ndim < 1 or layout.shape[0] == 0:
+  if layout.key_impl is not None or layout.logical_ndim < 1 or layout.shape[0] == 0:
     return 1
   row_bytes = layout.nbytes // layout.shape[0]
   group = 1

@@ -98,5 +98,5 @@ def probe_check(ctx: Verification, check, step, program, where: str) -> CheckOut
     return outcome
   if all([_row_proven(ctx, e, layouts[e[0]], roots[e[0]], where) for e in entries]):
     outcome.status = "verified"
-    ctx.report.probed_rows += len(entries)
+    ctx.report.probed_rows += sum(layouts[e[0]].row_group for e in entries)  # data rows
   return outcome
