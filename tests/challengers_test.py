@@ -181,7 +181,9 @@ class LateDecisionsTest(parameterized.TestCase):
       self._train(proof, 12)
       proof.finish()
     self.assertEqual(proof.failed_checks, [])
-    report = verify.verify(proof.path, challenge_key=proof.key)
+    # min_checks=0: with 4 segments at p = 0.5, one run in 16 draws no update check at all;
+    # the checks that were drawn are still replayed, and `answered` below must equal them.
+    report = verify.verify(proof.path, challenge_key=proof.key, min_checks=0)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     records = transcript.read_transcript(proof.path).records
     policy = challenge.Policy(0.5, 0.3, 0.5, 3)
