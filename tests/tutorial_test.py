@@ -17,6 +17,7 @@ from zkdv import digest
 from zkdv import verify
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE_STEPS = 3  # every step checked (p = 1): each of the example's proofs replays them all
 
 
 class TutorialTest(absltest.TestCase):
@@ -71,9 +72,9 @@ class TutorialTest(absltest.TestCase):
   def test_example_program_and_cli(self):
     out = pathlib.Path(tempfile.mkdtemp())
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples/jax/proof_trainstate.py"), "--steps", "6",
-         "--probability", "1.0", "--output-dir", str(out)], capture_output=True, text=True,
-        check=True, cwd=out)
+        [sys.executable, str(ROOT / "examples/jax/proof_trainstate.py"),
+         "--steps", str(EXAMPLE_STEPS), "--probability", "1.0", "--output-dir", str(out)],
+        capture_output=True, text=True, check=True, cwd=out)
     names = ["jax-train-state", "batch-stats-dropout", "attest-apply-fn",
              "overlap-unchecked", "overlap-always", "overlap-never"]
     cli = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(out / names[0]),
@@ -82,11 +83,11 @@ class TutorialTest(absltest.TestCase):
     reports = {names[0]: json.loads(cli.stdout)}
     reports.update({name: verify.verify(out / name).to_json() for name in names[1:]})
     for name in names:
-      self.assertIn(f"{name}: 6 steps", result.stdout)
+      self.assertIn(f"{name}: {EXAMPLE_STEPS} steps", result.stdout)
       self.assertIn(f"zkdv verify {out / name}", result.stdout)  # what to run next
       report = reports[name]
       self.assertEqual(report["verdict"], "verified", report)
-      self.assertEqual(report["steps"], 6)
+      self.assertEqual(report["steps"], EXAMPLE_STEPS)
       self.assertEqual(len(report["checks"]),
                        len(testing.records_of(out / name, "check")))
     checkpoint = out / "jax-train-state" / "jax-checkpoint.msgpack"  # beside its records
@@ -104,7 +105,7 @@ class TutorialTest(absltest.TestCase):
                              check=True)
     summary = json.loads(inspect.stdout)
     self.assertEqual(summary["root"]["name"], "jax-train-state")
-    self.assertEqual(summary["steps"], 6)
+    self.assertEqual(summary["steps"], EXAMPLE_STEPS)
     self.assertEqual(summary["programs"][0]["mode"], "exact")
 
   def test_import_zkdv_does_not_import_jax(self):
