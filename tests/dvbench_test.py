@@ -336,8 +336,8 @@ class CrashRecoveryTest(DVBenchTestCase):
     server = Server(workers=1).start()
     self.addCleanup(server.stop)
     token = server.token("your-name")
-    # 60 one-step segments at p = 0.5: some update check is drawn (all but 2**-60 of runs).
-    path = local_transcript(60, update_p=0.5, segment_length=1)
+    # 30 one-step segments at p = 0.5: some update check is drawn (all but 2**-30 of runs).
+    path = local_transcript(30, update_p=0.5, segment_length=1)
     client = dvbench.Client(server.url, token=token)
     experiment = client.experiment("your-name/server-restart")
     held, release, failed = threading.Event(), threading.Event(), threading.Event()
