@@ -24,6 +24,7 @@ with ``zkdv.jax.contrib.nnx.Optimizer`` under ``proof.jit`` at p=0.01.
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import subprocess
@@ -203,6 +204,7 @@ def measure(workload: str, rounds: int, block: int, rss: bool,
     for _ in range(3):
       jax.block_until_ready(r.step())
     r.settle()
+  gc.collect()  # the setup's garbage is not the steps' to collect (as pyperf does)
   times = {row: [] for row in rows}
   for _ in range(rounds):
     for row, r in runners.items():

@@ -233,6 +233,23 @@ class NNXTest(parameterized.TestCase):
     self.assertEqual(proof.steps, 0)
 
 
+class SplitGraphTest(absltest.TestCase):
+  """The search for NNX objects in a call, and the structures it remembers as without."""
+
+  def test_a_structure_known_without_objects_still_finds_them(self):
+    array = jnp.ones((2,))
+    self.assertIsNone(zkdv_nnx.split_graph(({"x": array},), {}, "step"))
+    self.assertTrue(zkdv_nnx._known_without_nodes(({"x": array},), {}))
+    # The same dict with an NNX object where the array was is searched and the object found
+    # (a model without its optimizer is then refused).
+    for found in (MLP(nnx.Rngs(0)), nnx.Param(jnp.zeros(()))):
+      self.assertFalse(zkdv_nnx._known_without_nodes(({"x": found},), {}))
+      with self.assertRaisesRegex(errors.StepInputError, "0 zkdv.jax.contrib.nnx.Optimizers"):
+        zkdv_nnx.split_graph(({"x": found},), {}, "step")
+    self.assertFalse(zkdv_nnx._is_node(array))
+    self.assertTrue(zkdv_nnx._is_node(jax.new_ref(array)))  # a mutable array is a graph node
+
+
 class NNXExampleTest(absltest.TestCase):
 
   def test_example_program_runs_and_checks_its_step(self):

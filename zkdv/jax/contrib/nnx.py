@@ -21,10 +21,13 @@ Example::
   loss = train_step(model, optimizer, x, y)  # model and optimizer are updated in place
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from flax import struct
@@ -106,8 +109,17 @@ class _NodeRef(struct.PyTreeNode):
   index: int = struct.field(pytree_node=False)
 
 
+@functools.cache
+def _plain_leaf_types() -> frozenset[type]:
+  """Leaf types that are never NNX graph nodes: jax.Array's concrete type (a mutable
+  ``jax.Ref`` has its own), numpy arrays and Python scalars."""
+  return frozenset({type(jnp.zeros(())), np.ndarray, bool, int, float, complex})
+
+
 def _is_node(x) -> bool:
-  return nnx.graphlib.is_graph_node(x)
+  """Whether ``x`` is an NNX graph node; a plain array (most leaves of a call) is answered
+  by its type, as ``nnx.graphlib.is_graph_node`` inspects each array's abstract type."""
+  return type(x) not in _plain_leaf_types() and nnx.graphlib.is_graph_node(x)
 
 
 def _the_optimizer(nodes: tuple, name: str) -> Optimizer:
@@ -125,15 +137,51 @@ def _the_optimizer(nodes: tuple, name: str) -> Optimizer:
   return ours[0]
 
 
+# Call structures (pytree definitions) found to hold no NNX object. Whether a pytree node
+# is a graph node depends on its type alone, which its definition records, so a call with a
+# known definition and plain leaves holds none: a Linen TrainState step skips the search.
+_WITHOUT_NODES: set = set()
+
+
+def _plain_structure(args: tuple, kwargs: dict):
+  """The call's pytree definition if every leaf is a plain array or scalar, else None."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  plain = _plain_leaf_types()
+  return treedef if all(type(x) in plain for x in leaves) else None
+
+
+def _known_without_nodes(args: tuple, kwargs: dict) -> bool:
+  treedef = _plain_structure(args, kwargs)
+  try:
+    return treedef is not None and treedef in _WITHOUT_NODES
+  except TypeError:  # a static field that cannot be hashed
+    return False
+
+
+def _remember_without_nodes(args: tuple, kwargs: dict) -> None:
+  treedef = _plain_structure(args, kwargs)
+  if treedef is None:
+    return
+  if len(_WITHOUT_NODES) >= 64:
+    _WITHOUT_NODES.clear()
+  try:
+    _WITHOUT_NODES.add(treedef)
+  except TypeError:
+    pass
+
+
 def split_graph(args: tuple, kwargs: dict, name: str):
   """(pure args, pure kwargs, the NNX objects) of a call; None if it passes no NNX object.
 
   The first NNX object's place holds the ``GraphState`` of all of them (split
   together, so shared variables stay shared); the others hold a ``_NodeRef``.
   """
+  if _known_without_nodes(args, kwargs):
+    return None
   leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
   nodes = tuple({id(x): x for x in leaves if _is_node(x)}.values())
   if not nodes:
+    _remember_without_nodes(args, kwargs)
     return None
   optimizer = _the_optimizer(nodes, name)
   graphdef, state = nnx.split(nodes)
