@@ -76,6 +76,13 @@ class DigestTest(parameterized.TestCase):
 
 class MerkleTest(parameterized.TestCase):
 
+  @parameterized.parameters(1, 7, merkle.IN_PLACE_ROW_BYTES - 1, merkle.IN_PLACE_ROW_BYTES,
+                            3 * merkle.IN_PLACE_ROW_BYTES + 5)
+  def test_leaf_hashes_of_narrow_and_wide_rows_are_each_rows_leaf_hash(self, width):
+    rows = np.random.default_rng(width).integers(0, 256, (5, width), np.uint8)
+    self.assertEqual(merkle.leaf_hashes(rows), [
+        blake3.blake3(b"\x00" + row.tobytes()).digest() for row in rows])
+
   @parameterized.parameters(*range(0, 18))
   def test_root_matches_rfc_and_every_proof_verifies(self, n):
     data = [bytes([i]) * (i + 1) for i in range(n)]

@@ -52,8 +52,14 @@ class HostDigests:
     return digest.leaf_digest(arrays.host_view(data))
 
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
-    """Each batch leaf's blocks of rows held here: [(first row, count, data)]."""
-    return [arrays.row_shards(x, l) for x, l in zip(leaves, layouts)]
+    """Each batch leaf's blocks of rows held here: [(first row, count, data)].
+
+    A block on one device is taken as a host view now, before the step runs: exporting
+    a buffer that a running step reads costs about 0.1 ms of CPU, an idle one a few
+    microseconds.
+    """
+    return [[(first, count, _idle_view(block)) for first, count, block in arrays.row_shards(x, l)]
+            for x, l in zip(leaves, layouts)]
 
   def row_hashes(self, started: list, layouts: list[LeafLayout]) -> list[list[bytes | None]]:
     """Each batch leaf's row hashes (None for rows held elsewhere)."""
@@ -79,6 +85,13 @@ class HostDigests:
       if first <= row < first + count:
         return self._row_view(block, count, row - first)
     return None
+
+
+def _idle_view(block):
+  """A host view of a block on one device (zero-copy); a block on several as it is."""
+  if isinstance(block, jax.Array) and len(block.devices()) == 1:
+    return arrays.host_view(block)
+  return block
 
 
 class DeviceDigests(HostDigests):
