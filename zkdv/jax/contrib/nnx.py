@@ -144,30 +144,16 @@ _WITHOUT_NODES: set = set()
 
 
 def _plain_structure(args: tuple, kwargs: dict):
-  """The call's pytree definition if every leaf is a plain array or scalar, else None."""
+  """The call's pytree definition if every leaf is a plain array or scalar and the
+  definition can be hashed, else None."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  plain = _plain_leaf_types()
-  return treedef if all(type(x) in plain for x in leaves) else None
-
-
-def _known_without_nodes(args: tuple, kwargs: dict) -> bool:
-  treedef = _plain_structure(args, kwargs)
+  if not all(type(x) in _plain_leaf_types() for x in leaves):
+    return None
   try:
-    return treedef is not None and treedef in _WITHOUT_NODES
+    hash(treedef)
   except TypeError:  # a static field that cannot be hashed
-    return False
-
-
-def _remember_without_nodes(args: tuple, kwargs: dict) -> None:
-  treedef = _plain_structure(args, kwargs)
-  if treedef is None:
-    return
-  if len(_WITHOUT_NODES) >= 64:
-    _WITHOUT_NODES.clear()
-  try:
-    _WITHOUT_NODES.add(treedef)
-  except TypeError:
-    pass
+    return None
+  return treedef
 
 
 def split_graph(args: tuple, kwargs: dict, name: str):
@@ -176,12 +162,16 @@ def split_graph(args: tuple, kwargs: dict, name: str):
   The first NNX object's place holds the ``GraphState`` of all of them (split
   together, so shared variables stay shared); the others hold a ``_NodeRef``.
   """
-  if _known_without_nodes(args, kwargs):
+  structure = _plain_structure(args, kwargs)
+  if structure is not None and structure in _WITHOUT_NODES:
     return None
   leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
   nodes = tuple({id(x): x for x in leaves if _is_node(x)}.values())
   if not nodes:
-    _remember_without_nodes(args, kwargs)
+    if structure is not None:
+      if len(_WITHOUT_NODES) >= 64:
+        _WITHOUT_NODES.clear()
+      _WITHOUT_NODES.add(structure)
     return None
   optimizer = _the_optimizer(nodes, name)
   graphdef, state = nnx.split(nodes)
