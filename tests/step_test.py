@@ -109,6 +109,50 @@ class StepTest(absltest.TestCase):
     self.assertLen(testing.records_of(proof.path, "program"), 1)
     self.assertEqual([s["program"] for s in testing.records_of(proof.path, "step")], [0, 0, 0])
 
+  def test_the_provers_replay_runs_productions_executable_without_compiling_again(self):
+    proof = testing.new_proof("one-compilation", update_p=1.0, segment_length=2)
+    proof.start()
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    for _ in range(4):
+      state = train_step(state, BATCH)
+    proof.finish()
+    (program,) = train_step._programs.values()  # pylint: disable=protected-access
+    self.assertIn(True, program.weak_types)  # Flax's step=0: replayed with its weak type
+    self.assertIs(program.replay_executable, program.executable)
+    # One trace and compilation: the first step's new TrainState (uncommitted arrays),
+    # the next steps' outputs (committed) and the replays' fresh inputs run one executable.
+    self.assertEqual(program.executable._cache_size(), 1)  # pylint: disable=protected-access
+    self.assertEqual(proof.checks["update"], 2)
+    self.assertEqual(proof.failed_checks, [])
+
+  def test_a_wrong_production_step_fails_the_provers_own_replay(self):
+    # A fault in what production returned (here: one leaf plus one at step 2) is not
+    # in the compiled program, which the prover's replay runs again.
+    proof = testing.new_proof("fault", update_p=1.0, segment_length=2)
+    proof.start()
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    state = train_step(state, BATCH)
+    (program,) = train_step._programs.values()  # pylint: disable=protected-access
+    honest, calls = program.executable, [1]
+
+    def faulty(*leaves):
+      outs = list(honest(*leaves))
+      if calls[0] == 2:
+        first = program.post_indices[0]
+        outs[first] = outs[first] + 1
+      calls[0] += 1
+      return outs
+
+    program.executable = faulty
+    for _ in range(3):
+      state = train_step(state, BATCH)
+    with self.assertRaisesRegex(errors.ReplayError, "first at step 3, leaves .'end state'."):
+      proof.finish()
+    self.assertEqual([(f["first"], f["step"]) for f in proof.failed_checks], [(2, 3)])
+    self.assertEqual(proof.failed_checks[0]["mismatched_leaves"], ["end state"])
+
   def test_exported_programs_carry_no_paths_of_the_provers_machine(self):
     proof = testing.new_proof("no-paths")
     proof.start()

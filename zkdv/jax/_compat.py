@@ -15,10 +15,11 @@ from jax._src.export import _export
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir import passmanager
+from jax._src.lax import lax
 from jax._src.tree_util import broadcast_prefix
 
 __all__ = ["broadcast_prefix", "distributed_client", "exported_abstract_mesh",
-           "without_locations"]
+           "weakly_typed", "without_locations"]
 
 
 def without_locations(exported: jax.export.Exported) -> jax.export.Exported:
@@ -57,3 +58,12 @@ def distributed_client():
   collectives; JAX exposes it only privately.
   """
   return distributed.global_state.client
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+  """``x`` with a weak type (as a Python scalar's), same dtype and bytes.
+
+  A program traced with a weakly typed input (Flax's ``step=0``) runs again without a
+  second trace only with one; JAX makes weak arrays only privately.
+  """
+  return lax._convert_element_type(x, weak_type=True)  # pylint: disable=protected-access

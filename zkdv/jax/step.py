@@ -155,7 +155,9 @@ class Program:
   debug_calls: list = dataclasses.field(default_factory=list)  # emitted after each run
   post_layouts: list[LeafLayout] | None = None  # as it returns it; set by the first run
   metric_outputs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-  _replay: Callable | None = None
+  weak_types: tuple[bool, ...] = ()  # of the inputs, as production's executable takes them
+  replay_executable: Callable | None = None  # an exact program's: production's own
+  commits_inputs: bool = False  # an exact program on one device: see ``placed``
   _replay_sharded: Any = None
 
   @functools.cached_property
@@ -175,12 +177,32 @@ class Program:
     if self.post_layouts != self.state_layouts:
       self.record["post_state_layout"] = [l.to_record() for l in self.post_layouts]
 
-  def replay(self, *inputs):
-    """Runs the update program compiled from its serialized form, as a verifier does."""
-    if self._replay is None:
-      self._replay = replay.compile_program(jax.export.deserialize(self.blob),
-                                     compiler_options=self.compiler_options)
-    return self._replay(*inputs)
+  def replay(self, *inputs: jax.Array):
+    """Runs the update program on ``inputs``, which it may consume (as production, it
+    donates the donated ones): fresh arrays nothing else holds.
+
+    An exact program runs production's executable, compiled once from the serialized
+    program (as a verifier compiles it); an equivalent one, the serialized program
+    compiled as a verifier does (production runs its own ``apply_fn``).
+    """
+    if self.replay_executable is None:  # an equivalent program
+      self.replay_executable = replay.compile_program(jax.export.deserialize(self.blob),
+                                                      compiler_options=self.compiler_options)
+    if self.exact:  # as production's types and placement: no second trace and compilation
+      inputs = self.placed([_compat.weakly_typed(x) if weak and not _weak_type(x) else x
+                            for x, weak in zip(inputs, self.weak_types)])
+    return self.replay_executable(*inputs)
+
+  def placed(self, leaves: list) -> list:
+    """The inputs as production runs them.
+
+    A jitted exported call is lowered again when its inputs go from uncommitted (a new
+    ``TrainState``) to committed (a step's outputs), so an exact program on one device
+    takes every input committed where it is: one compilation, not two.
+    """
+    if not self.commits_inputs:
+      return leaves
+    return [x if x.committed else jax.device_put(x, x.sharding) for x in leaves]
 
   def replay_sharded(self, opened: list[np.ndarray]) -> list[np.ndarray]:
     """``replay`` on whole host inputs, placed as the program takes them; returns
@@ -355,7 +377,7 @@ class ProofFunction:
       program = self._build(call)
       self._programs[call.program_key] = program
       self._static = call.static
-    flat = self._proof.run_step(program, call.leaves)
+    flat = self._proof.run_step(program, program.placed(call.leaves))
     if program.debug_calls:  # the step's jax.debug.print values, returned by the program
       flat = debug_calls_lib.emit(program.debug_calls, flat)
     outs = jax.tree.unflatten(program.out_tree, flat)
@@ -406,6 +428,10 @@ class ProofFunction:
         batch_layouts=inputs.batch_layouts, params_mask=inputs.params_mask,
         donated=donated, overlap=None if self.manual else inputs.state.zkdv_overlap,
         executable=executable, compiler_options=self._options.get("compiler_options"),
+        weak_types=tuple(s.weak_type for s in call.specs) if exact else (),
+        replay_executable=executable if exact else None,
+        commits_inputs=(exact and exported.nr_devices == 1 and not shardings
+                        and not {"device", "backend"} & set(self._options)),
         debug_calls=debug_calls if exact else [])  # else production's jax.jit prints itself
 
   def _donates_every_nnx_argument(self, call: _Call) -> bool:
