@@ -1,7 +1,7 @@
 """What a verifiable step costs: proof.jit against jax.jit, a naive baseline and the floor.
 
   python -m benchmarks.overhead [--workload mlp|mlp256|mlp128|cnn|all] [--rounds 6] [--block 20]
-                                [--rows ...]
+                                [--rows ...] [--pipelined]
 
 Every configuration trains its own copy of the workload in one process; the
 configurations take turns in blocks of ``--block`` steps (A, B, C, ..., A, B,
@@ -12,6 +12,11 @@ the median block would leave it out), and the ratios are of those; the median
 block is shown beside it. Peak RSS is measured for each configuration in a
 fresh subprocess. Column *k* is the median segment length a proof used. The
 table comes last.
+
+By default every step is awaited (``jax.block_until_ready``), as a loop that reads
+each step's loss does: the driver's Python before a step's dispatch adds to every
+step. ``--pipelined`` awaits only each block's last step, as a loop that lets JAX
+dispatch ahead does: that Python then runs while the previous step computes.
 
 Rows: ``jax.jit``; *naive* (``jax.jit`` + ``jax.device_get`` + ``hashlib.sha256``
 of state and batch every step); *floor* (``jax.jit`` + one native BLAKE3 pass
@@ -196,8 +201,20 @@ def peak_rss_mb(row: str, workload: str, steps: int) -> float:
   return int(out.stdout.split()[-1]) / 1024
 
 
+def run_block(runner, steps: int, pipelined: bool) -> None:
+  """``steps`` steps, each awaited (``pipelined=False``: a loop that reads every step's
+  result) or only the last (a loop that lets JAX dispatch ahead), then the proof's drain."""
+  out = None
+  for _ in range(steps):
+    out = runner.step()
+    if not pipelined:
+      jax.block_until_ready(out)
+  jax.block_until_ready(out)
+  runner.settle()
+
+
 def measure(workload: str, rounds: int, block: int, rss: bool,
-            rows: list[str] = ROWS) -> list[list]:
+            rows: list[str] = ROWS, pipelined: bool = False) -> list[list]:
   folder = tempfile.mkdtemp(prefix="zkdv-overhead-")
   runners = {row: make_runner(row, workload, folder) for row in rows}
   for r in runners.values():  # warm-up: compile, first commitments
@@ -209,9 +226,7 @@ def measure(workload: str, rounds: int, block: int, rss: bool,
   for _ in range(rounds):
     for row, r in runners.items():
       start = time.perf_counter()
-      for _ in range(block):
-        jax.block_until_ready(r.step())
-      r.settle()
+      run_block(r, block, pipelined)
       times[row].append((time.perf_counter() - start) / block)
   # A segment's state hash lands in one block of several: the throughput is over all
   # steps (the mean), beside the median block.
@@ -236,12 +251,16 @@ def main(argv=None):
   parser.add_argument("--block", type=int, default=20)
   parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
   parser.add_argument("--json", default=None, help="also write the tables to this file")
+  parser.add_argument("--pipelined", action="store_true",
+                      help="await each block's last step only (JAX dispatches ahead), not "
+                           "every step")
   parser.add_argument("--rows", nargs="+", default=None, choices=ROWS, metavar="ROW",
                       help=f"only these rows (with {' and '.join(BASELINES)}); one of {ROWS}")
   args = parser.parse_args(argv)
   names = list(WORKLOADS) if args.workload == "all" else [args.workload]
   rows = ROWS if args.rows is None else [r for r in ROWS if r in BASELINES or r in args.rows]
-  results = {n: measure(n, args.rounds, args.block, not args.no_rss, rows) for n in names}
+  results = {n: measure(n, args.rounds, args.block, not args.no_rss, rows, args.pipelined)
+             for n in names}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
@@ -250,7 +269,9 @@ def main(argv=None):
             "transcript bytes/step"]
   for name in names:
     common.print_table(f"{WORKLOADS[name][0]} — {args.rounds} alternating blocks of "
-                       f"{args.block} steps per row, {jax.devices()[0].platform}", header,
+                       f"{args.block} steps per row, "
+                       f"{'pipelined' if args.pipelined else 'every step awaited'}, "
+                       f"{jax.devices()[0].platform}", header,
                        results[name])
     print()
 

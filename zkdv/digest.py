@@ -127,9 +127,8 @@ def byte_view(array: np.ndarray) -> np.ndarray:
   return array.reshape(-1).view(np.uint8)
 
 
-def leaf_digest(array: np.ndarray, threads: int = blake3.blake3.AUTO) -> bytes:
-  """BLAKE3 of the array's bytes, on up to ``threads`` threads (every core by default)."""
-  return blake3.blake3(byte_view(array), max_threads=threads).digest()
+def leaf_digest(array: np.ndarray) -> bytes:
+  return blake3.blake3(byte_view(array), max_threads=blake3.blake3.AUTO).digest()
 
 
 def whole_piece(layout: LeafLayout, digest: bytes) -> list:

@@ -19,6 +19,7 @@ Example::
 
 import dataclasses
 import logging
+import time
 
 import jax
 import numpy as np
@@ -164,8 +165,7 @@ class Committer:
     self.written_steps = 0  # step records written (a step's record waits for its successor)
     self.segment_lengths: list[int] = []
     self.last: CommittedState | None = None
-    # For the adaptive k: the cost of the last whole-state hash and of the recent steps'
-    # batch commitments, on the digest backend's clock.
+    # For the adaptive k: the last whole-state hash, and the recent steps' batch commitments.
     self.hash_seconds: float | None = None
     self.batch_seconds: list[float] = []
     self.prover_replays = True
@@ -256,20 +256,20 @@ class Committer:
       # The host views live only for the hash: a view held longer would keep the next step
       # from donating the post-state (one more generation of memory).
       materialized = self.digests.materialize(job.post_started)  # waits for the step
-      hashed_at = self.digests.clock()
+      hashed_at = time.perf_counter()
       local = self.digests.state_digests(materialized)
-      self.hash_seconds = self.digests.clock() - hashed_at
+      self.hash_seconds = time.perf_counter() - hashed_at
       job.post_started = materialized = None
       self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
     replicas = (self.digests.replica_digests(job.post, program.post_layouts)
                 if self.config.cross_check_replicas and job.ends else [])
     pipeline_job.views_ready.set()
     gathered = self.group.gather(f"{job.index}/state", [local, pre, replicas])
-    batch_started = self.digests.clock()
+    batch_started = time.perf_counter()
     hashed = job.batch_hashed or self.hash_batch(program, job.index, job.rows_started,
                                                  job.decision, copy=self.group.multi)
     trees = self._gather_batch(program, job.index, hashed)
-    self.batch_seconds = (self.batch_seconds + [self.digests.clock() - batch_started])[-16:]
+    self.batch_seconds = (self.batch_seconds + [time.perf_counter() - batch_started])[-16:]
     if gathered is None:  # another process writes the records
       self._count_checks(job.decision)
       return

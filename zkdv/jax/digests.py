@@ -14,9 +14,6 @@ Example::
   leaf_digests = backend.state_digests(backend.materialize(started))
 """
 
-import time
-
-import blake3
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,20 +25,9 @@ from zkdv.jax import device_digest
 
 
 class HostDigests:
-  """Digests computed on the host (``None`` marks a piece or row another process holds).
-
-  Where the step runs on CPU, a state is hashed on the commit thread alone and its cost
-  is that thread's CPU time: hashing takes the step's cores whatever the thread count,
-  and one thread's cost can be measured. Elsewhere BLAKE3 uses every core and the cost
-  is the time the commit thread takes.
-  """
+  """Digests computed on the host (``None`` marks a piece or row another process holds)."""
 
   name = "host"
-
-  def __init__(self):
-    on_cpu = jax.devices()[0].platform == "cpu"
-    self._threads = 1 if on_cpu else blake3.blake3.AUTO
-    self.clock = time.thread_time if on_cpu else time.perf_counter
 
   def start_state(self, leaves: list, layouts: list[LeafLayout]):
     return leaves, layouts
@@ -53,7 +39,7 @@ class HostDigests:
 
   def state_digests(self, materialized) -> list[list[bytes | None]]:
     """Each leaf's piece digests."""
-    return [[None if v is None else digest.leaf_digest(v, self._threads) for v in views]
+    return [[None if v is None else digest.leaf_digest(v) for v in views]
             for views in materialized]
 
   def replica_digests(self, leaves: list, layouts: list[LeafLayout]) -> list[list]:
@@ -110,9 +96,8 @@ def _idle_view(block):
 
 class DeviceDigests(HostDigests):
   name = "device"
-  clock = staticmethod(time.perf_counter)  # the hash runs on the device
 
-  def __init__(self):  # pylint: disable=super-init-not-called
+  def __init__(self):
     self._state = jax.jit(lambda *xs: jnp.stack([device_digest.digest_words(x) for x in xs]))
 
   def start_state(self, leaves: list, layouts: list[LeafLayout]):

@@ -92,6 +92,7 @@ class ArgSpec:
       return frozenset(nums), frozenset(names)
 
     self.static_nums, self.static_names = resolve("static_argnums", "static_argnames")
+    self.has_static = bool(self.static_nums or self.static_names)
     self.donate_nums, self.donate_names = resolve("donate_argnums", "donate_argnames")
 
   def split(self, args: tuple, kwargs: dict):
@@ -157,7 +158,7 @@ class Program:
   metric_outputs: list[tuple[str, int]] = dataclasses.field(default_factory=list)
   weak_types: tuple[bool, ...] = ()  # of the inputs, as production's executable takes them
   replay_executable: Callable | None = None  # an exact program's: production's own
-  commits_inputs: bool = False  # an exact program on one device: see ``placed``
+  commits_state: bool = False  # an exact program on one device: see ``placed``
   _replay_sharded: Any = None
 
   @functools.cached_property
@@ -196,13 +197,15 @@ class Program:
   def placed(self, leaves: list) -> list:
     """The inputs as production runs them.
 
-    A jitted exported call is lowered again when its inputs go from uncommitted (a new
+    A jitted exported call is lowered again when an input goes from uncommitted (a new
     ``TrainState``) to committed (a step's outputs), so an exact program on one device
-    takes every input committed where it is: one compilation, not two.
+    takes its state committed where it is: one compilation, not two. Batches stay as
+    they come (a new uncommitted batch each step, as a numpy batch is).
     """
-    if not self.commits_inputs:
+    if not self.commits_state or all(leaves[i].committed for i in self.state_indices):
       return leaves
-    return [x if x.committed else jax.device_put(x, x.sharding) for x in leaves]
+    return [jax.device_put(x, x.sharding) if i in self.state_indices and not x.committed
+            else x for i, x in enumerate(leaves)]
 
   def replay_sharded(self, opened: list[np.ndarray]) -> list[np.ndarray]:
     """``replay`` on whole host inputs, placed as the program takes them; returns
@@ -367,11 +370,14 @@ class ProofFunction:
   def __call__(self, *args, **kwargs):
     self._proof.ensure_started()
     self._proof.note_call(self.__name__)
+    # Without static arguments, the flat call is the flat dynamic one: flattened once.
+    flat = None if self._spec.has_static else jax.tree.flatten((args, kwargs))
     nnx = _nnx()
-    graph = None if nnx is None else nnx.split_graph(args, kwargs, self.__name__)
+    graph = None if nnx is None else nnx.split_graph(args, kwargs, self.__name__, flat)
     if graph is not None:  # as nnx.jit: the NNX objects' state in, their new state out
       args, kwargs, nodes = graph
-    call = self._split(args, kwargs, nnx=graph is not None)
+      flat = None
+    call = self._split(args, kwargs, nnx=graph is not None, flat=flat)
     program = self._programs.get(call.program_key)
     if program is None:
       program = self._build(call)
@@ -387,13 +393,15 @@ class ProofFunction:
     nnx.write_back(nodes, graph_state)
     return outs
 
-  def _split(self, args: tuple, kwargs: dict, nnx: bool = False) -> _Call:
+  def _split(self, args: tuple, kwargs: dict, nnx: bool = False, flat=None) -> _Call:
+    """The call as its program sees it; ``flat``, when there are no static arguments,
+    is ``jax.tree.flatten((args, kwargs))``."""
     dyn_args, dyn_kwargs, static, positions = self._spec.split(args, kwargs)
     if self._static is not None and static != self._static:
       raise errors.StaticArgumentError(
           f"{self.__name__} was attested with static arguments "
           f"{dict(self._static)!r} and is now called with {dict(static)!r}.")
-    leaves, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+    leaves, in_tree = flat or jax.tree.flatten((dyn_args, dyn_kwargs))
     leaves = [arrays.as_array(x) for x in leaves]
     # As jax.jit does, a step without in_shardings takes its inputs' own placement on a mesh
     # (and is traced again when it changes).
@@ -430,7 +438,7 @@ class ProofFunction:
         executable=executable, compiler_options=self._options.get("compiler_options"),
         weak_types=tuple(s.weak_type for s in call.specs) if exact else (),
         replay_executable=executable if exact else None,
-        commits_inputs=(exact and exported.nr_devices == 1 and not shardings
+        commits_state=(exact and exported.nr_devices == 1 and not shardings
                         and not {"device", "backend"} & set(self._options)),
         debug_calls=debug_calls if exact else [])  # else production's jax.jit prints itself
 

@@ -143,10 +143,11 @@ def _the_optimizer(nodes: tuple, name: str) -> Optimizer:
 _WITHOUT_NODES: set = set()
 
 
-def _plain_structure(args: tuple, kwargs: dict):
+def _plain_structure(args: tuple, kwargs: dict, flat=None):
   """The call's pytree definition if every leaf is a plain array or scalar and the
-  definition can be hashed, else None."""
-  leaves, treedef = jax.tree.flatten((args, kwargs))
+  definition can be hashed, else None. ``flat``: ``jax.tree.flatten((args, kwargs))``
+  if the caller has it."""
+  leaves, treedef = flat or jax.tree.flatten((args, kwargs))
   if not all(type(x) in _plain_leaf_types() for x in leaves):
     return None
   try:
@@ -156,13 +157,13 @@ def _plain_structure(args: tuple, kwargs: dict):
   return treedef
 
 
-def split_graph(args: tuple, kwargs: dict, name: str):
+def split_graph(args: tuple, kwargs: dict, name: str, flat=None):
   """(pure args, pure kwargs, the NNX objects) of a call; None if it passes no NNX object.
 
   The first NNX object's place holds the ``GraphState`` of all of them (split
   together, so shared variables stay shared); the others hold a ``_NodeRef``.
   """
-  structure = _plain_structure(args, kwargs)
+  structure = _plain_structure(args, kwargs, flat)
   if structure is not None and structure in _WITHOUT_NODES:
     return None
   leaves = jax.tree.leaves((args, kwargs), is_leaf=_is_node)
