@@ -73,17 +73,22 @@ def state_bytes(batch_size: int) -> int:
 
 def peak_rss_mb(row: str, batch_size: int, p: float, window: int, steps: int) -> float:
   """Peak RSS (VmHWM) of a fresh process running ``steps`` steps of one configuration."""
-  code = (f"import jax; from benchmarks import challenges;"
-          f"r = challenges.Runner({row!r}, {batch_size}, {p}, {tempfile.mkdtemp()!r}, "
-          f"{window})\n"
-          f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
-          f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  with tempfile.TemporaryDirectory(prefix="zkdv-challenges-rss-") as folder:
+    code = (f"import jax; from benchmarks import challenges;"
+            f"r = challenges.Runner({row!r}, {batch_size}, {p}, {folder!r}, {window})\n"
+            f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
+            f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
   return int(out.stdout.split()[-1]) / 1024
 
 
 def measure(batch_size: int, p: float, window: int, rounds: int, block: int) -> list[list]:
-  folder = tempfile.mkdtemp(prefix="zkdv-challenges-")
+  with tempfile.TemporaryDirectory(prefix="zkdv-challenges-") as folder:
+    return _measure(batch_size, p, window, rounds, block, folder)
+
+
+def _measure(batch_size, p, window, rounds, block, folder) -> list[list]:
   runners = {row: Runner(row, batch_size, p, folder, window) for row in ROWS}
   for r in runners.values():  # warm-up: compile, first commitments
     for _ in range(3):

@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +166,7 @@ def main(argv=None):
   finally:
     for target in targets:
       target.stop()
+    shutil.rmtree(root, ignore_errors=True)
   n = args.records + 2
   rows = [["local file (TranscriptWriter), 1 writer", f"{n / common.median(file_times):,.0f}",
            "", "", ""]]

@@ -193,11 +193,13 @@ def make_runner(row: str, workload: str, folder):
 def peak_rss_mb(row: str, workload: str, steps: int) -> float:
   """Peak RSS of a fresh process that runs ``steps`` steps of one configuration."""
   # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork/exec.
-  code = (f"import jax; from benchmarks import overhead;"
-          f"r = overhead.make_runner({row!r}, {workload!r}, {tempfile.mkdtemp()!r})\n"
-          f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
-          f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  with tempfile.TemporaryDirectory(prefix="zkdv-overhead-rss-") as folder:
+    code = (f"import jax; from benchmarks import overhead;"
+            f"r = overhead.make_runner({row!r}, {workload!r}, {folder!r})\n"
+            f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
+            f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
   return int(out.stdout.split()[-1]) / 1024
 
 
@@ -215,7 +217,13 @@ def run_block(runner, steps: int, pipelined: bool) -> None:
 
 def measure(workload: str, rounds: int, block: int, rss: bool,
             rows: list[str] = ROWS, pipelined: bool = False) -> list[list]:
-  folder = tempfile.mkdtemp(prefix="zkdv-overhead-")
+  """The table of one workload; the proofs' transcripts are removed afterwards (a
+  p=1.0 row opens every segment: gigabytes at batch 1024)."""
+  with tempfile.TemporaryDirectory(prefix="zkdv-overhead-") as folder:
+    return _measure(workload, rounds, block, rss, rows, pipelined, folder)
+
+
+def _measure(workload, rounds, block, rss, rows, pipelined, folder) -> list[list]:
   runners = {row: make_runner(row, workload, folder) for row in rows}
   for r in runners.values():  # warm-up: compile, first commitments
     for _ in range(3):

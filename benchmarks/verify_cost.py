@@ -65,7 +65,16 @@ def main(argv=None):
                       help="processes for the parallel row (zkdv verify --jobs)")
   parser.add_argument("--workload", choices=["tutorial", "mlp", "all"], default="all")
   args = parser.parse_args(argv)
-  folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-verify-cost-"))
+  with tempfile.TemporaryDirectory(prefix="zkdv-verify-cost-") as folder:
+    rows = _measure(args, pathlib.Path(folder))
+  common.print_table(
+      "zkdv verify cost against re-running the replayed steps",
+      ["workload", "L", "read-ahead", "jobs", "checks", "steps", "jax.jit step ms", "ideal s",
+       "verify s", "ratio", "marginal ms/step", "marginal ratio"], rows)
+
+
+def _measure(args, folder: pathlib.Path) -> list[list]:
+  """The table's rows; the transcripts are written under ``folder``."""
   rows = []
   workloads = [("tutorial Dense", common.tutorial_workload),
                ("MLP 784-1024x4-10, batch 1024", common.mlp_workload)]
@@ -91,10 +100,7 @@ def main(argv=None):
                      f"{step_s * 1e3:.2f}", f"{ideal:.3f}", f"{t_many:.3f}",
                      f"{t_many / ideal:.2f}x", f"{marginal * 1e3:.2f}",
                      f"{marginal / step_s:.2f}x"])
-  common.print_table(
-      "zkdv verify cost against re-running the replayed steps",
-      ["workload", "L", "read-ahead", "jobs", "checks", "steps", "jax.jit step ms", "ideal s",
-       "verify s", "ratio", "marginal ms/step", "marginal ratio"], rows)
+  return rows
 
 
 if __name__ == "__main__":
