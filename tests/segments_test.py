@@ -2,6 +2,7 @@
 faked step anywhere in it is caught; format 2 transcripts still verify."""
 
 import functools
+import time
 from unittest import mock
 
 from absl.testing import absltest
@@ -132,6 +133,20 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual(challenge.escape_probability(0.5, 1, 64), 0.5)  # one faked step: 1 - p
     self.assertEqual(challenge.escape_probability(0.5, 8, 4), 0.25)  # 8 steps touch >= 2
     self.assertEqual(challenge.escape_probability(0.5, 8, 1), 0.5**8)
+
+  def test_time_waiting_on_checks_is_not_step_time(self):
+    # A run that waits for every check (p = 1) measured its steps as step + check, and the
+    # adaptive k fell to 1: every step opened its whole start state.
+    dispatcher = dispatch.Dispatcher(None, None, None, None, None)
+    dispatcher.steps = 5
+    dispatcher._time_step()  # pylint: disable=protected-access
+    with dispatcher._waiting():  # pylint: disable=protected-access
+      time.sleep(0.3)
+    time.sleep(0.01)
+    dispatcher._time_step()  # pylint: disable=protected-access
+    (interval,) = dispatcher._step_times  # pylint: disable=protected-access
+    self.assertGreaterEqual(interval, 0.01)
+    self.assertLess(interval, 0.2)
 
   @parameterized.named_parameters(
       # 25 ms steps: a 1.25 ms budget; the batch leaves 0.75 ms for a 10 ms state hash.

@@ -12,6 +12,7 @@ Example::
   outs = dispatcher.run(program, leaves)
 """
 
+import contextlib
 import math
 import threading
 import time
@@ -64,6 +65,7 @@ class Dispatcher:
     self._segment_decision = None
     self._step_times: list[float] = []
     self._last_dispatch: float | None = None
+    self._waited = 0.0  # since the last dispatch, on the window, hashes and checks
 
   def run(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
@@ -71,7 +73,8 @@ class Dispatcher:
     if not multi:  # across processes, failures wait for finish(): see ProcessGroup.agree_on_outcome
       committer.pipeline.raise_if_failed()
     # A step that cannot enter the window raises before anything is taken: call it again.
-    committer.pipeline.reserve(waiting=self._waiting_for_window)
+    with self._waiting():
+      committer.pipeline.reserve(waiting=self._waiting_for_window)
     self._time_step()
     with self._lock:
       index = self.steps
@@ -80,7 +83,8 @@ class Dispatcher:
     job = self._prepare(program, index, leaves, decision)
     last = committer.pipeline.last_job
     if any(program.donated) and last is not None:
-      last.views_ready.wait()  # no donation of a buffer being hashed
+      with self._waiting():
+        last.views_ready.wait()  # no donation of a buffer being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
     if program.post_layouts is None:  # as the first run of this program placed it
@@ -100,16 +104,29 @@ class Dispatcher:
     checked = job.segment_decision is not None and job.segment_decision.any_check
     if overlap is overlap_lib.NEVER or (overlap is overlap_lib.UNCHECKED and checked
                                         and job.ends):
-      submitted.done.wait()
+      with self._waiting():
+        submitted.done.wait()
     if not multi:
       committer.pipeline.raise_if_failed()
     return outs
 
   def _time_step(self) -> None:
+    """Records the interval since the last dispatch, less the time it waited on
+    commitments and checks (hashing is costed apart; a check is not a step)."""
     now = time.perf_counter()
     if self._last_dispatch is not None and self.steps >= 2:  # not the compiling steps
-      self._step_times = (self._step_times + [now - self._last_dispatch])[-16:]
-    self._last_dispatch = now
+      interval = now - self._last_dispatch - self._waited
+      self._step_times = (self._step_times + [interval])[-16:]
+    self._last_dispatch, self._waited = now, 0.0
+
+  @contextlib.contextmanager
+  def _waiting(self):
+    """Counts the time inside as waiting on the pipeline, not stepping."""
+    started = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._waited += time.perf_counter() - started
 
   def next_segment_length(self, program) -> int:
     """The length of a segment starting now: 1 across processes and for equivalent
