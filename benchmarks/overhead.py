@@ -10,7 +10,7 @@ after it (its commitments and checks). *ms/step incl. checks* is the total time
 over all blocks per step (a segment's state hash falls in some blocks only, so
 the median block would leave it out), and the ratios are of those; the median
 block is shown beside it. Peak RSS is measured for each configuration in a
-fresh subprocess. Column *k* is the median segment length a proof used. The
+fresh subprocess. Column *k* is the length of the segment a proof's median step was in. The
 table comes last.
 
 By default every step is awaited (``jax.block_until_ready``), as a loop that reads
@@ -139,9 +139,11 @@ class Runner:
       self.proof.wait_for_commitments()
 
   def segment_length(self) -> str:
+    """The length of the segment the median step was in (the first, unmeasured
+    segments are one step long)."""
     if self.proof is None or not self.proof.segment_lengths:
       return "-"
-    return f"{common.median(self.proof.segment_lengths[-8:]):.0f}"
+    return f"{common.median([k for k in self.proof.segment_lengths for _ in range(k)]):.0f}"
 
   def step_record_bytes(self) -> tuple[float, float]:
     """(mean bytes of a step record, transcript bytes per step incl. blobs)."""

@@ -5,6 +5,7 @@ import functools
 import time
 from unittest import mock
 
+import jax
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -37,6 +38,25 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual((facts["segments"], facts["steps_replayed"], facts["segment_length"]),
                      (2, 6, 3))
     self.assertFalse(facts["full_replay"])  # the policy did not ask for it, no attested start
+
+  def test_the_verifier_compiles_a_program_once(self):
+    # The first step of a segment runs on opened (uncommitted) arrays and the next on the
+    # previous step's (committed) outputs: each signature used to compile the program.
+    # Counted as lowerings (each compiles, or loads from a persistent cache).
+    path = segmented()
+    compiled = []
+
+    def listen(event, seconds, **kwargs):  # pylint: disable=unused-argument
+      if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and "zkdv_update" in str(
+          kwargs.get("fun_name")):
+        compiled.append(kwargs["fun_name"])
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+      report = verify.verify(path, read_ahead=False)
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listen)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertLen(compiled, 1)
 
   def test_format_2_still_verifies(self):
     report = verify.verify(write_transcript(policy=ALWAYS, format_version=2))

@@ -134,7 +134,8 @@ class ProgramLoader:
           return None
         compiled, batches, state = self._compile(program, info), batches[1:], keep(outs)
       for batch in batches:
-        device_batch = [self._arrays.from_host(a, l) for a, l in zip(batch, program.batch)]
+        device_batch = self._on_device(info, [self._arrays.from_host(a, l)
+                                              for a, l in zip(batch, program.batch)])
         rows, states = iter(device_batch), iter(state)
         state = keep(compiled(*[next(states if kind == "state" else rows)
                                 for kind in program.inputs]))
@@ -164,7 +165,8 @@ class ProgramLoader:
                         UNVERIFIABLE)
       return None
     try:
-      outs = self._compile(program, info)(*[self._arrays.from_host(a, l) for a, l in inputs])
+      outs = self._compile(program, info)(*self._on_device(
+          info, [self._arrays.from_host(a, l) for a, l in inputs]))
       return [self._arrays.host_view(x) for x in outs] if host else outs
     except errors.ReplayError as e:  # fewer devices, or other collectives, than it needs
       self._report.fail("replay_environment", where, str(e), UNVERIFIABLE)
@@ -172,6 +174,15 @@ class ProgramLoader:
       self._report.fail("replay_error", where, f"replay raised {type(e).__name__}: "
                         f"{str(e)[:500]}", INVALID)
     return None
+
+  def _on_device(self, info: ProgramInfo, xs: list) -> list:
+    """``xs`` committed to the device, for a one-device program: a jitted exported call
+    is lowered and compiled again when its inputs go from uncommitted (opened from the
+    host) to committed (the previous step's outputs)."""
+    if info.exported.nr_devices != 1:
+      return xs
+    device = self._jax.devices()[0]
+    return [self._jax.device_put(x, device) for x in xs]
 
   def _compile(self, program, info: ProgramInfo):
     key = program.number
