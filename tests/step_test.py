@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import zkdv
 from tests import testing
@@ -34,7 +35,7 @@ def _steps_with_tx_change(name: str):
   return proof
 
 
-class StepTest(absltest.TestCase):
+class StepTest(parameterized.TestCase):
 
   def test_two_updates_in_one_step_are_refused_and_nothing_is_recorded(self):
     proof = testing.new_proof("two-updates")
@@ -109,13 +110,17 @@ class StepTest(absltest.TestCase):
     self.assertLen(testing.records_of(proof.path, "program"), 1)
     self.assertEqual([s["program"] for s in testing.records_of(proof.path, "step")], [0, 0, 0])
 
-  def test_the_provers_replay_runs_productions_executable_without_compiling_again(self):
+  @parameterized.named_parameters(("uncommitted_batch", False), ("committed_batch", True))
+  def test_the_provers_replay_runs_productions_executable_without_compiling_again(
+      self, commit_batch):
     proof = testing.new_proof("one-compilation", update_p=1.0, segment_length=2)
     proof.start()
     state = testing.classifier_state(proof)
     train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    batch = jax.device_put(BATCH, jax.devices()[0]) if commit_batch else BATCH
+    self.assertEqual(batch.committed, commit_batch)
     for _ in range(4):
-      state = train_step(state, BATCH)
+      state = train_step(state, batch)
     proof.finish()
     (program,) = train_step._programs.values()  # pylint: disable=protected-access
     self.assertIn(True, program.weak_types)  # Flax's step=0: replayed with its weak type

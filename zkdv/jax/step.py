@@ -159,6 +159,7 @@ class Program:
   weak_types: tuple[bool, ...] = ()  # of the inputs, as production's executable takes them
   replay_executable: Callable | None = None  # an exact program's: production's own
   commits_state: bool = False  # an exact program on one device: see ``placed``
+  _batch_committed: bool = False  # the last production step's batch was committed
   _replay_sharded: Any = None
 
   @functools.cached_property
@@ -190,22 +191,28 @@ class Program:
       self.replay_executable = replay.compile_program(jax.export.deserialize(self.blob),
                                                       compiler_options=self.compiler_options)
     if self.exact:  # as production's types and placement: no second trace and compilation
-      inputs = self.placed([_compat.weakly_typed(x) if weak and not _weak_type(x) else x
-                            for x, weak in zip(inputs, self.weak_types)])
+      inputs = [_compat.weakly_typed(x) if weak and not _weak_type(x) else x
+                for x, weak in zip(inputs, self.weak_types)]
+      if self.commits_state:
+        inputs = _committed(inputs, set(self.state_indices) | (
+            set(self.batch_indices) if self._batch_committed else set()))
     return self.replay_executable(*inputs)
 
   def placed(self, leaves: list) -> list:
-    """The inputs as production runs them.
+    """Production's inputs, as its executable runs them.
 
     A jitted exported call is lowered again when an input goes from uncommitted (a new
     ``TrainState``) to committed (a step's outputs), so an exact program on one device
     takes its state committed where it is: one compilation, not two. Batches stay as
-    they come (a new uncommitted batch each step, as a numpy batch is).
+    they come (a new uncommitted batch each step, as a numpy batch is); a replay places
+    them as the last step had them.
     """
-    if not self.commits_state or all(leaves[i].committed for i in self.state_indices):
+    if not self.commits_state:
       return leaves
-    return [jax.device_put(x, x.sharding) if i in self.state_indices and not x.committed
-            else x for i, x in enumerate(leaves)]
+    self._batch_committed = all(leaves[i].committed for i in self.batch_indices)
+    if all(leaves[i].committed for i in self.state_indices):
+      return leaves
+    return _committed(leaves, set(self.state_indices))
 
   def replay_sharded(self, opened: list[np.ndarray]) -> list[np.ndarray]:
     """``replay`` on whole host inputs, placed as the program takes them; returns
@@ -277,6 +284,12 @@ def _mesh_sharding(x) -> jax.sharding.NamedSharding | None:
   if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.device_set) > 1:
     return sharding
   return None
+
+
+def _committed(leaves: list, indices: set[int]) -> list:
+  """``leaves`` with those at ``indices`` committed to the device they are on (no copy)."""
+  return [jax.device_put(x, x.sharding) if i in indices and not x.committed else x
+          for i, x in enumerate(leaves)]
 
 
 def _weak_type(x: jax.Array) -> bool:
