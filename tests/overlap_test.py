@@ -13,6 +13,7 @@ from absl.testing import parameterized
 
 import zkdv
 from tests import testing
+from zkdv import verify
 
 BATCH = jnp.asarray(testing.TUTORIAL_BATCH)
 HELD_FOR = 1.0  # seconds a waiting call is watched not returning while the gate is shut
@@ -109,6 +110,41 @@ class OverlapPolicyTest(parameterized.TestCase):
     self.assertEqual(proof.steps, 2)
     self.assertEqual(proof.checks["update"], 2 if update_p else 0)
     self.assertEqual(proof.failed_checks, [])
+
+
+  @parameterized.named_parameters(
+      ("unchecked_returns_after_the_replay", zkdv.overlap.UNCHECKED, False),
+      ("never_returns_after_the_openings_are_written", zkdv.overlap.NEVER, True))
+  def test_a_checked_step_and_the_writing_of_its_openings(self, policy, waits):
+    # A check's openings (48 MB of start state for the benchmark MLP) take as long to
+    # write as its replay takes to run; UNCHECKED's fence is the replay's result.
+    proof, train_step, state = _compiled_step(f"openings-{policy.value}", policy, 1.0)
+    proof.wait_for_commitments()  # the first step's openings are written
+    writer = proof._committer.writer  # pylint: disable=protected-access
+    put_blob, gate, writing = writer.put_blob, threading.Event(), threading.Event()
+
+    def held_put_blob(data):
+      writing.set()
+      self.assertTrue(gate.wait(TIMEOUT))
+      return put_blob(data)
+    writer.put_blob = held_put_blob
+    try:
+      steps = StepsOnAThread(train_step, state, count=1)
+      self.assertTrue(writing.wait(TIMEOUT), "the check wrote no opening")
+      if waits:
+        self.assertFalse(steps.returned[0].wait(HELD_FOR),
+                         f"{policy} returned before its openings were written")
+      else:
+        self.assertTrue(steps.returned[0].wait(TIMEOUT),
+                        f"{policy} waited for its openings to be written")
+      self.assertEqual(proof.checks["update"], 1)  # the second check's record is not written
+    finally:
+      gate.set()
+    steps.join()
+    proof.finish()
+    self.assertEqual(proof.checks["update"], 2)
+    self.assertEqual(proof.failed_checks, [])
+    self.assertEqual(verify.verify(proof.path).verdict, verify.VERIFIED)
 
 
 class RollingWindowTest(parameterized.TestCase):

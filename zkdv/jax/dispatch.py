@@ -102,10 +102,12 @@ class Dispatcher:
     self._last_post_leaves, self._last_program = post, program
     overlap = program.overlap or overlap_lib.UNCHECKED
     checked = job.segment_decision is not None and job.segment_decision.any_check
-    if overlap is overlap_lib.NEVER or (overlap is overlap_lib.UNCHECKED and checked
-                                        and job.ends):
+    if overlap is overlap_lib.NEVER:
       with self._waiting():
         submitted.done.wait()
+    elif overlap is overlap_lib.UNCHECKED and checked and job.ends:
+      with self._waiting():
+        submitted.replayed.wait()  # a fence: its openings are written behind training
     if not multi:
       committer.pipeline.raise_if_failed()
     return outs

@@ -26,12 +26,19 @@ from zkdv import errors
 
 
 class Job:
-  """A unit of background work and the events the training thread waits on."""
+  """A unit of background work and the events the training thread waits on.
+
+  Attributes:
+    views_ready: set once the work holds no view of a buffer the next step may donate.
+    replayed: set once a check's replay has a result (its openings may still be written).
+    done: set when the work has run.
+  """
 
   def __init__(self, work: Callable[["Job"], None], holds_slot: bool):
     self.work = work
     self.holds_slot = holds_slot
     self.views_ready = threading.Event()
+    self.replayed = threading.Event()
     self.done = threading.Event()
 
 
@@ -99,6 +106,7 @@ class CommitPipeline:
           self._on_error(e)
       finally:
         job.views_ready.set()
+        job.replayed.set()
         job.done.set()
         if job.holds_slot:
           self.in_flight -= 1
