@@ -19,6 +19,7 @@ compiling the program in each.
 
 import argparse
 import functools
+import os
 import pathlib
 import tempfile
 
@@ -85,6 +86,7 @@ def _measure(args, folder: pathlib.Path) -> list[list]:
     for length in args.segments:
       one = _transcript(workload, length, length, folder / name.split()[0])
       many = _transcript(workload, args.checks * length, length, folder / name.split()[0])
+      os.sync()  # a transcript at rest: its writeback is not the verifier's to pay
       configs = [(False, 1), (True, 1), (False, args.jobs)]  # (read-ahead, processes)
       runs = {(size, ahead, jobs): functools.partial(verify.verify, path, read_ahead=ahead,
                                                      jobs=jobs)
