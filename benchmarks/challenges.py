@@ -16,8 +16,6 @@ training state's bytes. The table comes last.
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -73,14 +71,8 @@ def state_bytes(batch_size: int) -> int:
 
 def peak_rss_mb(row: str, batch_size: int, p: float, window: int, steps: int) -> float:
   """Peak RSS (VmHWM) of a fresh process running ``steps`` steps of one configuration."""
-  with tempfile.TemporaryDirectory(prefix="zkdv-challenges-rss-") as folder:
-    code = (f"import jax; from benchmarks import challenges;"
-            f"r = challenges.Runner({row!r}, {batch_size}, {p}, {folder!r}, {window})\n"
-            f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
-            f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-  return int(out.stdout.split()[-1]) / 1024
+  return common.peak_rss_mb(
+      "challenges", f"challenges.Runner({row!r}, {batch_size}, {p}, folder, {window})", steps)
 
 
 def measure(batch_size: int, p: float, window: int, rounds: int, block: int) -> list[list]:

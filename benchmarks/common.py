@@ -1,6 +1,9 @@
 """Shared pieces of the benchmarks: models, timing and the result table."""
 
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -85,3 +88,21 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence]) -> 
   text = "\n".join(lines)
   print(text, flush=True)
   return text
+
+
+def peak_rss_mb(module: str, runner: str, steps: int) -> float:
+  """Peak RSS (VmHWM) of a fresh process that builds ``runner`` (an expression over
+  ``benchmarks.<module>`` and ``folder``, a scratch folder removed afterwards), runs
+  ``steps`` of its steps and lets its commitments settle.
+
+  Example: ``peak_rss_mb("overhead", "overhead.make_runner('jax.jit', 'mlp', folder)", 60)``.
+  """
+  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork/exec.
+  with tempfile.TemporaryDirectory(prefix=f"zkdv-{module}-rss-") as folder:
+    code = (f"import jax; from benchmarks import {module}; folder = {folder!r}\n"
+            f"r = {runner}\n"
+            f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
+            f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+  return int(out.stdout.split()[-1]) / 1024

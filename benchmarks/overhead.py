@@ -32,8 +32,6 @@ import argparse
 import gc
 import hashlib
 import json
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -194,15 +192,8 @@ def make_runner(row: str, workload: str, folder):
 
 def peak_rss_mb(row: str, workload: str, steps: int) -> float:
   """Peak RSS of a fresh process that runs ``steps`` steps of one configuration."""
-  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork/exec.
-  with tempfile.TemporaryDirectory(prefix="zkdv-overhead-rss-") as folder:
-    code = (f"import jax; from benchmarks import overhead;"
-            f"r = overhead.make_runner({row!r}, {workload!r}, {folder!r})\n"
-            f"for _ in range({steps}): jax.block_until_ready(r.step())\n"
-            f"r.settle(); print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-  return int(out.stdout.split()[-1]) / 1024
+  return common.peak_rss_mb("overhead", f"overhead.make_runner({row!r}, {workload!r}, folder)",
+                            steps)
 
 
 def run_block(runner, steps: int, pipelined: bool) -> None:
