@@ -176,7 +176,6 @@ class Committer:
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._state_checked: set[int] = set()
     self._init = None
-    self._running = None  # the pipeline job of the step being committed
 
   # -- the training thread's side ---------------------------------------------
 
@@ -242,7 +241,6 @@ class Committer:
     digests of what it holds to process 0, which writes the records
     (``job.checked`` then holds the whole post-state and replayed outputs).
     """
-    self._running = pipeline_job
     program = job.program
     end_views = None
     segment_decision = job.segment_decision
@@ -502,8 +500,7 @@ class Committer:
     result = None
     if self.prover_replays:
       result = self._replay_segment(segment, jobs, start)
-    if self._running is not None:  # the training thread's fence (UNCHECKED) ends here
-      self._running.replayed.set()
+    self.pipeline.running.replayed.set()  # the training thread's fence (UNCHECKED) ends here
     blobs = [self.writer.put_blob(digest.byte_view(a)) for a in start]
     record = {
         "type": "check", "step": segment.last, "kind": "update", "first": segment.first,

@@ -52,6 +52,7 @@ class CommitPipeline:
     self._queue: queue.Queue[Job | None] = queue.Queue()
     self._error: BaseException | None = None
     self.last_job: Job | None = None
+    self.running: Job | None = None  # the job the worker thread is running
     self._thread = threading.Thread(target=self._run, name="zkdv-commit", daemon=True)
     self._thread.start()
 
@@ -97,6 +98,7 @@ class CommitPipeline:
 
   def _run(self) -> None:
     while (job := self._queue.get()) is not None:
+      self.running = job
       try:
         if self._error is None:
           job.work(job)
