@@ -10,8 +10,11 @@ after it (its commitments and checks). *ms/step incl. checks* is the total time
 over all blocks per step (a segment's state hash falls in some blocks only, so
 the median block would leave it out), and the ratios are of those; the median
 block is shown beside it. Peak RSS is measured for each configuration in a
-fresh subprocess. Column *k* is the length of the segment a proof's median step was in. The
-table comes last.
+fresh subprocess. Column *k* is the length of the segment a proof's median step was in;
+*checks* counts the update checks its segments drew (each replays its segment: at p=0.01
+a run of a few hundred steps may draw none, or one that costs a tenth of it, so the ratio
+including checks is measured over runs long enough to draw some: ``--rounds 30 --block
+40`` is 1,200 steps a row). The table comes last.
 
 By default every step is awaited (``jax.block_until_ready``), as a loop that reads
 each step's loss does: the driver's Python before a step's dispatch adds to every
@@ -143,6 +146,9 @@ class Runner:
       return "-"
     return f"{common.median([k for k in self.proof.segment_lengths for _ in range(k)]):.0f}"
 
+  def update_checks(self) -> str:
+    return "-" if self.proof is None else str(self.proof.checks["update"])
+
   def step_record_bytes(self) -> tuple[float, float]:
     """(mean bytes of a step record, transcript bytes per step incl. blobs)."""
     if self.proof is None:
@@ -235,7 +241,7 @@ def _measure(workload, rounds, block, rss, rows, pipelined, folder) -> list[list
   table = []
   for row, r in runners.items():
     step_bytes, total_bytes = r.step_record_bytes()
-    table.append([row, r.segment_length(), f"{mean[row] * 1e3:.1f}",
+    table.append([row, r.segment_length(), r.update_checks(), f"{mean[row] * 1e3:.1f}",
                   f"{common.median(times[row]) * 1e3:.1f}",
                   f"{mean[row] / mean['jax.jit']:.3f}",
                   f"{mean[row] / mean['floor (jit + one BLAKE3 pass)']:.3f}",
@@ -265,7 +271,7 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
-  header = ["configuration", "k", "ms/step incl. checks", "median block ms/step",
+  header = ["configuration", "k", "checks", "ms/step incl. checks", "median block ms/step",
             "ratio to jax.jit", "ratio to floor", "peak RSS MB", "step record bytes",
             "transcript bytes/step"]
   for name in names:

@@ -14,10 +14,14 @@ from jax.experimental import multihost_utils
 from zkdv import digest
 from zkdv import errors
 from zkdv.digest import LeafLayout
+from zkdv.jax import _compat
 
 
 def is_key(x) -> bool:
-  return jnp.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+  dtype = getattr(x, "dtype", None)
+  if isinstance(dtype, np.dtype):  # the common case, without jnp.issubdtype's Python
+    return False
+  return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def unwrap_key(x):
@@ -158,7 +162,7 @@ def host_view(x: jax.Array) -> np.ndarray:
   """
   x = unwrap_key(x)
   try:
-    return np.from_dlpack(x)
+    return _compat.cpu_view(x) if _compat.on_one_cpu(x) else np.from_dlpack(x)
   except (RuntimeError, TypeError, BufferError, ValueError, jax.errors.JaxRuntimeError):
     return np.asarray(x)
 
