@@ -7,7 +7,9 @@ commitment is seen not to return until the gate opens.
 
 import threading
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -145,6 +147,35 @@ class OverlapPolicyTest(parameterized.TestCase):
     self.assertEqual(proof.checks["update"], 2)
     self.assertEqual(proof.failed_checks, [])
     self.assertEqual(verify.verify(proof.path).verdict, verify.VERIFIED)
+
+
+class CheckMemoryTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("donated", True), ("kept", False))
+  def test_a_check_replays_on_its_start_not_on_a_copy(self, donated):
+    # A check used to keep host views of its segment's start for writing after the replay
+    # and to replay on a copy: two state generations. The start is written while the
+    # segment runs, and the replay consumes the start's own arrays where production
+    # donates them, as jax.jit would have at the segment's first step.
+    proof = testing.new_proof(f"check-memory-{donated}", update_p=1.0, segment_length=2)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, **({"donate_argnums": 0} if donated else {}))
+    state = train_step(train_step(state, BATCH), BATCH)  # the first segment
+    start = jax.tree.leaves(state)
+    before = [np.asarray(x).tobytes() for x in start]
+    state = train_step(train_step(state, BATCH), BATCH)  # a checked segment from ``start``
+    proof.wait_for_commitments()
+    proof.finish()
+    self.assertEqual(proof.checks["update"], 2)
+    self.assertEqual(proof.failed_checks, [])
+    if donated:
+      self.assertTrue(all(x.is_deleted() for x in start), "the replay ran on a copy")
+    else:  # a start production did not donate is the caller's: intact
+      self.assertEqual([np.asarray(x).tobytes() for x in start], before)
+    report = verify.verify(proof.path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual([(c.first, c.step, c.status) for c in report.checks if c.kind == "update"],
+                     [(0, 1, "verified"), (2, 3, "verified")])
 
 
 class RollingWindowTest(parameterized.TestCase):

@@ -12,6 +12,7 @@ from absl.testing import parameterized
 from tests.verify_test import (VerifierTestCase, copy_of, first, flip_byte, rechained,
                                records_of, write_transcript)
 from zkdv import challenge
+from zkdv import config
 from zkdv import transcript
 from zkdv import verify
 from zkdv.jax import dispatch
@@ -169,20 +170,22 @@ class SegmentsTest(VerifierTestCase):
     self.assertLess(interval, 0.2)
 
   @parameterized.named_parameters(
-      # 25 ms steps: a 1.25 ms budget; the batch leaves 0.75 ms for a 10 ms state hash.
-      ("state_and_batch_fit", 0.025, 0.010, 0.0005, 64, 14),
-      ("no_batch_cost", 0.025, 0.010, 0.0, 64, 8),
+      # 50 ms steps: a 1 ms budget; the batch leaves 0.5 ms for a 10 ms state hash.
+      ("state_and_batch_fit", 0.050, 0.010, 0.0005, 64, 20),
+      ("no_batch_cost", 0.050, 0.010, 0.0, 64, 10),
       ("a_fast_state_hash_every_step", 0.025, 0.0001, 0.0, 64, 1),
-      ("batches_take_the_budget", 0.025, 0.010, 0.002, 64, 64),
-      ("capped_by_the_bound", 0.025, 0.010, 0.00124, 16, 16))
+      ("batches_take_the_budget", 0.025, 0.010, 0.0005, 64, 64),
+      ("capped_by_the_bound", 0.050, 0.010, 0.0005, 16, 16))
   def test_adaptive_length_keeps_commitments_within_the_budget(self, step, state, batch, bound,
                                                                expected):
     k = dispatch.adaptive_segment_length(step, state, batch, bound)
     self.assertEqual(k, expected)
-    if k < bound:  # the shortest k within 5 % of a step
-      self.assertLessEqual(state / k + batch, 0.05 * step + 1e-12)
+    budget = config.COMMITMENT_BUDGET * step
+    self.assertEqual(config.COMMITMENT_BUDGET, 0.02)
+    if k < bound:  # the shortest k within 2 % of a step
+      self.assertLessEqual(state / k + batch, budget + 1e-12)
       if k > 1:
-        self.assertGreater(state / (k - 1) + batch, 0.05 * step)
+        self.assertGreater(state / (k - 1) + batch, budget)
 
 
 if __name__ == "__main__":

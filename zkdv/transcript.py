@@ -92,9 +92,12 @@ class TranscriptWriter:
       self.on_append()
     return self._prev
 
-  def put_blob(self, data: np.ndarray | bytes) -> bytes:
-    """Stores ``data`` (bytes or a uint8 view) once; returns its digest."""
-    digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+  def put_blob(self, data: np.ndarray | bytes, digest: bytes | None = None) -> bytes:
+    """Stores ``data`` (bytes or a uint8 view) once; returns its digest (``digest``: the
+    BLAKE3 of ``data`` where the caller computed it, as a committed leaf's, not hashed again).
+    """
+    if digest is None:
+      digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
     path = self.folder / BLOBS_DIR / digest.hex()
     if not path.exists():
       write_atomically(path, data)

@@ -73,6 +73,9 @@ class StepJob:
     previous_continues: the previous step's post-state is this step's
       pre-state (the same arrays).
     metrics: (name, output) of the step's outputs beside the post-state.
+    start_arrays: the start state's arrays when the step starts a segment whose update
+      check is decided already (self-chosen) and ``opened`` views them in place: the
+      start is written at once and the check's replay consumes these arrays.
   """
 
   index: int
@@ -92,6 +95,7 @@ class StepJob:
   previous_end_started: object = None
   previous_continues: bool = True
   metrics: list = dataclasses.field(default_factory=list)
+  start_arrays: list | None = None
 
 
 @dataclasses.dataclass
@@ -128,7 +132,8 @@ class _Segment:
 
   ``start`` holds host views of the whole inputs of step ``first`` (the
   opened start state); ``end_views`` the end state's host views when a check
-  may open it (None otherwise); ``end`` its digest (None: no end commitment).
+  may open it (None otherwise); ``end`` its digest (None: no end commitment);
+  ``start_blobs`` the names of its start state's blobs once written.
   """
 
   first: int
@@ -138,6 +143,7 @@ class _Segment:
   end: bytes | None = None
   end_views: list | None = None
   answered: bool = False
+  start_blobs: list | None = None
 
 
 class Committer:
@@ -278,6 +284,8 @@ class Committer:
     if job.starts:
       self._end_previous(job, pre_pieces, previous_end)
       self._start_segment(job, pre_pieces)
+      if job.start_arrays is not None:
+        self._write_start(job)
     elif self._held is not None:  # the segment goes on through the held step
       held_job, held_record = self._held
       self._held = None
@@ -325,6 +333,27 @@ class Committer:
                      "(changed outside proof.jit).", job.index, job.index - 1)
     self._open = _Segment(job.index, start_digest, start_pieces)
     self._segments[job.index] = self._open
+
+  def _write_start(self, job: StepJob) -> None:
+    """Writes the opened start of a segment whose update check is decided, while its
+    steps run, and drops the views of it.
+
+    The views kept the start's buffers from donation at the segment's first step (JAX
+    copies instead), so the start's arrays still hold it; the check's replay consumes
+    them. A check then holds one state generation, not two (views kept for writing
+    after the replay, and the replay's own copy).
+    """
+    program = job.program
+    if any(x.is_deleted() for x in job.start_arrays):
+      job.start_arrays = None  # donated all the same: the views are the start
+      return
+    # A whole leaf's blob is named by its committed digest (its one piece): not hashed again.
+    self._open.start_blobs = [
+        self.writer.put_blob(digest.byte_view(job.opened[i]),
+                             pieces[0] if layout.pieces is None else None)
+        for i, layout, pieces in zip(program.state_indices, program.state_layouts,
+                                     self._open.start_pieces)]
+    job.opened = [None if i in program.state_indices else v for i, v in enumerate(job.opened)]
 
   def _end_previous(self, job: StepJob, pre_pieces, previous_end) -> None:
     """A segment the previous step did not plan to end ends before ``job``."""
@@ -496,12 +525,17 @@ class Committer:
     jobs = [self._kept[i].job for i in range(segment.first, segment.last + 1)]
     first = jobs[0]
     program = first.program
-    start = [first.opened[i] for i in program.state_indices]
+    if first.start_arrays is not None:  # written already; the replay consumes the arrays
+      start, first.start_arrays = first.start_arrays, None
+    else:
+      start = [first.opened[i] for i in program.state_indices]
     result = None
     if self.prover_replays:
       result = self._replay_segment(segment, jobs, start)
     self.pipeline.running.replayed.set()  # the training thread's fence (UNCHECKED) ends here
-    blobs = [self.writer.put_blob(digest.byte_view(a)) for a in start]
+    blobs = segment.start_blobs
+    if blobs is None:
+      blobs = [self.writer.put_blob(digest.byte_view(a)) for a in start]
     record = {
         "type": "check", "step": segment.last, "kind": "update", "first": segment.first,
         "pre_state_blobs": blobs,

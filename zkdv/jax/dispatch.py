@@ -22,6 +22,7 @@ import numpy as np
 from zkdv import challengers
 from zkdv import config as config_lib
 from zkdv import overlap as overlap_lib
+from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.committer import StepJob
 
@@ -31,8 +32,8 @@ def adaptive_segment_length(step_seconds: float, state_seconds: float, batch_sec
   """The shortest k whose commitments (a state hash per k steps, a batch every step)
   cost at most ``COMMITMENT_BUDGET`` of a step; ``bound`` when the batches alone do not fit.
 
-  Example: 10 ms state hashes, 0.5 ms batches, 25 ms steps: the budget is 1.25 ms a
-  step, 0.75 ms of it left for the state, so ``k = ceil(10 / 0.75) = 14``.
+  Example: 10 ms state hashes, 0.5 ms batches, 50 ms steps: the budget (2 %) is 1 ms a
+  step, 0.5 ms of it left for the state, so ``k = ceil(10 / 0.5) = 20``.
   """
   spare = config_lib.COMMITMENT_BUDGET * step_seconds - batch_seconds
   if spare * bound <= state_seconds:
@@ -66,6 +67,7 @@ class Dispatcher:
     self._step_times: list[float] = []
     self._last_dispatch: float | None = None
     self._waited = 0.0  # since the last dispatch, on the window, hashes and checks
+    self._viewing = None  # the last step's commitment job, if it views its post-state
 
   def run(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
@@ -81,10 +83,9 @@ class Dispatcher:
       self.steps += 1
     decision = self._challenger.decision_now(index)
     job = self._prepare(program, index, leaves, decision)
-    last = committer.pipeline.last_job
-    if any(program.donated) and last is not None:
+    if any(program.donated) and self._viewing is not None:
       with self._waiting():
-        last.views_ready.wait()  # no donation of a buffer being hashed
+        self._viewing.views_ready.wait()  # no donation of a post-state being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
     if program.post_layouts is None:  # as the first run of this program placed it
@@ -99,6 +100,10 @@ class Dispatcher:
       job.checked = ([arrays.gather(x) for x in post],
                      program.replay_sharded(job.opened) if decision.update else None)
     submitted = committer.submit_step(job)
+    # Only a step that ends a segment views its post-state (this step's input) on the
+    # commit thread; a commit thread busy with other work (a check's openings) need not
+    # hold training back until the window is full.
+    self._viewing = submitted if job.ends or job.previous_end_started is not None else None
     self._last_post_leaves, self._last_program = post, program
     overlap = program.overlap or overlap_lib.UNCHECKED
     checked = job.segment_decision is not None and job.segment_decision.any_check
@@ -186,6 +191,11 @@ class Dispatcher:
     elif opens or decision is None:
       kept = set(program.batch_indices) | (set(program.state_indices) if job.starts else set())
       job.opened = [arrays.host_view(x) if i in kept else None for i, x in enumerate(leaves)]
+      # A checked segment that goes on past this step writes its start while it runs and
+      # replays from these arrays (``Committer._write_start``): one generation kept.
+      if job.starts and not job.ends and decision is not None and opens and all(
+          _compat.on_one_cpu(arrays.unwrap_key(leaves[i])) for i in program.state_indices):
+        job.start_arrays = [leaves[i] for i in program.state_indices]  # viewed in place
     return job
 
   def _readable_last_post(self):

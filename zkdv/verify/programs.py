@@ -119,9 +119,8 @@ class ProgramLoader:
     metric_indices = set(program.metric_outputs.values())
     per_step = []
 
-    def keep(outs) -> list:
-      per_step.append([self._arrays.host_view(x) if i in metric_indices else None
-                       for i, x in enumerate(outs)])
+    def keep(outs) -> list:  # metrics are read after the last step: none waits for one
+      per_step.append([x if i in metric_indices else None for i, x in enumerate(outs)])
       return [outs[i] for i in program.post_state_outputs]
 
     try:
@@ -139,6 +138,8 @@ class ProgramLoader:
         rows, states = iter(device_batch), iter(state)
         state = keep(compiled(*[next(states if kind == "state" else rows)
                                 for kind in program.inputs]))
+      per_step = [[None if x is None else self._arrays.host_view(x) for x in outs]
+                  for outs in per_step]
     except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding
       self._report.fail("replay_error", where, f"replay raised {type(e).__name__}: "
                         f"{str(e)[:500]}", INVALID)
