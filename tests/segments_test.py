@@ -19,6 +19,14 @@ from zkdv.jax import dispatch
 from zkdv.verify import parallel
 
 ALWAYS = {"update_check_probability": 1.0, "state_check_probability": 0.5, "probe_ratio": 0.5}
+HALF = {"update_check_probability": 0.5, "state_check_probability": 0.0, "probe_ratio": 0.0}
+UPDATES = {"update_check_probability": 1.0, "state_check_probability": 0.0, "probe_ratio": 0.0}
+
+
+@functools.cache
+def chained():
+  """Two segments of three, both update-checked (no state check opens the same blobs)."""
+  return write_transcript(policy=UPDATES, segment_length=3)
 
 
 @functools.cache
@@ -121,6 +129,40 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual(verify.verify(path, jobs=1).dumps(), two.dumps())
     self.assertEqual([c.status for c in two.checks if c.kind == "update"],
                      ["verified", "failed"])
+
+  @parameterized.named_parameters(("a_flipped_byte", "flip"), ("names_swapped", "swap"),
+                                  ("a_blob_gone", "remove"), ("a_blob_cut", "cut"))
+  def test_a_chained_start_is_checked_where_it_lies(self, how):
+    # The second segment continues from the first one's replay and does not need its
+    # opened start; its blobs are still hashed (mapped, not read into memory), so a bad
+    # one fails as it does where two processes split the checks there.
+    path = chained()
+    update_checks = [r for r in records_of(path, "check") if r["kind"] == "update"]
+    blob = next(b for b in update_checks[1]["pre_state_blobs"]
+                if b not in update_checks[0]["pre_state_blobs"])  # not the first start's
+    if how == "swap":
+      def edit(records):
+        check = [r for r in records if r.get("kind") == "update"][1]
+        check["pre_state_blobs"] = check["pre_state_blobs"][::-1]
+        return records
+      path, code = rechained(edit, path), "blob"
+    else:
+      path = copy_of(path)
+      target = transcript.blob_path(path, blob)
+      code = {"flip": "blob", "remove": "missing_blob", "cut": "blob"}[how]
+      if how == "flip":
+        flip_byte(target, target.stat().st_size // 2)
+      elif how == "remove":
+        target.unlink()
+      else:
+        target.write_bytes(target.read_bytes()[:-1])
+    with mock.patch.object(transcript, "read_blob", wraps=transcript.read_blob) as read:
+      one = verify.verify(path, jobs=1, read_ahead=False)
+    self.assertNotIn(blob, [c.args[1] for c in read.call_args_list])  # hashed, not read
+    self.assertIn(code, [f.code for f in one.findings], one.dumps())
+    self.assertEqual([c.status for c in one.checks if c.kind == "update"],
+                     ["verified", "failed"])
+    self.assertEqual(verify.verify(path, jobs=2, read_ahead=False).dumps(), one.dumps())
 
   @parameterized.named_parameters(
       ("batch_blobs_a_string", "batch_blobs", "x"),

@@ -177,6 +177,27 @@ def read_blob(folder: str | os.PathLike, digest: bytes, dtype: str,
               shape: tuple[int, ...], check_name: bool = True) -> np.ndarray:
   """The blob ``digest`` as an array, after checking its size and (unless the caller
   checks its bytes against another commitment) that it hashes to its name."""
+  path = _sized_blob(folder, digest, dtype, shape)
+  data = path.read_bytes()
+  if check_name and blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest() != digest:
+    raise errors.TranscriptFormatError(f"blob {digest.hex()} does not hash to its name.")
+  return np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
+
+
+def check_blob(folder: str | os.PathLike, digest: bytes, dtype: str,
+               shape: tuple[int, ...]) -> None:
+  """Raises as ``read_blob`` does unless the blob ``digest`` has its layout's size and
+  hashes to its name; hashed where it lies (mapped, not read into memory: 4 ms for 48 MB
+  against 24 ms to read and hash it here)."""
+  path = _sized_blob(folder, digest, dtype, shape)
+  hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+  if path.stat().st_size:  # an empty file cannot be mapped
+    hasher.update_mmap(path)
+  if hasher.digest() != digest:
+    raise errors.TranscriptFormatError(f"blob {digest.hex()} does not hash to its name.")
+
+
+def _sized_blob(folder, digest: bytes, dtype: str, shape) -> pathlib.Path:
   path = blob_path(folder, digest)
   expected = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
   size = path.stat().st_size
@@ -184,7 +205,4 @@ def read_blob(folder: str | os.PathLike, digest: bytes, dtype: str,
     raise errors.TranscriptFormatError(
         f"blob {digest.hex()} holds {size} bytes; its layout {dtype}{list(shape)} "
         f"needs {expected}.")
-  data = path.read_bytes()
-  if check_name and blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest() != digest:
-    raise errors.TranscriptFormatError(f"blob {digest.hex()} does not hash to its name.")
-  return np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
+  return path

@@ -53,6 +53,11 @@ class BlobReader:
       return future.result()
     return self._read(*key)
 
+  def check(self, digest: bytes, dtype: str, shape) -> None:
+    """Checks the blob's size and that it hashes to its name without reading it; raises
+    as ``zkdv.transcript.check_blob`` does."""
+    return transcript.check_blob(self._folder, digest, dtype, tuple(shape))
+
   def _read(self, digest, dtype, shape, check_name):
     return transcript.read_blob(self._folder, digest, dtype, shape, check_name=check_name)
 

@@ -38,16 +38,18 @@ def _bad_pieces(folder, blob, layout, pieces) -> list:
 
 
 def open_blobs(ctx: Verification, blobs, layouts, where: str, what: str, pieces=None,
-               check_name: bool = True):
+               check_name: bool = True, read: bool = True):
   """The arrays ``blobs`` name, each checked against its name (a batch's are checked
-  against its row Merkle tree by the caller instead); None with a finding."""
+  against its row Merkle tree by the caller instead); None with a finding. Without
+  ``read`` each blob is checked where it lies and its array is None."""
   if not isinstance(blobs, list) or len(blobs) != len(layouts):
     ctx.report.fail("schema", where, f"{what} blobs do not match the program layout.")
     return None
   arrays = []
   for b, l in zip(blobs, layouts):
     try:
-      arrays.append(ctx.blobs.read(b, l.dtype, l.shape, check_name))
+      arrays.append(ctx.blobs.read(b, l.dtype, l.shape, check_name) if read
+                    else ctx.blobs.check(b, l.dtype, l.shape))
     except FileNotFoundError:
       ctx.report.fail("missing_blob", where, f"{what} blob for {l.path} is missing.",
                       UNVERIFIABLE)
@@ -110,8 +112,10 @@ def _open_update(ctx, check, step, program, where):
   return pre, batch
 
 
-def _open_segment(ctx, check, segment, program, where):
-  """(start state, [batch per step]) opened and matched to the segment's commitments."""
+def _open_segment(ctx, check, segment, program, where, chained: bool = False):
+  """(start state, [batch per step]) opened and matched to the segment's commitments;
+  ``chained``: the start is the last replay's end, its blobs are checked but not read
+  (the start state is then None)."""
   fields = check.fields
   if fields["first"] != segment.first:
     ctx.report.fail("opening", where, f"the check opens a segment from step {fields['first']}, "
@@ -120,6 +124,13 @@ def _open_segment(ctx, check, segment, program, where):
   batches = _open_batches(ctx, check, segment, program, where)
   if batches is None:
     return None
+  if chained:  # its bytes are hashed where they lie, not read: the replay does not need them
+    pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state",
+                     read=False)
+    if pre is None or not state_matches(ctx, fields["pre_state_blobs"], pre, program.state,
+                                        segment.start, where, "start state"):
+      return None
+    return None, batches
   pieces = fields.get("pre_state_pieces")
   if pieces is not None and digest.state_digest_from_pieces(program.state,
                                                             pieces) != segment.start:
@@ -169,12 +180,14 @@ def segment_check(ctx: Verification, check, step, program, where: str) -> CheckO
   outcome.first = segment.first
   # A segment that starts where the last replayed one ended (and was verified there)
   # continues from that replay's state on the device; its opened start is still checked
-  # against its names and the commitment (every blob byte is checked), not copied over.
+  # against its names and the commitment (every blob byte is hashed, where it lies: not
+  # read into memory), so a verdict does not depend on where ``--jobs`` splits the
+  # checks. A leaf in pieces is checked piece by piece: read.
   last = ctx.replayed_end
   chained = (ctx.options.replay != "none" and last is not None and program.exact
              and last[0] == segment.first - 1 and last[1] == program.number
-             and segment.start == last[2])
-  opened = _open_segment(ctx, check, segment, program, where)
+             and segment.start == last[2] and not any(l.pieces for l in program.state))
+  opened = _open_segment(ctx, check, segment, program, where, chained)
   post = None if program.exact else _open_post(ctx, check, step, program, where)
   ctx.replayed_end = None
   if opened is None or (post is None and not program.exact):
