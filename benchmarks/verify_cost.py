@@ -5,7 +5,9 @@
 For each workload and segment length L it trains a proof with every segment
 checked, then times ``zkdv.verify`` (median of alternating runs) on a transcript
 of one segment and on one of ``--checks`` segments. The ideal cost of verifying
-is re-executing each replayed step once: steps x (median ``jax.jit`` step time).
+is re-executing each replayed step once: steps x (median ``jax.jit`` step time, timed
+a segment's steps at a time in turns with the verifications, the state donated as a
+replay's is).
 Ratios are reported for the whole verification and for the marginal cost per
 replayed step (which leaves out the one-time compilation of the exported
 program). The verifier keeps one compiled executable, keeps the state on the
@@ -45,15 +47,21 @@ def _transcript(workload, steps: int, length: int, folder: pathlib.Path) -> path
   return proof.finish()
 
 
-def _step_time(workload, repeats: int) -> float:
-  model, params, batch = workload()
-  from flax.training import train_state  # pylint: disable=g-import-not-at-top
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=optax.adam(1e-3))
-  step = jax.jit(common.train_step)
-  jax.block_until_ready(step(state, *batch))
-  return common.median(common.alternate({"jit": lambda: step(state, *batch)},
-                                        repeats)["jit"])
+class JitSteps:
+  """``jax.jit`` steps of a workload, its state donated and chained as a replay's is."""
+
+  def __init__(self, workload):
+    model, params, self._batch = workload()
+    from flax.training import train_state  # pylint: disable=g-import-not-at-top
+    self._state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                tx=optax.adam(1e-3))
+    self._step = jax.jit(common.train_step, donate_argnums=0)
+    self.run(3)  # compiled and warm
+
+  def run(self, steps: int) -> None:
+    for _ in range(steps):
+      self._state = self._step(self._state, *self._batch)
+    jax.block_until_ready(self._state)
 
 
 def main(argv=None):
@@ -82,7 +90,7 @@ def _measure(args, folder: pathlib.Path) -> list[list]:
   if args.workload != "all":
     workloads = [w for w in workloads if w[0].lower().startswith(args.workload)]
   for name, workload in workloads:
-    step_s = _step_time(workload, max(20, args.repeats))
+    jit = JitSteps(workload)
     for length in args.segments:
       one = _transcript(workload, length, length, folder / name.split()[0])
       many = _transcript(workload, args.checks * length, length, folder / name.split()[0])
@@ -91,7 +99,9 @@ def _measure(args, folder: pathlib.Path) -> list[list]:
       runs = {(size, ahead, jobs): functools.partial(verify.verify, path, read_ahead=ahead,
                                                      jobs=jobs)
               for size, path in (("one", one), ("many", many)) for ahead, jobs in configs}
+      runs["jit"] = functools.partial(jit.run, length)  # a segment's steps, in turn with them
       times = common.alternate(runs, args.repeats)
+      step_s = common.median(times.pop("jit")) / length
       assert verify.verify(many).verdict == verify.VERIFIED
       steps = args.checks * length
       ideal = steps * step_s
