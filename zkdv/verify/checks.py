@@ -114,8 +114,8 @@ def _open_update(ctx, check, step, program, where):
 
 def _open_segment(ctx, check, segment, program, where, chained: bool = False):
   """(start state, [batch per step]) opened and matched to the segment's commitments;
-  ``chained``: the start is the last replay's end, its blobs are checked but not read
-  (the start state is then None)."""
+  ``chained``: the start is the last replay's end, its blobs are checked where they lie,
+  not read (the start state's arrays are then None)."""
   fields = check.fields
   if fields["first"] != segment.first:
     ctx.report.fail("opening", where, f"the check opens a segment from step {fields['first']}, "
@@ -124,20 +124,14 @@ def _open_segment(ctx, check, segment, program, where, chained: bool = False):
   batches = _open_batches(ctx, check, segment, program, where)
   if batches is None:
     return None
-  if chained:  # its bytes are hashed where they lie, not read: the replay does not need them
-    pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state",
-                     read=False)
-    if pre is None or not state_matches(ctx, fields["pre_state_blobs"], pre, program.state,
-                                        segment.start, where, "start state"):
-      return None
-    return None, batches
   pieces = fields.get("pre_state_pieces")
   if pieces is not None and digest.state_digest_from_pieces(program.state,
                                                             pieces) != segment.start:
     ctx.report.fail("opening", where, "pre_state_pieces do not make up the segment's start "
                     "state.")
     return None
-  pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state", pieces)
+  pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state", pieces,
+                   read=not chained)
   if pre is None or not state_matches(ctx, fields["pre_state_blobs"], pre, program.state,
                                       segment.start, where, "start state"):
     return None
@@ -182,12 +176,13 @@ def segment_check(ctx: Verification, check, step, program, where: str) -> CheckO
   # continues from that replay's state on the device; its opened start is still checked
   # against its names and the commitment (every blob byte is hashed, where it lies: not
   # read into memory), so a verdict does not depend on where ``--jobs`` splits the
-  # checks. A leaf in pieces is checked piece by piece: read.
+  # checks. A state with a leaf in pieces is read (its pieces are hashed from the array).
   last = ctx.replayed_end
   chained = (ctx.options.replay != "none" and last is not None and program.exact
              and last[0] == segment.first - 1 and last[1] == program.number
-             and segment.start == last[2] and not any(l.pieces for l in program.state))
-  opened = _open_segment(ctx, check, segment, program, where, chained)
+             and segment.start == last[2])
+  opened = _open_segment(ctx, check, segment, program, where,
+                         chained and not any(l.pieces for l in program.state))
   post = None if program.exact else _open_post(ctx, check, step, program, where)
   ctx.replayed_end = None
   if opened is None or (post is None and not program.exact):
