@@ -182,6 +182,28 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual(ahead.dumps(), inline.dumps())
     self.assertNotEqual(ahead.verdict, verify.VERIFIED)
 
+  @parameterized.named_parameters(
+      ("a_string", "x"), ("too_many", [b"\x00" * 32] * 1000),
+      ("of_other_types", [1, None, "y"]), ("short_names", [b"short", b"names"]),
+      ("a_name_not_in_the_transcript", "unknown"), ("missing", None))
+  def test_hostile_start_of_a_chained_segment(self, value):
+    # The start of a segment that continues the last replay is hashed where it lies; its
+    # blob names are the prover's, checked as a read start's are, in one process or two.
+    def edit(records):
+      check = [r for r in records if r.get("kind") == "update"][1]
+      if value is None:
+        check.pop("pre_state_blobs")
+      elif value == "unknown":
+        check["pre_state_blobs"] = [b"\x07" * 32] + check["pre_state_blobs"][1:]
+      else:
+        check["pre_state_blobs"] = value
+      return records
+    path = rechained(edit, chained())
+    one = verify.verify(path, read_ahead=False)
+    self.assertNotEqual(one.verdict, verify.VERIFIED, one.dumps())
+    self.assertEqual([c.status for c in one.checks if c.kind == "update"][0], "verified")
+    self.assertEqual(verify.verify(path, jobs=2, read_ahead=False).dumps(), one.dumps())
+
   def test_a_batch_blob_is_checked_against_its_step_not_its_name(self):
     path = copy_of(segmented())
     check = next(r for r in records_of(path, "check") if r["kind"] == "update")
