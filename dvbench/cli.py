@@ -40,6 +40,16 @@ class _Parser(argparse.ArgumentParser):
     super().__init__(*args, **kwargs)
 
 
+def absolute_path(text: str) -> pathlib.Path:
+  """``--data`` as an absolute path: workers and their sandboxed children run in other
+  folders, where a relative path would name another place.
+
+  >>> absolute_path("./dvbench-data") == pathlib.Path.cwd() / "dvbench-data"
+  True
+  """
+  return pathlib.Path(os.path.abspath(os.path.expanduser(text)))
+
+
 def data_folder(args) -> pathlib.Path:
   """The ``--data`` folder; made with ``--create``, else it must exist and (for SQLite)
   hold ``dvbench.db``, so a mistyped path is refused rather than a new server made."""
@@ -299,7 +309,8 @@ def download(args) -> int:
 def _add_receipt_commands(sub) -> None:
   """``server-key`` and ``download``: what anyone needs to check a proof independently."""
   k = sub.add_parser("server-key", help="print the server's Ed25519 public key (hex)")
-  k.add_argument("--data", default="dvbench-data", help="the server's data folder")
+  k.add_argument("--data", default="dvbench-data", type=absolute_path,
+                 help="the server's data folder")
   k.add_argument("--url", default=None, help="ask a running server instead (None: read "
                  "the key in --data)")
   k.set_defaults(run=server_key)
@@ -315,7 +326,7 @@ def main(argv=None) -> int:
   sub = parser.add_subparsers(dest="command", required=True)
 
   def storage(p):
-    p.add_argument("--data", default="dvbench-data",
+    p.add_argument("--data", default="dvbench-data", type=absolute_path,
                    help="folder of the embedded database and the blob store")
     p.add_argument("--database-url", default=None,
                    help="e.g. postgresql://user@host/db; without it, SQLite in --data")
