@@ -256,8 +256,7 @@ class LifecycleTest(parameterized.TestCase):
     plain = jax.jit(testing.classifier_step)
     for _ in range(12):
       reference = plain(reference, BATCH)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                 state.params, reference.params)
+    testing.assert_bitwise_equal(state.params, reference.params)
     self.assertEqual(proof.failed_checks, [])
 
   def test_background_failure_surfaces_at_the_next_step_and_finish(self):

@@ -124,8 +124,7 @@ class ExactReplayTest(parameterized.TestCase):
     for _ in range(STEPS):
       flax_state = flax_step(flax_state, jnp.asarray(testing.TUTORIAL_BATCH))
     self.assertEqual(int(state.step), int(flax_state.step))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                 state.params, flax_state.params)
+    testing.assert_bitwise_equal(state.params, flax_state.params)
 
 
 class ExactReplayVerifiedTest(parameterized.TestCase):

@@ -29,8 +29,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None = None,
-           on_step=None):
-  """The tutorial model trained through ``experiment.proof``; returns the proof."""
+           on_step=None, finish_raises: type[Exception] | None = None):
+  """The tutorial model trained through ``experiment.proof``; returns the proof.
+
+  ``finish_raises``: the error ``finish()`` must raise (the prover's own replay of a forged
+  opening fails); any other outcome fails the test."""
   proof = experiment.proof(config=zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p)))
   proof.start(rolling_window=3, probe_ratio=0.25)
@@ -42,11 +45,14 @@ def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None 
     state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (t % 2))
     if on_step is not None:
       on_step(t)
+  if finish_raises is None:
+    proof.finish()
+    return proof
   try:
     proof.finish()
-  except zkdv.errors.ZKDVError:
-    pass  # a tampered run still finishes its transcript
-  return proof
+  except finish_raises:
+    return proof
+  raise AssertionError(f"finish() did not raise {finish_raises.__name__}")
 
 
 def _zkdv_verify(folder, *args) -> tuple[int, dict]:
@@ -130,7 +136,8 @@ class IndependentVerificationTest(absltest.TestCase):
       return honest(committer, segment)
 
     with mock.patch.object(committer_lib.Committer, "_update_check", forged):
-      proof = _train(self.client.experiment("alice/forged-openings"), steps=6, update_p=1.0)
+      proof = _train(self.client.experiment("alice/forged-openings"), steps=6, update_p=1.0,
+                     finish_raises=zkdv.errors.ReplayError)
     status = self.client.wait_for_verdict(proof.proof_id, 180)
     self.assertEqual(status["state"], "invalid", status)
     self.assertRegex(status["failure"], r"opening.*check of step 0|check of step 0.*opening")

@@ -82,7 +82,7 @@ class StoreTest(parameterized.TestCase):
 
     def claim(n):
       barrier.wait()
-      claims.append(store.claim_job(f"w{n}", lease_seconds=0.5))
+      claims.append(store.claim_job(f"w{n}", lease_seconds=30))
     threads = [threading.Thread(target=claim, args=(n,)) for n in range(6)]
     for t in threads:
       t.start()
@@ -91,8 +91,10 @@ class StoreTest(parameterized.TestCase):
     winners = [c for c in claims if c is not None]
     self.assertLen(winners, 1)
     self.assertEqual(store.proof(proof)["state"], "verifying")
-    self.assertIsNone(store.claim_job("late", lease_seconds=0.5))
-    time.sleep(0.6)
+    self.assertIsNone(store.claim_job("late", lease_seconds=30))
+    with store.engine.begin() as conn:  # the winner's lease runs out (its worker hangs)
+      conn.execute(db.jobs.update().where(db.jobs.c.id == winners[0]["id"]).values(
+          lease_expires=time.time() - 1))
     taken = store.claim_job("rescuer", lease_seconds=30)
     self.assertEqual(taken["attempts"], 2)
     self.assertFalse(store.complete_proof_job(taken["id"], winners[0]["lease_owner"], proof,

@@ -110,6 +110,25 @@ def records_of(path, kind=None) -> list[dict]:
   return [r for r in recs if kind is None or r["type"] == kind]
 
 
+def assert_bitwise_equal(ours, theirs) -> None:
+  """Every leaf of two pytrees has the same structure, dtype, shape and bytes.
+
+  >>> assert_bitwise_equal({"w": np.float32([1.0])}, {"w": np.float32([1.0])})
+  """
+  ours_leaves, ours_tree = jax.tree.flatten(ours)
+  theirs_leaves, theirs_tree = jax.tree.flatten(theirs)
+  if ours_tree != theirs_tree:
+    raise AssertionError(f"structures differ: {ours_tree} != {theirs_tree}")
+  for path_and_a, b in zip(jax.tree_util.tree_flatten_with_path(ours)[0], theirs_leaves):
+    path, a = path_and_a
+    a, b = np.asarray(a), np.asarray(b)
+    where = jax.tree_util.keystr(path)
+    if (a.dtype, a.shape) != (b.dtype, b.shape):
+      raise AssertionError(f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}")
+    if a.tobytes() != b.tobytes():
+      raise AssertionError(f"{where}: the bytes differ")
+
+
 def wait_until(predicate, timeout=60.0, every=0.02):
   """``predicate()``'s first truthy value, polled every ``every`` s for at most ``timeout`` s."""
   deadline = time.monotonic() + timeout
