@@ -25,7 +25,7 @@ Rows: ``jax.jit``; *naive* (``jax.jit`` + ``jax.device_get`` + ``hashlib.sha256`
 of state and batch every step); *floor* (``jax.jit`` + one native BLAKE3 pass
 over post-state and batch); ``proof.jit`` at p=0.01 with the adaptive segment
 length (the default) for each overlap policy, with segments of one step (every
-state committed, as format 2), with a rolling window of 64 steps (so the adaptive
+state committed), with a rolling window of 64 steps (so the adaptive
 segments may reach 64), with the device digest backend; ``proof.jit`` at
 p=1.0; and Flax NNX: the same model (the Linen module through ``nnx.bridge.ToNNX``) with ``nnx.Optimizer`` under ``nnx.jit``, and
 with ``zkdv.jax.contrib.nnx.Optimizer`` under ``proof.jit`` at p=0.01.

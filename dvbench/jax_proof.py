@@ -79,9 +79,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
           "it is then labelled self-audited.")
     slot = self.experiment.proof_slot()
     try:
-      minimum = slot["policy"]
-      effective = policy.at_least(challenge.Policy.from_record(
-          minimum, 3 if isinstance(minimum, dict) and "segment_length" in minimum else 2))
+      effective = policy.at_least(challenge.Policy.from_record(slot["policy"]))
       fields = {"kind": "dvbench", "server_key": bytes.fromhex(slot["server_key"]),
                 "nonce": bytes.fromhex(slot["nonce"]),
                 "key_commitment": bytes.fromhex(slot["key_commitment"]),

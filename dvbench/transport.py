@@ -127,7 +127,7 @@ def blob_refs(record: dict) -> set[str]:
   for field in fields:
     value = record.get(field)
     values = value if isinstance(value, list) else [value]
-    if field == "batch_blobs":  # format 3: one list per step of the segment
+    if field == "batch_blobs":  # one list per step of the segment
       values = [d for v in values for d in (v if isinstance(v, list) else [v])]
     for d in values:
       if isinstance(d, bytes) and len(d) == 32:

@@ -91,7 +91,7 @@ class Uploader(threading.Thread):
       hint = (f" The transcript is intact in {self.folder}; once the cause is fixed, send it "
               f"with experiment.upload({str(self.folder)!r}).")
       if isinstance(e, errors.ApiError):
-        raise errors.ApiError(e.status, f"{e.message}.{hint}") from e
+        raise errors.ApiError(e.status, f"{e.message.rstrip('.')}.{hint}") from e
       if isinstance(e, errors.DVBenchError):
         raise type(e)(f"{e}{hint}") from e
       raise errors.UploadError(f"uploading {self.folder} failed: {e!r}.{hint}") from e

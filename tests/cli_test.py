@@ -298,7 +298,8 @@ class DVBenchCommandLineTest(absltest.TestCase):
     from dvbench.upload import Uploader  # pylint: disable=g-import-not-at-top
     folder = self.tempdir() / "run"
     writer = transcript.TranscriptWriter(folder)
-    writer.append({"type": "root", "format_version": 2, "name": "run"})
+    writer.append({"type": "root", "format_version": transcript.FORMAT_VERSION,
+                   "name": "run"})
     writer.close()
     http = Http(f"http://127.0.0.1:{free_port()}", token="t")
     self.addCleanup(http.close)

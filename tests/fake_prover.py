@@ -1,4 +1,4 @@
-"""A pure-Python prover that writes format-3 records by hand and speaks the DVBench protocol.
+"""A pure-Python prover that writes records by hand and speaks the DVBench protocol.
 
 It needs no JAX: states are 32-byte digests, a step's post-state is a hash of
 its pre-state and batch, and a *faked* step's post-state is anything else. The
@@ -22,7 +22,7 @@ import cbor2
 import httpx
 
 from zkdv import challenge
-from zkdv.transcript import encode_record, record_id
+from zkdv.transcript import FORMAT_VERSION, encode_record, record_id
 
 
 def digest(data: bytes) -> bytes:
@@ -73,8 +73,8 @@ class FakeProver:
                   "owner": owner, "experiment": self.experiment,
                   "policy": {**slot["policy"], "segment_length": self.segment_length}}
     challenger.update(challenger_changes)
-    return {"type": "root", "format_version": 3, "prover": "whitebox-jax", "name": name,
-            "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
+    return {"type": "root", "format_version": FORMAT_VERSION, "prover": "whitebox-jax",
+            "name": name, "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
             "challenger": challenger}
 
   def post_root(self, root: dict, experiment: str | None = None) -> httpx.Response:
@@ -239,9 +239,9 @@ def write_self_transcript(folder, steps: int, name: str = "synthetic") -> list[b
   from zkdv import transcript  # pylint: disable=g-import-not-at-top
   writer = transcript.TranscriptWriter(folder)
   policy = challenge.Policy(update_check_probability=0.1).to_record()
-  writer.append({"type": "root", "format_version": 3, "prover": "whitebox-jax", "name": name,
-                 "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},
-                 "challenger": {"kind": "self", "seed_commitment": digest(name.encode()),
+  writer.append({"type": "root", "format_version": FORMAT_VERSION, "prover": "whitebox-jax",
+                 "name": name, "versions": {}, "platform": "cpu", "device_kinds": ["cpu"],
+                 "config": {}, "challenger": {"kind": "self", "seed_commitment": digest(name.encode()),
                                 "policy": policy}})
   state = digest(b"initial state")
   for t in range(steps):

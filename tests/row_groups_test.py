@@ -15,6 +15,7 @@ from dvbench import transport
 from tests import testing
 from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
 from zkdv import digest
+from zkdv import transcript
 from zkdv import verify
 from zkdv.digest import LeafLayout
 
@@ -73,7 +74,7 @@ class RowGroupsTest(VerifierTestCase):
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     self.assertEqual(report.probed_rows, STEPS * 16)  # one group of the two at each step
     records = testing.records_of(grouped_transcript())
-    self.assertEqual(records[0]["format_version"], 4)
+    self.assertEqual(records[0]["format_version"], transcript.FORMAT_VERSION)
     layout = first(records, "program")["batch_layout"][0]
     self.assertEqual((layout["shape"], layout["row_group"]), ([ROWS, WIDTH], 16))
 
@@ -114,17 +115,14 @@ class RowGroupsTest(VerifierTestCase):
     report = self.assert_fails(rechained(regroup, grouped_transcript()))
     self.assertIn("batch_roots do not make up the batch digest", report.dumps())
 
-  def test_row_groups_in_a_format_3_transcript_are_malformed(self):
-    def as_format_3(records):
-      records[0]["format_version"] = 3
+  def test_a_row_group_on_a_state_layout_is_malformed(self):
+    def group_state(records):
+      layout = next(l for l in first(records, "program")["state_layout"]
+                    if l["shape"] and l["shape"][0] % 2 == 0)
+      layout["row_group"] = 2
       return records
-    report = self.assert_fails(rechained(as_format_3, grouped_transcript()), "schema")
-    self.assertIn("row_group is a format 4 field", report.dumps())
-
-  def test_format_3_still_verifies(self):
-    report = verify.verify(write_transcript(format_version=3, segment_length=2))
-    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
-    self.assertGreater(report.probed_rows, 0)
+    report = self.assert_fails(rechained(group_state, grouped_transcript()), "schema")
+    self.assertIn("row_group is a field of batch layouts only", report.dumps())
 
 
 if __name__ == "__main__":

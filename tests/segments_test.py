@@ -1,5 +1,5 @@
-"""Format 3 segments: a challenged segment is replayed whole from its committed start, so a
-faked step anywhere in it is caught; format 2 transcripts still verify."""
+"""Segments: a challenged segment is replayed whole from its committed start, so a
+faked step anywhere in it is caught."""
 
 import functools
 import time
@@ -66,19 +66,6 @@ class SegmentsTest(VerifierTestCase):
       jax.monitoring.unregister_event_duration_listener(listen)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
     self.assertLen(compiled, 1)
-
-  def test_format_2_still_verifies(self):
-    report = verify.verify(write_transcript(policy=ALWAYS, format_version=2))
-    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
-    self.assertEqual(report.segments, 6)
-
-  def test_an_unknown_format_could_not_be_verified_naming_those_read(self):
-    def edit(records):
-      records[0]["format_version"] = 5
-      return records
-    report = self.assert_fails(rechained(edit, segmented()), "format_version",
-                               verify.UNVERIFIABLE)
-    self.assertIn("formats [2, 3, 4]", report.dumps())
 
   @parameterized.parameters(3, 4, 5)
   def test_a_faked_step_anywhere_in_a_challenged_segment_is_caught(self, faked):

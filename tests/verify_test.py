@@ -1,7 +1,7 @@
 """The verifier fails closed: every tampering is caught and named.
 
-Transcripts here are written record by record (``write_transcript``) in format 3
-(or 2) with a real exported program, so the verifier is tested on exactly what
+Transcripts here are written record by record (``write_transcript``) with a real
+exported program, so the verifier is tested on exactly what
 docs/protocol.md specifies.
 """
 
@@ -82,10 +82,10 @@ class _Dvbench:
 
 def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=sgd_step,
                      state=STATE, receipt_verdict="verified", segment_length=1,
-                     format_version=transcript.FORMAT_VERSION, fake_step=None) -> pathlib.Path:
+                     fake_step=None) -> pathlib.Path:
   """An honest transcript: every challenge answered, blobs and all.
 
-  Format 3 commits the state every ``segment_length`` steps; format 2 every step.
+  The state is committed every ``segment_length`` steps.
   ``server`` (a ``_Dvbench``) makes it server-challenged, with a signed receipt.
   ``fake_step`` writes that step's post-state as the honest one plus 1 (a faked step;
   its check answers are those of the faked run).
@@ -96,14 +96,12 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
                                           "probe_ratio": 0.5}),
                             segment_length=segment_length)
   policy_record = policy.to_record()
-  if format_version == 2:
-    policy_record = {k: policy_record[k] for k in list(policy_record)[:4]}
   writer = transcript.TranscriptWriter(folder)
   blob, run = exported_program(fn)
   challenger = (server.challenger(policy_record) if server else
                 {"kind": "self", "seed_commitment": challenge.key_commitment(SEED),
                  "policy": policy_record})
-  writer.append({"type": "root", "format_version": format_version,
+  writer.append({"type": "root", "format_version": transcript.FORMAT_VERSION,
                  "prover": transcript.PROVER, "name": "hand-written", "versions": {},
                  "platform": "cpu", "device_kinds": ["cpu"],
                  "config": {"rtol": 1e-5, "atol": 1e-6}, "challenger": challenger})
@@ -120,8 +118,8 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
     pre_digest, _ = digest.digest_state_arrays(state, pre)
     post_digest, pieces = digest.digest_state_arrays(state, post)
     trees = digest.batch_trees(BATCH, [x])
-    starts = format_version == 2 or t % segment_length == 0
-    ends = format_version == 2 or t % segment_length == segment_length - 1 or t == steps - 1
+    starts = t % segment_length == 0
+    ends = t % segment_length == segment_length - 1 or t == steps - 1
     if starts:
       segment = (t, pre, [])
       first_c = challenge.step_challenge_self(SEED, t)  # decides a self-chosen segment
@@ -137,7 +135,7 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
          else challenge.step_challenge_self(SEED, t))
     segment_decision = challenge.decide(t, c if server else first_c, policy)
     _answer(writer, challenge.decide(t, c, policy), segment_decision if ends else None,
-            segment, x, post, trees, format_version)
+            segment, x, post, trees)
     w, b = post
   final = {"type": "final", "steps": steps, "status": "clean", "discontinuities": []}
   if steps:
@@ -155,19 +153,15 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
   return folder
 
 
-def _answer(writer, decision, segment_decision, segment, x, post, trees,
-            format_version) -> None:
+def _answer(writer, decision, segment_decision, segment, x, post, trees) -> None:
   """Probes of the step; when it ends ``segment``, the segment's update and state checks
   (``segment_decision``)."""
   blob = lambda a: writer.put_blob(digest.byte_view(np.asarray(a)))
   if segment_decision is not None and segment_decision.update:
     first_step, start, batches = segment
     record = {"type": "check", "step": decision.step, "kind": "update",
-              "pre_state_blobs": [blob(a) for a in start], "result": {"equal": True}}
-    if format_version == 2:
-      record["batch_blobs"] = [blob(x)]
-    else:
-      record.update(first=first_step, batch_blobs=[[blob(b)] for b in batches])
+              "pre_state_blobs": [blob(a) for a in start], "result": {"equal": True},
+              "first": first_step, "batch_blobs": [[blob(b)] for b in batches]}
     writer.append(record)
   if segment_decision is not None and segment_decision.state:
     writer.append({"type": "check", "step": decision.step, "kind": "state",
@@ -513,7 +507,8 @@ class UntrustedInputTest(VerifierTestCase):
       records[0]["format_version"] = 1
       return records
     report = self.assert_fails(rechained(edit), "format_version", verify.UNVERIFIABLE)
-    self.assertIn("could not verify: format 1 is not supported by this zkdv", report.dumps())
+    self.assertIn("could not verify: transcript format 1 is no longer supported; this zkdv "
+                  f"reads format {transcript.FORMAT_VERSION}", report.dumps())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ decides what a transcript proves:
 * ``dvbench``: ``c_t`` is a keyed BLAKE3 of the server's secret per-proof key
   ``K`` and the id of step ``t``'s record, derived after the server stored it.
 
-Probes are drawn for every step. From format 3 on, states are committed once per
+Probes are drawn for every step. States are committed once per
 *segment* (up to ``Policy.segment_length`` steps); the update and state checks
 that ``c_t`` decides apply to the segment that step ``t`` ends, and nothing
 when step ``t`` ends none.
@@ -106,17 +106,11 @@ class Policy:
     return dataclasses.asdict(self)
 
   @classmethod
-  def from_record(cls, record, format_version: int = 3) -> "Policy":
-    """Parses prover-written policy fields; ValueError names what is wrong.
-
-    Format 2 policies have no ``segment_length`` (every step is its own segment)
-    and no ``full_replay``.
-    """
+  def from_record(cls, record) -> "Policy":
+    """Parses prover-written policy fields; ValueError names what is wrong."""
     names = [f.name for f in dataclasses.fields(cls)]
-    if format_version == 2:
-      names = names[:4]
     if not isinstance(record, dict) or set(record) != set(names):
-      raise ValueError(f"a format {format_version} policy has exactly the fields {names}.")
+      raise ValueError(f"a policy has exactly the fields {names}.")
     return cls(**record)
 
   def at_least(self, minimum: "Policy") -> "Policy":

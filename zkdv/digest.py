@@ -4,7 +4,7 @@ A leaf digest is ``BLAKE3(np.asarray(x).tobytes())``. A state digest is the
 BLAKE3 of the deterministic CBOR of ``[(keypath, dtype, shape, pieces)]``; a
 batch digest is the same with each leaf's rows (leading axis) folded into an
 RFC 9162 Merkle tree, so single rows can later be opened with a proof. A leaf of
-the tree holds ``row_group`` consecutive rows (format 4; 1 in format 3).
+the tree holds ``row_group`` consecutive rows (``row_group``, 1 by default).
 
 Example::
 
@@ -36,7 +36,7 @@ class LeafLayout:
   shape: tuple[int, ...]
   key_impl: str | None = None
   pieces: tuple | None = None  # distinct shard boxes ((start, stop) per dim); None: whole
-  row_group: int = 1  # a batch leaf's leading-axis rows per Merkle leaf (format 4)
+  row_group: int = 1  # a batch leaf's leading-axis rows per Merkle leaf
 
   def __post_init__(self):
     group = self.row_group

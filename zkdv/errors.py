@@ -97,6 +97,10 @@ class TranscriptFormatError(ZKDVError, ValueError):
   """A transcript file or blob is malformed."""
 
 
+class UnsupportedFormatError(TranscriptFormatError):
+  """A transcript's ``format_version`` is not the one this zkdv reads."""
+
+
 class StepOutputError(ZKDVError, TypeError):
   """A training step did not return the state it updated."""
 

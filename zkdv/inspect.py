@@ -29,8 +29,10 @@ def _model(path) -> structure.Transcript:
   model = structure.read(contents, transcript.records_path(path).parent,
                          Report(path=str(path)))
   if model is None:
-    raise errors.TranscriptFormatError(
-        f"{path} has no root of format {transcript.FORMAT_VERSION}.")
+    first = contents.records[0].record if contents.records else {}
+    if first.get("type") == "root":  # UnsupportedFormatError says which format it reads
+      transcript.check_format(first.get("format_version"))
+    raise errors.TranscriptFormatError(f"{path} does not start with a root record.")
   return model
 
 

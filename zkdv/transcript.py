@@ -27,12 +27,32 @@ import numpy as np
 from zkdv import errors
 from zkdv.digest import numpy_dtype
 
-FORMAT_VERSION = 4
-READABLE_FORMATS = (2, 3, 4)
+FORMAT_VERSION = 5  # the one format this zkdv reads and writes (docs/protocol.md)
 PROVER = "whitebox-jax"
 RECORDS_FILE = "records.cborl"
 BLOBS_DIR = "blobs"
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def check_format(version) -> None:
+  """Raises UnsupportedFormatError unless ``version`` is ``FORMAT_VERSION``.
+
+  Example: ``check_format(2)`` raises "transcript format 2 is no longer supported; this
+  zkdv reads format 5; re-run the training with this zkdv ...".
+  """
+  if isinstance(version, int) and not isinstance(version, bool) and version == FORMAT_VERSION:
+    return
+  rewrite = (f"re-run the training with this zkdv to write a format {FORMAT_VERSION} "
+             "transcript")
+  if isinstance(version, int) and not isinstance(version, bool) and 0 < version < FORMAT_VERSION:
+    raise errors.UnsupportedFormatError(
+        f"transcript format {version} is no longer supported; this zkdv reads format "
+        f"{FORMAT_VERSION}; {rewrite}.")
+  shown = version if isinstance(version, int) and abs(version) < 1 << 32 else (
+      f"{type(version).__name__} {str(version)[:40]!r}")
+  raise errors.UnsupportedFormatError(
+      f"transcript format {shown} is not supported; this zkdv reads format "
+      f"{FORMAT_VERSION}; verify it with the zkdv that wrote it, or {rewrite}.")
 
 
 def encode_record(record: dict) -> bytes:

@@ -81,9 +81,8 @@ class ProofChallenger:
 
 
 def stored_policy(text: str) -> challenge.Policy:
-  """A policy stored as JSON: a format-3 policy, or a format-2 one (no segments)."""
-  record = json.loads(text)
-  return challenge.Policy.from_record(record, 3 if "segment_length" in record else 2)
+  """A policy stored as JSON (``Policy.to_record``)."""
+  return challenge.Policy.from_record(json.loads(text))
 
 
 class Ingest:

@@ -22,7 +22,7 @@ from dvbench.server.paging import fetch_page, paged
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name, decode
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
-from zkdv.transcript import READABLE_FORMATS, record_id
+from zkdv.transcript import record_id
 
 _CBOR = "application/cbor"
 _DVBENCH_FIELDS = {"kind", "server_key", "nonce", "key_commitment", "owner", "experiment",
@@ -47,12 +47,9 @@ def json_number(value):
   return value
 
 
-def _policy(challenger: dict, root: dict) -> challenge.Policy:
+def _policy(challenger: dict) -> challenge.Policy:
   try:
-    version = root.get("format_version")
-    if version not in READABLE_FORMATS or isinstance(version, bool):
-      raise ValueError(f"format_version {version!r} is not one of {list(READABLE_FORMATS)}")
-    return challenge.Policy.from_record(challenger.get("policy"), version)
+    return challenge.Policy.from_record(challenger.get("policy"))
   except (ValueError, TypeError) as e:
     raise HTTPException(409, f"the root's challenger policy is not acceptable: {e}") from None
 
@@ -76,15 +73,15 @@ class RootBinding:
       if set(challenger) != _SELF_FIELDS:
         raise HTTPException(409, f"a self challenger has exactly the fields {sorted(_SELF_FIELDS)}.")
       return {"kind": "self", "nonce": None,
-              "policy": json.dumps(_policy(challenger, root).to_record())}
+              "policy": json.dumps(_policy(challenger).to_record())}
     if set(challenger) != _DVBENCH_FIELDS:
       raise HTTPException(409, f"a dvbench challenger has exactly the fields "
                           f"{sorted(_DVBENCH_FIELDS)}.")
-    nonce = self._slot_nonce(challenger, proof_id, root)
+    nonce = self._slot_nonce(challenger, proof_id)
     return {"kind": "dvbench", "nonce": nonce,
-            "policy": json.dumps(_policy(challenger, root).to_record())}
+            "policy": json.dumps(_policy(challenger).to_record())}
 
-  def _slot_nonce(self, challenger: dict, proof_id: str, root: dict) -> str:
+  def _slot_nonce(self, challenger: dict, proof_id: str) -> str:
     nonce = challenger["nonce"]
     slot = self.service.store.slot(nonce.hex()) if isinstance(nonce, bytes) else None
     full = self.experiment["full_name"]
@@ -100,7 +97,7 @@ class RootBinding:
     wrong = sorted(k for k, v in expected.items() if challenger[k] != v)
     if wrong:
       raise HTTPException(409, f"the root's challenger does not match its slot in {wrong}.")
-    weaker = _policy(challenger, root).weaker_than(custody.stored_policy(slot["policy"]))
+    weaker = _policy(challenger).weaker_than(custody.stored_policy(slot["policy"]))
     if weaker:
       raise HTTPException(409, f"the root's policy is weaker than the server's minimum in "
                           f"{weaker}.")

@@ -20,7 +20,9 @@ import dataclasses
 import math
 
 from zkdv import challenge
+from zkdv import errors
 from zkdv import metrics
+from zkdv import transcript
 
 MAX_INDEX = 1 << 40  # step indices, counts and positions stay below this
 MAX_LIST = 1 << 20
@@ -122,7 +124,7 @@ class Optional(Spec):
 
 @dataclasses.dataclass(frozen=True)
 class Either(Spec):
-  """A value matching ``first`` or, failing that, ``second`` (a format's two shapes)."""
+  """A value matching ``first`` or, failing that, ``second`` (a field's two shapes)."""
 
   first: Spec
   second: Spec
@@ -190,6 +192,16 @@ class Free(Spec):
           stack.append((v, f"{at}.{k}"))
 
 
+class FormatVersion(Spec):
+  """The transcript format this server reads (``zkdv.transcript.check_format``)."""
+
+  def check(self, value, where):
+    try:
+      transcript.check_format(value)
+    except errors.UnsupportedFormatError as e:
+      raise Invalid(f"{where}: {e}") from None
+
+
 class StepMetrics(Spec):
   """A step's committed metrics (``zkdv.metrics``: bounded names, exact values)."""
 
@@ -247,7 +259,7 @@ NAMES = ListOf(Text(400), 4096)
 _REQ = True
 
 RECORD_FIELDS: dict[str, dict[str, Field]] = {
-    "root": {"format_version": Field(Int(1, 1 << 16), _REQ), "prover": Field(NAME, _REQ),
+    "root": {"format_version": Field(FormatVersion(), _REQ), "prover": Field(NAME, _REQ),
              "name": Field(Text(MAX_TEXT), _REQ), "versions": Field(Map(), _REQ),
              "platform": Field(NAME, _REQ), "config": Field(Map(), _REQ),
              "challenger": Field(FREE),  # checked where it is bound (routes_proofs)
@@ -267,18 +279,17 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              "input_blobs": Field(DIGESTS, _REQ), "output_layout": Field(LAYOUTS, _REQ),
              "outputs": Field(DIGESTS, _REQ), "platforms": Field(NAMES, _REQ),
              "function": Field(Text(MAX_TEXT))},
-    # Format 3 commits the states at segment boundaries only (format 2: at every step).
+    # The states are committed at segment boundaries only.
     "step": {"index": Field(INDEX, _REQ), "program": Field(INDEX, _REQ),
              "pre_state": Field(DIGEST), "batch": Field(DIGEST, _REQ),
              "post_state": Field(DIGEST), "metrics": Field(StepMetrics())},
     "check": {"step": Field(INDEX, _REQ), "kind": Field(Text(20, CHECK_KINDS), _REQ),
-              "first": Field(INDEX),  # format 3: the first step of the opened segment
+              "first": Field(INDEX),  # the first step of the opened segment
               "pre_state_blobs": Field(DIGESTS),
-              "batch_blobs": Field(Either(DIGESTS, ListOf(DIGESTS),
-                                          "a list of digests, or one such list per step")),
+              "batch_blobs": Field(ListOf(DIGESTS)),  # per step of the segment
               "post_state_blobs": Field(DIGESTS), "result": Field(Map()),
               "pre_state_pieces": Field(PIECES), "batch_roots": Field(DIGESTS),
-              # [leaf, row, the row's blob digest (format 4: a group's, one per row), its
+              # [leaf, row, the row's blob digest (a group's: one per row), its
               # Merkle inclusion proof]
               "probes": Field(ListOf(Row((INDEX, INDEX, Either(DIGEST, DIGESTS,
                                                                "a digest or a list of them"),
@@ -289,7 +300,7 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
               "seed": Field(Bytes(None))},
 }
 # The fields a check record of each kind must carry, beyond "step" and "kind".
-CHECK_REQUIRES = {"update": ("pre_state_blobs", "batch_blobs"),
+CHECK_REQUIRES = {"update": ("first", "pre_state_blobs", "batch_blobs"),
                   "state": ("post_state_blobs",), "probe": ("batch_roots", "probes"),
                   "start": ("pre_state_pieces",)}
 PREV = Field(DIGEST, _REQ)  # every record but the root chains to the one before

@@ -10,7 +10,7 @@ default it is on above two cores (``read_ahead=None``).
 Example::
 
   reader = BlobReader(folder, read_ahead=True)
-  reader.prefetch(wanted_blobs(next_check, program, format_version=3))
+  reader.prefetch(wanted_blobs(next_check, program))
   array = reader.read(digest, "float32", (784, 1024))
   reader.close()
 """
@@ -75,16 +75,14 @@ def _blob_keys(blobs, layouts, check_name: bool) -> list[tuple]:
           if isinstance(b, bytes) and len(b) == DIGEST_BYTES]
 
 
-def wanted_blobs(check, program, format_version: int) -> list[tuple]:
+def wanted_blobs(check, program) -> list[tuple]:
   """The blobs ``check`` opens: its start or pre-state and its batches (an update
   check), the post-state (a state check, or an equivalent program's update)."""
   fields, kind = check.fields, check.kind
   wanted = []
   if kind == "update":
     wanted += _blob_keys(fields.get("pre_state_blobs"), program.state, True)
-    batches = fields.get("batch_blobs")
-    if format_version < 3:
-      batches = [batches]
+    batches = fields.get("batch_blobs")  # a list per step of the segment
     if isinstance(batches, list):
       for step_blobs in batches:
         wanted += _blob_keys(step_blobs, program.batch, False)

@@ -1,8 +1,8 @@
 """Answered checks: openings against their commitments, and replays.
 
-An update check opens the pre-state and the batch, which must hash to the
-step's commitments, and replays the program on them: an exact program must
-reproduce the committed post-state bit for bit, an equivalent one the opened
+An update check opens a segment's start state and its batches, which must hash to
+their commitments, and replays the program on them: an exact program must
+reproduce the committed end state bit for bit, an equivalent one the opened
 post-state within the verifier's tolerance. A state check opens the post-state.
 Check records are dispatched by kind through ``CHECKERS``.
 
@@ -92,26 +92,6 @@ def state_check(ctx: Verification, check, step, program, where: str) -> CheckOut
   return CheckOutcome(step.index, "state", "opening", "failed" if post is None else "verified")
 
 
-def _open_update(ctx, check, step, program, where):
-  """(pre-state, batch) opened and matched to the step's commitments, or None."""
-  fields = check.fields
-  pieces = fields.get("pre_state_pieces")
-  if pieces is not None and digest.state_digest_from_pieces(program.state,
-                                                            pieces) != step.pre_state:
-    ctx.report.fail("opening", where, "pre_state_pieces do not make up the pre-state digest.")
-    return None
-  pre = open_blobs(ctx, fields["pre_state_blobs"], program.state, where, "pre-state", pieces)
-  batch = open_blobs(ctx, fields["batch_blobs"], program.batch, where, "batch",
-                     check_name=False)
-  if pre is None or batch is None or not state_matches(
-      ctx, fields["pre_state_blobs"], pre, program.state, step.pre_state, where, "pre-state"):
-    return None
-  if digest.digest_batch_arrays(program.batch, batch) != step.batch:
-    ctx.report.fail("opening", where, "opened batch does not match its commitment.")
-    return None
-  return pre, batch
-
-
 def _open_segment(ctx, check, segment, program, where, chained: bool = False):
   """(start state, [batch per step]) opened and matched to the segment's commitments;
   ``chained``: the start is the last replay's end, its blobs are checked where they lie,
@@ -160,8 +140,8 @@ def _open_batches(ctx, check, segment, program, where):
   return batches
 
 
-def segment_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
-  """Format 3: replays the segment ending at ``step`` from its opened start state and
+def update_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
+  """Replays the segment ending at ``step`` from its opened start state and
   batches; the end state must match its commitment bit for bit (an exact program) or
   the opened end state within tolerance (an equivalent one, one step)."""
   segment = ctx.model.segment_ending(step.index)
@@ -240,28 +220,6 @@ def _compare(ctx, outcome, program, replayed, post, committed, where) -> CheckOu
   return outcome
 
 
-def update_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
-  """Format 2: replays one step from its opened pre-state and batch."""
-  if ctx.model.format_version >= 3:
-    return segment_check(ctx, check, step, program, where)
-  outcome = CheckOutcome(step.index, "update", program.mode, "failed")
-  opened = _open_update(ctx, check, step, program, where)
-  post = None if program.exact else _open_post(ctx, check, step, program, where)
-  if opened is None or (post is None and not program.exact):
-    return outcome
-  if ctx.options.replay == "none":
-    outcome.status = "not replayed"
-    return outcome
-  outputs = ctx.programs.replay_outputs(program, *opened, where)
-  if outputs is None:
-    return outcome
-  replayed = [outputs[i] for i in program.post_state_outputs]
-  outcome = _compare(ctx, outcome, program, replayed, post, step.post_state, where)
-  if program.exact and not _metrics_match(ctx, step, program, outputs, where):
-    outcome.status = "failed"
-  return outcome
-
-
 CHECKERS = {"update": update_check, "state": state_check, "probe": probes.probe_check,
             "start": start.start_check}
 
@@ -301,8 +259,7 @@ def run_checks(ctx: Verification, progress=None, jobs: int = 1) -> None:
     else:
       following = next((m for m in range(n + 1, len(checks)) if m not in replayed), None)
       if following is not None and programs[following] is not None:  # read while replaying
-        ctx.blobs.prefetch(wanted_blobs(checks[following], programs[following],
-                                        ctx.model.format_version))
+        ctx.blobs.prefetch(wanted_blobs(checks[following], programs[following]))
       outcome = CHECKERS[check.kind](ctx, check, step, program, where)
     if outcome is not None:
       ctx.report.checks.append(dataclasses.replace(

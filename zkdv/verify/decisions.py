@@ -4,7 +4,7 @@
 (checked against the root's commitment). ``dvbench``: keyed by the server's key
 ``K`` (from a receipt, or the server's own worker) and the id of the step's
 record. Every decided probe set must have its check record, and every decided update
-and state check of a segment (format 2: every step is one), keyed by the
+and state check of a segment, keyed by the
 segment's last step. A server's segment is decided by the challenge of its last
 step; a self-chosen one by its first step's.
 

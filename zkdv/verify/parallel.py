@@ -27,8 +27,8 @@ from zkdv.verify.report import Report
 
 def parallel_checks(ctx: Verification, ordered: list, programs: list) -> list[int]:
   """Positions (in ``ordered``) of the checks a process may replay on its own: the
-  update checks of exact programs in a segmented (format 3) transcript."""
-  if ctx.model.format_version < 3 or ctx.options.replay == "none":
+  update checks of exact programs."""
+  if ctx.options.replay == "none":
     return []
   return [n for n, (c, p) in enumerate(zip(ordered, programs))
           if c.kind == "update" and p is not None and p.exact]
@@ -68,8 +68,7 @@ def _replay_group(path: str, options, positions: list[int], read_ahead) -> dict[
       if n + 1 < len(positions):
         following = ordered[positions[n + 1]]
         ctx.blobs.prefetch(blobs.wanted_blobs(
-            following, ctx.model.program_of(ctx.model.steps[following.step]),
-            ctx.model.format_version))
+            following, ctx.model.program_of(ctx.model.steps[following.step])))
       before = len(ctx.report.findings)  # reading the transcript again found what the parent did
       outcome = checks.update_check(ctx, check, step, program, checks.where_of(check))
       results[position] = (outcome, ctx.report.findings[before:])

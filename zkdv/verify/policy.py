@@ -116,7 +116,7 @@ def parse_challenger(root: dict, report: Report) -> Challenger | None:
     report.fail("challenger", where, f"malformed challenger fields {bad}.")
     return None
   try:
-    policy = challenge.Policy.from_record(record["policy"], root.get("format_version", 3))
+    policy = challenge.Policy.from_record(record["policy"])
   except (TypeError, ValueError) as e:
     report.fail("policy", where, f"the effective policy is malformed: {e}")
     return None

@@ -2,7 +2,7 @@
 
 A probe check record carries the batch's row roots (which must make up the
 step's batch digest) and, per probed row, ``[leaf, row, blob, merkle proof]``
-(RFC 9162). A Merkle row of a leaf with ``row_group`` g > 1 (format 4) is g
+(RFC 9162). A Merkle row of a leaf with ``row_group`` g > 1 is g
 leading-axis rows, opened as a list of g blobs, one per row. The rows must be
 exactly those ``Decision.probe_rows`` selects; the count is compared before any
 row is drawn, so hostile sizes cost nothing.

@@ -12,7 +12,7 @@ Example::
 
   loader = ProgramLoader(ctx.report)
   info = loader.load(program)
-  outputs = loader.replay(program, pre, batch, "record 9")
+  end, _, per_step = loader.replay_segment(program, start, batches, "record 9")
 """
 
 import dataclasses
@@ -92,19 +92,6 @@ class ProgramLoader:
 
   def platform(self) -> str:
     return self._jax.devices()[0].platform
-
-  def replay(self, program: Program, pre, batch, where: str):
-    """The post-state the program computes from ``pre`` and ``batch``; None (with a
-    finding) when it cannot run here."""
-    outs = self.replay_outputs(program, pre, batch, where)
-    return None if outs is None else [outs[i] for i in program.post_state_outputs]
-
-  def replay_outputs(self, program: Program, pre, batch, where: str):
-    """Every output the program computes from ``pre`` and ``batch`` (the post-state
-    and the step's metrics); None (with a finding) when it cannot run here."""
-    state, rows = iter(zip(pre, program.state)), iter(zip(batch, program.batch))
-    inputs = [next(state if kind == "state" else rows) for kind in program.inputs]
-    return self.run(program, inputs, where)
 
   def replay_segment(self, program: Program, start, batches, where: str,
                      start_on_device: bool = False):

@@ -52,7 +52,7 @@ class CheckOutcome:
   max_abs_error: float = 0.0
   max_rel_error: float = 0.0
   max_ulp_error: int = 0
-  first: int | None = None  # format 3: the first step of the replayed segment
+  first: int | None = None  # the first step of the replayed segment
 
 
 @dataclasses.dataclass

@@ -65,9 +65,6 @@ SCHEMAS = {
                     frozenset({"discontinuities", "final_state", "final_state_leaves",
                                "final_params", "seed"})),
 }
-# Format 2 step records commit both states; formats 3 and 4 only at segment boundaries
-# (format 4 adds row groups to batch layouts).
-STEP_STATES = {2: ("pre_state", "post_state"), 3: (), 4: ()}
 # A check record of each kind (docs/protocol.md), beyond "step" and "kind".
 CHECK_SCHEMAS = {
     "update": Schema({"first": int, "pre_state_blobs": list, "batch_blobs": list},
@@ -76,8 +73,6 @@ CHECK_SCHEMAS = {
     "probe": Schema({"batch_roots": list, "probes": list}),
     "start": Schema({"pre_state_pieces": list}),
 }
-FORMAT_2_UPDATE = Schema({"pre_state_blobs": list, "batch_blobs": list, "result": dict},
-                         frozenset({"pre_state_pieces", "post_state_blobs"}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +123,7 @@ class Init:
 @dataclasses.dataclass(frozen=True)
 class Step:
   """A step record; ``pre_state``/``post_state`` are None where it commits no state
-  (format 3: only a segment's first and last steps do)."""
+  (only a segment's first and last steps do)."""
 
   index: int
   program: int
@@ -142,7 +137,7 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-  """Steps ``first .. last`` between two state commitments (format 2: one step).
+  """Steps ``first .. last`` between two state commitments.
 
   ``start`` is the committed state before step ``first``; ``end`` after step
   ``last``, or None when the next segment starts without it (a discontinuity).
@@ -182,7 +177,6 @@ class Transcript:
   steps: list = dataclasses.field(default_factory=list)
   checks: dict = dataclasses.field(default_factory=dict)  # (step, kind) -> Check
   final: dict | None = None
-  format_version: int = transcript_lib.FORMAT_VERSION
   segments: list = dataclasses.field(default_factory=list)  # Segment, in order
 
   def program_of(self, step: Step) -> Program | None:
@@ -209,16 +203,11 @@ def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
   if not contents.records or contents.records[0].record.get("type") != "root":
     report.fail("no_root", "record 0", "the transcript does not start with a root record.")
     return None
-  version = contents.records[0].record.get("format_version")
-  if version not in transcript_lib.READABLE_FORMATS or isinstance(version, bool):
-    report.fail("format_version", "record 0",
-                f"could not verify: format {version!r} is not supported by this zkdv; it "
-                f"verifies formats {list(transcript_lib.READABLE_FORMATS)} (format 2: a state "
-                "commitment per step; format 3: per segment; format 4: batch rows grouped per "
-                "Merkle leaf; docs/protocol.md). Verify it "
-                "with the zkdv release that wrote it.", UNVERIFIABLE)
+  try:
+    transcript_lib.check_format(contents.records[0].record.get("format_version"))
+  except errors.UnsupportedFormatError as e:
+    report.fail("format_version", "record 0", f"could not verify: {e}", UNVERIFIABLE)
     return None
-  model.format_version = version
   _chain(contents, model, report)
   model.segments = _segments(model, report)
   return model
@@ -269,9 +258,6 @@ def _chain(contents, model: Transcript, report: Report) -> None:
       continue
     problems = SCHEMAS[kind].problems(rec)
     if kind == "step":
-      problems += [f"lacks or mistypes ['{name} (bytes)']"
-                   for name in STEP_STATES.get(model.format_version, ())
-                   if not isinstance(rec.get(name), bytes)]
       problems += [f"{name} is not 32 bytes" for name in ("pre_state", "post_state")
                    if name in rec and not (isinstance(rec[name], bytes) and len(rec[name]) == 32)]
     if problems:
@@ -300,7 +286,7 @@ def _read_program(model, parsed, where, report) -> None:
     report.fail("program_id", where, "program blob and program id differ.")
   try:
     program = _parse_program(rec, _program_blob(model.folder, rec["program_id"], where, report),
-                             where, model.format_version)
+                             where)
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     report.fail("schema", where, f"program layout is malformed: {e!r}.")
     return
@@ -338,14 +324,13 @@ def _layouts(records) -> tuple:
   return layouts
 
 
-def _parse_program(rec: dict, blob: bytes | None, where: str, format_version: int) -> Program:
+def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
   state, batch = _layouts(rec["state_layout"]), _layouts(rec["batch_layout"])
   # The post-state is laid out as the program places its outputs (by default as its inputs).
   post = _layouts(rec.get("post_state_layout", rec["state_layout"]))
-  grouped = [l.path for l in (*state, *post, *(batch if format_version < 4 else ()))
-             if l.row_group != 1]
+  grouped = [l.path for l in (*state, *post) if l.row_group != 1]
   if grouped:
-    raise ValueError(f"row_group is a format 4 field of batch layouts only: {grouped[:4]}")
+    raise ValueError(f"row_group is a field of batch layouts only: {grouped[:4]}")
   if [(l.path, l.dtype, l.shape) for l in post] != [(l.path, l.dtype, l.shape) for l in state]:
     raise ValueError("post_state_layout does not match state_layout")
   if sorted(rec["inputs"]) != sorted(["state"] * len(state) + ["batch"] * len(batch)):
@@ -428,9 +413,7 @@ def _read_check(model, parsed, where, report) -> None:
   if kind not in CHECK_SCHEMAS:
     report.fail("schema", where, f"unknown check kind {kind!r}.")
     return
-  schema = (FORMAT_2_UPDATE if kind == "update" and model.format_version == 2
-            else CHECK_SCHEMAS[kind])
-  problems = schema.problems({k: v for k, v in rec.items() if k not in ("step", "kind")})
+  problems = CHECK_SCHEMAS[kind].problems({k: v for k, v in rec.items() if k not in ("step", "kind")})
   if problems:
     report.fail("schema", where, f"{kind} check {'; '.join(problems)}.")
     return
