@@ -37,6 +37,9 @@ _EXIT_CODES = f"""exit codes:
   0   verified: every required claim holds
   1   invalid, or a required claim does not hold
   2   could not verify (the transcript, or a required claim)
+  {verify_lib.EXIT_INTERNAL_ERROR}  could not verify: the verifier itself failed (a bug, out of memory); the
+      report's "fault" says why, the traceback is on stderr. Not a verdict: retry
+      on a larger machine or report the bug.
 {_NO_REPORT_CODES}"""
 _INSPECT_EXIT_CODES = f"""exit codes:
   0   summarized
@@ -150,6 +153,9 @@ def _human_report(report: verify_lib.Report) -> str:
                                      f"{', '.join(c.name for c in unmet)}" if unmet else "")))
   lines += [f"note: {n}" for n in report.notes]
   lines += [f"FAILED {f.code} at {f.where}: {f.message}" for f in report.findings]
+  if report.fault:
+    lines.append(f"could not verify: {report.fault} (a fault of the verifier, not a "
+                 "finding about the transcript; the traceback is above)")
   return "\n".join(lines)
 
 

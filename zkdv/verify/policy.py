@@ -101,7 +101,8 @@ class Challenger:
 def parse_challenger(root: dict, report: Report) -> Challenger | None:
   """The root's challenger; None (with a finding) when it is malformed."""
   where, record = "record 0 (challenger)", root["challenger"]
-  fields = CHALLENGER_FIELDS.get(record.get("kind"))
+  kind = record.get("kind")
+  fields = CHALLENGER_FIELDS.get(kind) if isinstance(kind, str) else None
   if fields is None:
     report.fail("challenger", where, f"unknown challenger kind {record.get('kind')!r}; "
                 f"expected one of {sorted(CHALLENGER_FIELDS)}.")

@@ -16,6 +16,9 @@ import json
 
 VERIFIED, INVALID, UNVERIFIABLE = "verified", "invalid", "could not verify"
 EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
+# sysexits.h EX_SOFTWARE: the verifier itself failed (a bug, out of memory), so it could
+# not verify; never a verdict about the transcript.
+EXIT_INTERNAL_ERROR = 70
 
 HOLDS, DOES_NOT_HOLD, COULD_NOT_VERIFY = "holds", "does not hold", "could not verify"
 # The claims of DESIGN §10 that a transcript alone can support, in report order.
@@ -88,12 +91,15 @@ class Report:
   claims: list[Claim] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
   receipt: dict | None = None
+  # Why the verifier itself stopped ("internal error: MemoryError: ..."): a fault of the
+  # verifier, never a finding about the transcript (its traceback goes to the log).
+  fault: str | None = None
 
   @property
   def verdict(self) -> str:
     if any(f.blocks == INVALID for f in self.findings):
       return INVALID
-    if self.findings:
+    if self.findings or self.fault:
       return UNVERIFIABLE
     return VERIFIED
 
@@ -110,9 +116,12 @@ class Report:
   @property
   def exit_code(self) -> int:
     """0 verified with every required claim; 1 invalid or a required claim does
-    not hold; 2 could not verify (the transcript or a required claim)."""
+    not hold; 70 (``EXIT_INTERNAL_ERROR``) the verifier failed, so it could not verify;
+    2 could not verify (the transcript or a required claim)."""
     codes = [EXIT_CODES[self.verdict]] + [_CLAIM_EXIT[c.status] for c in self.unmet]
-    return 1 if 1 in codes else max(codes)
+    if 1 in codes:
+      return 1  # a finding about the transcript stands, whatever stopped the verifier later
+    return EXIT_INTERNAL_ERROR if self.fault else max(codes)
 
   def fail(self, code: str, where: str, message: str, blocks: str = INVALID) -> None:
     self.findings.append(Finding(code, where, message, blocks))
@@ -128,7 +137,7 @@ class Report:
         "checks": [dataclasses.asdict(c) for c in self.checks],
         "discontinuities": self.discontinuities, "probed_rows": self.probed_rows,
         "receipt": self.receipt, "notes": self.notes,
-        "findings": [f.to_json() for f in self.findings],
+        "findings": [f.to_json() for f in self.findings], "fault": self.fault,
     }
 
   def dumps(self) -> str:
