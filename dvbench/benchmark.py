@@ -42,7 +42,7 @@ import numpy as np
 
 from dvbench import transport
 from dvbench.measurement import load_checkpoint, tree_layouts
-from dvbench.server import scoring
+from dvbench import scoring
 from zkdv import digest
 from zkdv import merkle
 from zkdv import transcript

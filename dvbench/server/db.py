@@ -31,7 +31,7 @@ from dvbench.server.schema import (  # pylint: disable=unused-import  # re-expor
     proof_claims, proofs, receipts, records, schema_migrations, score_shards, settings, slots,
     streams, submissions, tokens)
 from dvbench.server import store_benchmarks
-from dvbench.server.scoring import SHARD_JOB
+from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import

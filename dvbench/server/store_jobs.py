@@ -11,7 +11,7 @@ import time
 
 import sqlalchemy as sa
 
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server.schema import (checks, chunks, experiments, jobs, measurement_samples,
                                    measurements, owners, probes, proof_claims, proofs, records,
                                    score_shards, submissions)

@@ -50,7 +50,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from dvbench.server import labels
 from dvbench.server import receipts
 from dvbench.server import sandbox
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS, UNVERIFIABLE

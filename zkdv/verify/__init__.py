@@ -15,7 +15,8 @@ Modules, one per concern: ``structure`` (records, chain, schemas), ``policy``
 (the verifier's requirements, the root's challenger), ``receipt`` (the
 challenge key of a dvbench transcript), ``decisions`` (which checks were
 chosen), ``final``, ``programs`` (screening, replay), ``checks``, ``probes``,
-``start`` (the attested start), ``claims``, ``report``.
+``start`` (the attested start), ``schedule`` (the order checks run in, ``parallel``
+processes), ``claims``, ``report``.
 
 Example::
 
@@ -32,12 +33,12 @@ from zkdv import errors
 from zkdv import transcript
 from zkdv.config import Tolerance
 from zkdv.verify import blobs
-from zkdv.verify import checks
 from zkdv.verify import claims
 from zkdv.verify import decisions
 from zkdv.verify import final
 from zkdv.verify import policy
 from zkdv.verify import receipt
+from zkdv.verify import schedule
 from zkdv.verify import start
 from zkdv.verify import structure
 from zkdv.verify.context import Verification
@@ -124,7 +125,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
     ctx.programs.load(program)
   decisions.require_answers(ctx, ctx.decisions)
   start.require_start(ctx)
-  checks.run_checks(ctx, progress, jobs)
+  schedule.run_checks(ctx, progress, jobs)
   _enough_replays(ctx)
   receipt.compare_verdicts(ctx)
 
