@@ -95,7 +95,7 @@ class VerifierFaultTest(VerifierTestCase):
     self.assertIn("Traceback", done.stderr)
     help_text = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", "--help"],
                                capture_output=True, text=True, timeout=60, check=True).stdout
-    self.assertIn("70  could not verify: the verifier itself failed", help_text)
+    self.assertIn("70  could not verify: the verifier itself failed (a bug, out of\n", help_text)
     self.assertIn("internal error: JaxRuntimeError: RESOURCE_EXHAUSTED",
                   cli._human_report(verify.verify(path)))
 

@@ -1,4 +1,4 @@
-"""The offline, fail-closed transcript verifier (DESIGN §7, docs/protocol.md).
+"""The offline, fail-closed transcript verifier (docs/design.md §7, docs/protocol.md).
 
 ``verify(path)`` checks every record, the hash chain, continuity, the root's
 challenger and policy, re-derives every challenge, checks that each has its
@@ -8,7 +8,7 @@ a finding (``Report.fail``), and only a transcript without findings is
 ``verified``. Anything else a check raises is a fault of the verifier
 (``Report.fault``: "could not verify: internal error", exit code 70), never a
 verdict about the transcript. The report
-states each claim of DESIGN §10; the exit code is 0 only when the verdict is
+states each claim of docs/design.md §10; the exit code is 0 only when the verdict is
 verified and every required claim holds.
 
 Modules, one per concern: ``structure`` (records, chain, schemas), ``policy``

@@ -1,4 +1,4 @@
-"""The claims of DESIGN §10, each with its status and what it rests on.
+"""The claims of docs/design.md §10, each with its status and what it rests on.
 
 A claim does not hold when a finding it rests on is invalid, could not be
 verified when such a finding could not be, and otherwise holds only when what it

@@ -1,6 +1,6 @@
 """What this verifier requires, and the root's challenger validated against it.
 
-The verifier owns the policy (DESIGN §7, §10): every field the prover wrote is
+The verifier owns the policy (docs/design.md §7, §10): every field the prover wrote is
 input to validate, never a setting to obey. ``VerifierPolicy`` is the verifier's
 own (command line or library arguments); the root's challenger and effective
 policy are parsed from the transcript and checked against rules tables.

@@ -1,7 +1,7 @@
 """The verifier's report: findings, check outcomes, claims, verdict and exit code.
 
 The verdict says whether everything the verifier checked held; the claims say
-what that amounts to (DESIGN §10); the exit code is 0 only when the verdict is
+what that amounts to (docs/design.md §10); the exit code is 0 only when the verdict is
 verified and every required claim holds.
 
 Example::
@@ -21,7 +21,7 @@ EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
 EXIT_INTERNAL_ERROR = 70
 
 HOLDS, DOES_NOT_HOLD, COULD_NOT_VERIFY = "holds", "does not hold", "could not verify"
-# The claims of DESIGN §10 that a transcript alone can support, in report order.
+# The claims of docs/design.md §10 that a transcript alone can support, in report order.
 CLAIMS = ("chain", "challenges", "replays", "start", "program", "data")
 # What `zkdv verify` requires unless told otherwise: the records form one chain
 # and every challenged step replays. Who chose the challenges, the start, the
@@ -60,7 +60,7 @@ class CheckOutcome:
 
 @dataclasses.dataclass
 class Claim:
-  """One claim of DESIGN §10, its status and what it rests on."""
+  """One claim of docs/design.md §10, its status and what it rests on."""
 
   name: str
   status: str
@@ -137,7 +137,8 @@ class Report:
         "checks": [dataclasses.asdict(c) for c in self.checks],
         "discontinuities": self.discontinuities, "probed_rows": self.probed_rows,
         "receipt": self.receipt, "notes": self.notes,
-        "findings": [f.to_json() for f in self.findings], "fault": self.fault,
+        "findings": [f.to_json() for f in self.findings],
+        "fault": self.fault,
     }
 
   def dumps(self) -> str:
