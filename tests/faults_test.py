@@ -15,6 +15,10 @@ import blake3
 import jax.numpy as jnp
 from absl.testing import absltest
 
+import dvbench
+from dvbench.server.db import Store
+from dvbench.server.local import LocalServer
+
 from tests.verify_test import (VerifierTestCase, copy_of, exported_program, records_of,
                                rechained, sgd_step, write_transcript)
 from zkdv import cli
@@ -98,6 +102,26 @@ class VerifierFaultTest(VerifierTestCase):
     self.assertIn("70  could not verify: the verifier itself failed (a bug, out of\n", help_text)
     self.assertIn("internal error: JaxRuntimeError: RESOURCE_EXHAUSTED",
                   cli._human_report(verify.verify(path)))
+
+
+class ServerFaultTest(absltest.TestCase):
+  """A real server whose verifier runs out of memory on an uploaded transcript: retried,
+  then "could not verify", never ``invalid``."""
+
+  def test_a_verifier_fault_is_retried_then_unverifiable(self):
+    server = LocalServer(workers=1, extra_args=("--max-attempts", "2")).start()
+    self.addCleanup(server.stop)
+    token = Store.open(f"sqlite:///{server.data / 'dvbench.db'}").create_token("alice")[1]
+    client = dvbench.Client(server.url, token)
+    self.addCleanup(client.close)
+    proof_id = client.experiment("alice/hungry").upload(
+        with_program(write_transcript(steps=2), hungry_step))
+    proof = client.wait_for_verdict(proof_id, timeout=300)
+    self.assertEqual(proof["state"], "unverifiable", proof)
+    self.assertRegex(proof["failure"], r"^could not verify: verification was given up after 2 "
+                     r"attempts; the last one ended because the verifier failed: internal "
+                     r"error: JaxRuntimeError: RESOURCE_EXHAUSTED")
+    self.assertEqual(proof["label"], proof["failure"])
 
 
 # Values a hostile prover writes into any field: none, a bignum, a wrong-shaped container.

@@ -187,7 +187,8 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
                                  limits.for_checks(store.check_record_count(proof_id)))
   if report is None and TIME_LIMIT_TEXT in failure:  # running it again takes as long
     return Verdict(UNVERIFIABLE, "could not verify", f"could not verify: {failure}", [])
-  if report is None or report.get("fault"):
+  if report is None or (report.get("fault") and report["verdict"] != "invalid"):
+    # A finding recorded before the verifier failed still makes the proof invalid.
     raise VerifierFault(failure or _public(f"the verifier failed: {report['fault']}", work))
   rows = [{"step": c["step"], "kind": c["kind"], "mode": c["mode"], "status": c["status"],
            "max_abs_error": c["max_abs_error"], "max_rel_error": c["max_rel_error"],
@@ -242,6 +243,8 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
   (folder / "job.cbor").write_bytes(cbor2.dumps(job))
   result, failure = run_confined([sys.executable, "-m", "dvbench.benchmark", str(folder)],
                                  work, limits, limits.time_limit)
+  if result is None and TIME_LIMIT_TEXT not in failure:
+    raise VerifierFault(failure)  # the child died: retried, not a failure of the entry
   outputs = folder / scoring.OUTPUTS_FILE
   if result is not None and result["failure"] is None and outputs.is_file():
     outputs = outputs.read_bytes()
