@@ -40,10 +40,11 @@ import cbor2
 import jax
 import numpy as np
 
+from dvbench import scoring
 from dvbench import transport
 from dvbench.measurement import load_checkpoint, tree_layouts
-from dvbench.server import scoring
 from zkdv import digest
+from zkdv import errors as zkdv_errors
 from zkdv import merkle
 from zkdv import transcript
 from zkdv.jax import arrays
@@ -300,6 +301,8 @@ def main(argv=None) -> int:
   except ProgramError as e:
     print(json.dumps({"failure": f"the evaluation program: {e}"}))
   except Exception as e:  # an unusable program or checkpoint fails the entry, never the worker
+    if zkdv_errors.out_of_memory(e):
+      raise  # a fault of this machine: the worker retries (no report)
     print(json.dumps({"failure": f"{type(e).__name__}: {e}"}))
   return 0
 

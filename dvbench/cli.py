@@ -90,6 +90,9 @@ def _worker_command(args) -> list[str]:
              "--memory-limit-gb", str(args.memory_limit_gb),
              "--time-limit", str(args.time_limit), "--time-per-check", str(args.time_per_check),
              "--max-attempts", str(args.max_attempts)]
+  if args.workers > 1:
+    from dvbench.server import store_jobs  # pylint: disable=g-import-not-at-top
+    command += ["--owner-share", str(store_jobs.owner_share(args.workers))]
   if args.database_url:
     command += ["--database-url", args.database_url]
   return command
@@ -183,7 +186,8 @@ def worker(args) -> int:
   done = worker_lib.run(store, blobs, _signing_key(args),
                         worker_id=args.worker_id or worker_lib.default_worker_id(),
                         lease_seconds=args.lease_seconds, limits=limits,
-                        max_attempts=args.max_attempts, once=args.once, stop=stop)
+                        max_attempts=args.max_attempts, once=args.once, stop=stop,
+                        owner_share=args.owner_share)
   if args.once and not done:
     print("dvbench worker: no job was waiting; nothing to verify.", file=sys.stderr)
   return 0
@@ -383,6 +387,9 @@ def main(argv=None) -> int:
   limits(w)
   w.add_argument("--worker-id", default=None, help="name in job leases (None: host and pid)")
   w.add_argument("--once", action="store_true", help="process one job, then exit")
+  w.add_argument("--owner-share", type=int, default=None,
+                 help="the most running jobs one owner may hold while another owner's job "
+                 "waits (serve passes half its --workers, rounded up)")
   w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
   w.set_defaults(run=worker)
 

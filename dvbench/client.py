@@ -27,7 +27,8 @@ TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _MAX_DELAY = 2.0
 _MAX_RETRY_AFTER = 30.0
-SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "abandoned")
+SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "unverifiable",
+                  "abandoned")
 
 
 def _read_token_file() -> tuple[str | None, str | None]:
@@ -220,7 +221,8 @@ class Client:
 
     A settled proof is ``verified`` (server-chosen checks replayed),
     ``unchallenged`` (no update check was chosen), ``self-audited`` (the prover
-    chose its own checks) or ``invalid`` (with ``failure``).
+    chose its own checks), ``invalid`` (a finding, in ``failure``) or ``unverifiable``
+    (the verification itself failed and was given up: ``failure`` says why; no verdict).
     """
     deadline = time.monotonic() + timeout
     while True:

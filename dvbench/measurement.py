@@ -34,6 +34,7 @@ from flax import serialization
 
 from dvbench import errors
 from zkdv import digest
+from zkdv import errors as zkdv_errors
 from zkdv.cli import progress_bar
 from zkdv.jax import arrays
 from zkdv.jax.replay import compile_program
@@ -265,6 +266,8 @@ def main(argv=None) -> int:
   try:
     state, failure = replay(record, opened, openings, folder / "blobs")
   except Exception as e:  # a malformed submission is invalid, never a crash
+    if zkdv_errors.out_of_memory(e):
+      raise  # a fault of this machine, not of the submission: the worker retries
     state, failure = "invalid", f"the submission could not be replayed: {type(e).__name__}: {e}"
   print(json.dumps({"state": state, "failure": failure}))
   return 0

@@ -29,6 +29,7 @@ from dvbench.server.service import Service
 from dvbench.server import worker as worker_lib
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
+from dvbench.server import store_jobs
 from dvbench.server.store_jobs import QueueFull
 from dvbench.server.store_tokens import BadName
 from dvbench.server.supervisor import Supervisor
@@ -169,14 +170,28 @@ class SupervisionTest(absltest.TestCase):
       [pid] = processes_mentioning(f"--worker-id {job['lease_owner']}")
       os.kill(pid, signal.SIGKILL)
     proof = testing.wait_until(lambda: server.settled(prover.proof_id), timeout=60)
-    self.assertEqual(proof["state"], "invalid")
+    self.assertEqual(proof["state"], "unverifiable")  # no finding: never "invalid"
     self.assertIn("could not verify: verification was given up after 2 attempts; the last one "
                   "ended because the worker process was killed by SIGKILL", proof["failure"])
+    self.assertEqual(proof["label"], proof["failure"])
     self.assertEqual(store.job("proof", prover.proof_id)["state"], "failed")
     self.assert_only_live_workers_have_folders(server)
     health = httpx.get(f"{server.url}/api/v1/health").json()
     self.assertEqual(health["workers"], {"alive": 1, "expected": 1, "restarts": 2})
     self.assertTrue(health["ok"])
+
+  def test_a_verifier_out_of_memory_is_retried_then_could_not_verify(self):
+    # A verifier that cannot even start in its memory limit: a fault of the server, never a
+    # finding about the proof.
+    server = self.server("--max-attempts", "2", "--memory-limit-gb", "0.05", workers=1)
+    prover = closed_proof(server.url, server.token("alice"), "alice/big")
+    proof = testing.wait_until(lambda: server.settled(prover.proof_id), timeout=120)
+    self.assertEqual(proof["state"], "unverifiable", proof)
+    self.assertRegex(proof["failure"], r"^could not verify: verification was given up after 2 "
+                     r"attempts; the last one ended because the verifier (ran out of memory|"
+                     r"stopped|crashed|was killed)")
+    job = server.store().job("proof", prover.proof_id)
+    self.assertEqual((job["state"], job["attempts"]), ("failed", 2))
 
   def test_health_is_not_ok_without_a_live_worker(self):
     store = Store.open(fresh_database("sqlite"))
@@ -218,6 +233,25 @@ class QueueTest(parameterized.TestCase):
     real = self.enqueue(store, "alice", 2)
     order = [store.claim_job(f"w{i}", 60)["subject"] for i in range(4)]
     self.assertEqual(order, [junk[0], real[0], junk[1], real[1]])
+
+  def test_a_long_job_does_not_take_a_second_worker_from_another_owner(self, backend):
+    store = Store.open(fresh_database(backend))
+    mallory = self.enqueue(store, "mallory", 3)
+    long_job = store.claim_job("w0", 600, owner_share=1)  # holds w0 for its whole run
+    self.assertEqual(long_job["subject"], mallory[0])
+    [first] = self.enqueue(store, "alice", 1)
+    done = store.claim_job("w1", 60, owner_share=1)
+    self.assertEqual(done["subject"], first)
+    self.assertTrue(store.complete_proof_job(done["id"], "w1", first, "verified", None, []))
+    [second] = self.enqueue(store, "alice", 1)  # alice was served after mallory
+    # Mallory's older jobs wait: mallory runs one, alice none.
+    self.assertEqual(store.claim_job("w1", 60, owner_share=1)["subject"], second)
+    # With nobody else waiting, mallory may use the free worker.
+    self.assertEqual(store.claim_job("w2", 60, owner_share=1)["subject"], mallory[1])
+
+  def test_owner_share_is_half_the_workers(self, backend):
+    del backend
+    self.assertEqual([store_jobs.owner_share(n) for n in (1, 2, 3, 4, 5)], [1, 1, 2, 2, 3])
 
   def test_an_owner_queues_at_most_the_cap(self, backend):
     store = Store.open(fresh_database(backend))

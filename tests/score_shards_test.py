@@ -10,7 +10,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from dvbench.server import db
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server import store_benchmarks
 from tests.store_test import _fresh_url
 from zkdv import challenge

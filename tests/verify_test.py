@@ -233,6 +233,7 @@ class VerifierTestCase(parameterized.TestCase):
 
   def assert_fails(self, path, code=None, verdict=verify.INVALID, **kwargs):
     report = verify.verify(path, **kwargs)
+    self.assertIsNone(report.fault, report.dumps())  # hostile input is a finding, not a fault
     self.assertNotEqual(report.verdict, verify.VERIFIED)
     self.assertNotEqual(report.exit_code, 0)
     self.assertNotEmpty(report.findings)

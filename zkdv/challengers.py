@@ -1,4 +1,4 @@
-"""Challengers: who decides which steps a proof must open (DESIGN §6, §10).
+"""Challengers: who decides which steps a proof must open (docs/design.md §6, §10).
 
 The driver asks its challenger for each step's ``challenge.Decision``. It does
 not care which challenger it has beyond *when* the decision arrives:

@@ -37,6 +37,9 @@ _EXIT_CODES = f"""exit codes:
   0   verified: every required claim holds
   1   invalid, or a required claim does not hold
   2   could not verify (the transcript, or a required claim)
+  {verify_lib.EXIT_INTERNAL_ERROR}  could not verify: the verifier itself failed (a bug, out of
+      memory); the report's "fault" says why, the traceback is on stderr. Not a
+      verdict: retry on a larger machine or report the bug.
 {_NO_REPORT_CODES}"""
 _INSPECT_EXIT_CODES = f"""exit codes:
   0   summarized
@@ -150,6 +153,9 @@ def _human_report(report: verify_lib.Report) -> str:
                                      f"{', '.join(c.name for c in unmet)}" if unmet else "")))
   lines += [f"note: {n}" for n in report.notes]
   lines += [f"FAILED {f.code} at {f.where}: {f.message}" for f in report.findings]
+  if report.fault:
+    lines.append(f"could not verify: {report.fault} (a fault of the verifier, not a "
+                 "finding about the transcript; the traceback is above)")
   return "\n".join(lines)
 
 
@@ -199,7 +205,7 @@ def prepare_replay(path) -> None:
 
 _VERIFY_HELP = f"""Verify a transcript: chain, challenges, openings, replays.
 
-Claims (DESIGN §10): {", ".join(verify_lib.CLAIMS)}.
+Claims (docs/design.md §10): {", ".join(verify_lib.CLAIMS)}.
 By default only chain and replays are required: an offline, self-audited run
 that replays is accepted (exit 0) and says "self-audited: detects faults, not a
 dishonest prover". Use --require to name the claims an audit needs, or --strict

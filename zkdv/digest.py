@@ -1,4 +1,4 @@
-"""Commitments of arrays and of whole states and batches (DESIGN §4).
+"""Commitments of arrays and of whole states and batches (docs/design.md §4).
 
 A leaf digest is ``BLAKE3(np.asarray(x).tobytes())``. A state digest is the
 BLAKE3 of the deterministic CBOR of ``[(keypath, dtype, shape, pieces)]``; a

@@ -115,3 +115,12 @@ class ChallengeTimeoutError(ZKDVError, RuntimeError):
   Training waits at the rolling window for the server's challenges; when the
   server stays unreachable the transcript so far is kept in its folder.
   """
+
+
+def out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` says this machine ran out of memory: a MemoryError, or XLA's
+  RESOURCE_EXHAUSTED (e.g. ``jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of
+  memory allocating 68719476736 bytes``). It is a fault of the machine that runs a
+  program, never a finding about the program.
+  """
+  return isinstance(error, MemoryError) or str(error).lstrip().startswith("RESOURCE_EXHAUSTED")

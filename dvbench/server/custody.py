@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from dvbench import transport
 from dvbench.server import validation
-from dvbench.server.service import decode
+from dvbench.server.decoding import decode
 from zkdv import challenge
 from zkdv.transcript import record_id
 

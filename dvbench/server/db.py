@@ -31,10 +31,11 @@ from dvbench.server.schema import (  # pylint: disable=unused-import  # re-expor
     proof_claims, proofs, receipts, records, schema_migrations, score_shards, settings, slots,
     streams, submissions, tokens)
 from dvbench.server import store_benchmarks
-from dvbench.server.scoring import SHARD_JOB
+from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.store_custody import CustodyQueries
-from dvbench.server.store_jobs import MEASUREMENT_STATES, JobQueries  # pylint: disable=unused-import
+from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import
+                                      JobQueries)
 from dvbench.server.store_listing import ListingQueries
 from dvbench.server.store_tokens import TokenQueries, hash_token  # pylint: disable=unused-import
 
@@ -118,9 +119,12 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
 # clean server-challenged proof that no update check happened to hit; "self-audited": a
 # clean proof whose prover chose its own checks (detects faults, not a dishonest prover).
 # "abandoned": left receiving longer than the server's idle limit; never verified.
+# "invalid": the verifier found something wrong with the transcript; "unverifiable": the
+# verification itself failed and was given up ("could not verify: <cause>"), no verdict.
 PROOF_STATES = ("receiving", "closed", "verifying", "verified", "unchallenged",
-                "self-audited", "invalid", "abandoned")
-SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "abandoned")
+                "self-audited", "invalid", UNVERIFIABLE, "abandoned")
+SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", UNVERIFIABLE,
+                  "abandoned")
 
 
 def _sqlite_pragmas(dbapi_conn, _):

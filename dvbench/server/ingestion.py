@@ -20,9 +20,9 @@ from starlette.exceptions import HTTPException
 from dvbench import transport
 from dvbench.server import receipts
 from dvbench.server import validation
+from dvbench.server.decoding import decode
 from dvbench.server.custody import Ingest, ProofChallenger, parse_record, parse_records
 from dvbench.server.db import Store
-from dvbench.server.service import decode
 from dvbench.server.store_custody import RecordTooLarge
 from zkdv.transcript import record_id
 

@@ -49,6 +49,8 @@ def progress(job: dict | None, now: float | None = None) -> str:
 
 def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
           job: dict | None = None, full_replay: bool = False) -> str:
+  if state == "unverifiable":  # the verification failed: no verdict, the failure says why
+    return failure or "could not verify"
   if state in ("invalid", "abandoned"):
     return f"{state}: {failure}"
   if state in ("closed", "verifying"):

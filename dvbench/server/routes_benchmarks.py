@@ -27,10 +27,11 @@ from starlette.routing import Route
 
 from dvbench.server import labels
 from dvbench.server import sandbox
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server import worker
 from dvbench.server.paging import next_link, page_params, paged
-from dvbench.server.service import HEX_ID, NAME, Service, check_name, decode
+from dvbench.server.decoding import decode
+from dvbench.server.service import HEX_ID, NAME, Service, check_name
 from zkdv import digest
 from zkdv import merkle
 

@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from dvbench.server.service import NAME, Service, decode
+from dvbench.server.decoding import decode
+from dvbench.server.service import NAME, Service
 from dvbench.server.validation import (DIGEST, DIGESTS, FREE, Bool, Field, Float, Int, Invalid,
                                        ListOf, Optional, Row, Text, check_fields)
 from zkdv import challenge

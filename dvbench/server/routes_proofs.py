@@ -19,7 +19,8 @@ from dvbench.server import custody
 from dvbench.server import labels
 from dvbench.server import validation
 from dvbench.server.paging import fetch_page, paged
-from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name, decode
+from dvbench.server.decoding import decode
+from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
 from zkdv.transcript import record_id

@@ -245,7 +245,8 @@ measurement_samples = sa.Table(  # the batches the server chose to open, after t
 MIGRATION_3_TABLES = (benchmarks, benchmark_blobs, benchmark_rows, submissions,
                       measurement_samples)
 
-proof_claims = sa.Table(  # what the server's verification showed, claim by claim (DESIGN §10)
+# What the server's verification showed, claim by claim (docs/design.md §10).
+proof_claims = sa.Table(
     "proof_claims", metadata,
     sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
     sa.Column("claims", sa.Text, nullable=False),  # JSON {claim: status}

@@ -18,7 +18,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.guard import Limits
@@ -37,18 +36,6 @@ def check_name(owner: str, name: str) -> str:
   if not (NAME.fullmatch(owner) and NAME.fullmatch(name)):
     raise HTTPException(400, f"experiment names are 'owner/name', each {NAME_RULE}.")
   return f"{owner}/{name}"
-
-
-def decode(data: bytes, what: str, *, canonical: bool = False,
-           max_string: int = transport.MAX_STRING):
-  """Prover-sent CBOR, safely decoded; 400 naming ``what`` when it is not acceptable.
-
-  Call it in a worker thread (``run_in_threadpool``), never on the event loop.
-  """
-  try:
-    return transport.decode_safely(data, canonical=canonical, max_string=max_string)
-  except transport.UnsafeCbor as e:
-    raise HTTPException(400, f"{what} is not acceptable CBOR: {e}") from None
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import blake3
 import numpy as np
 import sqlalchemy as sa
 
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
                                    probes, proofs, records, score_shards, submissions,
                                    training_members)

@@ -11,18 +11,24 @@ import time
 
 import sqlalchemy as sa
 
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server.schema import (checks, chunks, experiments, jobs, measurement_samples,
                                    measurements, owners, probes, proof_claims, proofs, records,
                                    score_shards, submissions)
 
+# The state of a proof or measurement whose verification itself failed (its worker died, ran
+# out of memory, or the verifier faulted) and was given up: "could not verify: <cause>".
+UNVERIFIABLE = "unverifiable"
 # "committed": outputs committed, the server chose the batches to open; "self-reported":
 # the opened batches replayed and the aggregate recomputed, on the submitter's own program
-# and data (never ranked); "invalid": what failed.
-MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "invalid")
+# and data (never ranked); "invalid": what failed; "unverifiable": the replay itself failed
+# (its worker, out of memory), so nothing is said about the submission.
+MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "invalid",
+                      UNVERIFIABLE)
 _RUNNING = {"proof": (proofs, "verifying"), "measurement": (measurements, "verifying"),
             scoring.SHARD_JOB: (score_shards, "scoring")}
-_GIVEN_UP = {"proof": "invalid", "measurement": "invalid", scoring.SHARD_JOB: "failed"}
+# A job given up never says "invalid": that needs a finding about what was verified.
+_GIVEN_UP = {"proof": UNVERIFIABLE, "measurement": UNVERIFIABLE, scoring.SHARD_JOB: "failed"}
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_QUEUED_PER_OWNER = 16
 
@@ -33,6 +39,32 @@ def _duration(seconds: float) -> str:
     if seconds >= size:
       return f"{seconds / size:g} {unit}"
   return f"{seconds:g} s"
+
+
+def owner_share(workers: int) -> int:
+  """The most running jobs one owner may hold while another owner's job waits: half the
+  workers, rounded up (e.g. 1 of 2, 2 of 3), so a long job leaves the rest to others."""
+  return max(1, math.ceil(workers / 2))
+
+
+def claim_order(conn, claimable, now: float, share: int | None) -> list:
+  """The owners with a claimable job, in the order the queue serves them: fewest running
+  jobs first, then the one served least recently, then the oldest job. Where more than
+  one owner waits, those already holding ``share`` running jobs are left out.
+
+  Example: alice running 0, mallory 1 (share 1) -> ['alice'] while both wait.
+  """
+  waiting = dict(conn.execute(sa.select(jobs.c.owner, sa.func.min(jobs.c.id)).where(
+      claimable).group_by(jobs.c.owner)).all())
+  running = dict(conn.execute(sa.select(jobs.c.owner, sa.func.count()).where(
+      (jobs.c.state == "running") & (jobs.c.lease_expires >= now)).group_by(jobs.c.owner)).all())
+  served = dict(conn.execute(sa.select(jobs.c.owner, sa.func.max(sa.func.coalesce(
+      jobs.c.started_at, 0.0))).where(jobs.c.owner.in_(list(waiting)) | jobs.c.owner.is_(None))
+                             .group_by(jobs.c.owner)).all())
+  owners = list(waiting)
+  if share is not None and len(owners) > 1:
+    owners = [o for o in owners if running.get(o, 0) < share] or owners
+  return sorted(owners, key=lambda o: (running.get(o, 0), served.get(o) or 0.0, waiting[o]))
 
 
 class QueueFull(Exception):
@@ -88,27 +120,31 @@ class JobQueries:
                                       owner=owner, created_at=time.time()))
 
   def claim_job(self, worker: str, lease_seconds: float,
-                max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> dict | None:
+                max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                owner_share: int | None = None) -> dict | None:
     """Takes a queued job, or one whose lease expired, for ``lease_seconds``.
 
-    Fair across owners: the owner served least recently goes first, then its oldest job.
-    A job whose lease expired after ``max_attempts`` attempts is given up (``failed``).
+    Fair across owners (``claim_order``): the oldest job of the owner with the fewest
+    running jobs (then the one served least recently); with ``owner_share`` an owner
+    holding that many running jobs gets no more while another owner's job waits. A job
+    whose lease expired after ``max_attempts`` attempts is given up (``failed``).
     """
     now = time.time()
     expired = (jobs.c.state == "running") & (jobs.c.lease_expires < now)
     claimable = (jobs.c.state == "queued") | expired
-    served = (sa.select(jobs.c.owner, sa.func.max(sa.func.coalesce(jobs.c.started_at, 0.0))
-                        .label("at")).group_by(jobs.c.owner).subquery())
     with self.engine.begin() as conn:
       for exhausted in conn.execute(sa.select(jobs).where(
           expired & (jobs.c.attempts >= max_attempts))).mappings().all():
         self._give_up(conn, dict(exhausted), now)
-      query = (sa.select(jobs.c.id).select_from(jobs.outerjoin(
-          served, served.c.owner == jobs.c.owner)).where(claimable)
-               .order_by(sa.func.coalesce(served.c.at, 0.0), jobs.c.id).limit(1))
-      if not self.is_sqlite:  # PostgreSQL: workers skip rows another one holds
-        query = query.with_for_update(skip_locked=True, of=jobs)
-      row = conn.execute(query).first()
+      row = None
+      for owner in claim_order(conn, claimable, now, owner_share):
+        query = (sa.select(jobs.c.id).where(claimable & jobs.c.owner.is_not_distinct_from(owner))
+                 .order_by(jobs.c.id).limit(1))
+        if not self.is_sqlite:  # PostgreSQL: workers skip rows another one holds
+          query = query.with_for_update(skip_locked=True)
+        row = conn.execute(query).first()
+        if row is not None:
+          break
       if row is None:
         return None
       updated = conn.execute(jobs.update().where((jobs.c.id == row[0]) & claimable).values(

@@ -14,8 +14,15 @@ signed receipt. A benchmark submission is scored the same way, shard by shard
 (a range of rows per job): the owner's screened program runs on the shard's
 rows in a confined child; the server aggregates once every shard is in.
 
-Public failure text names the cause (time limit, memory limit, a signal)
-without server paths or the child's output; those go to the worker's log.
+Faults are not verdicts: a child that dies (memory limit, a signal), exits
+without a report, or reports that the verifier itself failed (``fault``, exit
+70) raises ``VerifierFault``; the job is released with the cause, retried, and
+after ``max_attempts`` given up as ``unverifiable`` ("could not verify:
+<cause>", ``store_jobs``). Only a report's findings make a proof ``invalid``.
+A verification that exceeds its time limit is not retried: it is
+``unverifiable`` at once. Public failure text names the cause without server
+paths or the child's output; those (and the verifier's traceback) go to the
+worker's log.
 
 Example::
 
@@ -43,10 +50,10 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from dvbench.server import labels
 from dvbench.server import receipts
 from dvbench.server import sandbox
-from dvbench.server import scoring
+from dvbench import scoring
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
-from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS
+from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS, UNVERIFIABLE
 from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
 
 logger = logging.getLogger("dvbench.worker")
@@ -55,6 +62,12 @@ WORK_DIR = "work"  # under the data folder: one folder per live worker
 DEFAULT_TIME_LIMIT = 900  # seconds: the most any one verification may take
 DEFAULT_TIME_PER_CHECK = 10.0  # seconds per check record, on top of TIME_BASE
 TIME_BASE = 60.0  # seconds: starting the verifier, loading and compiling programs
+TIME_LIMIT_TEXT = "exceeded the time limit"  # in every failure text of a child out of time
+
+
+class VerifierFault(Exception):
+  """The verification itself failed (the child died, ran out of memory, or the verifier
+  faulted): the job is retried, never given a verdict. ``str()`` is the public cause."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +100,7 @@ def _died(returncode: int, limits: Limits, seconds: int) -> str:
   """The public cause of a child killed by a signal."""
   sig = signal.Signals(-returncode)
   if sig == signal.SIGXCPU:
-    return f"the verifier exceeded the time limit of {seconds} s (CPU time)."
+    return f"the verifier {TIME_LIMIT_TEXT} of {seconds} s (CPU time)."
   if sig == signal.SIGKILL:
     return ("the verifier was killed (SIGKILL), e.g. by the system's out-of-memory killer; "
             f"its memory limit is {limits.memory_bytes / 2**30:g} GiB.")
@@ -123,14 +136,19 @@ def run_confined(command: list[str], work: pathlib.Path, limits: Limits, seconds
                             env=env, preexec_fn=sandbox.confine(
                                 scratch, limits.memory_bytes, seconds, limits.isolation))
   except subprocess.TimeoutExpired:
-    return None, f"verification exceeded the time limit of {seconds} s."
+    return None, f"verification {TIME_LIMIT_TEXT} of {seconds} s."
   if result.returncode < 0:
     failure = _died(result.returncode, limits, seconds)
   else:
     try:
-      return json.loads(result.stdout), None
+      report = json.loads(result.stdout)
     except json.JSONDecodeError:
       failure = _stopped(result.returncode, result.stderr, limits)
+    else:
+      if isinstance(report, dict) and report.get("fault"):  # its traceback, for the log
+        logger.warning("%s: could not verify: %s. Its output ended with: %s",
+                       " ".join(command[2:4]), report["fault"], result.stderr.strip()[-4000:])
+      return report, None
   logger.warning("%s: %s Its output ended with: %s", " ".join(command[2:4]), failure,
                  result.stderr.strip()[-2000:])
   return None, failure
@@ -167,8 +185,11 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
     command += ["--challenge-key-file", str(key_file)]
   report, failure = run_confined(command, work, limits,
                                  limits.for_checks(store.check_record_count(proof_id)))
-  if report is None:
-    return Verdict("invalid", "could not verify", f"could not verify: {failure}", [])
+  if report is None and TIME_LIMIT_TEXT in failure:  # running it again takes as long
+    return Verdict(UNVERIFIABLE, "could not verify", f"could not verify: {failure}", [])
+  if report is None or (report.get("fault") and report["verdict"] != "invalid"):
+    # A finding recorded before the verifier failed still makes the proof invalid.
+    raise VerifierFault(failure or _public(f"the verifier failed: {report['fault']}", work))
   rows = [{"step": c["step"], "kind": c["kind"], "mode": c["mode"], "status": c["status"],
            "max_abs_error": c["max_abs_error"], "max_rel_error": c["max_rel_error"],
            "max_ulp_error": c["max_ulp_error"]} for c in report["checks"]]
@@ -202,7 +223,7 @@ def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str,
   verdict, failure = run_confined([sys.executable, "-m", "dvbench.measurement", str(folder)],
                                   work, limits, limits.time_limit)
   if verdict is None:
-    return "invalid", failure
+    raise VerifierFault(failure)
   return verdict["state"], _public(verdict["failure"], work)
 
 
@@ -222,6 +243,8 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
   (folder / "job.cbor").write_bytes(cbor2.dumps(job))
   result, failure = run_confined([sys.executable, "-m", "dvbench.benchmark", str(folder)],
                                  work, limits, limits.time_limit)
+  if result is None and TIME_LIMIT_TEXT not in failure:
+    raise VerifierFault(failure)  # the child died: retried, not a failure of the entry
   outputs = folder / scoring.OUTPUTS_FILE
   if result is not None and result["failure"] is None and outputs.is_file():
     outputs = outputs.read_bytes()
@@ -299,8 +322,11 @@ class WorkFolder:
 def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
         worker_id: str, lease_seconds: float = 60.0, poll_seconds: float = 0.5,
         limits: Limits | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-        once: bool = False, stop: threading.Event | None = None) -> int:
-  """Processes jobs until ``stop`` is set (or one job, with ``once``)."""
+        once: bool = False, stop: threading.Event | None = None,
+        owner_share: int | None = None) -> int:
+  """Processes jobs until ``stop`` is set (or one job, with ``once``); ``owner_share``:
+  the most running jobs one owner may hold while another owner's job waits
+  (``store_jobs.owner_share``)."""
   limits = limits or Limits(isolation=sandbox.available())
   logger.info("worker %s: verifier isolation: %s", worker_id, sandbox.describe(limits.isolation))
   work = WorkFolder(blobs.folder.parent, worker_id)
@@ -310,7 +336,7 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
   stop = stop or threading.Event()
   try:
     while not stop.is_set():
-      job = store.claim_job(worker_id, lease_seconds, max_attempts)
+      job = store.claim_job(worker_id, lease_seconds, max_attempts, owner_share)
       if job is None:
         if once:
           return done
@@ -326,7 +352,11 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
           kept, state = _process(store, blobs, signing_key, job, worker_id, folder, limits)
         if kept:
           logger.info("%s %s is %s", job["kind"], job["subject"], state)
-      except Exception as e:  # pylint: disable=broad-except
+      except VerifierFault as e:  # retried; given up as could not verify, never invalid
+        logger.warning("worker %s could not verify %s %s: %s", worker_id, job["kind"],
+                       job["subject"], e)
+        store.release_jobs(worker_id, str(e))
+      except Exception as e:  # pylint: disable=broad-except  # a fault of the worker: the same
         logger.exception("worker %s failed on %s %s", worker_id, job["kind"], job["subject"])
         store.release_jobs(worker_id, f"the worker failed ({type(e).__name__})")
       finally:

@@ -1,4 +1,4 @@
-"""Digest backends: where leaf and row hashes are computed (DESIGN §4).
+"""Digest backends: where leaf and row hashes are computed (docs/design.md §4).
 
 ``host``: native BLAKE3 on the commit thread over zero-copy host views; best
 on CPU, where arrays already live in host memory. ``device``: BLAKE3 written

@@ -350,7 +350,7 @@ class ZKDV:
 
   def init(self, init_fn, /, *args, **kwargs):
     """``init_fn(*args, **kwargs)``, run as an exported program whose output is the
-    attested start of the proof (DESIGN §10, claim "start").
+    attested start of the proof (docs/design.md §10, claim "start").
 
     A verifier replays the init program from the recorded inputs (the PRNG key
     and example arguments) bit for bit and checks that the first step starts

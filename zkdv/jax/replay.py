@@ -106,6 +106,8 @@ def load_program(blob: bytes) -> tuple[jax.export.Exported, stablehlo.ModuleSumm
   try:
     exported = jax.export.deserialize(bytearray(blob))
   except Exception as e:  # a malformed blob is a refusal, never a crash
+    if errors.out_of_memory(e):
+      raise  # a fault of this machine, not of the blob
     raise stablehlo.UnsafeProgramError(
         f"the program blob does not deserialize: {type(e).__name__}") from None
   summary = stablehlo.analyze(exported)

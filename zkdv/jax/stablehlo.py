@@ -20,8 +20,9 @@ import dataclasses
 import re
 
 import jax
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
+
+from zkdv import errors
+from zkdv.jax._compat import ir, mlir  # JAX's MLIR bindings: private, kept in _compat
 
 # Custom calls that jax.export itself emits for ordinary training programs:
 # sharding annotations, and the linear algebra kernels of XLA's CPU and GPU
@@ -76,6 +77,8 @@ def analyze(exported: jax.export.Exported) -> ModuleSummary:
   except UnsafeProgramError:
     raise
   except Exception as e:  # a malformed module is a refusal, never a crash
+    if errors.out_of_memory(e):
+      raise  # a fault of this machine, not of the module
     raise UnsafeProgramError(f"the program's module cannot be read: {type(e).__name__}: "
                              f"{e}".splitlines()[0]) from None
 

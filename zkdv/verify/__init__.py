@@ -1,18 +1,22 @@
-"""The offline, fail-closed transcript verifier (DESIGN §7, docs/protocol.md).
+"""The offline, fail-closed transcript verifier (docs/design.md §7, docs/protocol.md).
 
 ``verify(path)`` checks every record, the hash chain, continuity, the root's
 challenger and policy, re-derives every challenge, checks that each has its
 answer, opens every check against its commitments and replays it through the
 screened, deserialized program. It never raises on bad input: every problem is
-a finding, and only a transcript without findings is ``verified``. The report
-states each claim of DESIGN §10; the exit code is 0 only when the verdict is
+a finding (``Report.fail``), and only a transcript without findings is
+``verified``. Anything else a check raises is a fault of the verifier
+(``Report.fault``: "could not verify: internal error", exit code 70), never a
+verdict about the transcript. The report
+states each claim of docs/design.md §10; the exit code is 0 only when the verdict is
 verified and every required claim holds.
 
 Modules, one per concern: ``structure`` (records, chain, schemas), ``policy``
 (the verifier's requirements, the root's challenger), ``receipt`` (the
 challenge key of a dvbench transcript), ``decisions`` (which checks were
 chosen), ``final``, ``programs`` (screening, replay), ``checks``, ``probes``,
-``start`` (the attested start), ``claims``, ``report``.
+``start`` (the attested start), ``schedule`` (the order checks run in, ``parallel``
+processes), ``claims``, ``report``.
 
 Example::
 
@@ -20,6 +24,7 @@ Example::
   print(report.verdict, report.exit_code, report.claim("challenges").detail)
 """
 
+import logging
 import os
 import pathlib
 from collections.abc import Callable
@@ -28,23 +33,25 @@ from zkdv import errors
 from zkdv import transcript
 from zkdv.config import Tolerance
 from zkdv.verify import blobs
-from zkdv.verify import checks
 from zkdv.verify import claims
 from zkdv.verify import decisions
 from zkdv.verify import final
 from zkdv.verify import policy
 from zkdv.verify import receipt
+from zkdv.verify import schedule
 from zkdv.verify import start
 from zkdv.verify import structure
 from zkdv.verify.context import Verification
 from zkdv.verify.programs import ProgramLoader
 from zkdv.verify.report import (CLAIMS, COULD_NOT_VERIFY, DEFAULT_REQUIRED, DOES_NOT_HOLD,
-                                EXIT_CODES, HOLDS, INVALID, UNVERIFIABLE, VERIFIED,
-                                CheckOutcome, Claim, Finding, Report)
+                                EXIT_CODES, EXIT_INTERNAL_ERROR, HOLDS, INVALID, UNVERIFIABLE,
+                                VERIFIED, CheckOutcome, Claim, Finding, Report)
+
+logger = logging.getLogger("zkdv.verify")
 
 __all__ = ["verify", "Report", "Finding", "CheckOutcome", "Claim", "VERIFIED", "INVALID",
            "UNVERIFIABLE", "EXIT_CODES", "CLAIMS", "DEFAULT_REQUIRED", "HOLDS",
-           "DOES_NOT_HOLD", "COULD_NOT_VERIFY"]
+           "DOES_NOT_HOLD", "COULD_NOT_VERIFY", "EXIT_INTERNAL_ERROR"]
 
 
 def verify(path: str | os.PathLike, *, replay: str = "sampled",
@@ -79,13 +86,24 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
     try:
       _run(ctx, contents, transcript.records_path(path).parent, server_key, challenge_key,
            progress, jobs)
-    except Exception as e:  # pylint: disable=broad-except  # fail closed, never crash
-      ctx.report.fail("malformed", "transcript", f"verification stopped on malformed "
-                      f"content: {type(e).__name__}: {e}")
+    except Exception as e:  # pylint: disable=broad-except  # a fault, not a finding
+      _fault(ctx.report, e)
     finally:
       ctx.blobs.close()
   claims.build_claims(ctx)
   return ctx.report
+
+
+def _fault(report: Report, error: Exception) -> None:
+  """Records that the verifier itself failed: every finding about the transcript is
+  recorded by the checks (``Report.fail``), so whatever else they raise (a bug, a
+  MemoryError, XLA's RESOURCE_EXHAUSTED, a replay process that died) is a fault of the
+  verifier. The report says "could not verify"; the traceback goes to the log."""
+  cause = str(error).strip().splitlines()
+  report.fault = f"internal error: {type(error).__name__}" + (
+      f": {cause[0][:300]}" if cause else "")
+  logger.error("zkdv verify %s: could not verify: %s", report.path, report.fault,
+               exc_info=error)
 
 
 def _run(ctx: Verification, contents, folder, server_key, challenge_key, progress,
@@ -107,7 +125,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
     ctx.programs.load(program)
   decisions.require_answers(ctx, ctx.decisions)
   start.require_start(ctx)
-  checks.run_checks(ctx, progress, jobs)
+  schedule.run_checks(ctx, progress, jobs)
   _enough_replays(ctx)
   receipt.compare_verdicts(ctx)
 

@@ -4,14 +4,12 @@ An update check opens a segment's start state and its batches, which must hash t
 their commitments, and replays the program on them: an exact program must
 reproduce the committed end state bit for bit, an equivalent one the opened
 post-state within the verifier's tolerance. A state check opens the post-state.
-Check records are dispatched by kind through ``CHECKERS``.
+Check records are dispatched by kind through ``CHECKERS`` (``schedule.run_checks``).
 
 Example::
 
-  run_checks(ctx, progress=None)
+  outcome = CHECKERS[check.kind](ctx, check, step, program, where_of(check))
 """
-
-import dataclasses
 
 import numpy as np
 
@@ -19,7 +17,6 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
 from zkdv import transcript
-from zkdv.verify.blobs import wanted_blobs
 from zkdv.verify import probes
 from zkdv.verify import start
 from zkdv.verify.context import Verification
@@ -231,39 +228,3 @@ def ordered_checks(model) -> list:
 
 def where_of(check) -> str:
   return f"{check.where} ({check.kind} check of step {check.step})"
-
-
-def run_checks(ctx: Verification, progress=None, jobs: int = 1) -> None:
-  """Every check record, in transcript order, through its kind's checker; with
-  ``jobs`` > 1, segments' update checks replay in that many processes."""
-  checks = ordered_checks(ctx.model)
-  programs = [ctx.model.program_of(ctx.model.steps[c.step]) for c in checks]
-  replayed = {}
-  if jobs > 1:
-    from zkdv.verify import parallel  # pylint: disable=g-import-not-at-top
-    positions = parallel.parallel_checks(ctx, checks, programs)
-    if len(positions) > 1:
-      replayed = parallel.replay_groups(ctx.report.path, ctx.options, positions, jobs,
-                                        ctx.blobs.read_ahead)
-  for n, (check, program) in enumerate(zip(checks, programs)):
-    if progress:
-      progress(n, len(checks))
-    step = ctx.model.steps[check.step]
-    where = where_of(check)
-    if program is None:
-      ctx.report.fail("check_step", where, "the step's program is unknown.")
-      continue
-    if n in replayed:
-      outcome, findings = replayed[n]
-      ctx.report.findings.extend(findings)
-    else:
-      following = next((m for m in range(n + 1, len(checks)) if m not in replayed), None)
-      if following is not None and programs[following] is not None:  # read while replaying
-        ctx.blobs.prefetch(wanted_blobs(checks[following], programs[following]))
-      outcome = CHECKERS[check.kind](ctx, check, step, program, where)
-    if outcome is not None:
-      ctx.report.checks.append(dataclasses.replace(
-          outcome, challenged=check.kind == "start"
-          or ctx.decisions.challenged(check.step, check.kind)))
-  if progress:
-    progress(len(checks), len(checks))

@@ -1,4 +1,4 @@
-"""The claims of DESIGN §10, each with its status and what it rests on.
+"""The claims of docs/design.md §10, each with its status and what it rests on.
 
 A claim does not hold when a finding it rests on is invalid, could not be
 verified when such a finding could not be, and otherwise holds only when what it
@@ -18,7 +18,7 @@ from zkdv.verify.context import Verification
 from zkdv.verify.programs import parameter_count
 from zkdv.verify.report import (COULD_NOT_VERIFY, DOES_NOT_HOLD, HOLDS, INVALID, Claim)
 
-_ANY = frozenset({"unreadable", "no_root", "format_version", "malformed"})
+_ANY = frozenset({"unreadable", "no_root", "format_version"})
 _RECORDS = frozenset({"torn_tail", "encoding", "chain", "schema", "after_final", "step_index",
                       "program_id", "discontinuity", "unfinished", "aborted", "step_count",
                       "final", "final_state", "final_params", "no_steps", "check_step",
@@ -172,6 +172,8 @@ def build_claims(ctx: Verification) -> None:
   """Fills ``ctx.report.claims``, one per claim, in report order."""
   for name, build in BUILDERS.items():
     claim = _blocked(ctx, name)
+    if claim is None and ctx.report.fault:
+      claim = Claim(name, COULD_NOT_VERIFY, f"the verifier stopped: {ctx.report.fault}")
     if claim is None and (ctx.model is None or ctx.model.root is None
                           or ctx.challenger is None or ctx.programs is None):
       claim = Claim(name, COULD_NOT_VERIFY, "the verification stopped before this claim")

@@ -1,6 +1,6 @@
 """What this verifier requires, and the root's challenger validated against it.
 
-The verifier owns the policy (DESIGN §7, §10): every field the prover wrote is
+The verifier owns the policy (docs/design.md §7, §10): every field the prover wrote is
 input to validate, never a setting to obey. ``VerifierPolicy`` is the verifier's
 own (command line or library arguments); the root's challenger and effective
 policy are parsed from the transcript and checked against rules tables.
@@ -101,7 +101,8 @@ class Challenger:
 def parse_challenger(root: dict, report: Report) -> Challenger | None:
   """The root's challenger; None (with a finding) when it is malformed."""
   where, record = "record 0 (challenger)", root["challenger"]
-  fields = CHALLENGER_FIELDS.get(record.get("kind"))
+  kind = record.get("kind")
+  fields = CHALLENGER_FIELDS.get(kind) if isinstance(kind, str) else None
   if fields is None:
     report.fail("challenger", where, f"unknown challenger kind {record.get('kind')!r}; "
                 f"expected one of {sorted(CHALLENGER_FIELDS)}.")

@@ -22,6 +22,10 @@ from zkdv.verify.report import INVALID, UNVERIFIABLE, Report
 from zkdv.verify.structure import Program
 
 
+class _NotReplayed(Exception):
+  """The prover's program failed to compile or run here; the finding is recorded."""
+
+
 @dataclasses.dataclass
 class ProgramInfo:
   """What the verifier derived about one program (``error``: why it could not)."""
@@ -87,8 +91,22 @@ class ProgramLoader:
       except stablehlo.UnsafeProgramError as e:
         info.refused, info.error = True, str(e)
         self._report.fail("unsafe_program", program.where, str(e))
+      else:
+        self._check_outputs(program, info)
     self._infos[key] = info
     return info
+
+  def _check_outputs(self, program, info: ProgramInfo) -> None:
+    """Refuses (with a finding) a program with fewer outputs than its record names as
+    the post-state and the metrics: replaying it could not be read."""
+    named = [*getattr(program, "post_state_outputs", ()),
+             *getattr(program, "metric_outputs", {}).values()]
+    outputs = len(info.exported.out_avals)
+    if any(i >= outputs for i in named):
+      info.exported, info.refused = None, True
+      info.error = f"the record names output {max(named)}, the program has {outputs}"
+      self._report.fail("schema", program.where, f"program {program.number}: "
+                        f"{info.error}.")
 
   def platform(self) -> str:
     return self._jax.devices()[0].platform
@@ -110,28 +128,30 @@ class ProgramLoader:
       per_step.append([x if i in metric_indices else None for i, x in enumerate(outs)])
       return [outs[i] for i in program.post_state_outputs]
 
-    try:
-      if start_on_device:
-        compiled, state = self._compile(program, info), list(start)
-      else:
-        outs = self.run(program, self._inputs(program, list(zip(start, program.state)),
-                                              batches[0]), where, host=False)
-        if outs is None:
-          return None
-        compiled, batches, state = self._compile(program, info), batches[1:], keep(outs)
-      for batch in batches:
-        device_batch = self._on_device(info, [self._arrays.from_host(a, l)
-                                              for a, l in zip(batch, program.batch)])
-        rows, states = iter(device_batch), iter(state)
-        state = keep(compiled(*[next(states if kind == "state" else rows)
-                                for kind in program.inputs]))
-      per_step = [[None if x is None else self._arrays.host_view(x) for x in outs]
-                  for outs in per_step]
-    except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding
-      self._report.fail("replay_error", where, f"replay raised {type(e).__name__}: "
-                        f"{str(e)[:500]}", INVALID)
+    if start_on_device:
+      compiled, state = self._compile(program, info, where), list(start)
+    else:
+      outs = self.run(program, self._inputs(program, list(zip(start, program.state)),
+                                            batches[0]), where, host=False)
+      if outs is None:
+        return None
+      compiled, batches, state = self._compile(program, info, where), batches[1:], keep(outs)
+    if compiled is None:
       return None
-    return [self._arrays.host_view(x) for x in state], state, per_step
+    try:
+      for batch in batches:
+        device_batch = self._untrusted(where, lambda b=batch: self._on_device(
+            info, [self._arrays.from_host(a, l) for a, l in zip(b, program.batch)]))
+        rows, states = iter(device_batch), iter(state)
+        state = keep(self._untrusted(where, compiled, *[
+            next(states if kind == "state" else rows) for kind in program.inputs]))
+      per_step = self._untrusted(where, lambda: [
+          [None if x is None else self._arrays.host_view(x) for x in outs]
+          for outs in per_step])
+      return self._untrusted(where, lambda: [self._arrays.host_view(x) for x in state]), \
+          state, per_step
+    except _NotReplayed:
+      return None
 
   @staticmethod
   def _inputs(program: Program, state, batch) -> list:
@@ -152,16 +172,35 @@ class ProgramLoader:
                         f"{list(program.platforms)}, this machine runs {self.platform()}.",
                         UNVERIFIABLE)
       return None
+    compiled = self._compile(program, info, where)
+    if compiled is None:
+      return None
     try:
-      outs = self._compile(program, info)(*self._on_device(
+      args = self._untrusted(where, lambda: self._on_device(
           info, [self._arrays.from_host(a, l) for a, l in inputs]))
-      return [self._arrays.host_view(x) for x in outs] if host else outs
+      outs = self._untrusted(where, compiled, *args)
+      return self._untrusted(where, lambda: [self._arrays.host_view(x) for x in outs]) \
+          if host else outs
+    except _NotReplayed:
+      return None
+
+  def _untrusted(self, where: str, call, *args):
+    """``call(*args)``, where JAX compiles or runs the prover's program on the prover's
+    layouts (placing the opened inputs, compiling, running, reading the outputs back: an
+    execution error surfaces where an output is read). What that raises is a finding
+    about the program, recorded before ``_NotReplayed`` is raised; running out of memory
+    is a fault of this machine and is raised as it is (``zkdv.verify``: could not verify).
+    Only these calls are guarded: anything else the verifier raises is its own fault."""
+    try:
+      return call(*args)
     except errors.ReplayError as e:  # fewer devices, or other collectives, than it needs
       self._report.fail("replay_environment", where, str(e), UNVERIFIABLE)
-    except Exception as e:  # pylint: disable=broad-except  # a malformed program is a finding
+    except Exception as e:  # pylint: disable=broad-except  # the prover's program failed
+      if errors.out_of_memory(e):
+        raise
       self._report.fail("replay_error", where, f"replay raised {type(e).__name__}: "
                         f"{str(e)[:500]}", INVALID)
-    return None
+    raise _NotReplayed()
 
   def _on_device(self, info: ProgramInfo, xs: list) -> list:
     """``xs`` committed to the device, for a one-device program: a jitted exported call
@@ -172,16 +211,20 @@ class ProgramLoader:
     device = self._jax.devices()[0]
     return [self._jax.device_put(x, device) for x in xs]
 
-  def _compile(self, program, info: ProgramInfo):
+  def _compile(self, program, info: ProgramInfo, where: str):
+    """The program compiled once; None (with a finding) when it cannot be compiled here."""
     key = program.number
     if key not in self._compiled:
-      self._replay.check_collectives(program.collectives)
       options, ignored = self._replay.replay_compiler_options(program.compiler_options)
       if ignored:
         self._report.notes.append(f"program {key}: ignored compiler options {ignored} "
                                   "(a replay keeps only numerics flags).")
-      self._compiled[key] = self._replay.compile_program(info.exported,
-                                                         compiler_options=options or None)
+      try:
+        self._untrusted(where, self._replay.check_collectives, program.collectives)
+        self._compiled[key] = self._untrusted(where, lambda: self._replay.compile_program(
+            info.exported, compiler_options=options or None))
+      except _NotReplayed:
+        return None
     return self._compiled[key]
 
   def compare(self, *args, **kwargs) -> dict:

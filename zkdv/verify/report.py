@@ -1,7 +1,7 @@
 """The verifier's report: findings, check outcomes, claims, verdict and exit code.
 
 The verdict says whether everything the verifier checked held; the claims say
-what that amounts to (DESIGN §10); the exit code is 0 only when the verdict is
+what that amounts to (docs/design.md §10); the exit code is 0 only when the verdict is
 verified and every required claim holds.
 
 Example::
@@ -16,9 +16,12 @@ import json
 
 VERIFIED, INVALID, UNVERIFIABLE = "verified", "invalid", "could not verify"
 EXIT_CODES = {VERIFIED: 0, INVALID: 1, UNVERIFIABLE: 2}
+# sysexits.h EX_SOFTWARE: the verifier itself failed (a bug, out of memory), so it could
+# not verify; never a verdict about the transcript.
+EXIT_INTERNAL_ERROR = 70
 
 HOLDS, DOES_NOT_HOLD, COULD_NOT_VERIFY = "holds", "does not hold", "could not verify"
-# The claims of DESIGN §10 that a transcript alone can support, in report order.
+# The claims of docs/design.md §10 that a transcript alone can support, in report order.
 CLAIMS = ("chain", "challenges", "replays", "start", "program", "data")
 # What `zkdv verify` requires unless told otherwise: the records form one chain
 # and every challenged step replays. Who chose the challenges, the start, the
@@ -57,7 +60,7 @@ class CheckOutcome:
 
 @dataclasses.dataclass
 class Claim:
-  """One claim of DESIGN §10, its status and what it rests on."""
+  """One claim of docs/design.md §10, its status and what it rests on."""
 
   name: str
   status: str
@@ -88,12 +91,15 @@ class Report:
   claims: list[Claim] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
   receipt: dict | None = None
+  # Why the verifier itself stopped ("internal error: MemoryError: ..."): a fault of the
+  # verifier, never a finding about the transcript (its traceback goes to the log).
+  fault: str | None = None
 
   @property
   def verdict(self) -> str:
     if any(f.blocks == INVALID for f in self.findings):
       return INVALID
-    if self.findings:
+    if self.findings or self.fault:
       return UNVERIFIABLE
     return VERIFIED
 
@@ -110,9 +116,12 @@ class Report:
   @property
   def exit_code(self) -> int:
     """0 verified with every required claim; 1 invalid or a required claim does
-    not hold; 2 could not verify (the transcript or a required claim)."""
+    not hold; 70 (``EXIT_INTERNAL_ERROR``) the verifier failed, so it could not verify;
+    2 could not verify (the transcript or a required claim)."""
     codes = [EXIT_CODES[self.verdict]] + [_CLAIM_EXIT[c.status] for c in self.unmet]
-    return 1 if 1 in codes else max(codes)
+    if 1 in codes:
+      return 1  # a finding about the transcript stands, whatever stopped the verifier later
+    return EXIT_INTERNAL_ERROR if self.fault else max(codes)
 
   def fail(self, code: str, where: str, message: str, blocks: str = INVALID) -> None:
     self.findings.append(Finding(code, where, message, blocks))
@@ -129,6 +138,7 @@ class Report:
         "discontinuities": self.discontinuities, "probed_rows": self.probed_rows,
         "receipt": self.receipt, "notes": self.notes,
         "findings": [f.to_json() for f in self.findings],
+        "fault": self.fault,
     }
 
   def dumps(self) -> str:

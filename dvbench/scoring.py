@@ -1,4 +1,5 @@
-"""Server-side scoring arithmetic: shards of an evaluation set and the aggregate of outputs.
+"""Scoring arithmetic shared by the client, the workers and the server: shards of an
+evaluation set and the aggregate of outputs.
 
 A submission's rows are scored in shards (row ranges, whole evaluation batches),
 each a worker job; once every shard's per-row outputs are in, the server
