@@ -23,12 +23,13 @@ import threading
 import time
 import urllib.parse
 
-
-
-
 EXIT_NO_DATA = 66  # the --data folder is missing (or holds no database): pass --create
+EXIT_NO_SERVER_EXTRA = 69  # a server command without the server's packages installed
 EXIT_CODES = f"""exit status: 0 done, 1 failed, 2 usage error, {EXIT_NO_DATA} no data folder
-(or no database in it) at --data: check the path, or pass --create to start a new one"""
+(or no database in it) at --data: check the path, or pass --create to start a new one,
+{EXIT_NO_SERVER_EXTRA} the server's packages are not installed: pip install 'dvbench[server]'"""
+# Imported only by the server's commands; installed by the ``server`` extra.
+SERVER_EXTRA_MODULES = ("starlette", "uvicorn", "sqlalchemy", "anyio", "psycopg")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,10 +128,10 @@ def _minimum_policy(args):
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
   from dvbench.server import connections  # pylint: disable=g-import-not-at-top
-  from dvbench.server import guard  # pylint: disable=g-import-not-at-top
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
   from dvbench.server.ingest_processes import IngestProcesses  # pylint: disable=g-import-not-at-top
+  from dvbench.server.limits import Limits  # pylint: disable=g-import-not-at-top
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   from dvbench.server.supervisor import Supervisor  # pylint: disable=g-import-not-at-top
   isolation = sandbox.describe(sandbox.available())  # probed before any thread starts
@@ -146,7 +147,7 @@ def serve(args) -> int:
                           abandon_after=args.abandon_after,
                           ingest_processes=ingest_processes).start()
   service = Service(store, blobs, signing_key, _minimum_policy(args),
-                    limits=guard.Limits.from_args(args), score_shard_rows=args.score_shard_rows,
+                    limits=Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
                     time_limit=args.time_limit, workers=supervisor.health, isolation=isolation,
                     ingest_processes=ingest_processes)
@@ -359,8 +360,8 @@ def main(argv=None) -> int:
   s.add_argument("--ingest-processes", type=int, default=1,
                  help="processes that decode, check and store uploaded envelopes (off the "
                  "web process, so reads do not wait behind uploads)")
-  from dvbench.server import guard  # pylint: disable=g-import-not-at-top
-  guard.add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
+  from dvbench.server.limits import add_arguments  # pylint: disable=g-import-not-at-top
+  add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
   s.add_argument("--max-queued-per-owner", type=int, default=16,
                  help="jobs an owner may have waiting; beyond it closing a proof answers 429")
   s.add_argument("--abandon-after", type=duration, default=duration("24h"),
@@ -422,7 +423,14 @@ def main(argv=None) -> int:
   _add_receipt_commands(sub)
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO if args.command == "worker" else logging.WARNING)
-  return args.run(args)
+  try:
+    return args.run(args)
+  except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] not in SERVER_EXTRA_MODULES:
+      raise
+    print(f"dvbench {args.command}: needs the server's packages, and {e.name} is not "
+          "installed. Install them with: pip install \"dvbench[server]\"", file=sys.stderr)
+    return EXIT_NO_SERVER_EXTRA
 
 
 if __name__ == "__main__":

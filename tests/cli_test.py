@@ -261,6 +261,34 @@ class DVBenchCommandLineTest(absltest.TestCase):
     self.assertEqual(idle.returncode, 0, idle.stderr)
     self.assertIn("no job was waiting; nothing to verify", idle.stderr)
 
+  def test_server_commands_without_the_server_extra_name_it(self):
+    # A meta-path finder on PYTHONPATH (through sitecustomize) makes `starlette` and
+    # `sqlalchemy` unimportable, as on a machine without `pip install "dvbench[server]"`.
+    blocker = self.tempdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NotInstalled:\n"
+        "  def find_spec(self, name, path=None, target=None):\n"
+        "    if name.split('.')[0] in ('starlette', 'sqlalchemy'):\n"
+        "      raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NotInstalled())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(blocker), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    data = self.tempdir() / "data"
+    serve = dvbench_cli("serve", "--data", data, "--create", "--port", "1", env=env)
+    from dvbench import cli as dvbench_cli_lib  # pylint: disable=g-import-not-at-top
+    self.assertEqual(serve.returncode, dvbench_cli_lib.EXIT_NO_SERVER_EXTRA, serve.stderr)
+    self.assertEqual(serve.stderr.strip(), 'dvbench serve: needs the server\'s packages, and '
+                     'starlette is not installed. Install them with: pip install '
+                     '"dvbench[server]"')
+    token = dvbench_cli("token", "create", "alice", "--data", data, "--create", env=env)
+    self.assertEqual(token.returncode, dvbench_cli_lib.EXIT_NO_SERVER_EXTRA, token.stderr)
+    self.assertIn("sqlalchemy is not installed", token.stderr)
+    self.assertNotIn("Traceback", serve.stderr + token.stderr)
+    helped = dvbench_cli("serve", "--help", env=env)  # the command line needs no extra
+    self.assertEqual(helped.returncode, 0, helped.stderr)
+    self.assertIn('pip install \'dvbench[server]\'', " ".join(helped.stdout.split()))
+
   def test_serve_says_where_it_listens_and_keeps_its_data(self):
     from dvbench.server.local import free_port  # pylint: disable=g-import-not-at-top
     data, port = self.tempdir() / "data", free_port()

@@ -22,7 +22,7 @@ import collections
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dvbench.server.guard import Limits
+from dvbench.server.limits import Limits
 
 _TIMEOUT_TEXT = b"the request headers did not arrive in time."
 _TIMEOUT_ANSWER = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"

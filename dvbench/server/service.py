@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
-from dvbench.server.guard import Limits
+from dvbench.server.limits import Limits
 from dvbench.server.ingest_processes import IngestProcesses
 from dvbench.server.store_tokens import NAME, NAME_RULE
 from zkdv import challenge
