@@ -144,13 +144,13 @@ def serve(args) -> int:
   ingest_processes = IngestProcesses(args.ingest_processes, _database_url(args), signing_key, {
       "max_queued_per_owner": args.max_queued_per_owner}).start()
   supervisor = Supervisor(_worker_command(args), args.workers, store,
-                          abandon_after=args.abandon_after,
+                          abandon_after=args.abandon_after, crash_after=args.crash_after,
                           ingest_processes=ingest_processes).start()
   service = Service(store, blobs, signing_key, _minimum_policy(args),
                     limits=Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
                     time_limit=args.time_limit, workers=supervisor.health, isolation=isolation,
-                    ingest_processes=ingest_processes)
+                    ingest_processes=ingest_processes, crash_after=args.crash_after)
   database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
   print(f"dvbench serve: listening on http://{args.host}:{args.port}, data in "
         f"{pathlib.Path(args.data).resolve()}{database}", file=sys.stderr, flush=True)
@@ -202,6 +202,8 @@ def token_create(args) -> int:
   except (BadName, ValueError) as e:
     raise SystemExit(f"dvbench token create: {e}") from None
   print(token)
+  print(f"dvbench token create: a token for {args.owner} (printed above, shown only once); "
+        "give it to Client() through DVBENCH_TOKEN or `dvbench login`.", file=sys.stderr)
   return 0
 
 
@@ -296,18 +298,25 @@ def download(args) -> int:
     raise SystemExit("dvbench download: give a proof id (64 hex digits) and --url or DVBENCH_URL.")
   folder, proof = pathlib.Path(args.dir), f"/api/v1/proofs/{args.proof_id}"
   (folder / BLOBS_DIR).mkdir(parents=True, exist_ok=True)
+  blobs = 0
   with httpx.Client(base_url=url.rstrip("/"), timeout=120) as http:
-    write_atomically(folder / RECORDS_FILE, _get(http, f"{proof}/transcript").content)
+    records = _get(http, f"{proof}/transcript").content
+    write_atomically(folder / RECORDS_FILE, records)
     for digest in _listing(http, f"{proof}/blobs"):
       data = _get(http, f"{proof}/blobs/{digest}").content if BlobStore.valid_name(digest) else b""
       if hexdigest(data) != digest:
         raise SystemExit(f"dvbench download: blob {digest[:80]!r} is not named by its hash.")
       write_atomically(folder / BLOBS_DIR / digest, data)
+      blobs += 1
     receipt = http.get(f"{proof}/receipt")
+  wrote = f"dvbench download: wrote proof {args.proof_id} to {folder}: {len(records)} bytes " \
+          f"of records, {blobs} blobs"
   if receipt.status_code != 200:
-    print(f"no receipt: {receipt.text[:300]}", file=sys.stderr)
+    print(f"{wrote}, no receipt ({receipt.text[:300]}); check it with: zkdv verify {folder}")
     return 0
   write_atomically(folder / RECEIPT_FILE, receipt.content)
+  print(f"{wrote} and the server's signed receipt; check it with: zkdv verify {folder} "
+        f"--server-key $(dvbench server-key --url {url})")
   return 0
 
 
@@ -366,6 +375,9 @@ def main(argv=None) -> int:
                  help="jobs an owner may have waiting; beyond it closing a proof answers 429")
   s.add_argument("--abandon-after", type=duration, default=duration("24h"),
                  help="close proofs that received nothing this long as 'abandoned' (e.g. 24h)")
+  s.add_argument("--crash-after", type=duration, default=duration("10m"),
+                 help="a proof whose client sent nothing (records or heartbeats) this long "
+                 "is 'crashed', or discarded if it never sent a step (e.g. 90s, 10m)")
   s.add_argument("--log-level", default="warning", help="uvicorn's log level")
   s.add_argument("--min-update-check-probability", type=float, default=0.1,
                  help="the least update check probability a root may carry")

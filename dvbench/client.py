@@ -15,10 +15,15 @@ import json
 import os
 import pathlib
 import time
+from collections.abc import Callable
 
 import httpx
 
+from dvbench import console
 from dvbench import errors
+from dvbench.console import logger
+
+console.show_by_default()
 
 TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
                                          pathlib.Path.home() / ".config" / "dvbench")) / "token"
@@ -28,7 +33,7 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 _MAX_DELAY = 2.0
 _MAX_RETRY_AFTER = 30.0
 SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "unverifiable",
-                  "abandoned")
+                  "abandoned", "crashed")
 
 
 def _read_token_file() -> tuple[str | None, str | None]:
@@ -40,6 +45,7 @@ def _read_token_file() -> tuple[str | None, str | None]:
 
 
 CONNECT_SECONDS = 3.0  # to open a connection, and to retry a server never reached
+SAY_AFTER_SECONDS = 8.0  # a request retried this long is reported (once), then retried on
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -74,15 +80,21 @@ class Http:
                                 timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS))
 
   def request(self, method: str, path: str, *, ok=(200, 201), retry_seconds=None,
-              **kwargs) -> httpx.Response:
+              while_retrying: Callable[[], str] | None = None, **kwargs) -> httpx.Response:
+    """The response (status in ``ok``), retried as the class says. A request retried for
+    ``SAY_AFTER_SECONDS`` is logged once, with ``while_retrying()`` (what goes on meanwhile,
+    e.g. training), and again when the server answers."""
     started = time.monotonic()
     deadline = started + (self.retry_seconds if retry_seconds is None else retry_seconds)
-    delay = 0.05
+    delay, said = 0.05, False
     while True:
       wait = delay
       try:
         response = self._client.request(method, path, **kwargs)
         self.reached = True
+        if said and response.status_code not in _RETRY_STATUS:
+          logger.info("%s answers again (%s %s, after %.0f s)", self.url, method, path,
+                      time.monotonic() - started)
         if response.status_code in ok:
           return response
         if response.status_code not in _RETRY_STATUS:
@@ -102,19 +114,27 @@ class Http:
         raise errors.UploadError(
             f"the DVBench server at {self.url} stopped answering {method} {path} "
             f"({problem}) for {time.monotonic() - started:.0f} s; is it still running?")
+      if not said and time.monotonic() - started >= SAY_AFTER_SECONDS:
+        said = True
+        meanwhile = while_retrying() if while_retrying is not None else ""
+        logger.warning("cannot reach %s (%s %s: %s); retrying for %.0f s more%s", self.url,
+                       method, path, problem, deadline - time.monotonic(),
+                       f"; {meanwhile}" if meanwhile else "")
       time.sleep(wait)
       delay = min(delay * 2, _MAX_DELAY)
 
-  def put_blob(self, proof_id: str, digest: str, read, retry_seconds=None) -> None:
+  def put_blob(self, proof_id: str, digest: str, read, retry_seconds=None,
+               while_retrying=None) -> None:
     """Uploads a blob for a proof unless the server already holds it for that proof.
 
     A blob counts for the proofs it was uploaded for, not for every proof that
     names it. ``read()`` gives the bytes; it is called only when they must be sent.
     """
     path = f"/api/v1/proofs/{proof_id}/blobs/{digest}"
-    if self.request("HEAD", path, ok=(200, 404),
-                    retry_seconds=retry_seconds).status_code != 200:
+    if self.request("HEAD", path, ok=(200, 404), retry_seconds=retry_seconds,
+                    while_retrying=while_retrying).status_code != 200:
       self.request("PUT", path, content=read(), retry_seconds=retry_seconds,
+                   while_retrying=while_retrying,
                    headers={"content-type": "application/octet-stream"})
 
   def close(self) -> None:
@@ -133,14 +153,19 @@ class Experiment:
   def proof_slot(self) -> dict:
     """A one-time proof slot: the server's nonce, policy, key and key commitment."""
     owner, name = self.name.split("/")
-    return self.client.http.request("POST",
-                                    f"/api/v1/experiments/{owner}/{name}/slots").json()
+    return self.client.http.request(
+        "POST", f"/api/v1/experiments/{owner}/{name}/slots",
+        while_retrying=lambda: "the proof, and training with it, starts once it answers").json()
 
   def proof(self, backend: str = "jax", config=None):
     """The ``zkdv.jax.ZKDV`` driver for this experiment, uploading live."""
     if backend != "jax":
       raise ValueError(f"backend {backend!r} is not available; use backend='jax'.")
     from dvbench.jax_proof import DVBenchProof  # pylint: disable=g-import-not-at-top
+    for earlier in self.client.proofs:
+      if earlier.experiment.name == self.name and earlier.unused:
+        earlier.discard(f"experiment.proof() made a new proof of {self.name} before this one "
+                        "ran a step")
     return DVBenchProof(self, config)
 
   def upload(self, path: str | os.PathLike, timeout: float = 300.0,
@@ -216,6 +241,22 @@ class Client:
   def proof_status(self, proof_id: str) -> dict:
     return self.http.request("GET", f"/api/v1/proofs/{proof_id}").json()
 
+  def page(self, proof_id: str) -> str:
+    """The proof's page on the server."""
+    return f"{self.url}/proofs/{proof_id}"
+
+  def summary(self, proof_id: str, wait: float = 0.0) -> str:
+    """One line on the proof: its state, steps and checks, and its page; ``wait``: seconds
+    to wait for the server's verdict first. E.g. ``alice/run proof 3f..: verified, 10 steps,
+    4 checks (4 replayed); http://127.0.0.1:8000/proofs/3f..``"""
+    status = self.wait_for_verdict(proof_id, wait)
+    state = status["state"]
+    if status.get("failure") and state not in ("verified", "unchallenged"):
+      state = f"{state} ({status['failure']})"
+    return (f"{status.get('experiment')} proof {proof_id}: {state}, {status['steps']} steps, "
+            f"{status.get('checks', 0)} checks ({status.get('checks_verified', 0)} replayed); "
+            f"{self.page(proof_id)}")
+
   def wait_for_verdict(self, proof_id: str, timeout: float = 300.0) -> dict:
     """Polls until the server has settled the proof; returns its status.
 
@@ -232,9 +273,12 @@ class Client:
       time.sleep(0.25)
 
   def close(self) -> None:
-    """Stops uploads of proofs that were never finished, then disconnects."""
+    """Stops uploads of proofs that were never finished, then disconnects. A proof that never
+    ran a step is discarded; one that stopped midway is left to become ``crashed``."""
     for proof in self.proofs:
-      if not proof._finished:  # pylint: disable=protected-access
+      if proof.unused:
+        proof.discard("the client was closed before the proof ran a step")
+      elif not proof._finished:  # pylint: disable=protected-access
         proof.abandon()
     self.http.close()
 

@@ -9,7 +9,6 @@ Example::
 """
 
 import dataclasses
-import logging
 import pathlib
 import shutil
 import tempfile
@@ -20,9 +19,8 @@ from zkdv import challengers
 from zkdv import errors as zkdv_errors
 
 from dvbench import errors
+from dvbench.console import logger
 from dvbench.upload import Uploader
-
-logger = logging.getLogger("dvbench")
 
 
 class DVBenchProof(zkdv.jax.ZKDV):
@@ -60,15 +58,33 @@ class DVBenchProof(zkdv.jax.ZKDV):
   def proof_id(self) -> str | None:
     return None if self._uploader is None else self._uploader.proof_id
 
-  def abandon(self) -> None:
+  @property
+  def unused(self) -> bool:
+    """Whether the proof never ran a step and is not finished (replacing it loses nothing)."""
+    return not self._finished and not self._upload_done and self.steps == 0
+
+  def abandon(self, reason: str = "the proof was abandoned") -> None:
     """Stops uploading an unfinished proof (what was sent stays on the server)."""
     if self._uploader is not None and not self._upload_done:
       self._uploader.stop()
       self._upload_done = True
     if isinstance(self._challenger, challengers.ServerChallenger):
-      self._challenger.fail("the proof was abandoned")
+      self._challenger.fail(reason)
     if self._temporary is not None:
       shutil.rmtree(self._temporary, ignore_errors=True)
+
+  def discard(self, reason: str) -> None:
+    """Stops a proof that never ran a step and deletes it from the server, so no empty
+    proof is left ``receiving`` (``reason``: why, for the log and for a later use of it)."""
+    self.abandon(f"proof {self.proof_id} was discarded: {reason}")
+    if self.proof_id is None:
+      return
+    response = self.experiment.client.http.request(
+        "DELETE", f"/api/v1/proofs/{self.proof_id}", ok=(204, 404, 409), retry_seconds=5.0)
+    if response.status_code == 409:  # it sent a step after all: left to become crashed
+      logger.warning("proof %s was not discarded: %s", self.proof_id, response.text[:300])
+    else:
+      logger.info("discarded proof %s: %s", self.proof_id, reason)
 
   def _make_challenger(self, policy, seed, group):
     del seed
@@ -95,6 +111,13 @@ class DVBenchProof(zkdv.jax.ZKDV):
     return challengers.ServerChallenger(fields, effective, timeout_s=self.challenge_timeout,
                                         describe=self._resume_hint)
 
+  def _steps_ahead(self) -> str:
+    """How far training goes on without the server, e.g. 'training continues 3 more steps'."""
+    undecided = self.steps - self._challenger.decided_steps
+    ahead = max(0, self.policy.rolling_window - undecided)
+    return (f"training continues {ahead} more steps, then waits for the server's "
+            f"challenges for up to {self.challenge_timeout:.0f} s")
+
   def _resume_hint(self) -> str:
     return (f"The transcript so far is intact in {self.path}. Call the step again to resume "
             "once the server answers (the unanswered steps are kept), or proof.finish() to "
@@ -105,7 +128,8 @@ class DVBenchProof(zkdv.jax.ZKDV):
     challenger = self._challenger
     self._uploader = Uploader(self.experiment.client.http, self.experiment.name, self.path,
                               on_challenge=challenger.deliver, on_failure=challenger.fail,
-                              retry_seconds=self.challenge_timeout)
+                              retry_seconds=self.challenge_timeout,
+                              while_retrying=self._steps_ahead)
     challenger.on_waiting = self._uploader.wake
     self._writer.on_append = self._uploader.wake
     self._uploader.start()
@@ -122,6 +146,15 @@ class DVBenchProof(zkdv.jax.ZKDV):
       self._upload_done = True
       if self._temporary is not None:
         shutil.rmtree(self._temporary, ignore_errors=True)
+      logger.info("%s", self.summary())
     if error is not None:
       raise error
     return self.path
+
+  def summary(self, wait: float = 0.0) -> str:
+    """One line: the proof's state on the server, its steps and checks, and its page
+    (``wait``: seconds to wait for the server's verdict first), e.g.
+    ``your-name/run proof 3f..: verified, 10 steps, 4 checks (4 replayed); http://...``."""
+    if self.proof_id is None:
+      return f"{self.experiment.name}: the proof has not started (no record was sent)"
+    return self.experiment.client.summary(self.proof_id, wait)

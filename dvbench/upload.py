@@ -15,6 +15,7 @@ Example::
 
 import pathlib
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from zkdv.transcript import read_transcript
 
 from dvbench import errors
 from dvbench import transport
+from dvbench.console import logger
 
 
 def uploaded_already(http, folder: pathlib.Path) -> str | None:
@@ -51,9 +53,11 @@ class Uploader(threading.Thread):
                chunk_bytes: int = transport.CHUNK_BYTES,
                on_challenge: Callable[[int, bytes], None] | None = None,
                on_failure: Callable[[str], None] | None = None,
-               retry_seconds: float | None = None):
+               retry_seconds: float | None = None,
+               while_retrying: Callable[[], str] | None = None):
     super().__init__(name="dvbench-upload", daemon=True)
     self.on_challenge, self.on_failure = on_challenge, on_failure
+    self.while_retrying = while_retrying  # what goes on while the server is unreachable
     self.retry_seconds = retry_seconds
     self.http, self.experiment, self.folder = http, experiment, pathlib.Path(folder)
     self.poll_seconds = poll_seconds
@@ -73,6 +77,8 @@ class Uploader(threading.Thread):
     self._require_final = True
     self._final_id: bytes | None = None
     self._last_id: bytes | None = None
+    self.heartbeat_seconds: float | None = None  # the server's, once the proof exists
+    self._last_contact = time.monotonic()
 
   # -- the training thread's side ----------------------------------------------
 
@@ -117,6 +123,7 @@ class Uploader(threading.Thread):
         if closing and not progressed:
           break
         if not progressed:
+          self._heartbeat()
           self._wake.wait(self.poll_seconds)
           self._wake.clear()
       if self._stopped.is_set():
@@ -164,13 +171,32 @@ class Uploader(threading.Thread):
     self._flush(batch)
     return True
 
+  def _request(self, method: str, path: str, **kwargs):
+    response = self.http.request(method, path, retry_seconds=self.retry_seconds,
+                                 while_retrying=self.while_retrying, **kwargs)
+    self._last_contact = time.monotonic()
+    return response
+
+  def _heartbeat(self) -> None:
+    """Tells the server the run is alive while it sends nothing (a long step), so that
+    the proof is not taken for crashed."""
+    if (self.proof_id is None or self.heartbeat_seconds is None
+        or time.monotonic() - self._last_contact < self.heartbeat_seconds):
+      return
+    self._request("POST", f"/api/v1/proofs/{self.proof_id}/alive", ok=(204,))
+
   def _create_proof(self, root: bytes) -> None:
     owner, name = self.experiment.split("/")
-    response = self.http.request("POST", f"/api/v1/experiments/{owner}/{name}/proofs",
-                                 content=root, retry_seconds=self.retry_seconds,
-                                 headers={"content-type": "application/cbor"})
-    self.proof_id = response.json()["id"]
+    response = self._request("POST", f"/api/v1/experiments/{owner}/{name}/proofs",
+                             content=root, headers={"content-type": "application/cbor"})
+    answer = response.json()
+    heartbeat = answer.get("heartbeat_seconds")
+    if isinstance(heartbeat, (int, float)) and not isinstance(heartbeat, bool):
+      self.heartbeat_seconds = min(max(float(heartbeat), 0.5), 30.0)
+    self.proof_id = answer["id"]
     self.sent_records = 1
+    logger.info("%s proof %s started; its page: %s/proofs/%s", self.experiment, self.proof_id,
+                self.http.url, self.proof_id)
 
   def _flush(self, batch: list[bytes]) -> None:
     if batch:
@@ -187,9 +213,9 @@ class Uploader(threading.Thread):
 
   def _envelope(self, body: dict) -> dict:
     body = {**body, "client_id": self.client_id, "seq": self._seq}
-    ack = self.http.request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
-                            content=transport.encode(body), retry_seconds=self.retry_seconds,
-                            headers={"content-type": "application/cbor"}).json()
+    ack = self._request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
+                        content=transport.encode(body),
+                        headers={"content-type": "application/cbor"}).json()
     self._seq += 1
     self._deliver_challenges(ack)
     return ack
@@ -211,5 +237,6 @@ class Uploader(threading.Thread):
     for digest in sorted(digests - self._sent_blobs):
       self.http.put_blob(self.proof_id, digest,
                          (self.folder / BLOBS_DIR / digest).read_bytes,
-                         retry_seconds=self.retry_seconds)
+                         retry_seconds=self.retry_seconds, while_retrying=self.while_retrying)
+      self._last_contact = time.monotonic()
       self._sent_blobs.add(digest)

@@ -83,6 +83,11 @@ class ServerChallenger:
   def final_fields(self) -> dict:
     return {}
 
+  @property
+  def decided_steps(self) -> int:
+    """How many steps the server has decided (training may run a window beyond them)."""
+    return len(self._decided)
+
   def decision_now(self, step: int) -> None:
     """Never known before the step runs: the server decides after storing it."""
     del step

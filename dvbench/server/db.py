@@ -37,6 +37,7 @@ from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import
                                       JobQueries)
 from dvbench.server.store_listing import ListingQueries
+from dvbench.server.store_liveness import LivenessQueries
 from dvbench.server.store_tokens import TokenQueries, hash_token  # pylint: disable=unused-import
 
 def _migration_1(conn) -> None:
@@ -121,10 +122,11 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
 # "abandoned": left receiving longer than the server's idle limit; never verified.
 # "invalid": the verifier found something wrong with the transcript; "unverifiable": the
 # verification itself failed and was given up ("could not verify: <cause>"), no verdict.
+# "crashed": its client fell silent before finish() (--crash-after); never verified as it is.
 PROOF_STATES = ("receiving", "closed", "verifying", "verified", "unchallenged",
-                "self-audited", "invalid", UNVERIFIABLE, "abandoned")
+                "self-audited", "invalid", UNVERIFIABLE, "abandoned", "crashed")
 SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", UNVERIFIABLE,
-                  "abandoned")
+                  "abandoned", "crashed")
 
 
 def _sqlite_pragmas(dbapi_conn, _):
@@ -176,7 +178,8 @@ class WriteLockingEngine:
         yield conn
 
 
-class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQueries):
+class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQueries,
+            LivenessQueries):
   """All reads and writes of the service; one instance per process."""
 
   def __init__(self, engine: sa.Engine):

@@ -51,7 +51,7 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
           job: dict | None = None, full_replay: bool = False) -> str:
   if state == "unverifiable":  # the verification failed: no verdict, the failure says why
     return failure or "could not verify"
-  if state in ("invalid", "abandoned"):
+  if state in ("invalid", "abandoned", "crashed"):
     return f"{state}: {failure}"
   if state in ("closed", "verifying"):
     return f"{state}: {progress(job)}"

@@ -177,7 +177,30 @@ class ProofRoutes:
       except SlotTaken:
         raise HTTPException(409, "the root's nonce was used meanwhile by another proof; every "
                             "proof takes a fresh slot.") from None
-    return JSONResponse(public_proof(await run_in_threadpool(create)), status_code=201)
+    return JSONResponse({**public_proof(await run_in_threadpool(create)),
+                         "heartbeat_seconds": self.service.heartbeat_seconds}, status_code=201)
+
+  async def discard_proof(self, request):
+    """Deletes a proof that never sent a step (its client replaced or closed it); 409 for
+    any other."""
+    def discard():
+      proof = self.service.proof_for_write(request, request.path_params["proof_id"])
+      refused = self.store.discard_unstarted_proof(proof["id"])
+      if refused is not None:
+        raise HTTPException(409, f"{refused}.")
+    await run_in_threadpool(discard)
+    return Response(status_code=204)
+
+  async def proof_alive(self, request):
+    """A client's heartbeat while it sends nothing (a long step); 409 once the proof takes no
+    more records (it crashed meanwhile, or closed)."""
+    def touch():
+      proof = self.service.proof_for_write(request, request.path_params["proof_id"])
+      state = self.store.touch_proof(proof["id"])
+      if state != "receiving":
+        raise HTTPException(409, f"proof {proof['id']} is {state}; it takes no more records.")
+    await run_in_threadpool(touch)
+    return Response(status_code=204)
 
   def proof_json(self, proof_id: str) -> dict:
     proof = self.service.proof_or_404(proof_id)
@@ -244,6 +267,10 @@ def proof_routes(service: Service) -> list[Route]:
       Route("/api/v1/experiments/{owner}/{name}/proofs", api.create_proof, methods=["POST"],
             name="create_proof"),
       Route("/api/v1/proofs/{proof_id}", api.get_proof, name="proof"),
+      Route("/api/v1/proofs/{proof_id}", api.discard_proof, methods=["DELETE"],
+            name="discard_proof"),
+      Route("/api/v1/proofs/{proof_id}/alive", api.proof_alive, methods=["POST"],
+            name="proof_alive"),
       Route("/api/v1/proofs/{proof_id}/checks", api.get_checks, name="proof_checks"),
       Route("/api/v1/proofs/{proof_id}/records", api.get_record_ids, name="proof_records"),
       Route("/api/v1/proofs/{proof_id}/challenges", api.get_challenges, name="proof_challenges"),

@@ -54,6 +54,12 @@ class Service:
   workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
   isolation: str = ""  # what confines the verifier child, for /health
   ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
+  crash_after: float = 600.0  # a receiving proof silent this long is crashed (or discarded)
+
+  @property
+  def heartbeat_seconds(self) -> float:
+    """How often an idle client says it is alive: well within ``crash_after``."""
+    return min(30.0, self.crash_after / 4)
 
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)

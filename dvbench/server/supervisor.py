@@ -1,5 +1,6 @@
 """The server's housekeeping thread: keeps its validation workers and ingestion processes
-running, closes abandoned proofs.
+running, settles proofs whose clients fell silent (crashed, or discarded when they never sent
+a step: ``store_liveness``) and closes abandoned ones.
 
 Workers are child processes of ``dvbench serve`` that die with it, even when it is
 SIGKILLed: each sets ``PR_SET_PDEATHSIG`` (SIGKILL) on itself at start, bound to this
@@ -13,7 +14,7 @@ replaced on the same beat (``IngestProcesses.replace_dead``).
 Example::
 
   supervisor = Supervisor(worker_command, count=2, store=store, abandon_after=86400,
-                          ingest_processes=ingest_processes)
+                          crash_after=600, ingest_processes=ingest_processes)
   supervisor.start()
   supervisor.health()  # {"alive": 2, "expected": 2, "restarts": 0}
   supervisor.stop()
@@ -94,10 +95,13 @@ class Supervisor:
   """``count`` worker processes from ``command`` (+ ``--worker-id``, ``--parent-pid``)."""
 
   def __init__(self, command: list[str], count: int, store: Store, *,
-               abandon_after: float | None = None, poll_seconds: float = 0.2,
+               abandon_after: float | None = None, crash_after: float | None = None,
+               poll_seconds: float = 0.2,
                ingest_processes=None):  # an IngestProcesses to keep running
     self.command, self.store, self.ingest_processes = command, store, ingest_processes
     self.abandon_after, self.poll_seconds = abandon_after, poll_seconds
+    self.crash_after = crash_after
+    self._started_at = time.monotonic()
     self.slots = [_Slot(i) for i in range(count)]
     self.restarts = 0
     self._stop = threading.Event()
@@ -137,11 +141,21 @@ class Supervisor:
     self.restarts += 1
 
   def _housekeeping(self, last: float) -> float:
-    if self.abandon_after is None or time.monotonic() - last < min(60.0, self.abandon_after / 4):
+    limits = [t for t in (self.abandon_after, self.crash_after) if t is not None]
+    if not limits or time.monotonic() - last < min(60.0, min(limits) / 4):
       return last
-    for proof_id in self.store.abandon_idle_proofs(self.abandon_after):
-      logger.warning("proof %s was left receiving for over %g s: abandoned", proof_id,
-                     self.abandon_after)
+    # A server that was down heard from no client meanwhile: judge silence from its start.
+    if self.crash_after is not None and time.monotonic() - self._started_at >= self.crash_after:
+      crashed, discarded = self.store.settle_silent_proofs(self.crash_after)
+      for proof_id in crashed:
+        logger.warning("proof %s sent nothing for %g s before finishing: crashed", proof_id,
+                       self.crash_after)
+      for proof_id in discarded:
+        logger.warning("proof %s never sent a step and fell silent: discarded", proof_id)
+    if self.abandon_after is not None:
+      for proof_id in self.store.abandon_idle_proofs(self.abandon_after):
+        logger.warning("proof %s was left receiving for over %g s: abandoned", proof_id,
+                       self.abandon_after)
     return time.monotonic()
 
   def _release_orphaned(self) -> None:

@@ -1,0 +1,82 @@
+"""Queries of a proof's liveness: a client's heartbeat, a crashed run, a proof never used.
+
+A mixin of ``db.Store``. A proof ``receiving`` records is alive while its client sends records
+or heartbeats. One that falls silent for the server's ``--crash-after`` becomes ``crashed``
+(it stopped before ``proof.finish()``; never verified) or, when it never sent a step, is
+discarded: a proof that was only started (the tutorial's first, unconfigured proof) leaves
+nothing behind. Its client discards it at once when it replaces or closes it.
+
+Example::
+
+  crashed, discarded = store.settle_silent_proofs(600)
+"""
+
+import time
+
+import sqlalchemy as sa
+
+from dvbench.server.schema import (blob_refs, challengers, challenges, checks, chunks,
+                                   probes, proof_blobs, proof_claims, proofs, receipts, records,
+                                   streams)
+
+# Every table with rows of one proof (a proof with no step has no job, measurement or
+# submission: those need a closed proof). Its slot stays taken, so its root cannot return.
+_PROOF_ROWS = (records, streams, chunks, blob_refs, probes, checks, challenges, proof_blobs,
+               receipts, proof_claims, challengers)
+
+
+def resume_hint(proof_id: str) -> str:
+  return f"resume it with experiment.proof(resume={proof_id!r})"
+
+
+def crashed_failure(silent_seconds: float, steps: int, proof_id: str) -> str:
+  """Why a proof is ``crashed``, e.g. 'nothing arrived for 2 s after 7 steps: ...'."""
+  return (f"nothing arrived for {silent_seconds:g} s after {steps} steps: the run stopped "
+          f"before proof.finish(), so it is never verified as it is; {resume_hint(proof_id)}.")
+
+
+class LivenessQueries:
+  """Heartbeats, crashed proofs and discarded ones."""
+
+  def touch_proof(self, proof_id: str) -> str | None:
+    """A heartbeat: the proof's client is alive. Returns the proof's state (None: no such
+    proof); only a ``receiving`` proof is touched."""
+    with self.engine.begin() as conn:
+      state = conn.execute(sa.select(proofs.c.state).where(proofs.c.id == proof_id)).scalar()
+      if state == "receiving":
+        conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
+            updated_at=time.time()))
+      return state
+
+  def discard_unstarted_proof(self, proof_id: str, conn=None) -> str | None:
+    """Deletes a ``receiving`` proof that holds no step; None when done, else why not."""
+    if conn is None:
+      with self.engine.begin() as c:
+        return self.discard_unstarted_proof(proof_id, c)
+    row = conn.execute(sa.select(proofs.c.state, proofs.c.steps).where(
+        proofs.c.id == proof_id)).first()
+    if row is None:
+      return f"there is no proof {proof_id}"
+    if row.state != "receiving" or row.steps:
+      return (f"proof {proof_id} is {row.state} with {row.steps} steps; only a proof that "
+              "never sent a step is discarded")
+    for table in _PROOF_ROWS:
+      conn.execute(table.delete().where(table.c.proof_id == proof_id))
+    conn.execute(proofs.delete().where(proofs.c.id == proof_id))
+    return None
+
+  def settle_silent_proofs(self, silent_seconds: float) -> tuple[list[str], list[str]]:
+    """Proofs ``receiving`` that heard nothing for ``silent_seconds``: those with steps
+    become ``crashed``, those without are discarded. Returns (crashed ids, discarded ids)."""
+    cutoff = time.time() - silent_seconds
+    silent = (proofs.c.state == "receiving") & (proofs.c.updated_at < cutoff)
+    crashed, discarded = [], []
+    with self.engine.begin() as conn:
+      for proof_id, steps in conn.execute(sa.select(proofs.c.id, proofs.c.steps).where(silent)):
+        if steps:
+          self.set_proof_state(proof_id, "crashed",
+                               crashed_failure(silent_seconds, steps, proof_id), conn)
+          crashed.append(proof_id)
+        elif self.discard_unstarted_proof(proof_id, conn) is None:
+          discarded.append(proof_id)
+    return crashed, discarded
