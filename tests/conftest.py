@@ -10,16 +10,80 @@ the test processes (pytest-xdist's workers inherit the first process's folder) a
 process they start (servers, verifiers, training scripts): most tests compile the same small
 train steps and replays again. The cache starts empty for each run of the suite; a cached
 executable is the one XLA would compile, so what the tests show is unchanged.
+
+The run prints a line as each test file finishes (``tests/cli_test.py: 19 passed (3 of 40
+files, 1:02)``), also under pytest-xdist, whose ``-q`` output is otherwise dots alone.
+
+pytest-xdist's workers leave their folders (inside the first process's) to that process: a
+worker still busy a few seconds after its last test is sent SIGINT by execnet, whose
+KeyboardInterrupt lands wherever the worker is (a finalizer prints its traceback after the
+green result). The first process removes everything once the workers are gone.
 """
 
+import collections
 import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
 _TEMPORARY = pytest.StashKey[str]()
+
+
+class FileProgress:
+  """Prints ``FILE: N passed, M failed (K of T files, M:SS)`` when a file's last test ends."""
+
+  def __init__(self, terminal):
+    self.terminal, self.started = terminal, time.monotonic()
+    self.remaining: collections.Counter = collections.Counter()
+    self.outcomes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    self.files = self.done = 0
+
+  def collected(self, node_ids) -> None:
+    if not self.remaining:  # every xdist worker collects the same tests
+      self.remaining.update(node_id.split("::")[0] for node_id in node_ids)
+      self.files = len(self.remaining)
+
+  def pytest_collection_finish(self, session):
+    self.collected(item.nodeid for item in session.items)
+
+  @pytest.hookimpl(optionalhook=True)
+  def pytest_xdist_node_collection_finished(self, node, ids):  # pylint: disable=unused-argument
+    self.collected(ids)
+
+  def pytest_runtest_logreport(self, report):
+    path = report.nodeid.split("::")[0]
+    counts = self.outcomes[path]
+    if type(report) is not pytest.TestReport:  # pylint: disable=unidiomatic-typecheck
+      counts["subtests failed"] += report.failed  # a subtest's report: its test reports too
+      return
+    if report.failed:
+      counts["failed" if report.when == "call" else "error"] += 1
+    elif report.skipped:
+      counts["skipped"] += 1
+    elif report.when == "call":
+      counts["passed"] += 1
+    if report.when != "teardown" or path not in self.remaining:
+      return
+    self.remaining[path] -= 1
+    if self.remaining[path] == 0:
+      del self.remaining[path]
+      self.done += 1
+      minutes, seconds = divmod(int(time.monotonic() - self.started), 60)
+      said = ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+      if self.terminal._tw.width_of_current_line:  # pylint: disable=protected-access
+        self.terminal.write("\n")  # after the dots of a -q run
+      self.terminal.write_line(f"{path}: {said} ({self.done} of {self.files} files, "
+                               f"{minutes}:{seconds:02d})")
+
+
+def pytest_sessionstart(session):
+  config = session.config
+  terminal = config.pluginmanager.get_plugin("terminalreporter")
+  if terminal is not None and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(FileProgress(terminal), "zkdv-file-progress")
 
 
 def pytest_configure(config):
@@ -50,5 +114,5 @@ def pytest_unconfigure(config):
   if "tests.postgres" in sys.modules:  # the PostgreSQL cluster the suites shared
     sys.modules["tests.postgres"].stop_shared_cluster()
   root = config.stash.get(_TEMPORARY, None)
-  if root:
+  if root and not hasattr(config, "workerinput"):  # a worker's folder is inside this one
     shutil.rmtree(root, ignore_errors=True)
