@@ -20,6 +20,7 @@ from absl.testing import absltest
 import dvbench
 import zkdv
 from dvbench.server.local import LocalServer
+from tests import pages_test
 from tests import testing
 from tests import tutorial_steps
 
@@ -163,9 +164,10 @@ class CrashedProofTest(absltest.TestCase):
         "nothing arrived for 4 s after 3 steps: the run stopped before proof.finish(), so it "
         f"is never verified as it is; resume it with experiment.proof(resume='{crashing_id}')."))
     self.assertTrue(status["label"].startswith("crashed: nothing arrived"), status)
-    page = httpx.get(f"{self.server.url}/proofs/{crashing_id}").text
-    self.assertIn("crashed", page)
-    self.assertIn(f"experiment.proof(resume=&#x27;{crashing_id}&#x27;)", page)
+    page = pages_test.chromium_dom(self, f"{self.server.url}/proofs/{crashing_id}")
+    self.assertEqual([badge[2] for badge in page.find("span", class_="crashed")], ["crashed"])
+    self.assertIn(f"resume it with experiment.proof(resume='{crashing_id}')",
+                  page.find("span", id="label")[0][2])
     # The dead run's proof that never ran a step is gone, not left receiving.
     testing.wait_until(lambda: httpx.get(
         f"{self.server.url}/api/v1/proofs/{empty_id}").status_code == 404, timeout=30)
