@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.guard import Limits
@@ -54,6 +55,7 @@ class Service:
   workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
   isolation: str = ""  # what confines the verifier child, for /health
   ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
+  max_slots_per_hour: int = DEFAULT_MAX_SLOTS_PER_HOUR  # proof slots per owner (attempts)
 
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)

@@ -87,6 +87,7 @@ def _from_receipt(ctx: Verification, server_key: bytes | None) -> KeySource:
     return KeySource(missing="the receipt belongs to another transcript")
   ctx.report.receipt = {"server_key": server_key.hex(), "verdict": fields["verdict"],
                         "checks": fields.get("checks"), "issued_at": fields.get("issued_at"),
+                        "standing": fields.get("standing"), "attempts": fields.get("attempts"),
                         "agrees": None}
   return KeySource(fields["challenge_key"], "receipt")
 
