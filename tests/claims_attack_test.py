@@ -114,7 +114,8 @@ class ServerStateTest(absltest.TestCase):
     status = self.status["unattested"]
     self.assertEqual(status["state"], "verified steps", str(status))
     self.assertEqual(status["shortfalls"], ["start unattested"])
-    self.assertTrue(status["label"].startswith("verified steps — start unattested: "), str(status))
+    self.assertTrue(status["label"].startswith("verified steps — start unattested: "),
+                    str(status))
     self.assertFalse(status["ranked_state"])
     self.assertEqual(self.receipt_fields("unattested")["standing"],
                      {"state": "verified steps", "shortfalls": ["start unattested"],
