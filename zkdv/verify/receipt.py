@@ -4,7 +4,9 @@
 (``zkdv.receipt.open_receipt``) and must bind to this transcript: its
 transcript id, server, owner, experiment, nonce, policy, record count and last
 record are the root's and the file's, and ``BLAKE3(K)`` is the root's key
-commitment. The server's own worker passes ``K`` directly (``challenge_key``).
+commitment. The server's own worker passes ``K`` directly (``challenge_key``):
+that re-derives the challenges, but only a receipt shows who chose them, so a key
+given by hand leaves the ``chain`` binding and ``challenges`` claims unverified.
 After verification, ``compare_verdicts`` says whether the receipt agrees.
 
 Example::
