@@ -102,6 +102,12 @@ def _worker_command(args) -> list[str]:
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+def _positive_int(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1.")
+  return int(text)
+
+
 def duration(text: str) -> float:
   """Seconds in '90', '90s', '30m', '24h' or '7d'."""
   match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
@@ -150,7 +156,8 @@ def serve(args) -> int:
                     limits=Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
                     time_limit=args.time_limit, workers=supervisor.health, isolation=isolation,
-                    ingest_processes=ingest_processes, crash_after=args.crash_after)
+                    ingest_processes=ingest_processes, crash_after=args.crash_after,
+                    max_slots_per_hour=args.max_slots_per_hour)
   database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
   print(f"dvbench serve: listening on http://{args.host}:{args.port}, data in "
         f"{pathlib.Path(args.data).resolve()}{database}", file=sys.stderr, flush=True)
@@ -383,8 +390,12 @@ def main(argv=None) -> int:
                  help="the least update check probability a root may carry")
   s.add_argument("--min-state-check-probability", type=float, default=0.0,
                  help="the least state check probability a root may carry")
-  s.add_argument("--min-probe-ratio", type=float, default=0.0,
-                 help="the least fraction of each batch's rows a root may open as probes")
+  s.add_argument("--min-probe-ratio", type=float, default=0.01,
+                 help="the least fraction of each batch's rows a root may open as probes "
+                 "(at least one row of every probed batch; 0 leaves the data claim unmet)")
+  s.add_argument("--max-slots-per-hour", type=_positive_int, default=120,
+                 help="proof slots (attempts) issued per owner per hour; every slot is "
+                 "counted and shown with the owner's proofs")
   s.add_argument("--max-window", type=int, default=64,
                  help="the largest rolling window (steps unanswered or undecided) a root may carry")
   s.add_argument("--score-shard-rows", type=int, default=1 << 16,

@@ -24,6 +24,7 @@ from dvbench import errors
 from dvbench.console import logger
 
 console.show_by_default()
+from zkdv.verify import claims
 
 TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
                                          pathlib.Path.home() / ".config" / "dvbench")) / "token"
@@ -32,8 +33,8 @@ TOKEN_FILE = pathlib.Path(os.environ.get("DVBENCH_CONFIG_DIR",
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 _MAX_DELAY = 2.0
 _MAX_RETRY_AFTER = 30.0
-SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", "unverifiable",
-                  "abandoned", "crashed")
+SETTLED_STATES = (*claims.REPLAYED_STATES, claims.UNCHALLENGED, claims.SELF_AUDITED,
+                  "invalid", "unverifiable", "abandoned", "crashed")
 
 
 def _read_token_file() -> tuple[str | None, str | None]:
@@ -260,10 +261,12 @@ class Client:
   def wait_for_verdict(self, proof_id: str, timeout: float = 300.0) -> dict:
     """Polls until the server has settled the proof; returns its status.
 
-    A settled proof is ``verified`` (server-chosen checks replayed),
-    ``unchallenged`` (no update check was chosen), ``self-audited`` (the prover
-    chose its own checks), ``invalid`` (a finding, in ``failure``) or ``unverifiable``
-    (the verification itself failed and was given up: ``failure`` says why; no verdict).
+    A settled proof is ``verified`` (every claim of ``zkdv verify --strict`` holds),
+    ``verified steps`` or ``within tolerance`` (server-chosen checks replayed; its
+    ``label`` names each claim that does not hold), ``unchallenged`` (no update check
+    was chosen), ``self-audited`` (the prover chose its own checks), ``invalid`` (a
+    finding, in ``failure``), ``unverifiable`` (the verification itself failed and was
+    given up: ``failure`` says why; no verdict) or ``abandoned``.
     """
     deadline = time.monotonic() + timeout
     while True:

@@ -38,6 +38,7 @@ from zkdv import errors as zkdv_errors
 from zkdv.cli import progress_bar
 from zkdv.jax import arrays
 from zkdv.jax.replay import compile_program
+from zkdv.verify import claims
 
 
 def load_checkpoint(checkpoint) -> object:
@@ -68,7 +69,7 @@ class Measurement:
     self.experiment = experiment
     self.checkpoint_digest = params_digest(load_checkpoint(checkpoint))
     proofs = experiment.proofs()
-    matching = [p for p in proofs if p["state"] == "verified"
+    matching = [p for p in proofs if p["state"] in claims.REPLAYED_STATES
                 and p["final_params"] == self.checkpoint_digest.hex()]
     if not matching:
       compared = ", ".join(f"{p['id'][:16]}… ({p['state']}, final params "

@@ -82,7 +82,11 @@ class TutorialAgainstServerTest(DVBenchTestCase):
     self.assertFalse(proof.path.exists())  # temporary proof storage is released
     proof.finish()  # safe to call again
     status = dvbench.Client(self.server.url).wait_for_verdict(proof.proof_id, 120)
-    self.assertEqual(status["state"], "verified", status)
+    # Every server-chosen check replayed bit for bit, and the state says what else holds:
+    # the tutorial's params come from model.init, which nothing attests.
+    self.assertEqual(status["state"], "verified steps", status)
+    self.assertEqual(status["shortfalls"], ["start unattested"], status)
+    self.assertTrue(status["label"].startswith("verified steps — start unattested: "), status)
     self.assertEqual(status["steps"], 10)
     check_records = sum(kind == "check" for kind in self._record_kinds(proof.proof_id))
     self.assertEqual(status["checks"], check_records)
@@ -111,10 +115,11 @@ class TutorialAgainstServerTest(DVBenchTestCase):
     ends = [r["index"] for r in records
             if r["type"] == "step" and "post_state" in r]
     self.assertEqual(ends[-1], 9)
-    self.assertEqual(status["checks"], len(ends))
     checks = httpx.get(f"{self.server.url}/api/v1/proofs/{status['id']}/checks").json()
-    self.assertEqual([c["step"] for c in checks], ends)
-    self.assertTrue(all(c["status"] == "verified" and c["mode"] == "exact" for c in checks))
+    updates = [c for c in checks if c["kind"] == "update"]  # besides the default data probes
+    self.assertEqual([c["step"] for c in updates], ends)
+    self.assertEqual({c["kind"] for c in checks}, {"update", "probe"})
+    self.assertTrue(all(c["status"] == "verified" and c["mode"] == "exact" for c in updates))
     page = httpx.get(self.server.url + "/").text
     self.assertIn(status["id"], page)
     self.assertIn("your-name/jax-train-state", page)

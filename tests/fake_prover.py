@@ -185,8 +185,8 @@ class FakeProver:
             for c in ack["challenges"]]
 
   def run(self, steps: int, faked=(), skip_answer=(), metrics=None) -> RunOutcome:
-    """``steps`` steps, the last one ending a segment; challenges answered except for
-    segments holding a faked step and the steps in ``skip_answer``; ``metrics(t)`` gives
+    """``steps`` steps, the last one ending a segment; challenges answered except for the
+    checks of segments holding a faked step and the steps in ``skip_answer``; ``metrics(t)`` gives
     step t's committed metrics."""
     outcome = RunOutcome()
     for n in range(steps):
@@ -204,7 +204,7 @@ class FakeProver:
         inside = [] if segment is None else [s for s in faked if segment <= s <= step]
         if inside and decision.any_check:
           outcome.faked_hit += inside
-        elif step not in skip_answer and step not in faked:
+        elif step not in skip_answer:  # a faked step's data probes open real rows
           self.answer(decision, segment)
     return outcome
 

@@ -151,7 +151,7 @@ class PagesTest(absltest.TestCase):
     super().tearDownClass()
 
   def test_proof_page_draws_the_replayed_loss_curve(self):
-    self.assertEqual(self.jax_status["state"], "verified", str(self.jax_status))
+    self.assertEqual(self.jax_status["state"], "verified steps", str(self.jax_status))
     dom = chromium_dom(self, f"{self.url}/proofs/{self.jax_proof}")
     [chart] = dom.find("svg", class_="metric-chart", **{"data-metric": "loss"})
     self.assertIn("step", dom.find("g", class_="x")[0][2])

@@ -60,6 +60,9 @@ class TutorialTest(absltest.TestCase):
     else:
       self.assertEqual(report.verdict, verify.UNVERIFIABLE, report.dumps())
       self.assertEqual([f.code for f in report.findings], ["too_few_checks"])
+    # Offline, the prover chose its own checks; the state names the start nothing attests.
+    self.assertEqual(report.standing["state"], "self-audited")
+    self.assertIn("start unattested", report.standing["shortfalls"])
     # The checkpoint written in step 6 is the transcript's final params.
     restored = serialization.msgpack_restore(
         (workdir / "jax-checkpoint.msgpack").read_bytes())

@@ -194,3 +194,17 @@ def escape_probability(probability: float, faked_steps: int = 1,
   segment length; ``m`` faked steps touch at least ``ceil(m / k)`` segments.
   """
   return (1.0 - probability) ** math.ceil(faked_steps / segment_length)
+
+
+def escape_over_attempts(probability: float, attempts: int, faked_steps: int = 1,
+                         segment_length: int = 1) -> float:
+  """The chance that a prover who fakes the same way in each of ``attempts`` proofs, and
+  drops every proof whose fake was challenged, gets at least one past the challenger.
+
+  Each attempt escapes independently with ``e = escape_probability(...)``, so all of
+  them are caught with ``(1 - e) ** attempts`` and at least one escapes with
+  ``1 - (1 - e) ** attempts``; for one faked segment, ``1 - p ** attempts``.
+  Example: ``escape_over_attempts(0.1, 2)`` is 0.99 (it escapes unless both are caught).
+  """
+  caught = 1.0 - escape_probability(probability, faked_steps, segment_length)
+  return 1.0 - caught ** attempts

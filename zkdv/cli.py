@@ -139,7 +139,14 @@ def _human_report(report: verify_lib.Report) -> str:
     rows.append(("receipt", f"signed by {report.receipt['server_key'][:16]}, says "
                  f"{report.receipt['verdict']!r} "
                  f"({'agrees' if report.receipt['agrees'] else 'DISAGREES'})"))
+    attempts = report.receipt.get("attempts")
+    if isinstance(attempts, dict):
+      rows.append(("owner's attempts", f"{attempts.get('slots')} proof slots, "
+                   f"{attempts.get('after_unanswered_challenge')} stopped right after an "
+                   f"unanswered challenge (receipt)"))
   rows.append(("verdict", report.verdict.upper()))
+  if report.standing:
+    rows.append(("state", report.standing["label"]))
   width = max(len(k) for k, _ in rows)
   lines = [f"{k:<{width}}  {v}" for k, v in rows]
   lines.append(f"claims (required: {', '.join(report.required) or 'none'}):")
@@ -297,7 +304,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="DVBench's public key: check PATH/receipt.cbor and re-derive every "
                  "challenge from the key it publishes")
   v.add_argument("--challenge-key-file", type=_challenge_key, metavar="FILE",
-                 help="the challenge key K in hex (DVBench's own workers, before a receipt)")
+                 help="the challenge key K in hex (DVBench's own workers, before a receipt): "
+                 "re-derives the challenges, but the chain's binding and the challenges "
+                 "claim could not be verified (only a signed receipt shows them)")
   v.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                  help="replay segments' update checks in N processes (same report; pays "
                  "where one replay leaves cores idle)")

@@ -39,6 +39,7 @@ from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pyli
 from dvbench.server.store_listing import ListingQueries
 from dvbench.server.store_liveness import LivenessQueries
 from dvbench.server.store_tokens import TokenQueries, hash_token  # pylint: disable=unused-import
+from zkdv.verify import claims
 
 def _migration_1(conn) -> None:
   """The first schema: accounts, experiments, proofs, records, jobs, checks."""
@@ -116,17 +117,19 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
                                           (5, _migration_5), (6, _migration_6)]
 
-# "verified": replayed with at least one server-chosen update check; "unchallenged": a
-# clean server-challenged proof that no update check happened to hit; "self-audited": a
-# clean proof whose prover chose its own checks (detects faults, not a dishonest prover).
-# "abandoned": left receiving longer than the server's idle limit; never verified.
-# "invalid": the verifier found something wrong with the transcript; "unverifiable": the
-# verification itself failed and was given up ("could not verify: <cause>"), no verdict.
-# "crashed": its client fell silent before finish() (--crash-after); never verified as it is.
-PROOF_STATES = ("receiving", "closed", "verifying", "verified", "unchallenged",
-                "self-audited", "invalid", UNVERIFIABLE, "abandoned", "crashed")
-SETTLED_STATES = ("verified", "unchallenged", "self-audited", "invalid", UNVERIFIABLE,
-                  "abandoned", "crashed")
+# The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
+# claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,
+# another claim does not), "within tolerance" (replays matched within a tolerance only),
+# "unchallenged" (a clean server-challenged proof that no update check happened to hit),
+# "self-audited" (its prover chose its own checks). "abandoned": left receiving longer than
+# the server's idle limit; never verified. "invalid": the verifier found something wrong
+# with the transcript; "unverifiable": the verification itself failed and was given up
+# ("could not verify: <cause>"), no verdict. "crashed": its client fell silent before
+# finish() (--crash-after); never verified as it is.
+SETTLED_STATES = (claims.VERIFIED_ALL, claims.VERIFIED_STEPS, claims.WITHIN_TOLERANCE,
+                  claims.UNCHALLENGED, claims.SELF_AUDITED, "invalid", UNVERIFIABLE,
+                  "abandoned")
+PROOF_STATES = ("receiving", "closed", "verifying", *SETTLED_STATES)
 
 
 def _sqlite_pragmas(dbapi_conn, _):

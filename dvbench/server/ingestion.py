@@ -25,6 +25,7 @@ from dvbench.server.custody import Ingest, ProofChallenger, parse_record, parse_
 from dvbench.server.db import Store
 from dvbench.server.store_custody import RecordTooLarge
 from zkdv.transcript import record_id
+from zkdv.verify import claims
 
 _CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 
@@ -129,7 +130,8 @@ class Ingestion:
     failure = unanswered_failure(self.store.challenges_of(conn, proof_id))
     if failure is not None:
       self.store.set_proof_state(proof_id, "invalid", failure, conn=conn)
-      receipts.issue(self.store, self.signing_key, proof_id, "invalid", 0, conn)
+      receipts.issue(self.store, self.signing_key, proof_id, "invalid", 0, conn,
+                     standing=claims.Standing(claims.INVALID))
       return {"closed": True, "records": head.records, "state": "invalid", "failure": failure}
     missing = self.store.missing_blobs(conn, proof_id)
     if missing:

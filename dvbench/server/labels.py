@@ -11,13 +11,16 @@ Example::
 import json
 import time
 
+from dvbench.server import attempts as attempts_lib
 from zkdv import challenge
+from zkdv.verify import claims as claims_lib
 
 STALE_SECONDS = 15.0  # workers report every 5 s while they verify
 SELF_AUDITED = "self-audited (detects faults, not a dishonest prover)"
 # The audit level a worker stores beside the claims when the verifier reported a full
 # replay: every segment replayed, chained from the attested start (docs/protocol.md).
 FULL_REPLAY = "full_replay"
+REPLAYED_STATES = claims_lib.REPLAYED_STATES  # their server-chosen update checks replayed
 
 
 def _counts(rows: list[dict], checks: list[dict]) -> dict:
@@ -48,7 +51,9 @@ def progress(job: dict | None, now: float | None = None) -> str:
 
 
 def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
-          job: dict | None = None, full_replay: bool = False) -> str:
+          job: dict | None = None, full_replay: bool = False, shortfalls: tuple = ()) -> str:
+  """E.g. 'verified steps — start unattested: 3 server-chosen update checks replayed at
+  p = 0.1; one faked segment escapes with probability 0.9'."""
   if state == "unverifiable":  # the verification failed: no verdict, the failure says why
     return failure or "could not verify"
   if state in ("invalid", "abandoned", "crashed"):
@@ -57,13 +62,13 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
     return f"{state}: {progress(job)}"
   if chooser == "self":
     return SELF_AUDITED if state == "self-audited" else f"{state}; {SELF_AUDITED}"
-  if state == "verified" and full_replay:
+  if state == claims_lib.VERIFIED_ALL and full_replay:
     return (f"verified (full replay): every one of {counts['steps']} steps re-executed by the "
             f"server's workers from the attested start ({counts['update_replayed']} segments)")
-  if state == "verified":
-    return (f"verified: {counts['update_replayed']} server-chosen update checks replayed at "
-            f"p = {p:g}; one faked step escapes with probability "
-            f"{challenge.escape_probability(p):.3g}")
+  if state in REPLAYED_STATES:
+    return (f"{claims_lib.Standing(state, shortfalls).label}: {counts['update_replayed']} "
+            f"server-chosen update checks replayed at p = {p:g}; one faked segment escapes "
+            f"with probability {challenge.escape_probability(p):.3g}")
   if state == "unchallenged":
     return (f"unchallenged: the server chose no update check (p = {p:g}), so nothing was "
             "replayed against a dishonest prover")
@@ -75,18 +80,35 @@ def is_full_replay(claims: dict | None) -> bool:
   return bool(claims) and claims["claims"].get(FULL_REPLAY) == "holds"
 
 
+def shortfalls_of(state: str, claims: dict | None) -> tuple:
+  """What keeps a proof in ``state`` from ``verified``, from its stored claims."""
+  if state not in REPLAYED_STATES[1:] or not claims:
+    return ()
+  return claims_lib.shortfalls(claims["claims"])
+
+
 def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
                       checks: list[dict], job: dict | None = None,
-                      claims: dict | None = None) -> dict:
+                      claims: dict | None = None, attempts: dict | None = None) -> dict:
   """The fields of the proof JSON that say what its state means (``job``: its verification
   job, for the progress of a running one; ``claims``: the stored claims of the server's
-  verification, which say whether it was a full replay)."""
+  verification, which say whether it was a full replay and what keeps it from verified;
+  ``attempts``: its owner's, ``attempts.owner_attempts``)."""
   chooser = challenger["kind"] if challenger else "self"
   policy = json.loads(challenger["policy"]) if challenger else None
   p = policy["update_check_probability"] if policy else 0.0
   counts = _counts(rows, checks)
   full = chooser == "dvbench" and proof["state"] == "verified" and is_full_replay(claims)
-  return {"challenger": chooser, "policy": policy, "update_check_probability": p,
-          "escape_probability_one_faked_step": 0.0 if full else challenge.escape_probability(p),
-          "full_replay": full, "server_challenges": counts,
-          "label": label(proof["state"], chooser, p, counts, proof["failure"], job, full)}
+  short = shortfalls_of(proof["state"], claims)
+  text = label(proof["state"], chooser, p, counts, proof["failure"], job, full, short)
+  summary = {"challenger": chooser, "policy": policy, "update_check_probability": p,
+             "escape_probability_one_faked_step": 0.0 if full else challenge.escape_probability(p),
+             "full_replay": full, "server_challenges": counts, "shortfalls": list(short),
+             "ranked_state": proof["state"] == claims_lib.VERIFIED_ALL, "label": text}
+  if attempts is not None and chooser == "dvbench":
+    described = attempts_lib.describe(attempts, 1.0 if full else p)
+    summary["attempts"] = described
+    summary["label"] = (f"{text}; over its owner's {max(attempts['slots'], 1)} attempts, one "
+                        f"faked segment gets past at least once with probability "
+                        f"{described['escape_probability_over_attempts']:.3g}")
+  return summary

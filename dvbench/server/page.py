@@ -18,11 +18,18 @@ from dvbench.server.labels import SELF_AUDITED
 
 e = html.escape
 Url = Callable[..., str]
-_STATES = f"""<p>States say who chose the checks. <span class='state verified'>verified</span>:
-DVBench chose the checks after storing each step and replayed at least one update check.
+_STATES = f"""<p>States say what the server's verification showed.
+<span class='state verified'>verified</span>: DVBench chose the checks after storing each step,
+replayed them bit for bit, and every claim of <code>zkdv verify --strict</code> holds (attested
+start, a program that reads its batch, probed data); only these are ranked.
+<span class='state verified-steps'>verified steps</span>: the replays hold, and the label names
+each claim that does not (e.g. "start unattested").
+<span class='state within-tolerance'>within tolerance</span>: replays matched only within a
+tolerance, not bit for bit.
 <span class='state unchallenged'>unchallenged</span>: DVBench chose the checks, but none hit an
 update, so nothing was replayed against a dishonest prover.
-<span class='state self-audited'>self-audited</span>: {e(SELF_AUDITED)}; never ranked.</p>"""
+<span class='state self-audited'>self-audited</span>: {e(SELF_AUDITED)}; never ranked.
+Every proof slot counts as an attempt of its owner, shown with each proof.</p>"""
 
 
 def _time(t: float) -> str:
@@ -30,7 +37,7 @@ def _time(t: float) -> str:
 
 
 def _badge(state: str) -> str:
-  return f"<span class='state {e(state)}'>{e(state)}</span>"
+  return f"<span class='state {e(state.replace(' ', '-'))}'>{e(state)}</span>"
 
 
 def _page(url: Url, title: str, body: str) -> str:
@@ -107,9 +114,17 @@ def index(url: Url, experiments: list[dict], counts: dict[int, int], proofs: lis
 <h2>Proofs</h2>{proofs_html}""")
 
 
+def _attempts_html(attempts: dict | None) -> str:
+  """An owner's attempts (``attempts.describe``), or nothing."""
+  if not attempts:
+    return ""
+  return f"<p id='attempts'>Attempts: {e(attempts['summary'])}.</p>"
+
+
 def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dict,
-               measurements: list[dict]) -> str:
-  """An experiment: its latest proof's state and metrics, its proofs and measurements."""
+               measurements: list[dict], attempts: dict | None = None) -> str:
+  """An experiment: its latest proof's state and metrics, its proofs and measurements, and
+  its owner's attempts across all of the owner's experiments."""
   if proofs:
     latest = proofs[0]
     values = "".join(
@@ -139,7 +154,7 @@ def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dic
   measured_html = (f"<table id='measurements'><tr><th>metric</th><th>value</th><th>state</th>"
                    f"<th></th></tr>{measured}</table>" if measurements else
                    "<p class='empty'>No measurements yet.</p>")
-  return _page(url, f"Experiment {full_name}", f"""{latest_html}
+  return _page(url, f"Experiment {full_name}", f"""{latest_html}{_attempts_html(attempts)}
 <h2>Proofs</h2>{proofs_html}
 <h2>Measurements</h2>{measured_html}""")
 
@@ -388,6 +403,7 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified
  of {len(checks)}</td></tr>
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
+{_attempts_html(summary.get('attempts'))}
 <h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'],
                                           shown_steps)}
 <h2>Checks over steps</h2>{checks_html}

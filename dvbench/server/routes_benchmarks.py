@@ -360,7 +360,7 @@ class BenchmarkRoutes:
 
   def _check_audit(self, bench: dict, definition: dict, proof: dict) -> None:
     """409 unless the proof's audit meets the benchmark's (state, audit level, programs)."""
-    if proof["state"] != "verified":
+    if proof["state"] not in labels.REPLAYED_STATES:
       reason = _STATE_REASONS.get(proof["state"], "only proofs whose server-chosen checks "
                                   "were replayed are scored")
       raise HTTPException(409, f"proof {proof['id']} is {proof['state']}, not verified: "

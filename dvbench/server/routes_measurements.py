@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from dvbench.server import labels
 from dvbench.server.decoding import decode
 from dvbench.server.service import NAME, Service
 from dvbench.server.validation import (DIGEST, DIGESTS, FREE, Bool, Field, Float, Int, Invalid,
@@ -74,7 +75,8 @@ class MeasurementRoutes:
       proof = self.store.proof(proof_id)
       if proof is None or proof["experiment_id"] != exp["id"]:
         raise HTTPException(404, f"proof {proof_id} is not a proof of {exp['full_name']}.")
-      if proof["state"] != "verified" or proof["final_params"] != checkpoint.hex():
+      if (proof["state"] not in labels.REPLAYED_STATES
+          or proof["final_params"] != checkpoint.hex()):
         raise HTTPException(409, f"the checkpoint is not the final state of a verified proof: "
                             f"proof {proof_id} is {proof['state']} with final params "
                             f"{proof['final_params']}.")

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 
+from dvbench.server import attempts
 from dvbench.server import labels
 from dvbench.server import page
 from dvbench.server import routes_benchmarks
@@ -54,7 +55,10 @@ class PageRoutes:
                                         start=proofs[0]["steps"] - 1, limit=1)
         latest = {name: column[-1] for name, column in series["metrics"].items()}
       measurements = [m for m in self.store.list_measurements() if m["experiment"] == full]
-      return page.experiment(_url(request), full, proofs, latest, measurements)
+      return page.experiment(_url(request), full, proofs, latest, measurements,
+                             attempts.describe(
+                                 attempts.owner_attempts(self.store, full.split("/")[0]),
+                                 self.service.minimum_policy.update_check_probability))
     return HTMLResponse(await run_in_threadpool(gather))
 
   async def leaderboard(self, request):
@@ -85,7 +89,9 @@ class PageRoutes:
       rows = self.store.challenge_rows(proof_id)
       summary = labels.challenge_summary(proof, self.store.challenger(proof_id), rows, checks,
                                          self.store.job("proof", proof_id),
-                                         claims=self.store.proof_claims(proof_id))
+                                         claims=self.store.proof_claims(proof_id),
+                                         attempts=attempts.owner_attempts(
+                                             self.store, proof["experiment"].split("/")[0]))
       series = run_view.metric_series(self.store, proof_id)
       curves = run_view.scalar_curves(series)
       return page.proof(_url(request), proof, summary, checks,

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dvbench import transport
+from dvbench.server import attempts
 from dvbench.server import custody
 from dvbench.server import labels
 from dvbench.server import validation
@@ -133,8 +134,12 @@ class ProofRoutes:
       raise HTTPException(404, f"unknown experiment '{full}'.")
     proofs, headers = await run_in_threadpool(fetch_page, request, self.store.page_proofs,
                                               experiment_id=exp["id"])
+    counted = await run_in_threadpool(attempts.owner_attempts, self.store, full.split("/")[0])
     return JSONResponse({**exp, "proofs": [public_proof(p) for p in proofs],
-                         "proofs_next_after": headers.get("x-next-after")}, headers=headers)
+                         "proofs_next_after": headers.get("x-next-after"),
+                         "attempts": attempts.describe(
+                             counted, self.service.minimum_policy.update_check_probability)},
+                        headers=headers)
 
   async def create_slot(self, request):
     """A one-time nonce, the commitment to a fresh key K, the server key and minimum policy."""
@@ -142,6 +147,7 @@ class ProofRoutes:
 
     def create():
       exp = self.service.writable_experiment(request, owner, name)
+      attempts.check_slot_rate(self.store, owner, self.service.max_slots_per_hour)
       nonce, key = secrets.token_bytes(32), challenge.new_key()
       policy = self.service.minimum_policy.to_record()
       self.store.create_slot(nonce.hex(), exp["id"], key, json.dumps(policy))
@@ -208,7 +214,9 @@ class ProofRoutes:
     summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
                                        self.store.challenge_rows(proof_id), checks,
                                        self.store.job("proof", proof_id),
-                                       claims=self.store.proof_claims(proof_id))
+                                       claims=self.store.proof_claims(proof_id),
+                                       attempts=attempts.owner_attempts(
+                                           self.store, proof["experiment"].split("/")[0]))
     return {**public_proof(proof), **summary, "checks": len(checks),
             "checks_verified": sum(c["status"] == "verified" for c in checks)}
 

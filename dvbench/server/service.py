@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.limits import Limits
@@ -55,6 +56,7 @@ class Service:
   isolation: str = ""  # what confines the verifier child, for /health
   ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
   crash_after: float = 600.0  # a receiving proof silent this long is crashed (or discarded)
+  max_slots_per_hour: int = DEFAULT_MAX_SLOTS_PER_HOUR  # proof slots per owner (attempts)
 
   @property
   def heartbeat_seconds(self) -> float:

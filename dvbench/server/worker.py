@@ -55,6 +55,7 @@ from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS, UNVERIFIABLE
 from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
+from zkdv.verify import claims as claims_lib
 
 logger = logging.getLogger("dvbench.worker")
 
@@ -92,8 +93,9 @@ class Verdict:
   verifier_verdict: str
   failure: str | None
   rows: list[dict]
-  claims: dict | None = None  # {claim: status}, as zkdv verify reported them
+  claims: dict | None = None  # {claim: status}, as the server holds them (server_claims)
   strict: bool = False  # every claim holds with exact replays: what rankings require
+  standing: claims_lib.Standing | None = None  # the state and what keeps it from verified
 
 
 def _died(returncode: int, limits: Limits, seconds: int) -> str:
@@ -154,13 +156,6 @@ def run_confined(command: list[str], work: pathlib.Path, limits: Limits, seconds
   return None, failure
 
 
-def _clean_state(challenger: str, update_replayed: int) -> str:
-  """The state a clean verification earns (labels in ``dvbench.server.labels``)."""
-  if challenger == "self":
-    return "self-audited"
-  return "verified" if update_replayed > 0 else "unchallenged"
-
-
 def _public(text: str | None, work: pathlib.Path) -> str | None:
   """``text`` without the private folder's path."""
   if text is None:
@@ -193,22 +188,35 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
   rows = [{"step": c["step"], "kind": c["kind"], "mode": c["mode"], "status": c["status"],
            "max_abs_error": c["max_abs_error"], "max_rel_error": c["max_rel_error"],
            "max_ulp_error": c["max_ulp_error"]} for c in report["checks"]]
-  if report["verdict"] != "verified":
+  claims = server_claims(report, challenger["kind"])
+  standing = claims_lib.standing_of(
+      report["verdict"], [f["code"] for f in report["findings"]], claims,
+      [c for c in report["checks"] if c["kind"] == "update" and c["challenged"]],
+      challenger["kind"] == "self")
+  if standing.state in (claims_lib.INVALID, claims_lib.NOT_VERIFIED):
     failure = "; ".join(f"{f['code']} at {f['where']}: {f['message']}"
                         for f in report["findings"][:3])
-    return Verdict("invalid", report["verdict"], _public(f"{report['verdict']}: {failure}", work),
-                   rows)
-  required = {r["step"] for r in store.challenge_rows(proof_id) if r["needs_update"]}
-  replayed = sum(r["kind"] == "update" and r["status"] == "verified" and r["step"] in required
-                 for r in rows)
-  claims = {c["name"]: c["status"] for c in report.get("claims", [])}
-  strict = (bool(claims) and all(status == "holds" for status in claims.values())
-            and all(r["mode"] == "exact" for r in rows if r["kind"] == "update"))
+    failure = (f"{report['verdict']}: {failure}" if failure else
+               f"could not verify: {', '.join(standing.shortfalls)}")
+    return Verdict("invalid", report["verdict"], _public(failure, work), rows, claims,
+                   standing=standing)
   if any(c["name"] == "replays" and c["status"] == "holds" and c.get("facts", {}).get(
       "full_replay") is True for c in report.get("claims", [])):
     claims[labels.FULL_REPLAY] = "holds"  # every step re-executed from the attested start
-  return Verdict(_clean_state(challenger["kind"], replayed), "verified", None, rows, claims,
-                 strict)
+  return Verdict(standing.state, report["verdict"], None, rows, claims, standing.ranked,
+                 standing)
+
+
+def server_claims(report: dict, challenger_kind: str) -> dict:
+  """``{claim: status}`` of a report as the server holds them: the worker gave the verifier
+  the server's own key K for the records the server stored, so the claims that a key given
+  by hand leaves unverified (the chain's binding, who chose the challenges) hold."""
+  claims = {}
+  for c in report.get("claims", []):
+    by_hand = c.get("facts", {}).get("key_source") == "challenge key"
+    claims[c["name"]] = ("holds" if by_hand and challenger_kind == "dvbench"
+                         and c["status"] == "could not verify" else c["status"])
+  return claims
 
 
 def verify_measurement(store: Store, blobs: BlobStore, measurement_id: str,
@@ -265,7 +273,8 @@ def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[b
                                     verdict.strict)
     if kept:
       replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
-      receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed)
+      receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed,
+                     standing=verdict.standing)
     return kept, verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)

@@ -63,7 +63,9 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
   """Verifies the transcript at ``path`` (a folder or its records file).
 
   ``server_key`` (32 bytes) checks ``receipt.cbor`` beside the records;
-  ``challenge_key`` (the server's ``K``) is for DVBench's own workers.
+  ``challenge_key`` (the server's ``K``) is for DVBench's own workers: it
+  re-derives the challenges, but the ``challenges`` claim then could not be
+  verified (only a signed receipt binds a key to this transcript).
   ``read_ahead`` reads and hashes the next check's openings on a thread while
   the current check replays (None: where there are more than two cores).
   ``jobs`` > 1 replays a segmented transcript's update checks in that many
@@ -91,6 +93,7 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
     finally:
       ctx.blobs.close()
   claims.build_claims(ctx)
+  ctx.report.standing = claims.standing(ctx.report).to_json()
   return ctx.report
 
 
@@ -114,7 +117,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
     return
   ctx.challenger = policy.parse_challenger(ctx.model.root, report)
   if ctx.challenger is not None:
-    report.challenger = ctx.challenger.label
+    report.challenger, report.challenger_kind = ctx.challenger.label, ctx.challenger.kind
   policy.check_tolerance(ctx.model.root["config"], ctx.options.tolerance, report)
   ctx.keys = receipt.challenge_key(ctx, server_key=server_key, challenge_key=challenge_key)
   ctx.decisions = decisions.derive(ctx)

@@ -3,15 +3,23 @@
 A claim does not hold when a finding it rests on is invalid, could not be
 verified when such a finding could not be, and otherwise holds only when what it
 says was shown: ``challenges`` needs dvbench's key confirmed (a receipt or the
-server's key), ``start`` an init program replayed to step 0's params, ``program`` every
+signed receipt that binds this very transcript; a key given by hand leaves it
+unverified), ``start`` an init program replayed to step 0's params, ``program`` every
 post-state depending on the batch, ``data`` probed rows. With ``--strict`` the
 ``replays`` claim also needs bitwise (exact) replays.
+
+``standing`` is the one rule from a verification's outcome to a proof's state and
+label, used by ``zkdv verify``, DVBench's workers, its pages and its rankings:
+``verified`` only when every claim holds with exact replays.
 
 Example::
 
   build_claims(ctx)
   ctx.report.claim("replays").status   # "holds"
+  standing(report).label               # "verified steps — start unattested"
 """
+
+import dataclasses
 
 from zkdv import challenge
 from zkdv.verify.context import Verification
@@ -60,8 +68,12 @@ def _chain(ctx: Verification) -> Claim:
   if ctx.keys.key is None:
     return Claim("chain", COULD_NOT_VERIFY,
                  f"{detail}; the root names {bound}, unconfirmed ({ctx.keys.missing})")
-  return Claim("chain", HOLDS, f"{detail}; bound to {bound} (confirmed by the "
-               f"{ctx.keys.source})")
+  if ctx.keys.source != "receipt":
+    return Claim("chain", COULD_NOT_VERIFY, f"{detail}; the root names {bound}, unconfirmed "
+                 "(a challenge key given by hand does not show that the server stored these "
+                 "records; its signed receipt does)", {"key_source": ctx.keys.source})
+  return Claim("chain", HOLDS, f"{detail}; bound to {bound} (confirmed by the server's "
+               "signed receipt for this transcript)", {"key_source": ctx.keys.source})
 
 
 def _challenges(ctx: Verification) -> Claim:
@@ -72,6 +84,11 @@ def _challenges(ctx: Verification) -> Claim:
   if ctx.keys.key is None:
     return Claim("challenges", COULD_NOT_VERIFY,
                  f"chosen by {challenger.label}: could not verify ({ctx.keys.missing})", facts)
+  facts["key_source"] = ctx.keys.source
+  if ctx.keys.source != "receipt":
+    return Claim("challenges", COULD_NOT_VERIFY, f"chosen by {challenger.label}: could not "
+                 "verify (the challenge key was given by hand; only a receipt the server "
+                 "signed for this very transcript shows that it chose them)", facts)
   return Claim("challenges", HOLDS, f"chosen by {challenger.label} after each step was "
                f"stored; key from the {ctx.keys.source}", facts)
 
@@ -178,3 +195,91 @@ def build_claims(ctx: Verification) -> None:
                           or ctx.challenger is None or ctx.programs is None):
       claim = Claim(name, COULD_NOT_VERIFY, "the verification stopped before this claim")
     ctx.report.claims.append(claim or build(ctx))
+
+
+# What a proof's state says of each claim that does not hold: (does not hold, could not
+# verify). The replays claim is said by the state itself.
+SHORTFALLS = {
+    "chain": ("chain broken", "chain unconfirmed"),
+    "challenges": ("self-challenged", "challenges unconfirmed"),
+    "start": ("start unattested", "start not replayed"),
+    "program": ("program reads no batch", "program not analyzed"),
+    "data": ("data unprobed", "data unconfirmed"),
+}
+# The states of a proof whose verification found nothing invalid (docs/protocol.md).
+VERIFIED_ALL, VERIFIED_STEPS, WITHIN_TOLERANCE = "verified", "verified steps", "within tolerance"
+UNCHALLENGED, SELF_AUDITED, NOT_VERIFIED = "unchallenged", "self-audited", "could not verify"
+# The states whose challenged update checks all replayed: measured and scored, and ranked
+# only when verified.
+REPLAYED_STATES = (VERIFIED_ALL, VERIFIED_STEPS, WITHIN_TOLERANCE)
+# A finding that only says no update check was challenged: the proof is unchallenged.
+_NO_CHECK_DRAWN = "too_few_checks"
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+  """A proof's state and every claim that keeps it from ``verified``.
+
+  Example: ``Standing("verified steps", ("start unattested",)).label`` is
+  ``"verified steps — start unattested"``.
+  """
+
+  state: str
+  shortfalls: tuple = ()
+
+  @property
+  def label(self) -> str:
+    return f"{self.state} — {', '.join(self.shortfalls)}" if self.shortfalls else self.state
+
+  @property
+  def ranked(self) -> bool:
+    return self.state == VERIFIED_ALL
+
+  def to_json(self) -> dict:
+    return {"state": self.state, "shortfalls": list(self.shortfalls), "label": self.label}
+
+
+def shortfalls(claims: dict) -> tuple:
+  """What each claim ``{name: status}`` that does not hold says, in claim order."""
+  said = []
+  for name, (broken, unconfirmed) in SHORTFALLS.items():
+    status = claims.get(name, COULD_NOT_VERIFY)
+    if status != HOLDS:
+      said.append(broken if status == DOES_NOT_HOLD else unconfirmed)
+  return tuple(said)
+
+
+def standing_of(verdict: str, finding_codes, claims: dict, update_checks: list[dict],
+                self_challenged: bool) -> Standing:
+  """The state a verification earns, from plain data (a report's JSON works).
+
+  ``update_checks``: the challenged update checks, each ``{"mode", "status"}``. Invalid
+  stays invalid; a proof in which the challenger drew no update check is unchallenged (not
+  invalid); one replayed within a tolerance is ``within tolerance``; one whose replays hold
+  but another claim does not is ``verified steps`` naming each; ``verified`` needs all.
+  """
+  if verdict == INVALID:
+    return Standing(INVALID)
+  drawn = len(update_checks)
+  unexplained = set(finding_codes) - ({_NO_CHECK_DRAWN} if drawn == 0 else set())
+  if unexplained:
+    return Standing(NOT_VERIFIED)
+  said = shortfalls(claims)
+  if self_challenged:
+    return Standing(SELF_AUDITED, tuple(s for s in said if s != SHORTFALLS["challenges"][0]))
+  if drawn == 0:
+    return Standing(UNCHALLENGED)
+  if claims.get("replays") == COULD_NOT_VERIFY:
+    return Standing(NOT_VERIFIED, said + ("replays unconfirmed",))
+  if any(c["mode"] != "exact" for c in update_checks):
+    return Standing(WITHIN_TOLERANCE, said)
+  return Standing(VERIFIED_STEPS, said) if said else Standing(VERIFIED_ALL)
+
+
+def standing(report) -> Standing:
+  """``standing_of`` a ``Report`` (``zkdv verify``'s own)."""
+  return standing_of(report.verdict, [f.code for f in report.findings],
+                     {c.name: c.status for c in report.claims},
+                     [{"mode": c.mode, "status": c.status} for c in report.checks
+                      if c.kind == "update" and c.challenged],
+                     report.challenger_kind == "self")

@@ -4,7 +4,9 @@
 (``zkdv.receipt.open_receipt``) and must bind to this transcript: its
 transcript id, server, owner, experiment, nonce, policy, record count and last
 record are the root's and the file's, and ``BLAKE3(K)`` is the root's key
-commitment. The server's own worker passes ``K`` directly (``challenge_key``).
+commitment. The server's own worker passes ``K`` directly (``challenge_key``):
+that re-derives the challenges, but only a receipt shows who chose them, so a key
+given by hand leaves the ``chain`` binding and ``challenges`` claims unverified.
 After verification, ``compare_verdicts`` says whether the receipt agrees.
 
 Example::
@@ -87,6 +89,7 @@ def _from_receipt(ctx: Verification, server_key: bytes | None) -> KeySource:
     return KeySource(missing="the receipt belongs to another transcript")
   ctx.report.receipt = {"server_key": server_key.hex(), "verdict": fields["verdict"],
                         "checks": fields.get("checks"), "issued_at": fields.get("issued_at"),
+                        "standing": fields.get("standing"), "attempts": fields.get("attempts"),
                         "agrees": None}
   return KeySource(fields["challenge_key"], "receipt")
 

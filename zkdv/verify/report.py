@@ -80,6 +80,7 @@ class Report:
   transcript_id: str | None = None
   name: str | None = None
   challenger: str | None = None
+  challenger_kind: str | None = None  # "dvbench" or "self", once the root's is parsed
   records: int = 0
   steps: int = 0
   segments: int = 0
@@ -94,6 +95,7 @@ class Report:
   # Why the verifier itself stopped ("internal error: MemoryError: ..."): a fault of the
   # verifier, never a finding about the transcript (its traceback goes to the log).
   fault: str | None = None
+  standing: dict | None = None  # claims.Standing.to_json(): the state the claims earn
 
   @property
   def verdict(self) -> str:
@@ -130,7 +132,8 @@ class Report:
     return {
         "path": self.path, "transcript_id": self.transcript_id, "name": self.name,
         "verdict": self.verdict, "exit_code": self.exit_code,
-        "challenger": self.challenger, "required": list(self.required),
+        "challenger": self.challenger, "challenger_kind": self.challenger_kind,
+        "standing": self.standing, "required": list(self.required),
         "claims": [c.to_json() for c in self.claims],
         "unmet": [c.name for c in self.unmet],
         "records": self.records, "steps": self.steps, "segments": self.segments, "finished": self.finished,
