@@ -38,6 +38,7 @@ import os
 import pathlib
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ class Limits:
   time_limit: int = DEFAULT_TIME_LIMIT
   time_per_check: float = DEFAULT_TIME_PER_CHECK
   isolation: tuple[str, ...] = ()
+  hidden: tuple[str, ...] = ()  # folders the child never sees (the data folder)
 
   def for_checks(self, n: int) -> int:
     """Seconds for a proof of ``n`` check records, e.g. 60 + 10 n, at most time_limit."""
@@ -129,12 +131,14 @@ def child_folder(work: pathlib.Path, blobs: BlobStore, digests) -> pathlib.Path:
 def run_confined(command: list[str], work: pathlib.Path, limits: Limits, seconds: int):
   """(the child's JSON report, or None and the public failure text) of ``command`` confined
   to ``work/scratch`` (see ``child_folder``) for ``seconds`` of CPU and wall-clock time."""
+  work = work.resolve()  # the child starts in its scratch folder: no relative path holds
   scratch = work / "scratch"
-  env = {**os.environ, "TMPDIR": str(scratch), "HOME": str(scratch)}
+  sandbox.prepare(work, scratch)
   try:
     result = subprocess.run(command, capture_output=True, text=True, timeout=seconds, cwd=scratch,
-                            env=env, preexec_fn=sandbox.confine(
-                                scratch, limits.memory_bytes, seconds, limits.isolation))
+                            env=sandbox.child_env(scratch), preexec_fn=sandbox.confine(
+                                work, scratch, limits.memory_bytes, seconds, limits.isolation,
+                                limits.hidden))
   except subprocess.TimeoutExpired:
     return None, f"verification {TIME_LIMIT_TEXT} of {seconds} s."
   if result.returncode < 0:
@@ -245,15 +249,25 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
                                  work, limits, limits.time_limit)
   if result is None and TIME_LIMIT_TEXT not in failure:
     raise VerifierFault(failure)  # the child died: retried, not a failure of the entry
-  outputs = folder / scoring.OUTPUTS_FILE
-  if result is not None and result["failure"] is None and outputs.is_file():
-    outputs = outputs.read_bytes()
+  outputs = _read_own_file(folder / scoring.OUTPUTS_FILE)
+  if result is not None and result["failure"] is None and outputs is not None:
     if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
       return outputs, None
     failure = (f"the program gave {len(outputs) // scoring.OUTPUT_DTYPE.itemsize} outputs "
                f"for {shard['rows']} rows.")
   return None, failure or _public((result or {}).get("failure"), work) or (
       "no outputs were written.")
+
+
+def _read_own_file(path: pathlib.Path) -> bytes | None:
+  """The bytes of a regular file the child wrote, None if it is missing or anything else:
+  a symlink it planted there would make the worker read a file the child may not."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError:
+    return None
+  with os.fdopen(fd, "rb") as f:
+    return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[bool, str]:
@@ -281,7 +295,7 @@ class WorkFolder:
   lock is free) are removed when a worker starts."""
 
   def __init__(self, data: pathlib.Path, worker_id: str):
-    self.root = pathlib.Path(data) / WORK_DIR
+    self.root = pathlib.Path(data).resolve() / WORK_DIR
     self.path = self.root / worker_id
     self.path.mkdir(parents=True, exist_ok=True)
     self._lock = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -327,9 +341,11 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
   """Processes jobs until ``stop`` is set (or one job, with ``once``); ``owner_share``:
   the most running jobs one owner may hold while another owner's job waits
   (``store_jobs.owner_share``)."""
+  data = blobs.folder.parent.resolve()
   limits = limits or Limits(isolation=sandbox.available())
+  limits = dataclasses.replace(limits, hidden=(*limits.hidden, str(data)))
   logger.info("worker %s: verifier isolation: %s", worker_id, sandbox.describe(limits.isolation))
-  work = WorkFolder(blobs.folder.parent, worker_id)
+  work = WorkFolder(data, worker_id)
   for name in work.remove_dead():
     logger.info("worker %s removed the work folder of stopped worker %s", worker_id, name)
   done = 0
