@@ -53,6 +53,7 @@ class Service:
   time_limit: int = 3600
   workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
   isolation: str = ""  # what confines the verifier child, for /health
+  sandbox_missing: dict[str, str] = dataclasses.field(default_factory=dict)  # {protection: why}
   ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
 
   def __post_init__(self):

@@ -26,7 +26,7 @@ worker's log.
 
 Example::
 
-  run(store, blobs, signing_key, worker_id="w1", once=True)
+  run(store, blobs, receipts.LocalSigner(store, signing_key), worker_id="w1", once=True)
 """
 
 import contextlib
@@ -46,8 +46,6 @@ import threading
 import time
 
 import cbor2
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
 from dvbench.server import labels
 from dvbench.server import receipts
 from dvbench.server import sandbox
@@ -270,7 +268,7 @@ def _read_own_file(path: pathlib.Path) -> bytes | None:
     return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[bool, str]:
+def _process(store, blobs, signer, job, worker_id, work, limits) -> tuple[bool, str]:
   """(whether the verdict was kept, the subject's state) of one job."""
   if job["kind"] == "proof":
     verdict = verify_proof(store, blobs, job["subject"], work, limits)
@@ -279,7 +277,7 @@ def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[b
                                     verdict.strict)
     if kept:
       replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
-      receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed)
+      signer.issue(job["subject"], verdict.verifier_verdict, replayed)
     return kept, verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
@@ -333,14 +331,15 @@ class WorkFolder:
     os.close(self._lock)
 
 
-def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
+def run(store: Store, blobs: BlobStore, signer, *,
         worker_id: str, lease_seconds: float = 60.0, poll_seconds: float = 0.5,
         limits: Limits | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         once: bool = False, stop: threading.Event | None = None,
         owner_share: int | None = None) -> int:
-  """Processes jobs until ``stop`` is set (or one job, with ``once``); ``owner_share``:
-  the most running jobs one owner may hold while another owner's job waits
-  (``store_jobs.owner_share``)."""
+  """Processes jobs until ``stop`` is set (or one job, with ``once``); ``signer`` signs
+  receipts (``receipts.RemoteSigner`` under ``dvbench serve``: the key stays there);
+  ``owner_share``: the most running jobs one owner may hold while another owner's job
+  waits (``store_jobs.owner_share``)."""
   data = blobs.folder.parent.resolve()
   limits = limits or Limits(isolation=sandbox.available())
   limits = dataclasses.replace(limits, hidden=(*limits.hidden, str(data)))
@@ -365,7 +364,7 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
                        args=(store, job["id"], worker_id, lease_seconds, alive)).start()
       try:
         with work.job() as folder:
-          kept, state = _process(store, blobs, signing_key, job, worker_id, folder, limits)
+          kept, state = _process(store, blobs, signer, job, worker_id, folder, limits)
         if kept:
           logger.info("%s %s is %s", job["kind"], job["subject"], state)
       except VerifierFault as e:  # retried; given up as could not verify, never invalid
