@@ -14,13 +14,15 @@ Alternates, in one job folder laid out as a worker's, between:
   namespace with bind mounts, unprivileged user, no capabilities, Landlock, seccomp.
 
 Each runs ``python -c pass`` ``--repeats`` times and ``python -c 'import jax; ...'``
-``--jax-repeats`` times; the table gives the median and the extra cost over ``none``.
+``--jax-repeats`` times; the table gives the median wall time and the median CPU time of
+the child (user + system: steadier on a shared machine), each with its cost over ``none``.
 """
 
 import argparse
 import ctypes
 import os
 import pathlib
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,12 +69,16 @@ def _variants(work: pathlib.Path):
   }
 
 
-def _time(code: str, work: pathlib.Path, preexec) -> float:
+def _time(code: str, work: pathlib.Path, preexec) -> tuple[float, float]:
+  """(wall seconds, the child's CPU seconds: user + system, less noisy on a busy machine)."""
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
   start = time.perf_counter()
   subprocess.run([sys.executable, "-c", code], check=True, cwd=work / "scratch",
                  env=sandbox.child_env(work / "scratch"), preexec_fn=preexec,
                  stdout=subprocess.DEVNULL)
-  return time.perf_counter() - start
+  wall = time.perf_counter() - start
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def main() -> None:
@@ -88,16 +94,18 @@ def main() -> None:
         f"euid {os.geteuid()}, protections: {', '.join(sandbox.available())}")
   programs = (("python -c pass", "pass", args.repeats),
               ("import jax, one op", "import jax.numpy as j; j.ones(2).sum()", args.jax_repeats))
-  print("| child | variant | median s | over none, ms |\n|---|---|---|---|")
+  print("| child | variant | wall, median s | over none, ms | CPU, median s | over none, ms |\n"
+        "|---|---|---|---|---|---|")
   for label, code, repeats in programs:
     times = {name: [] for name in variants}
     for _ in range(repeats):
       for name, preexec in variants.items():  # alternating: drift hits all alike
         times[name].append(_time(code, work, preexec))
-    base = statistics.median(times["none"])
+    base = [statistics.median(t[i] for t in times["none"]) for i in (0, 1)]
     for name, values in times.items():
-      median = statistics.median(values)
-      print(f"| {label} | {name} | {median:.3f} | {1000 * (median - base):+.1f} |")
+      wall, cpu = (statistics.median(v[i] for v in values) for i in (0, 1))
+      print(f"| {label} | {name} | {wall:.3f} | {1000 * (wall - base[0]):+.1f} | {cpu:.3f} | "
+            f"{1000 * (cpu - base[1]):+.1f} |")
 
 
 if __name__ == "__main__":

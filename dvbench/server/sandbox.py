@@ -357,8 +357,13 @@ def probe() -> dict[str, str | None]:
   if unknown:
     raise ValueError(f"{WITHOUT_ENV} names unknown protections {sorted(unknown)}; "
                      f"known: {', '.join(PROTECTIONS)}.")
-  return {name: f"disabled by {WITHOUT_ENV}" if name in without else _run_probe(_PROBES[name])
-          for name in PROTECTIONS}
+  found = {name: f"disabled by {WITHOUT_ENV}" if name in without else _run_probe(_PROBES[name])
+           for name in PROTECTIONS}
+  if os.geteuid() == 0 and found[FILES] is not None and found[USER] is None:
+    # Without its own root the sandbox's uid may not reach the interpreter (e.g. under
+    # /root) nor the job folder: the child would not start at all.
+    found[USER] = f"needs the {FILES}"
+  return found
 
 
 def available() -> tuple[str, ...]:

@@ -6,11 +6,12 @@ mid-job loses nothing, as the lease expires (or its supervisor releases it at
 once) and another worker takes the job; a job that stops workers
 ``max_attempts`` times is given up with the reason. Uploaded programs are
 untrusted: ``zkdv verify`` runs in a child process confined by
-``dvbench.server.sandbox`` (rlimits, no network, writes only in its scratch
-folder, dies with the worker), never in the web process, on a private folder
-holding the proof's records and only the blobs uploaded for that proof. A
+``dvbench.server.sandbox`` (it sees only the runtime and its job folder, runs
+unprivileged, no network or unix sockets, writes only in its scratch folder,
+dies with the worker), never in the web process, on a private folder holding
+the proof's records and only the blobs uploaded for that proof. A
 server-challenged proof is verified with its challenge key K, then gets a
-signed receipt. A benchmark submission is scored the same way, shard by shard
+receipt, signed by the server process at the worker's request. A benchmark submission is scored the same way, shard by shard
 (a range of rows per job): the owner's screened program runs on the shard's
 rows in a confined child; the server aggregates once every shard is in.
 
