@@ -187,7 +187,7 @@ class RefusalTest(absltest.TestCase):
 
   def test_with_the_flag_health_names_what_is_missing(self):
     data = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-weak-"))
-    server = LocalServer(workers=1, data=data, extra_args=("--allow-weak-sandbox",))
+    server = LocalServer(workers=0, data=data, extra_args=("--allow-weak-sandbox",))
     os.environ[sandbox.WITHOUT_ENV] = "seccomp"
     try:
       server.start()

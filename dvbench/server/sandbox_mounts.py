@@ -77,8 +77,9 @@ def _python_paths() -> list[str]:
     real = os.path.realpath(entry) if entry else here
     if real == here or not os.path.isdir(real):
       continue  # the worker's own folder is not the child's
-    if any(real == p or real.startswith(p + os.sep) for p in prefixes):
-      paths.add(real)
+    if os.path.basename(real) in ("site-packages", "dist-packages") or any(
+        real == p or real.startswith(p + os.sep) for p in prefixes):
+      paths.add(real)  # installed packages: namespace packages and metadata included
       continue
     for child in os.scandir(real):
       if child.name.startswith(".") or child.name == "__pycache__":
