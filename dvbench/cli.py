@@ -107,7 +107,7 @@ def _sandbox_or_exit(args):
     gaps = sandbox.missing()
   except ValueError as e:
     raise SystemExit(f"dvbench {args.command}: {e}") from None
-  if gaps and not args.allow_weak_sandbox:
+  if sandbox.weak(gaps) and not args.allow_weak_sandbox:
     print(f"dvbench {args.command}: the verifier child cannot be fully confined on this "
           f"machine; missing: {sandbox.weakness(gaps)}. Run on a kernel that grants them, or "
           "pass --allow-weak-sandbox to verify uploaded programs without them.",
@@ -115,8 +115,9 @@ def _sandbox_or_exit(args):
     raise SystemExit(EXIT_WEAK_SANDBOX)
   if gaps:
     logging.getLogger("dvbench").warning(
-        "dvbench %s: weak verifier sandbox (--allow-weak-sandbox); missing: %s",
-        args.command, sandbox.weakness(gaps))
+        "dvbench %s: the verifier sandbox is %s; missing: %s", args.command,
+        "weak (--allow-weak-sandbox)" if sandbox.weak(gaps) else "without optional protections",
+        sandbox.weakness(gaps))
   return sandbox.available(), gaps
 
 

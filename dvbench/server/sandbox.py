@@ -22,8 +22,9 @@ A child that runs an uploaded program gets, before ``exec``:
   reaches one by its path (e.g. a PostgreSQL server's).
 
 ``probe()`` finds, once per process, which of these the kernel grants (and why not); a
-worker refuses to start while one is missing unless the operator allowed a weak sandbox
-(``dvbench serve --allow-weak-sandbox``); ``/health`` and the logs name what is missing.
+worker refuses to start while one is missing (``landlock scopes`` excepted: used where the
+kernel has them) unless the operator allowed a weak sandbox (``dvbench serve
+--allow-weak-sandbox``); ``/health`` and the logs name what is missing.
 A protection found available is required: if applying it fails later, the child does not
 start (fail closed). ``DVBENCH_SANDBOX_WITHOUT=seccomp,landlock`` treats the named
 protections as missing (for a kernel where one misbehaves).
@@ -56,6 +57,7 @@ LANDLOCK = "landlock"
 SCOPES = "landlock scopes"
 SECCOMP = "seccomp"
 PROTECTIONS = (NETWORK, FILES, USER, LANDLOCK, SCOPES, SECCOMP)
+OPTIONAL = (SCOPES,)  # used where the kernel has them; missing, they are reported, not refused
 WITHOUT_ENV = "DVBENCH_SANDBOX_WITHOUT"  # comma-separated protections to treat as missing
 UID_ENV = "DVBENCH_SANDBOX_UID"
 SANDBOX_UID = 65534
@@ -374,6 +376,11 @@ def available() -> tuple[str, ...]:
 def missing() -> dict[str, str]:
   """{protection: why} of those the kernel does not grant; empty on a full sandbox."""
   return {name: why for name, why in probe().items() if why is not None}
+
+
+def weak(gaps: dict[str, str]) -> bool:
+  """Whether ``gaps`` (from ``missing``) leave out a protection that is not ``OPTIONAL``."""
+  return any(name not in OPTIONAL for name in gaps)
 
 
 def describe(isolation: tuple[str, ...]) -> str:
