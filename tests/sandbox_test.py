@@ -27,6 +27,7 @@ from dvbench.server import worker as worker_lib
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer, free_port
+from tests import postgres
 from tests.fake_prover import FakeProver
 from zkdv import receipt
 from zkdv.transcript import RECORDS_FILE
@@ -43,13 +44,15 @@ def attempt(name, action):
 for name in ("key", "database", "shadow", "other_transcript", "other_blob", "own_transcript",
              "own_blob"):
   attempt(name, lambda path=targets[name]: open(path, "rb").read(16).hex())
-attempt("tcp", lambda: socket.create_connection(("127.0.0.1", targets["tcp"]), 5).close())
-def unix():
+for name in ("tcp", "postgres_tcp"):
+  attempt(name, lambda port=targets[name]: socket.create_connection(("127.0.0.1", port), 5).close())
+def unix(path):
   s = socket.socket(socket.AF_UNIX)
   s.settimeout(5)
-  s.connect(targets["unix"])
+  s.connect(path)
   s.close()
-attempt("unix", unix)
+for name in ("unix", "postgres_unix"):
+  attempt(name, lambda path=targets[name]: unix(path))
 attempt("write_own", lambda: open("mine", "w").write("x"))
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 out.update(uid=os.getuid(), gid=os.getgid(), groups=os.getgroups(),
@@ -115,11 +118,16 @@ class EscapeTest(absltest.TestCase):
         scratch = worker_lib.child_folder(work, blobs, [mine])
         (scratch / RECORDS_FILE).write_bytes(b"my own records")
         tcp, unix = self._listeners()
+        database = postgres.shared_cluster()  # a real server, on loopback and a unix socket
+        postgres_unix = str(database.folder / f".s.PGSQL.{database.port}")
+        with socket.socket(socket.AF_UNIX) as probe:
+          probe.connect(postgres_unix)  # the control: reachable from outside the sandbox
         targets = {"key": str(key_file), "database": str(data / "dvbench.db"),
                    "shadow": "/etc/shadow", "other_transcript": str(other_scratch / RECORDS_FILE),
                    "other_blob": str(blobs.path(theirs).resolve()),
                    "own_transcript": str(scratch / RECORDS_FILE),
-                   "own_blob": f"blobs/{mine}", "tcp": tcp, "unix": unix}
+                   "own_blob": f"blobs/{mine}", "tcp": tcp, "unix": unix,
+                   "postgres_tcp": database.port, "postgres_unix": postgres_unix}
         limits = worker_lib.Limits(2 << 30, isolation=sandbox.available(),
                                    hidden=(str(data.resolve()),))
         os.environ["DVBENCH_DATABASE_URL"] = "postgresql://dvbench:secret@db/dvbench"
@@ -139,7 +147,9 @@ class EscapeTest(absltest.TestCase):
     self.assertEqual(report["write_own"], ["done", 1])
     # Its own loopback answers; the listener outside is not reachable.
     self.assertEqual(report["tcp"], ["refused", "Connection refused"])
+    self.assertEqual(report["postgres_tcp"], ["refused", "Connection refused"])
     self.assertEqual(report["unix"], ["refused", "Permission denied"])  # seccomp
+    self.assertEqual(report["postgres_unix"], ["refused", "Permission denied"])
     uid, gid = sandbox.sandbox_ids() if os.geteuid() == 0 else (os.geteuid(), os.getegid())
     self.assertEqual((report["uid"], report["gid"], report["groups"]),
                      (uid, gid, [] if os.geteuid() == 0 else report["groups"]))
