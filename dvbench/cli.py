@@ -25,11 +25,14 @@ import urllib.parse
 
 EXIT_NO_DATA = 66  # the --data folder is missing (or holds no database): pass --create
 EXIT_NO_SERVER_EXTRA = 69  # a server command without the server's packages installed
+EXIT_WEAK_SANDBOX = 71  # the kernel lacks a protection of the verifier child
 EXIT_CODES = f"""exit status: 0 done, 1 failed, 2 usage error, {EXIT_NO_DATA} no data folder
 (or no database in it) at --data: check the path, or pass --create to start a new one,
-{EXIT_NO_SERVER_EXTRA} the server's packages are not installed: pip install 'dvbench[server]'"""
+{EXIT_NO_SERVER_EXTRA} the server's packages are not installed: pip install 'dvbench[server]',
+{EXIT_WEAK_SANDBOX} the verifier child cannot be fully confined here (see --allow-weak-sandbox)"""
 # Imported only by the server's commands; installed by the ``server`` extra.
 SERVER_EXTRA_MODULES = ("starlette", "uvicorn", "sqlalchemy", "anyio", "psycopg")
+DATABASE_URL_ENV = "DVBENCH_DATABASE_URL"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,7 +89,10 @@ def _store_and_blobs(args):
 
 
 def _worker_command(args) -> list[str]:
-  command = [sys.executable, "-m", "dvbench.cli", "worker", "--data", str(args.data),
+  """The command of a worker; its database URL travels in ``DATABASE_URL_ENV``, never on a
+  command line that every process on the machine can read."""
+  command = [sys.executable, "-m", "dvbench.cli", "worker",
+             "--data", str(pathlib.Path(args.data).resolve()),
              "--lease-seconds", str(args.lease_seconds),
              "--memory-limit-gb", str(args.memory_limit_gb),
              "--time-limit", str(args.time_limit), "--time-per-check", str(args.time_per_check),
@@ -94,9 +100,29 @@ def _worker_command(args) -> list[str]:
   if args.workers > 1:
     from dvbench.server import store_jobs  # pylint: disable=g-import-not-at-top
     command += ["--owner-share", str(store_jobs.owner_share(args.workers))]
-  if args.database_url:
-    command += ["--database-url", args.database_url]
-  return command
+  return command + (["--allow-weak-sandbox"] if args.allow_weak_sandbox else [])
+
+
+def _sandbox_or_exit(args):
+  """The verifier child's protections; exits naming what the kernel lacks unless the
+  operator passed --allow-weak-sandbox (then the logs and /health say it)."""
+  from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
+  try:
+    gaps = sandbox.missing()
+  except ValueError as e:
+    raise SystemExit(f"dvbench {args.command}: {e}") from None
+  if sandbox.weak(gaps) and not args.allow_weak_sandbox:
+    print(f"dvbench {args.command}: the verifier child cannot be fully confined on this "
+          f"machine; missing: {sandbox.weakness(gaps)}. Run on a kernel that grants them, or "
+          "pass --allow-weak-sandbox to verify uploaded programs without them.",
+          file=sys.stderr)
+    raise SystemExit(EXIT_WEAK_SANDBOX)
+  if gaps:
+    logging.getLogger("dvbench").warning(
+        "dvbench %s: the verifier sandbox is %s; missing: %s", args.command,
+        "weak (--allow-weak-sandbox)" if sandbox.weak(gaps) else "without optional protections",
+        sandbox.weakness(gaps))
+  return sandbox.available(), gaps
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -140,7 +166,7 @@ def serve(args) -> int:
   from dvbench.server.limits import Limits  # pylint: disable=g-import-not-at-top
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   from dvbench.server.supervisor import Supervisor  # pylint: disable=g-import-not-at-top
-  isolation = sandbox.describe(sandbox.available())  # probed before any thread starts
+  isolation, gaps = _sandbox_or_exit(args)  # probed before any thread starts
   store, blobs = _store_and_blobs(args)
   store.max_queued_per_owner = args.max_queued_per_owner
   blobs.remove_stale_parts(older_than=args.body_timeout)  # no upload lasts longer
@@ -149,13 +175,15 @@ def serve(args) -> int:
   signing_key = _signing_key(args)
   ingest_processes = IngestProcesses(args.ingest_processes, _database_url(args), signing_key, {
       "max_queued_per_owner": args.max_queued_per_owner}).start()
-  supervisor = Supervisor(_worker_command(args), args.workers, store,
+  supervisor = Supervisor(_worker_command(args), args.workers, store, env={
+                              **os.environ, DATABASE_URL_ENV: args.database_url or ""},
                           abandon_after=args.abandon_after, crash_after=args.crash_after,
-                          ingest_processes=ingest_processes).start()
+                          ingest_processes=ingest_processes, signing_key=signing_key).start()
   service = Service(store, blobs, signing_key, _minimum_policy(args),
                     limits=Limits.from_args(args), score_shard_rows=args.score_shard_rows,
                     memory_bytes=int(args.memory_limit_gb * (1 << 30)),
-                    time_limit=args.time_limit, workers=supervisor.health, isolation=isolation,
+                    time_limit=args.time_limit, workers=supervisor.health,
+                    isolation=sandbox.describe(isolation), sandbox_missing=gaps,
                     ingest_processes=ingest_processes, crash_after=args.crash_after,
                     max_slots_per_hour=args.max_slots_per_hour)
   database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
@@ -183,15 +211,21 @@ def _redacted(url: str) -> str:
 
 def worker(args) -> int:
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
+  from dvbench.server import receipts  # pylint: disable=g-import-not-at-top
   from dvbench.server import worker as worker_lib  # pylint: disable=g-import-not-at-top
   if args.parent_pid is not None:
     sandbox.die_with_parent(args.parent_pid)
+  isolation, _ = _sandbox_or_exit(args)
   limits = worker_lib.Limits(int(args.memory_limit_gb * 2**30), args.time_limit,
-                             args.time_per_check, sandbox.available())
+                             args.time_per_check, isolation)
   store, blobs = _store_and_blobs(args)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  done = worker_lib.run(store, blobs, _signing_key(args),
+  if args.signer_fd is not None:  # started by dvbench serve, which signs
+    signer = receipts.RemoteSigner(args.signer_fd)
+  else:
+    signer = receipts.LocalSigner(store, _signing_key(args))
+  done = worker_lib.run(store, blobs, signer,
                         worker_id=args.worker_id or worker_lib.default_worker_id(),
                         lease_seconds=args.lease_seconds, limits=limits,
                         max_attempts=args.max_attempts, once=args.once, stop=stop,
@@ -349,13 +383,18 @@ def main(argv=None) -> int:
   def storage(p):
     p.add_argument("--data", default="dvbench-data", type=absolute_path,
                    help="folder of the embedded database and the blob store")
-    p.add_argument("--database-url", default=None,
-                   help="e.g. postgresql://user@host/db; without it, SQLite in --data")
+    p.add_argument("--database-url", default=os.environ.get(DATABASE_URL_ENV) or None,
+                   help="e.g. postgresql://user@host/db (default: $DVBENCH_DATABASE_URL); "
+                   "without it, SQLite in --data")
     p.add_argument("--create", action="store_true",
                    help="make the data folder (and database) if missing; without it a "
                    "missing --data folder is refused")
 
   def limits(p):
+    p.add_argument("--allow-weak-sandbox", action="store_true",
+                   help="verify uploaded programs even where the kernel cannot give the "
+                   "verifier child every protection (the logs and /api/v1/health name "
+                   "those missing); without it the server and its workers refuse to start")
     p.add_argument("--lease-seconds", type=float, default=60.0,
                    help="how long a worker holds a job without renewing its lease")
     p.add_argument("--memory-limit-gb", type=float, default=16.0,
@@ -415,6 +454,7 @@ def main(argv=None) -> int:
                  help="the most running jobs one owner may hold while another owner's job "
                  "waits (serve passes half its --workers, rounded up)")
   w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+  w.add_argument("--signer-fd", type=int, default=None, help=argparse.SUPPRESS)
   w.set_defaults(run=worker)
 
   t = sub.add_parser("token", help="manage API tokens")

@@ -23,6 +23,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dvbench.server import page
+from dvbench.server import sandbox
 from dvbench.server.guard import Guard
 from dvbench.server.routes_benchmarks import benchmark_routes
 from dvbench.server.routes_blobs import blob_routes
@@ -77,14 +78,19 @@ async def _queue_full(request, exc: QueueFull):
 def _health_route(service: Service) -> Route:
   async def health(request):
     """200 and ``ok`` unless the server runs workers or ingestion processes and none of
-    them lives (503); says which isolation the verifier child gets. Answers from memory,
-    never waiting on the database."""
+    them lives (503); says which isolation the verifier child gets, and which protections
+    it lacks (``verifier_sandbox``: "full", or "weak" under --allow-weak-sandbox when a
+    protection that is not optional is missing). Answers
+    from memory, never waiting on the database."""
     none = {"alive": 0, "expected": 0, "restarts": 0}
     workers = service.workers() if service.workers else none
     ingest = service.ingest_processes.health() if service.ingest_processes else none
     ok = all(p["expected"] == 0 or p["alive"] > 0 for p in (workers, ingest))
     return JSONResponse({"ok": ok, "workers": workers, "ingest_processes": ingest,
-                         "verifier_isolation": service.isolation},
+                         "verifier_isolation": service.isolation,
+                         "verifier_sandbox": "weak" if sandbox.weak(service.sandbox_missing)
+                                             else "full",
+                         "verifier_missing": service.sandbox_missing},
                         status_code=200 if ok else 503)
   return Route("/api/v1/health", health, name="health")
 

@@ -307,11 +307,13 @@ class BenchmarkRoutes:
     key = blake3.blake3(cbor2.dumps(job, canonical=True)).digest()
     if key in self._checked_programs:
       return
-    with tempfile.TemporaryDirectory(prefix="program-", dir=self.blobs.folder.parent) as work:
+    data = self.blobs.folder.parent.resolve()  # the child works elsewhere: absolute paths
+    with tempfile.TemporaryDirectory(prefix="program-", dir=data) as work:
       folder = worker.child_folder(pathlib.Path(work), self.blobs, [spec["program"].hex()])
       (folder / "job.cbor").write_bytes(cbor2.dumps(job))
       seconds = min(self.service.time_limit, 600)
-      limits = worker.Limits(self.service.memory_bytes, seconds, isolation=sandbox.available())
+      limits = worker.Limits(self.service.memory_bytes, seconds, isolation=sandbox.available(),
+                             hidden=(str(data),))
       result, failure = worker.run_confined(
           [sys.executable, "-m", "dvbench.benchmark", str(folder)], pathlib.Path(work), limits,
           seconds)

@@ -54,6 +54,7 @@ class Service:
   time_limit: int = 3600
   workers: Callable[[], dict] | None = None  # {"alive", "expected", "restarts"} for /health
   isolation: str = ""  # what confines the verifier child, for /health
+  sandbox_missing: dict[str, str] = dataclasses.field(default_factory=dict)  # {protection: why}
   ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
   crash_after: float = 600.0  # a receiving proof silent this long is crashed (or discarded)
   max_slots_per_hour: int = DEFAULT_MAX_SLOTS_PER_HOUR  # proof slots per owner (attempts)

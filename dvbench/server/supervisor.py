@@ -11,6 +11,9 @@ takes it now rather than when the lease expires; the cause is kept on the job, w
 given up after ``max_attempts`` (``store_jobs``). Ingestion processes that died idle are
 replaced on the same beat (``IngestProcesses.replace_dead``).
 
+Workers never read the server's signing key: each asks this process to sign receipts over
+a socket pair (``receipts.serve_signing``, a thread per worker).
+
 Example::
 
   supervisor = Supervisor(worker_command, count=2, store=store, abandon_after=86400,
@@ -25,10 +28,12 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
 
+from dvbench.server import receipts
 from dvbench.server.db import Store
 
 logger = logging.getLogger("dvbench.supervisor")
@@ -97,8 +102,11 @@ class Supervisor:
   def __init__(self, command: list[str], count: int, store: Store, *,
                abandon_after: float | None = None, crash_after: float | None = None,
                poll_seconds: float = 0.2,
-               ingest_processes=None):  # an IngestProcesses to keep running
+               ingest_processes=None,  # an IngestProcesses to keep running
+               env: dict[str, str] | None = None,  # the workers' (None: this process's)
+               signing_key=None):  # signs the receipts workers ask for (receipts.py)
     self.command, self.store, self.ingest_processes = command, store, ingest_processes
+    self.env, self.signing_key = env, signing_key
     self.abandon_after, self.poll_seconds = abandon_after, poll_seconds
     self.crash_after = crash_after
     self._started_at = time.monotonic()
@@ -126,8 +134,16 @@ class Supervisor:
   def _spawn(self, slot: _Slot) -> None:
     self._generation += 1
     slot.worker_id = f"{os.uname().nodename}-{os.getpid()}-w{slot.index}-{self._generation}"
-    slot.process = subprocess.Popen([*self.command, "--worker-id", slot.worker_id,
-                                     "--parent-pid", str(os.getpid())])
+    command = [*self.command, "--worker-id", slot.worker_id, "--parent-pid", str(os.getpid())]
+    if self.signing_key is None:
+      slot.process = subprocess.Popen(command, env=self.env)
+    else:  # the worker asks this process to sign; it never reads the key
+      ours, theirs = socket.socketpair()
+      with theirs:
+        slot.process = subprocess.Popen([*command, "--signer-fd", str(theirs.fileno())],
+                                        env=self.env, pass_fds=[theirs.fileno()])
+      threading.Thread(target=receipts.serve_signing, daemon=True, name="dvbench-signer",
+                       args=(ours, self.store, self.signing_key, slot.worker_id)).start()
     slot.restarts.started()
 
   def _reap(self, slot: _Slot) -> None:

@@ -6,11 +6,12 @@ mid-job loses nothing, as the lease expires (or its supervisor releases it at
 once) and another worker takes the job; a job that stops workers
 ``max_attempts`` times is given up with the reason. Uploaded programs are
 untrusted: ``zkdv verify`` runs in a child process confined by
-``dvbench.server.sandbox`` (rlimits, no network, writes only in its scratch
-folder, dies with the worker), never in the web process, on a private folder
-holding the proof's records and only the blobs uploaded for that proof. A
+``dvbench.server.sandbox`` (it sees only the runtime and its job folder, runs
+unprivileged, no network or unix sockets, writes only in its scratch folder,
+dies with the worker), never in the web process, on a private folder holding
+the proof's records and only the blobs uploaded for that proof. A
 server-challenged proof is verified with its challenge key K, then gets a
-signed receipt. A benchmark submission is scored the same way, shard by shard
+receipt, signed by the server process at the worker's request. A benchmark submission is scored the same way, shard by shard
 (a range of rows per job): the owner's screened program runs on the shard's
 rows in a confined child; the server aggregates once every shard is in.
 
@@ -26,7 +27,7 @@ worker's log.
 
 Example::
 
-  run(store, blobs, signing_key, worker_id="w1", once=True)
+  run(store, blobs, receipts.LocalSigner(store, signing_key), worker_id="w1", once=True)
 """
 
 import contextlib
@@ -38,6 +39,7 @@ import os
 import pathlib
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,10 +47,7 @@ import threading
 import time
 
 import cbor2
-from cryptography.hazmat.primitives.asymmetric import ed25519
-
 from dvbench.server import labels
-from dvbench.server import receipts
 from dvbench.server import sandbox
 from dvbench import scoring
 from dvbench.server.blobs import BlobStore
@@ -79,6 +78,7 @@ class Limits:
   time_limit: int = DEFAULT_TIME_LIMIT
   time_per_check: float = DEFAULT_TIME_PER_CHECK
   isolation: tuple[str, ...] = ()
+  hidden: tuple[str, ...] = ()  # folders the child never sees (the data folder)
 
   def for_checks(self, n: int) -> int:
     """Seconds for a proof of ``n`` check records, e.g. 60 + 10 n, at most time_limit."""
@@ -131,12 +131,14 @@ def child_folder(work: pathlib.Path, blobs: BlobStore, digests) -> pathlib.Path:
 def run_confined(command: list[str], work: pathlib.Path, limits: Limits, seconds: int):
   """(the child's JSON report, or None and the public failure text) of ``command`` confined
   to ``work/scratch`` (see ``child_folder``) for ``seconds`` of CPU and wall-clock time."""
+  work = work.resolve()  # the child starts in its scratch folder: no relative path holds
   scratch = work / "scratch"
-  env = {**os.environ, "TMPDIR": str(scratch), "HOME": str(scratch)}
+  sandbox.prepare(work, scratch)
   try:
     result = subprocess.run(command, capture_output=True, text=True, timeout=seconds, cwd=scratch,
-                            env=env, preexec_fn=sandbox.confine(
-                                scratch, limits.memory_bytes, seconds, limits.isolation))
+                            env=sandbox.child_env(scratch), preexec_fn=sandbox.confine(
+                                work, scratch, limits.memory_bytes, seconds, limits.isolation,
+                                limits.hidden))
   except subprocess.TimeoutExpired:
     return None, f"verification {TIME_LIMIT_TEXT} of {seconds} s."
   if result.returncode < 0:
@@ -253,9 +255,8 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
                                  work, limits, limits.time_limit)
   if result is None and TIME_LIMIT_TEXT not in failure:
     raise VerifierFault(failure)  # the child died: retried, not a failure of the entry
-  outputs = folder / scoring.OUTPUTS_FILE
-  if result is not None and result["failure"] is None and outputs.is_file():
-    outputs = outputs.read_bytes()
+  outputs = _read_own_file(folder / scoring.OUTPUTS_FILE)
+  if result is not None and result["failure"] is None and outputs is not None:
     if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
       return outputs, None
     failure = (f"the program gave {len(outputs) // scoring.OUTPUT_DTYPE.itemsize} outputs "
@@ -264,7 +265,18 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
       "no outputs were written.")
 
 
-def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[bool, str]:
+def _read_own_file(path: pathlib.Path) -> bytes | None:
+  """The bytes of a regular file the child wrote, None if it is missing or anything else:
+  a symlink it planted there would make the worker read a file the child may not."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError:
+    return None
+  with os.fdopen(fd, "rb") as f:
+    return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _process(store, blobs, signer, job, worker_id, work, limits) -> tuple[bool, str]:
   """(whether the verdict was kept, the subject's state) of one job."""
   if job["kind"] == "proof":
     verdict = verify_proof(store, blobs, job["subject"], work, limits)
@@ -273,8 +285,7 @@ def _process(store, blobs, signing_key, job, worker_id, work, limits) -> tuple[b
                                     verdict.strict)
     if kept:
       replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
-      receipts.issue(store, signing_key, job["subject"], verdict.verifier_verdict, replayed,
-                     standing=verdict.standing)
+      signer.issue(job["subject"], verdict.verifier_verdict, replayed)
     return kept, verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
@@ -290,7 +301,7 @@ class WorkFolder:
   lock is free) are removed when a worker starts."""
 
   def __init__(self, data: pathlib.Path, worker_id: str):
-    self.root = pathlib.Path(data) / WORK_DIR
+    self.root = pathlib.Path(data).resolve() / WORK_DIR
     self.path = self.root / worker_id
     self.path.mkdir(parents=True, exist_ok=True)
     self._lock = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -328,17 +339,20 @@ class WorkFolder:
     os.close(self._lock)
 
 
-def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, *,
+def run(store: Store, blobs: BlobStore, signer, *,
         worker_id: str, lease_seconds: float = 60.0, poll_seconds: float = 0.5,
         limits: Limits | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         once: bool = False, stop: threading.Event | None = None,
         owner_share: int | None = None) -> int:
-  """Processes jobs until ``stop`` is set (or one job, with ``once``); ``owner_share``:
-  the most running jobs one owner may hold while another owner's job waits
-  (``store_jobs.owner_share``)."""
+  """Processes jobs until ``stop`` is set (or one job, with ``once``); ``signer`` signs
+  receipts (``receipts.RemoteSigner`` under ``dvbench serve``: the key stays there);
+  ``owner_share``: the most running jobs one owner may hold while another owner's job
+  waits (``store_jobs.owner_share``)."""
+  data = blobs.folder.parent.resolve()
   limits = limits or Limits(isolation=sandbox.available())
+  limits = dataclasses.replace(limits, hidden=(*limits.hidden, str(data)))
   logger.info("worker %s: verifier isolation: %s", worker_id, sandbox.describe(limits.isolation))
-  work = WorkFolder(blobs.folder.parent, worker_id)
+  work = WorkFolder(data, worker_id)
   for name in work.remove_dead():
     logger.info("worker %s removed the work folder of stopped worker %s", worker_id, name)
   done = 0
@@ -358,7 +372,7 @@ def run(store: Store, blobs: BlobStore, signing_key: ed25519.Ed25519PrivateKey, 
                        args=(store, job["id"], worker_id, lease_seconds, alive)).start()
       try:
         with work.job() as folder:
-          kept, state = _process(store, blobs, signing_key, job, worker_id, folder, limits)
+          kept, state = _process(store, blobs, signer, job, worker_id, folder, limits)
         if kept:
           logger.info("%s %s is %s", job["kind"], job["subject"], state)
       except VerifierFault as e:  # retried; given up as could not verify, never invalid
