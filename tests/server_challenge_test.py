@@ -269,8 +269,10 @@ class RootBindingTest(ServerChallengeTestCase):
                        "update_check_probability")
     wider = {**slot["policy"], "rolling_window": 64}
     self.assertRefused(prover.post_root(prover.root(slot, policy=wider)), 409, "rolling_window")
-    self.assertRefused(prover.post_root({**prover.root(slot), "challenger": None}), 409,
-                       "no challenger")
+    self.assertRefused(prover.post_root({**prover.root(slot), "challenger": None}), 400,
+                       "the root record (root).challenger: a map")
+    self.assertRefused(prover.post_root({**prover.root(slot), "challenger": {"kind": "x"}}),
+                       409, "no challenger")
 
   def test_a_self_challenged_root_is_labelled_self_audited(self):
     prover = self.prover("alice/offline")

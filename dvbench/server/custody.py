@@ -9,8 +9,8 @@ step record gets its challenge ``c_t`` from the proof's secret key; it decides t
 step's probes and, for a step that ends a segment (it commits its post-state), the
 segment's update and state checks.
 
-Records are decoded and checked against their schema (``validation``) before the
-transaction starts; the transaction only orders and stores them.
+Records are decoded and checked against their kind's fields (``zkdv.records``, the
+definition the verifier checks too) before the transaction starts; the transaction only orders and stores them.
 
 Example::
 
@@ -29,9 +29,9 @@ import json
 from starlette.exceptions import HTTPException
 
 from dvbench import transport
-from dvbench.server import validation
 from dvbench.server.decoding import decode
 from zkdv import challenge
+from zkdv import records
 from zkdv.transcript import record_id
 
 
@@ -42,8 +42,8 @@ def parse_record(raw, n: int) -> dict:
     raise HTTPException(400, f"{what} is not a byte string.")
   record = decode(raw, what, canonical=True, max_string=transport.MAX_RECORD_STRING)
   try:
-    validation.check_record(record, f"record {n}")
-  except validation.Invalid as e:
+    records.check_record(record, f"record {n}")
+  except records.Invalid as e:
     raise HTTPException(400, str(e)) from None
   return record
 

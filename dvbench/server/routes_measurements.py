@@ -21,9 +21,10 @@ from starlette.routing import Route
 from dvbench.server import labels
 from dvbench.server.decoding import decode
 from dvbench.server.service import NAME, Service
-from dvbench.server.validation import (DIGEST, DIGESTS, FREE, Bool, Field, Float, Int, Invalid,
-                                       ListOf, Optional, Row, Text, check_fields)
 from zkdv import challenge
+from zkdv.fields import (FREE, Bool, Field, Float, Int, Invalid, ListOf, Optional, Row, Text,
+                         check_fields)
+from zkdv.records import DIGEST, DIGESTS
 from zkdv.transcript import record_id
 
 MIN_SAMPLE = 0.25

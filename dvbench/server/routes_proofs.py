@@ -18,12 +18,12 @@ from dvbench import transport
 from dvbench.server import attempts
 from dvbench.server import custody
 from dvbench.server import labels
-from dvbench.server import validation
 from dvbench.server.paging import fetch_page, paged
 from dvbench.server.decoding import decode
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
+from zkdv import records
 from zkdv.transcript import record_id
 
 _CBOR = "application/cbor"
@@ -166,8 +166,8 @@ class ProofRoutes:
       if not isinstance(record, dict) or record.get("type") != "root" or "prev" in record:
         raise HTTPException(400, "a proof starts with its root record (type 'root', no prev).")
       try:
-        validation.check_record(record, "the root record")
-      except validation.Invalid as e:
+        records.check_record(record, "the root record")
+      except records.Invalid as e:
         raise HTTPException(400, str(e)) from None
       proof_id = record_id(root).hex()
       existing = self.store.proof(proof_id)

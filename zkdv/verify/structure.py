@@ -1,7 +1,7 @@
 """Records into the verifier's own model: encoding, the hash chain, schemas.
 
-Each record is checked against its schema and handed to the reader of its type
-(an explicit table). What the verifier derives (layouts, record ids, where a
+Each record is checked against its kind's fields (``zkdv.records``, the definition
+the server checks too) and handed to the reader of its type (an explicit table). What the verifier derives (layouts, record ids, where a
 record sits) lives in its own dataclasses; the prover's record dicts are never
 written to.
 
@@ -19,60 +19,11 @@ import blake3
 from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
+from zkdv import records
 from zkdv import transcript as transcript_lib
 from zkdv.verify.report import UNVERIFIABLE, Report
 
-MODES = ("exact", "equivalent")
-# How a multi-device program's collectives ran (``zkdv.jax.replay.collectives``).
-COLLECTIVES = ("default", "in-process", "gloo", "mpi", "megascale")
 MAX_LEAF_ELEMENTS = 1 << 40  # a layout larger than this is malformed, not allocated
-
-
-@dataclasses.dataclass(frozen=True)
-class Schema:
-  """Fields a record must carry (with their types) and those it may carry."""
-
-  required: dict
-  optional: frozenset = frozenset()
-
-  def problems(self, record: dict) -> list[str]:
-    wrong = [f"{k} ({t.__name__})" for k, t in self.required.items()
-             if not isinstance(record.get(k), t) or isinstance(record.get(k), bool)]
-    unknown = set(record) - set(self.required) - self.optional - {"type", "prev"}
-    return ([f"lacks or mistypes {wrong}"] if wrong else []) + (
-        [f"has unknown fields {sorted(map(repr, unknown))}"] if unknown else [])
-
-
-SCHEMAS = {
-    "root": Schema({"format_version": int, "prover": str, "name": str, "versions": dict,
-                    "platform": str, "config": dict, "challenger": dict},
-                   frozenset({"device_kinds", "processes", "start_state"})),
-    "program": Schema({"program_id": bytes, "number": int, "blob": bytes, "mode": str,
-                       "state_layout": list, "batch_layout": list, "inputs": list,
-                       "post_state_outputs": list, "platforms": list},
-                      frozenset({"function", "params_leaves", "static_arguments",
-                                 "compiler_options", "nr_devices", "collectives",
-                                 "processes", "post_state_layout", "metric_outputs"})),
-    "step": Schema({"index": int, "program": int, "batch": bytes},
-                   frozenset({"pre_state", "post_state", "metrics"})),
-    "check": Schema({"step": int, "kind": str},
-                    frozenset({"first", "pre_state_blobs", "batch_blobs", "result",
-                               "pre_state_pieces", "post_state_blobs", "batch_roots", "probes"})),
-    "init": Schema({"program_id": bytes, "input_layout": list, "input_blobs": list,
-                    "output_layout": list, "outputs": list, "platforms": list},
-                   frozenset({"function"})),
-    "final": Schema({"steps": int, "status": str},
-                    frozenset({"discontinuities", "final_state", "final_state_leaves",
-                               "final_params", "seed"})),
-}
-# A check record of each kind (docs/protocol.md), beyond "step" and "kind".
-CHECK_SCHEMAS = {
-    "update": Schema({"first": int, "pre_state_blobs": list, "batch_blobs": list},
-                     frozenset({"pre_state_pieces", "post_state_blobs", "result"})),
-    "state": Schema({"post_state_blobs": list}),
-    "probe": Schema({"batch_roots": list, "probes": list}),
-    "start": Schema({"pre_state_pieces": list}),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +155,8 @@ def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
     report.fail("no_root", "record 0", "the transcript does not start with a root record.")
     return None
   try:
-    transcript_lib.check_format(contents.records[0].record.get("format_version"))
-  except errors.UnsupportedFormatError as e:
+    records.check_format(contents.records[0].record, "record 0")
+  except records.Invalid as e:
     report.fail("format_version", "record 0", f"could not verify: {e}", UNVERIFIABLE)
     return None
   _chain(contents, model, report)
@@ -252,18 +203,14 @@ def _chain(contents, model: Transcript, report: Report) -> None:
       report.fail("chain", where, "prev does not match the id of the record before it "
                   "(a record was removed, inserted, reordered or edited).")
     prev = model.last_record_id = parsed.record_id
-    kind = rec.get("type")
-    if kind not in SCHEMAS:
-      report.fail("schema", where, f"unknown record type {kind!r}.")
+    try:
+      kind = records.check_record(rec, where)
+    except records.UnknownField as e:  # read all the same: its listed fields match
+      report.fail("schema", where, str(e))
+      kind = rec["type"]
+    except records.Invalid as e:
+      report.fail("schema", where, str(e))
       continue
-    problems = SCHEMAS[kind].problems(rec)
-    if kind == "step":
-      problems += [f"{name} is not 32 bytes" for name in ("pre_state", "post_state")
-                   if name in rec and not (isinstance(rec[name], bytes) and len(rec[name]) == 32)]
-    if problems:
-      report.fail("schema", where, f"{kind} record {'; '.join(problems)}.")
-      if any(p.startswith("lacks") for p in problems):
-        continue
     if model.final is not None:
       report.fail("after_final", where, f"a {kind} record follows the final record.")
     _READERS[kind](model, parsed, where, report)
@@ -276,8 +223,6 @@ def _read_root(model, parsed, where, report) -> None:
     return
   model.root = rec
   report.name = rec["name"]
-  if rec["prover"] != transcript_lib.PROVER:
-    report.fail("schema", where, f"unknown prover {rec['prover']!r}.")
 
 
 def _read_program(model, parsed, where, report) -> None:
@@ -341,12 +286,6 @@ def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
   outputs = rec["post_state_outputs"]
   if len(outputs) != len(state) or not all(isinstance(i, int) and i >= 0 for i in outputs):
     raise ValueError("post_state_outputs do not match the state layout")
-  if rec["mode"] not in MODES:
-    raise ValueError(f"mode {rec['mode']!r} is not one of {MODES}")
-  if rec.get("collectives", "default") not in COLLECTIVES:
-    raise ValueError(f"unknown collectives {rec['collectives']!r}")
-  if not all(isinstance(p, str) for p in rec["platforms"]):
-    raise ValueError("platforms must be names")
   return Program(rec["number"], rec["program_id"], rec["mode"], state, post, batch,
                  tuple(rec["inputs"]), tuple(outputs), tuple(params),
                  tuple(rec["platforms"]), rec.get("collectives"),
@@ -410,13 +349,6 @@ def _read_step(model, parsed, where, report) -> None:
 def _read_check(model, parsed, where, report) -> None:
   rec = parsed.record
   kind, step = rec["kind"], rec["step"]
-  if kind not in CHECK_SCHEMAS:
-    report.fail("schema", where, f"unknown check kind {kind!r}.")
-    return
-  problems = CHECK_SCHEMAS[kind].problems({k: v for k, v in rec.items() if k not in ("step", "kind")})
-  if problems:
-    report.fail("schema", where, f"{kind} check {'; '.join(problems)}.")
-    return
   if not 0 <= step < len(model.steps):
     report.fail("check_step", where, f"a {kind} check of step {step} comes before that "
                 "step's record (or names no step).")

@@ -1,0 +1,194 @@
+"""One definition of each record kind: the server and the verifier accept and refuse alike.
+
+Every record kind of an honest transcript (and an attested start's ``init`` and ``start``
+check) is mutated field by field (a wrong type, a value out of bounds, a missing field, an
+extra field), then judged by the server's ingest (``custody.parse_record``: decoding and
+schema, before any database work) and by the verifier's reading of a transcript holding it
+(``structure.read``). Both must accept or both refuse, naming the field.
+"""
+
+import dataclasses
+import functools
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+from starlette.exceptions import HTTPException
+
+from dvbench.server import custody
+from tests.verify_test import good_transcript, records_of
+from zkdv import fields
+from zkdv import records
+from zkdv import transcript
+from zkdv.verify import structure
+from zkdv.verify.report import Report
+
+EXTRA = "zz_extra"
+
+
+def out_of_bounds(spec):
+  """A value of the right type that ``spec`` refuses: past a bound, or not a choice."""
+  if isinstance(spec, fields.Int):
+    return spec.high
+  if isinstance(spec, fields.Bytes):
+    return bytes((spec.size if spec.size is not None else spec.max_size) + 1)
+  if isinstance(spec, fields.Text):
+    return "not one of them" if spec.choices else "x" * (spec.max_len + 1)
+  if isinstance(spec, fields.ListOf):
+    return [out_of_bounds(spec.item)]
+  if isinstance(spec, fields.Row):
+    return [out_of_bounds(spec.items[0]), *(None for _ in spec.items[1:])]
+  if isinstance(spec, (fields.Optional,)):
+    return out_of_bounds(spec.inner)
+  if isinstance(spec, fields.Either):
+    return out_of_bounds(spec.first)
+  if isinstance(spec, (fields.Map, fields.Free)):
+    return {"text": "x" * (fields.MAX_TEXT + 1)}
+  if isinstance(spec, records.FormatVersion):
+    return transcript.FORMAT_VERSION + 1
+  if isinstance(spec, records.StepMetrics):
+    return {"no spaces allowed": 1}
+  raise AssertionError(f"no out-of-bounds value for {spec!r}")
+
+
+@functools.cache
+def honest_records() -> tuple:
+  """An honest transcript's records with an attested start's init and start check added
+  (chained anew: the verifier reads them in order)."""
+  recs = [dict(r) for r in records_of(good_transcript())]
+  digest = bytes(range(32))
+  layout = {"path": "[0]", "dtype": "uint32", "shape": [2]}
+  init = {"type": "init", "program_id": digest, "input_layout": [layout],
+          "input_blobs": [digest], "output_layout": [layout], "outputs": [digest],
+          "platforms": ["cpu"], "function": "init"}
+  start = {"type": "check", "step": 0, "kind": "start", "pre_state_pieces": [[digest]]}
+  step0 = next(n for n, r in enumerate(recs) if r["type"] == "step")
+  recs = [recs[0], init, *recs[1:step0 + 1], start, *recs[step0 + 1:]]
+  return tuple(recs)
+
+
+def chained(recs) -> list[transcript.ParsedRecord]:
+  parsed, prev, offset = [], None, 0
+  for record in recs:
+    record = {k: v for k, v in record.items() if k != "prev"}
+    if prev is not None:
+      record["prev"] = prev
+    raw = transcript.encode_record(record)
+    parsed.append(transcript.ParsedRecord(record, raw, offset))
+    prev, offset = transcript.record_id(raw), offset + len(raw)
+  return parsed
+
+
+def position_of(kind: str, check_kind: str | None = None) -> int:
+  return next(n for n, r in enumerate(honest_records()) if r["type"] == kind
+              and (check_kind is None or r["kind"] == check_kind))
+
+
+def server_judges(record: dict, n: int) -> str | None:
+  """The server's refusal of record ``n`` (400, its message), or None when it takes it."""
+  try:
+    custody.parse_record(transcript.encode_record(record), n)
+  except HTTPException as e:
+    assert e.status_code == 400, e
+    return e.detail
+  return None
+
+
+def verifier_judges(recs: list[dict], n: int) -> str | None:
+  """The verifier's finding that record ``n`` of ``recs`` is malformed, or None (its
+  format is a finding of its own: no other record is read then)."""
+  report = Report(path="in memory")
+  contents = transcript.TranscriptContents(chained(recs), None)
+  structure.read(contents, good_transcript(), report)
+  found = [f.message for f in report.findings
+           if f.code in ("schema", "format_version") and f.where == f"record {n}"]
+  return found[0] if found else None
+
+
+def mutations():
+  """(name, record position, edit of the record, field named, refused) for every listed
+  field of every record kind."""
+  kinds = [("root", None), ("init", None), ("program", None), ("step", None),
+           *(("check", k) for k in records.CHECK_KINDS), ("final", None)]
+  cases = []
+  for kind, check_kind in kinds:
+    n = position_of(kind, check_kind)
+    label = check_kind or kind
+    honest = honest_records()[n]
+    listed = records.fields_of(honest)
+    cases.append((f"{label}_as_written", n, lambda r: None, None, False))
+    cases.append((f"{label}_extra_field", n, lambda r: r.update({EXTRA: 1}), EXTRA, True))
+    for name, field in listed.items():
+      if name in ("type", "prev") or (kind == "check" and name == "kind"):
+        continue  # which kind a record is, and its chain: tests of their own below
+      cases.append((f"{label}_{name}_wrong_type", n,
+                    lambda r, name=name: r.update({name: 0.5}), name, True))
+      cases.append((f"{label}_{name}_out_of_bounds", n,
+                    lambda r, name=name, spec=field.spec: r.update({name: out_of_bounds(spec)}),
+                    name, True))
+      if name in honest:
+        cases.append((f"{label}_{name}_missing", n, lambda r, name=name: r.pop(name),
+                      name, field.required))
+  return [dict(testcase_name=c[0], position=c[1], edit=c[2], named=c[3], refused=c[4])
+          for c in cases]
+
+
+class ServerAndVerifierAgreeTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*mutations())
+  def test_a_mutated_record_is_judged_alike(self, position, edit, named, refused):
+    recs = [dict(r) for r in honest_records()]
+    record = recs[position]
+    edit(record)
+    server = server_judges(chained(recs)[position].record, position)
+    verifier = verifier_judges(recs, position)
+    self.assertEqual((server is not None, verifier is not None), (refused, refused),
+                     f"server: {server}; verifier: {verifier}")
+    if refused:
+      for message in (server, verifier):
+        self.assertIn(named, message)
+        self.assertIn(f"record {position} ({record['type']})", message)
+
+  @parameterized.parameters("zz", 7, None)
+  def test_an_unknown_record_type_is_refused_alike(self, kind):
+    recs = [dict(r) for r in honest_records()]
+    recs[3]["type"] = kind
+    for message in (server_judges(chained(recs)[3].record, 3), verifier_judges(recs, 3)):
+      self.assertIn("record 3.type", message)
+
+  def test_an_unknown_check_kind_is_refused_alike(self):
+    recs = [dict(r) for r in honest_records()]
+    n = position_of("check", "update")
+    recs[n]["kind"] = "audit"
+    for message in (server_judges(chained(recs)[n].record, n), verifier_judges(recs, n)):
+      self.assertIn(f"record {n} (check).kind: one of ['update', 'state', 'probe', 'start']",
+                    message)
+
+  def test_a_record_without_prev_is_refused_by_both(self):
+    recs = chained(honest_records())
+    n = position_of("final")
+    record = {k: v for k, v in recs[n].record.items() if k != "prev"}
+    self.assertIn("'prev' is missing", server_judges(record, n))
+    report = Report(path="in memory")
+    edited = [*recs[:n], dataclasses.replace(recs[n], record=record,
+                                             raw=transcript.encode_record(record))]
+    structure.read(transcript.TranscriptContents(edited, None), good_transcript(), report)
+    self.assertIn(("chain", f"record {n}"), [(f.code, f.where) for f in report.findings])
+
+  def test_a_field_added_to_the_one_table_is_checked_by_both(self):
+    n = position_of("step")
+    step_fields = {**records.RECORD_FIELDS["step"], "note": fields.Field(fields.Text(8))}
+    with mock.patch.dict(records.RECORD_FIELDS, {"step": step_fields}):
+      for note, refused in (("short", False), ("far too long", True)):
+        recs = [dict(r) for r in honest_records()]
+        recs[n]["note"] = note
+        server = server_judges(chained(recs)[n].record, n)
+        verifier = verifier_judges(recs, n)
+        self.assertEqual((server is not None, verifier is not None), (refused, refused))
+        if refused:
+          self.assertEqual(server, verifier)
+          self.assertIn(f"record {n} (step).note: a string of 0-8 characters", server)
+
+
+if __name__ == "__main__":
+  absltest.main()
