@@ -172,9 +172,10 @@ class FakeProver:
   def answer(self, decision: challenge.Decision, first: int | None = None) -> None:
     """Answers ``decision``: its probes and, when its step ends the segment from
     ``first`` (None: it ends none), the segment's checks."""
-    ends = first is not None
-    for kind, needed in (("update", decision.update and ends), ("state", decision.state and ends),
-                         ("probe", decision.probe_ratio > 0)):
+    decides = first is not None and challenge.deciding_step(
+        "dvbench", first, decision.step) == decision.step
+    for kind, needed in challenge.required_checks(decision,
+                                                  decision if decides else None).items():
       if needed:
         response = self.send(self.check_record(decision.step, kind, first))
         if response.status_code != 200:

@@ -110,6 +110,7 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
   writer.append(program_record(program_id, state))
   w, b = np.linspace(-1, 1, 3, dtype=np.float32), np.float32(0.25)
   segment = None  # (first step, start state, batches)
+  decisions = {}  # step -> its Decision
   for t in range(steps):
     x = batch_of(t)
     pre = [w, np.asarray(b)]
@@ -123,7 +124,6 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
     ends = t % segment_length == segment_length - 1 or t == steps - 1
     if starts:
       segment = (t, pre, [])
-      first_c = challenge.step_challenge_self(SEED, t)  # decides a self-chosen segment
     segment[2].append(x)
     record = {"type": "step", "index": t, "program": 0,
               "batch": digest.batch_digest(BATCH, [digest.tree_root(l) for l in trees])}
@@ -134,8 +134,9 @@ def write_transcript(folder=None, *, steps=STEPS, policy=None, server=None, fn=s
     step_id = writer.append(record)
     c = (challenge.step_challenge_server(server.key, step_id) if server
          else challenge.step_challenge_self(SEED, t))
-    segment_decision = challenge.decide(t, c if server else first_c, policy)
-    _answer(writer, challenge.decide(t, c, policy), segment_decision if ends else None,
+    decisions[t] = challenge.decide(t, c, policy)
+    deciding = challenge.deciding_step("dvbench" if server else "self", segment[0], t)
+    _answer(writer, decisions[t], decisions[deciding] if ends else None,
             segment, x, post, trees)
     w, b = post
   final = {"type": "final", "steps": steps, "status": "clean", "discontinuities": []}
@@ -158,13 +159,14 @@ def _answer(writer, decision, segment_decision, segment, x, post, trees) -> None
   """Probes of the step; when it ends ``segment``, the segment's update and state checks
   (``segment_decision``)."""
   blob = lambda a: writer.put_blob(digest.byte_view(np.asarray(a)))
-  if segment_decision is not None and segment_decision.update:
+  required = challenge.required_checks(decision, segment_decision)
+  if required["update"]:
     first_step, start, batches = segment
     record = {"type": "check", "step": decision.step, "kind": "update",
               "pre_state_blobs": [blob(a) for a in start], "result": {"equal": True},
               "first": first_step, "batch_blobs": [[blob(b)] for b in batches]}
     writer.append(record)
-  if segment_decision is not None and segment_decision.state:
+  if required["state"]:
     writer.append({"type": "check", "step": decision.step, "kind": "state",
                    "post_state_blobs": [blob(a) for a in post]})
   rows = decision.probe_rows(0, BATCH[0].rows)

@@ -12,9 +12,11 @@ decides what a transcript proves:
   ``K`` and the id of step ``t``'s record, derived after the server stored it.
 
 Probes are drawn for every step. States are committed once per
-*segment* (up to ``Policy.segment_length`` steps); the update and state checks
-that ``c_t`` decides apply to the segment that step ``t`` ends, and nothing
-when step ``t`` ends none.
+*segment* (up to ``Policy.segment_length`` steps); a segment's update and state
+checks are those its deciding step's challenge chose (``deciding_step``: a
+server's segment by its last step, a self-chosen one by its first), answered
+at its last step (``required_checks``). The prover, the server and the verifier
+all apply these two functions.
 
 Example::
 
@@ -167,6 +169,39 @@ def decide(step: int, challenge: bytes, policy: Policy) -> Decision:
                   _chosen(challenge, b"update", policy.update_check_probability),
                   _chosen(challenge, b"state", policy.state_check_probability),
                   policy.probe_ratio)
+
+
+def deciding_step(challenger_kind: str, first: int, last: int | None) -> int | None:
+  """The step whose challenge decides the update and state checks of the segment
+  ``first .. last`` (``last`` None while the segment is open); None while unknown.
+
+  A server decides a segment by its last step's challenge, derived once it stored that
+  step's record, so after every batch and both states of the segment are committed. A
+  self-chosen segment is decided by its first step's (the prover knows every challenge
+  in advance anyway), so a segment no update check hits keeps nothing for a replay.
+
+  Example: ``deciding_step("dvbench", 4, 7) == 7``; ``deciding_step("self", 4, None) == 4``.
+  """
+  if challenger_kind == "self":
+    return first
+  if challenger_kind == "dvbench":
+    return last
+  raise ValueError(f"unknown challenger kind {challenger_kind!r}; expected one of "
+                   f"{list(CHALLENGER_KINDS)}.")
+
+
+def required_checks(step_decision: Decision,
+                    segment_decision: Decision | None) -> dict[str, bool]:
+  """kind -> whether a step must answer it: its own probes and, when it ends a segment,
+  the segment's update and state checks as ``segment_decision`` (the decision of the
+  segment's ``deciding_step``; None when the step ends no segment) chose them.
+
+  Example: ``required_checks(d, None) == {"update": False, "state": False,
+  "probe": d.probe_ratio > 0}``.
+  """
+  return {"update": segment_decision is not None and segment_decision.update,
+          "state": segment_decision is not None and segment_decision.state,
+          "probe": step_decision.probe_ratio > 0}
 
 
 def probe_rows(challenge: bytes, leaf: int, rows: int, ratio: float) -> list[int]:

@@ -68,16 +68,15 @@ class ProofChallenger:
                           "recorded); start a new proof.")
     return cls(row["kind"], stored_policy(row["policy"]), row["challenge_key"])
 
-  def needs(self, step: int, record_id_: bytes,
+  def needs(self, step: int, record_id_: bytes, first: int,
             ends_segment: bool) -> tuple[bytes, dict[str, bool]]:
-    """(c_t, kind -> required) of the stored step record ``record_id_``: probes of the
-    step and, when it ends a segment (commits its post-state), the segment's update
-    and state checks."""
+    """(c_t, kind -> required) of the stored step record ``record_id_`` of the segment
+    from step ``first``: probes of the step and, when it ends the segment (commits its
+    post-state), the segment's update and state checks (``challenge.required_checks``)."""
     c = challenge.step_challenge_server(self.key, record_id_)
     decision = challenge.decide(step, c, self.policy)
-    return c, {"update": decision.update and ends_segment,
-               "state": decision.state and ends_segment,
-               "probe": decision.probe_ratio > 0}
+    decides = ends_segment and challenge.deciding_step(self.kind, first, step) == step
+    return c, challenge.required_checks(decision, decision if decides else None)
 
 
 def stored_policy(text: str) -> challenge.Policy:
@@ -125,8 +124,9 @@ class Ingest:
                                     last_id=rid, last_kind=record["type"])
     if record["type"] == "step":
       ends_segment = isinstance(record.get("post_state"), bytes)
+      first = record["index"] - self._open_segment  # counted by _check_step
       self._open_segment = 0 if ends_segment else self._open_segment + 1
-      self._derive(record["index"], rid, ends_segment)
+      self._derive(record["index"], rid, first, ends_segment)
     self.stored += 1
     self.refs |= transport.blob_refs(record)
     self.probes |= transport.probe_blobs(record)
@@ -208,8 +208,8 @@ class Ingest:
   def _accept_other(self, record: dict, n: int) -> None:
     """Program records and other types are the verifier's to judge."""
 
-  def _derive(self, step: int, rid: bytes, ends_segment: bool) -> None:
+  def _derive(self, step: int, rid: bytes, first: int, ends_segment: bool) -> None:
     self.steps_seen.append(step)
     if self.challenger.kind == "dvbench":
-      c, needs = self.challenger.needs(step, rid, ends_segment)
+      c, needs = self.challenger.needs(step, rid, first, ends_segment)
       self.store.add_challenge(self.conn, self.proof_id, step, rid, c, needs)

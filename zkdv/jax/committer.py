@@ -418,7 +418,10 @@ class Committer:
     if kept is None or kept.answered:
       raise errors.CommitmentError(
           f"a challenge arrived for step {decision.step}, which is not awaiting one.")
-    self._answer(decision, decision)
+    segment = self._segment_ending(decision.step)
+    decides = segment is not None and challenge.deciding_step(
+        "dvbench", segment.first, segment.last) == decision.step
+    self._answer(decision, decision if decides else None)
 
   def _segment_ending(self, step: int) -> _Segment | None:
     for segment in self._segments.values():

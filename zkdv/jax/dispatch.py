@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from zkdv import challenge
 from zkdv import challengers
 from zkdv import config as config_lib
 from zkdv import overlap as overlap_lib
@@ -166,7 +167,10 @@ class Dispatcher:
         if not continuous:
           job.previous_end_started = self._readable_last_post()
       self._segment_first, self._segment_length = index, self.next_segment_length(program)
-      self._segment_decision = decision  # self-chosen: the first step's decides the segment
+      # Known now when this step decides the segment (a self-chosen one's first step); a
+      # server decides it after the segment's last step is stored (Committer.answer).
+      deciding = challenge.deciding_step(self._challenger.kind, index, None)
+      self._segment_decision = decision if deciding == index else None
       if not (continuous and self._ended):  # else the committed post-state, not hashed again
         job.pre_started = digests.start_state(state, program.state_layouts)
         if any(program.donated[i] for i in program.state_indices):  # hash before donation

@@ -4,9 +4,9 @@
 (checked against the root's commitment). ``dvbench``: keyed by the server's key
 ``K`` (from a receipt, or the server's own worker) and the id of the step's
 record. Every decided probe set must have its check record, and every decided update
-and state check of a segment, keyed by the
-segment's last step. A server's segment is decided by the challenge of its last
-step; a self-chosen one by its first step's.
+and state check of a segment, keyed by the segment's last step. Which step's
+challenge decides a segment, and which checks a step answers, are
+``zkdv.challenge.deciding_step`` and ``required_checks``.
 
 Example::
 
@@ -40,11 +40,8 @@ class Decisions:
     update and state checks belong to the segment that ``step`` ends."""
     if not self.known:
       return True
-    if kind == "probe":
-      return self.by_step[step].probe_ratio > 0
-    decision = self.by_segment.get(step)
-    return decision is not None and {"update": decision.update,
-                                     "state": decision.state}.get(kind, False)
+    return challenge.required_checks(self.by_step[step],
+                                     self.by_segment.get(step)).get(kind, False)
 
 
 def probe_count(layout, ratio: float) -> int:
@@ -93,12 +90,10 @@ def derive(ctx: Verification) -> Decisions:
   policy = ctx.challenger.policy
   by_step = tuple(challenge.decide(s.index, c, policy)
                   for s, c in zip(ctx.model.steps, challenges))
-  # A server decides a segment after its last step is stored; a self-chosen segment is
-  # decided by its first step (known then anyway), so an unchecked one keeps nothing.
-  deciding = (lambda segment: segment.first) if ctx.challenger.kind == "self" else (
-      lambda segment: segment.last)
+  kind = ctx.challenger.kind
   return Decisions(by_step, by_segment={
-      s.last: by_step[deciding(s)] for s in ctx.model.segments if s.end is not None})
+      s.last: by_step[challenge.deciding_step(kind, s.first, s.last)]
+      for s in ctx.model.segments if s.end is not None})
 
 
 def require_answers(ctx: Verification, decisions: Decisions) -> None:
