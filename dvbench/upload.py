@@ -212,11 +212,14 @@ class Uploader(threading.Thread):
     self.sent_records += 1
 
   def _envelope(self, body: dict) -> dict:
+    """Sends ``body`` under the next seq, taken before it is sent: its retries resend these
+    exact bytes, and no other envelope of this client ever carries that seq (the server
+    refuses one that does)."""
     body = {**body, "client_id": self.client_id, "seq": self._seq}
+    self._seq += 1
     ack = self._request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
                         content=transport.encode(body),
                         headers={"content-type": "application/cbor"}).json()
-    self._seq += 1
     self._deliver_challenges(ack)
     return ack
 

@@ -176,6 +176,58 @@ class DatabaseCases:
     self.assertEqual(sorted(a.get("duplicate", False) for a in acks), [False] + [True] * 5)
     self.assertLen(self.record_ids(prover.proof_id), 2)
 
+  def test_a_used_seq_is_refused_for_other_content_and_acknowledged_again_for_its_resend(self):
+    prover = self.prover("seq-reuse")
+    stream = f"/api/v1/proofs/{prover.proof_id}/stream"
+    first_ack = prover.step()  # client "fake", seq 0
+
+    def envelope(seq: int, *raws: bytes) -> bytes:
+      return encode_record({"client_id": "fake", "seq": seq, "kind": "records",
+                            "records": list(raws)})
+    stored = self.record_ids(prover.proof_id)
+    other = envelope(0, prover.step_record())  # the next step, under the used seq 0
+    self.assertRefused(self.http.post(stream, content=other), 409, "envelope seq 0",
+                       "never reused", "under seq 1")
+    self.assertEqual(self.record_ids(prover.proof_id), stored)  # nothing stored
+    resend = self.http.post(stream, content=envelope(0, prover.records[-1]))
+    self.assertEqual(resend.status_code, 200, resend.text)
+    self.assertEqual(resend.json(), {**first_ack, "duplicate": True})
+    prover.step()  # seq 1 takes the new record
+    self.assertLen(self.record_ids(prover.proof_id), 3)
+    self.assertRefused(self.http.post(stream, content=envelope(0, prover.records[1])), 409,
+                       "envelope seq 0", "only the last envelope can be resent")
+    self.assertLen(self.record_ids(prover.proof_id), 3)
+
+  def test_numeric_query_parameters_are_bounded_before_the_database(self):
+    prover = self.prover("bounds")
+    prover.run(steps=2)
+    records, metrics = (f"/api/v1/proofs/{prover.proof_id}/{what}" for what in
+                        ("records", "metrics"))
+    top = 2**31 - 1  # the largest value of an INTEGER column
+    cases = [(f"{records}?limit={'9' * 5000}", "limit", [1, 1000]),
+             (f"{records}?limit=%C2%B2", "limit", [1, 1000]),  # a superscript two
+             (f"{records}?limit=0", "limit", [1, 1000]),
+             (f"{records}?limit=-1", "limit", [1, 1000]),
+             (f"{records}?limit=1_0", "limit", [1, 1000]),
+             (f"{records}?limit=1001", "limit", [1, 1000]),
+             (f"{records}?after=99999999999999999999", "after", None),
+             (f"{records}?after=%D9%A1", "after", None),  # an Arabic-Indic one
+             (f"{metrics}?start=99999999999999999999", "start", [0, top]),
+             (f"{metrics}?start={top + 1}", "start", [0, top]),
+             (f"{metrics}?start=+1", "start", [0, top]),
+             (f"{metrics}?start={'1' * 5000}", "start", [0, top])]
+    for url, name, bounds in cases:
+      response = self.http.get(url)
+      self.assertRefused(response, 400, name)
+      self.assertEqual(response.json()["parameter"], name, url)
+      if bounds is not None:
+        self.assertEqual(response.json()["range"], bounds, url)
+        self.assertIn(f"from {bounds[0]} to {bounds[1]}", response.json()["error"])
+      self.assertLess(len(response.text), 300)  # the value is described, never echoed whole
+    self.assertEqual(self.http.get(f"{records}?after={top}").json(), [])  # the bounds hold
+    self.assertEqual(self.http.get(f"{metrics}?start={top}").json()["steps"], [])
+    self.assertLen(self.http.get(f"{records}?limit=1").json(), 1)
+
   def test_concurrent_puts_of_one_blob(self):
     prover = self.prover("one-blob")
     data = os.urandom(1 << 20)

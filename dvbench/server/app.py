@@ -68,7 +68,8 @@ async def _http_error(request, exc: HTTPException):
   if exc.status_code == 404 and not request.url.path.startswith("/api/"):
     return not_found_page(request, str(exc.detail) if exc.detail != "Not Found" else
                           f"there is no page at {request.url.path[:200]}.")
-  return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+  return JSONResponse({"error": exc.detail, **getattr(exc, "fields", {})},
+                      status_code=exc.status_code, headers=exc.headers)
 
 
 async def _queue_full(request, exc: QueueFull):

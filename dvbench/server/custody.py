@@ -14,7 +14,7 @@ definition the verifier checks too) before the transaction starts; the transacti
 
 Example::
 
-  parsed = parse_records(raws)  # off the event loop, before any database work
+  parsed = [(raw, parse_record(raw, n)) for n, raw in enumerate(raws)]  # before the database
   with store.engine.begin() as conn:
     ingest = Ingest(store, conn, proof_id, ProofChallenger.of(store, proof_id))
     ingest.expect(raw for raw, _ in parsed)
@@ -46,10 +46,6 @@ def parse_record(raw, n: int) -> dict:
   except records.Invalid as e:
     raise HTTPException(400, str(e)) from None
   return record
-
-
-def parse_records(raws: list) -> list[tuple[bytes, dict]]:
-  return [(raw, parse_record(raw, n)) for n, raw in enumerate(raws)]
 
 
 @dataclasses.dataclass(frozen=True)

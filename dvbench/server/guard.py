@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
 from dvbench.server.limits import Limits
+from dvbench.server.refusals import parse_int
 
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 _MAX_ADDRESSES = 10000  # addresses with recent bad tokens kept in memory
@@ -110,7 +111,7 @@ class Guard:
       return _refusal(401, "missing API token: send 'Authorization: Bearer <token>' (create "
                       "one with 'dvbench token create OWNER').")
     declared = headers.get("content-length", "0")
-    if not declared.isdigit() or int(declared) > self.limits.max_body:
+    if parse_int(declared, 0, self.limits.max_body) is None:
       return _refusal(413, f"request body of {declared[:20]} bytes exceeds the limit of "
                       f"{self.limits.max_body}; records above the chunk threshold go in chunks.")
     if self.uploads >= self.limits.max_uploads:

@@ -4,8 +4,9 @@ processes of ``dvbench serve``, not in the web process.
 Decoding and checking an envelope of thousands of records is Python work that holds a
 GIL; in the web process it made every read wait its turn (read p99 under four uploaders:
 ~0.5 s, benchmarks/RESULTS.md). Each child runs ``Ingestion`` on its own connection to
-the database and takes one envelope at a time over a pipe; the web process only
-receives bodies and forwards them.
+the database and stores one slice of an envelope at a time (``ingestion.EnvelopeJob``), its
+turns given in arrival order: a large envelope does not hold up another owner's small one
+for longer than a slice. The web process only receives bodies and forwards them.
 
 A child dies with the server (``PR_SET_PDEATHSIG``, bound to the thread that starts it:
 the server's main thread, its event loop, or the supervisor's thread, all of which live as
@@ -32,6 +33,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import anyio
 from cryptography.hazmat.primitives import serialization
@@ -45,11 +47,13 @@ logger = logging.getLogger("dvbench.ingest")
 
 _REFUSALS = (HTTPException, QueueFull)  # sent back as they are; the app answers them
 _SPAWN = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks copied
+JOB_IDLE_SECONDS = 60.0
 
 
 def _serve(conn, database_url: str, key: bytes, store_options: dict, parent_pid: int) -> None:
-  """A child's loop: ``(proof, body)`` in, ``("ok", ack)`` or ``("raise", exception)`` out,
-  until the server closes the pipe."""
+  """A child's loop, until the server closes the pipe: ``("begin", proof, body)`` or
+  ``("step", handle)`` in; ``("ok", ack)``, ``("more", handle)`` (a slice was stored,
+  records are left) or ``("raise", exception)`` out."""
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
   from dvbench.server.ingestion import Ingestion  # pylint: disable=g-import-not-at-top
@@ -59,20 +63,50 @@ def _serve(conn, database_url: str, key: bytes, store_options: dict, parent_pid:
   for name, value in store_options.items():
     setattr(store, name, value)
   ingestion = Ingestion(store, ed25519.Ed25519PrivateKey.from_private_bytes(key))
+  jobs = _Jobs()
   conn.send(("ready", None))
   while True:
     try:
-      proof, body = conn.recv()
+      message = conn.recv()
     except EOFError:
       return
     try:
-      reply = ("ok", ingestion.ingest(proof, body))
+      reply = jobs.step(ingestion, message)
     except _REFUSALS as e:
       reply = ("raise", e)
     except Exception as e:  # pylint: disable=broad-except  # logged here, a 500 there
-      logger.exception("ingesting an envelope of proof %s failed", proof.get("id"))
+      logger.exception("ingesting an envelope of proof %s failed",
+                       message[1].get("id") if message[0] == "begin" else "(continued)")
       reply = ("raise", RuntimeError(f"ingestion failed: {type(e).__name__}"))
     conn.send(reply)
+
+
+class _Jobs:
+  """A child's envelopes with records left to store, by handle; one nobody continued for
+  ``JOB_IDLE_SECONDS`` (its request went away) is dropped."""
+
+  def __init__(self):
+    self._jobs: dict[int, tuple[object, float]] = {}
+    self._next = 0
+
+  def step(self, ingestion, message: tuple) -> tuple:
+    now = time.monotonic()
+    for handle in [h for h, (_, at) in self._jobs.items() if at < now - JOB_IDLE_SECONDS]:
+      del self._jobs[handle]
+    if message[0] == "begin":
+      job, handle = ingestion.begin(*message[1:]), self._next
+      self._next += 1
+    else:
+      handle = message[1]
+      job = self._jobs.pop(handle, (None,))[0]
+      if job is None:
+        raise HTTPException(503, "the ingestion process storing this envelope was replaced; "
+                            "resend it (records it stored are acknowledged as duplicates).")
+    ack = job.step()
+    if ack is None:
+      self._jobs[handle] = (job, time.monotonic())
+      return ("more", handle)
+    return ("ok", ack)
 
 
 class _NotSent(Exception):
@@ -99,12 +133,12 @@ class _Child:
       self.conn.recv()
       self.ready = True
 
-  def call(self, proof: dict, body: bytes):
-    """The child's reply; ``_NotSent`` when it was dead before taking the envelope,
+  def call(self, message: tuple):
+    """The child's reply; ``_NotSent`` when it was dead before taking the message,
     EOFError or OSError when it died with it."""
     try:
       self.wait_ready()
-      self.conn.send((proof, body))
+      self.conn.send(message)
     except (EOFError, OSError) as e:
       raise _NotSent() from e
     return self.conn.recv()
@@ -134,7 +168,8 @@ class IngestProcesses:
     self._restarts = [Restarts() for _ in range(count)]
     self._taken: set[int] = set()  # indices of children storing an envelope
     self._stopped = False
-    self._idle: asyncio.Queue | None = None  # indices, made in the server's event loop
+    self._turns: list[asyncio.Lock] | None = None  # per child, made in the event loop
+    self._load = [0] * count  # envelopes given to each child and not yet answered
 
   def start(self) -> "IngestProcesses":
     """Starts the children; call it on a thread that lives as long as the server."""
@@ -158,33 +193,45 @@ class IngestProcesses:
     return {"alive": alive, "expected": self.count, "restarts": self.restarts}
 
   async def ingest(self, proof: dict, body: bytes) -> dict:
-    """The acknowledgement of ``body`` (see ``Ingestion.ingest``), stored by a child."""
-    if self._idle is None:
-      self._idle = asyncio.Queue()
-      for index in range(self.count):
-        self._idle.put_nowait(index)
-    index = await self._idle.get()
+    """The acknowledgement of ``body`` (see ``Ingestion.ingest``), stored by the child
+    with the fewest envelopes, one slice per turn: turns of a child go in arrival order,
+    so a large envelope's slices alternate with the envelopes that arrive meanwhile."""
+    if self._turns is None:
+      self._turns = [asyncio.Lock() for _ in range(self.count)]  # FIFO, in this event loop
+    index = min(range(self.count), key=self._load.__getitem__)
+    self._load[index] += 1
+    try:
+      message = ("begin", proof, body)
+      while True:
+        async with self._turns[index]:
+          outcome, value = await self._call(index, message)
+        if outcome != "more":
+          break
+        message = ("step", value)
+    finally:
+      self._load[index] -= 1
+    if outcome == "raise":
+      raise value
+    return value
+
+  async def _call(self, index: int, message: tuple) -> tuple:
     with self._lock:
       self._taken.add(index)
       child = self._children[index]
     try:
       try:
-        outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
+        return await anyio.to_thread.run_sync(child.call, message)
       except _NotSent:  # it died idle: its replacement takes the envelope
         child = self._replace(index, child)
-        outcome, value = await anyio.to_thread.run_sync(child.call, proof, body)
+        return await anyio.to_thread.run_sync(child.call, message)
     except (_NotSent, EOFError, OSError):
       self._replace(index, child)
       raise HTTPException(503, "the server's ingestion process ended before or while "
-                          "storing this envelope; resend it (if it was stored, it is "
-                          "acknowledged as a duplicate).") from None
+                          "storing this envelope; resend it (what was stored is "
+                          "acknowledged as duplicates).") from None
     finally:
       with self._lock:
         self._taken.discard(index)
-      self._idle.put_nowait(index)
-    if outcome == "raise":
-      raise value
-    return value
 
   def replace_dead(self) -> None:
     """Replaces the children that died idle (the supervisor calls it; a child that dies

@@ -1,5 +1,5 @@
 """Ingestion of the stream: envelopes of records, chunks and the close, each checked and
-stored in one transaction.
+stored in bounded transactions (a large envelope in slices, ``EnvelopeJob``).
 
 ``Ingestion`` runs wherever the server puts it: in a worker thread of the web process,
 or in an ingestion process (``ingest_processes``), so that decoding and storing
@@ -9,10 +9,14 @@ Example::
 
   ingestion = Ingestion(store, signing_key)
   ack = ingestion.ingest(store.proof(proof_id), body)  # {"seq", "stored", ...}; or 4xx
+  job = ingestion.begin(proof, body)  # or a slice at a time, others' writes in between
+  while (ack := job.step()) is None: ...
 """
 
 import json
+import time
 
+import blake3
 import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.exceptions import HTTPException
@@ -20,25 +24,29 @@ from starlette.exceptions import HTTPException
 from dvbench import transport
 from dvbench.server import receipts
 from dvbench.server import validation
+from dvbench.server.custody import Ingest, ProofChallenger, parse_record
 from dvbench.server.decoding import decode
-from dvbench.server.custody import Ingest, ProofChallenger, parse_record, parse_records
 from dvbench.server.db import Store
 from dvbench.server.store_custody import RecordTooLarge
 from zkdv.transcript import record_id
 from zkdv.verify import claims
 
 _CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
+# One transaction of a large envelope: records are decoded and checked SLICE_RECORDS (or
+# SLICE_BYTES) at a time, before the transaction, which stores them for SLICE_SECONDS at
+# most; then it commits and the next writer, of any proof, gets its turn.
+SLICE_RECORDS = 512
+SLICE_BYTES = 1 << 20
+SLICE_SECONDS = 0.1
 
 
 def parse_envelope(body: bytes) -> dict:
-  """The envelope with its fields (and, for ``records``, every record) checked; 400 else."""
+  """The envelope with its fields checked (a ``records`` envelope's records are checked
+  slice by slice, ``EnvelopeJob``); 400 else."""
   try:
-    envelope = validation.check_envelope(decode(body, "the envelope"))
+    return validation.check_envelope(decode(body, "the envelope"))
   except validation.Invalid as e:
     raise HTTPException(400, str(e)) from None
-  if envelope["kind"] == "records":
-    envelope["records"] = parse_records(envelope["records"])
-  return envelope
 
 
 def unanswered_failure(rows: list[dict]) -> str | None:
@@ -53,50 +61,33 @@ def unanswered_failure(rows: list[dict]) -> str | None:
 
 
 class Ingestion:
-  """One transaction per envelope, so a refused envelope writes nothing.
+  """Each envelope in bounded transactions, so that a refused record writes nothing and a
+  large envelope never holds the database for long (``EnvelopeJob``).
 
   Resending is idempotent, also after the proof was closed: records already stored are
   acknowledged as duplicates and a close matching the stored records as closed; anything
-  new for a proof that is not ``receiving`` is refused (409).
+  new for a proof that is not ``receiving`` is refused (409). A client's ``seq`` names
+  one envelope: the exact resend of its last acknowledged envelope gets that
+  acknowledgement again, any other envelope under a used ``seq`` is refused (409).
   """
 
   def __init__(self, store: Store, signing_key: ed25519.Ed25519PrivateKey):
     self.store, self.signing_key = store, signing_key
-    self._kinds = {"records": self._records, "chunk": self._chunk, "close": self._close}
+    self.kinds = {"chunk": self.chunk, "close": self.close}
 
   def ingest(self, proof: dict, body: bytes) -> dict:
-    """The acknowledgement of envelope ``body`` for ``proof`` (a row of ``Store.proof``);
-    HTTPException when it is refused."""
-    try:
-      return self._ingest(proof, body)
-    except sa.exc.IntegrityError:  # not expected: writes hold the write lock
-      raise HTTPException(503, "another envelope of this proof was stored at the same "
-                          "time; resend this one (nothing of it was kept).") from None
-
-  def _ingest(self, proof: dict, body: bytes) -> dict:
-    envelope = parse_envelope(body)
-    proof_id, client_id, seq = proof["id"], envelope["client_id"], envelope["seq"]
-    challenger = ProofChallenger.of(self.store, proof_id)
-    with self.store.engine.begin() as conn:
-      expected, last_ack = self.store.stream_position(conn, proof_id, client_id)
-      if seq < expected:
-        ack = json.loads(last_ack) if seq == expected - 1 else {"seq": seq}
-        return {**ack, "duplicate": True}
-      if seq > expected:
-        raise HTTPException(409, f"envelope seq {seq} out of order: expected {expected} for "
-                            f"client {client_id}.")
-      ingest = Ingest(self.store, conn, proof_id, challenger)
-      ack = {**self._kinds[envelope["kind"]](ingest, envelope), "seq": seq}
-      self.store.advance_stream(conn, proof_id, client_id, seq, json.dumps(ack))
+    """The acknowledgement of envelope ``body`` for ``proof`` (a row of ``Store.proof``),
+    stored slice after slice; HTTPException when it is refused."""
+    job = self.begin(proof, body)
+    while (ack := job.step()) is None:
+      pass
     return ack
 
-  def _records(self, ingest: Ingest, envelope: dict) -> dict:
-    ingest.expect(raw for raw, _ in envelope["records"])
-    for n, (raw, record) in enumerate(envelope["records"]):
-      ingest.take(raw, record, n)
-    return ingest.ack()
+  def begin(self, proof: dict, body: bytes) -> "EnvelopeJob":
+    """The envelope decoded and its fields checked; ``step()`` stores it, a slice a call."""
+    return EnvelopeJob(self, proof, body)
 
-  def _chunk(self, ingest: Ingest, envelope: dict) -> dict:
+  def chunk(self, ingest: Ingest, envelope: dict) -> dict:
     rid, idx, count, data = (envelope[k] for k in ("record_id", "index", "count", "data"))
     if self.store.record_position(ingest.conn, ingest.proof_id, rid) is not None:
       return {"chunk": idx, "of": count, "stored": 0, "duplicates": 1, "challenges": []}
@@ -113,7 +104,7 @@ class Ingestion:
     ingest.take(whole, parse_record(whole, 0), 0)  # not stored: looked up above
     return {"chunk": idx, "of": count, **ingest.ack()}
 
-  def _close(self, ingest: Ingest, envelope: dict) -> dict:
+  def close(self, ingest: Ingest, envelope: dict) -> dict:
     head, conn, proof_id = ingest.head, ingest.conn, ingest.proof_id
     final_id, count = envelope["final_record_id"], envelope["record_count"]
     closed_again = head.last_id == final_id and count == head.records
@@ -144,3 +135,110 @@ class Ingestion:
         final_params.hex() if isinstance(final_params, bytes) else None))
     self.store.enqueue_job(conn, "proof", proof_id)
     return {"closed": True, "records": head.records, "state": "closed"}
+
+
+def _stream_entry(ack: dict, digest: str) -> str:
+  """What the stream keeps of its last envelope: the acknowledgement and the envelope's
+  BLAKE3 (an exact resend is told apart from another envelope under the same seq)."""
+  return json.dumps({"ack": ack, "envelope": digest})
+
+
+class EnvelopeJob:
+  """One envelope being stored: ``step()`` runs one bounded transaction and returns None
+  while records are left, then the acknowledgement.
+
+  Each transaction stores whole records in chain order and commits them; a record
+  refused in a later slice leaves the earlier ones stored and unacknowledged (its
+  resend counts them as duplicates). The stream advances with the last slice.
+
+  Example::
+
+    job = ingestion.begin(proof, body)
+    while (ack := job.step()) is None:
+      pass  # another writer may take the database here
+  """
+
+  def __init__(self, ingestion: Ingestion, proof: dict, body: bytes):
+    self.ingestion, self.store = ingestion, ingestion.store
+    self.envelope = parse_envelope(body)
+    self.digest = blake3.blake3(body).hexdigest()
+    self.proof_id, self.seq = proof["id"], self.envelope["seq"]
+    self.client_id = self.envelope["client_id"]
+    self.challenger = ProofChallenger.of(self.store, self.proof_id)
+    self.raws = self.envelope["records"] if self.envelope["kind"] == "records" else []
+    self.parsed: list[tuple[bytes, dict]] = []  # decoded, checked, not yet stored
+    self.taken = 0  # records of the envelope stored or counted as duplicates
+    self.totals = {"stored": 0, "duplicates": 0}
+    self.challenges: dict[int, dict] = {}
+
+  def step(self) -> dict | None:
+    try:
+      return self._step()
+    except sa.exc.IntegrityError:  # not expected: writes hold the write lock
+      raise HTTPException(503, "another envelope of this proof was stored at the same "
+                          "time; resend this one (what it stored is kept).") from None
+
+  def _step(self) -> dict | None:
+    kind = self.envelope["kind"]
+    if kind == "records" and not self.parsed:
+      self._parse_slice()
+    with self.store.engine.begin() as conn:
+      expected, last = self.store.stream_position(conn, self.proof_id, self.client_id)
+      if self.seq < expected:
+        return self._resent(expected, last)
+      if self.seq > expected:
+        raise HTTPException(409, f"envelope seq {self.seq} out of order: expected {expected} "
+                            f"for client {self.client_id}.")
+      ingest = Ingest(self.store, conn, self.proof_id, self.challenger)
+      if kind == "records":
+        ack = self._records(ingest)
+        if ack is None:
+          return None
+      else:
+        ack = self.ingestion.kinds[kind](ingest, self.envelope)
+      ack = {**ack, "seq": self.seq}
+      self.store.advance_stream(conn, self.proof_id, self.client_id, self.seq,
+                                _stream_entry(ack, self.digest))
+    return ack
+
+  def _parse_slice(self) -> None:
+    size, n = 0, self.taken
+    while n < len(self.raws) and n - self.taken < SLICE_RECORDS and size < SLICE_BYTES:
+      raw = self.raws[n]
+      self.parsed.append((raw, parse_record(raw, n)))
+      size += len(raw) if isinstance(raw, bytes) else 0
+      n += 1
+
+  def _records(self, ingest: Ingest) -> dict | None:
+    """Stores parsed records for up to ``SLICE_SECONDS``; the acknowledgement once every
+    record of the envelope is taken, else None."""
+    deadline = time.monotonic() + SLICE_SECONDS
+    ingest.expect(raw for raw, _ in self.parsed)
+    done = 0
+    for raw, record in self.parsed:
+      ingest.take(raw, record, self.taken + done)
+      done += 1
+      if time.monotonic() > deadline:
+        break
+    part = ingest.ack()
+    self.parsed = self.parsed[done:]
+    self.taken += done
+    for name in self.totals:
+      self.totals[name] += part[name]
+    self.challenges.update((c["step"], c) for c in part["challenges"])
+    if self.taken < len(self.raws):
+      return None
+    return {**self.totals, "challenges": [self.challenges[s] for s in sorted(self.challenges)]}
+
+  def _resent(self, expected: int, last: str | None) -> dict:
+    """The earlier acknowledgement of this exact envelope; 409 for any other envelope
+    under a seq that was used."""
+    entry = json.loads(last) if last is not None and self.seq == expected - 1 else {}
+    if entry.get("envelope") == self.digest:
+      return {**entry["ack"], "duplicate": True}
+    what = (f"envelope seq {self.seq} of client {self.client_id} was used by another "
+            if self.seq == expected - 1 else
+            f"envelope seq {self.seq} of client {self.client_id} was used before seq "
+            f"{expected - 1} (only the last envelope can be resent) by an ")
+    raise HTTPException(409, f"{what}envelope, acknowledged already; a seq is never reused: "
+                        f"send new records under seq {expected}.")

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from dvbench.server.refusals import Refusal, int_param
 from dvbench.server.store_listing import BadCursor
 
 MAX_PAGE = 1000
@@ -21,15 +22,12 @@ MAX_PAGE = 1000
 
 def page_params(request: Request) -> tuple[int, str | None]:
   """(limit, after) of the query string; 400 saying the rule when they are not acceptable."""
-  limit = request.query_params.get("limit", str(MAX_PAGE))
-  if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
-    raise HTTPException(400, f"limit is a number of items from 1 to {MAX_PAGE}; got "
-                        f"{limit[:40]!r}.")
+  limit = int_param(request.query_params, "limit", 1, MAX_PAGE, default=MAX_PAGE)
   after = request.query_params.get("after")
   if after is not None and not 0 < len(after) <= 400:
     raise HTTPException(400, "after is the cursor a previous page handed out (its "
                         "X-Next-After header).")
-  return int(limit), after
+  return limit, after
 
 
 def next_link(request: Request, limit: int, cursor: str | None) -> dict[str, str]:
@@ -46,7 +44,7 @@ def fetch_page(request: Request, page, *args, **kwargs) -> tuple[list, dict[str,
   try:
     items, cursor = page(*args, limit=limit, after=after, **kwargs)
   except BadCursor as e:
-    raise HTTPException(400, str(e)) from None
+    raise Refusal(400, str(e), parameter="after") from None
   return items, next_link(request, limit, cursor)
 
 

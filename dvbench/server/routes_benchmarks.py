@@ -31,6 +31,7 @@ from dvbench import scoring
 from dvbench.server import worker
 from dvbench.server.paging import next_link, page_params, paged
 from dvbench.server.decoding import decode
+from dvbench.server.refusals import MAX_COLUMN_INT, int_param
 from dvbench.server.service import HEX_ID, NAME, Service, check_name
 from zkdv import digest
 from zkdv import merkle
@@ -460,9 +461,7 @@ class BenchmarkRoutes:
     """One page of the entries in ``sort`` order; the cursor is a position."""
     sort = sort_key(request.query_params.get("sort", "rank"))
     limit, after = page_params(request)
-    if after is not None and not (after.isdigit() and len(after) < 10):
-      raise HTTPException(400, "after is the position that ended the previous page.")
-    start = int(after or 0)
+    start = int_param({"after": after}, "after", 0, MAX_COLUMN_INT, default=0)
 
     def board():
       return leaderboard_entries(self.store, self._benchmark_or_404(request), sort)

@@ -19,6 +19,7 @@ from dvbench.server import page
 from dvbench.server import routes_benchmarks
 from dvbench.server import run_view
 from dvbench.server.service import HEX_ID, Service, check_name
+from dvbench.server.refusals import MAX_COLUMN_INT, int_param
 
 
 def _url(request) -> page.Url:
@@ -111,12 +112,7 @@ class PageRoutes:
   async def proof_metrics(self, request):
     """``run_view.metric_series`` of a proof from ``?start=STEP``, with the marked steps."""
     proof_id = request.path_params["proof_id"]
-    try:
-      start = int(request.query_params.get("start", "0"))
-    except ValueError:
-      raise HTTPException(400, "start is a step index (an integer).") from None
-    if start < 0:
-      raise HTTPException(400, "start is a step index, 0 or more.")
+    start = int_param(request.query_params, "start", 0, MAX_COLUMN_INT, default=0)  # a step
 
     def gather():
       self.service.proof_or_404(proof_id)

@@ -31,7 +31,10 @@ class StreamRoutes:
     body = await self.service.body(request)
     if self.service.ingest_processes is not None:
       return JSONResponse(await self.service.ingest_processes.ingest(proof, body))
-    return JSONResponse(await run_in_threadpool(self.ingestion.ingest, proof, body))
+    job = await run_in_threadpool(self.ingestion.begin, proof, body)
+    while (ack := await run_in_threadpool(job.step)) is None:
+      pass  # a slice a turn: other requests' transactions run in between
+    return JSONResponse(ack)
 
 
 def stream_routes(service: Service) -> list[Route]:

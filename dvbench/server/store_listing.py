@@ -9,6 +9,7 @@ is None on the last page. Example::
 
 import sqlalchemy as sa
 
+from dvbench.server.refusals import MAX_COLUMN_INT, parse_int
 from dvbench.server.schema import (benchmark_rows, challenges, checks, experiments, proof_blobs,
                                    proofs, records)
 
@@ -20,10 +21,11 @@ class BadCursor(ValueError):
 def _int(after: str | None, what: str) -> int:
   if after is None:
     return -1
-  if not after.isdigit() or len(after) > 18:
-    raise BadCursor(f"after is the {what} that ended the previous page, a number; got "
-                    f"{after[:40]!r}.")
-  return int(after)
+  value = parse_int(after, 0, MAX_COLUMN_INT)
+  if value is None:
+    raise BadCursor(f"after is the {what} that ended the previous page, an integer from 0 "
+                    f"to {MAX_COLUMN_INT}; got {after[:40]!r}.")
+  return value
 
 
 class ListingQueries:
