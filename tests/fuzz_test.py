@@ -5,7 +5,10 @@ nesting, long strings), structure-aware envelopes, chunks, records and roots wit
 mutated, random JSON bodies and odd paths, interleaved with an honest prover's records.
 It asserts: no answer is 5xx, every request answers within its timeout, /health answers
 within 1 s throughout, the server's memory stays flat, and the server holds exactly the
-records it acknowledged, in order, once each. ``FUZZ_SEED`` replays a run.
+records it acknowledged, in order, once each; a used ``seq`` takes no other envelope and a
+numeric query parameter out of range is a 400 naming it. Every draw comes from one seeded
+``random.Random``: the seed is printed, ``FUZZ_SEED`` sets it (default ``DEFAULT_SEED``) and
+replays a run's requests in the same order (how many fit in ``FUZZ_SECONDS`` varies).
 """
 
 import json
@@ -24,6 +27,7 @@ from tests.fake_prover import FakeProver, digest
 from zkdv.transcript import encode_record, record_id
 
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", 15))
+DEFAULT_SEED = 28061
 REQUEST_TIMEOUT = 10.0
 MAX_RSS_GROWTH = 64 << 20
 
@@ -48,10 +52,10 @@ class Values:
         lambda: r.randint(-2**64 + 1, 2**64 - 1), lambda: r.choice([0, 1, -1, 2**63, 2**64 - 1]),
         lambda: 2**r.randint(64, 300),  # a bignum (a CBOR tag)
         lambda: r.choice([math.nan, math.inf, -math.inf, 1e308, -0.0, r.random()]),
-        lambda: os.urandom(r.choice([0, 31, 32, 33, 1000])),
+        lambda: r.randbytes(r.choice([0, 31, 32, 33, 1000])),
         lambda: "x" * r.choice([0, 1, 20, 21, 64, 65, 400, 401, 70000]),
         lambda: r.choice([None, True, False]), lambda: cbor2.CBORTag(r.randint(0, 300), 0),
-        lambda: cbor2.CBORTag(261, [0, os.urandom(16)]),  # an IPv6 network
+        lambda: cbor2.CBORTag(261, [0, r.randbytes(16)]),  # an IPv6 network
     ])()
 
   def value(self, depth: int = 0):
@@ -69,7 +73,7 @@ class Values:
   def encoded(self) -> bytes:
     r = self.rng
     if r.random() < 0.2:
-      return os.urandom(r.randint(0, 4096))
+      return r.randbytes(r.randint(0, 4096))
     if r.random() < 0.1:  # deep or wide, written by hand
       return r.choice([b"\x81" * 5000 + b"\x00", b"\x9a\xff\xff\xff\xff",
                        b"\xbb" + b"\xff" * 8, b"\x5b" + b"\x7f" * 8])
@@ -126,9 +130,9 @@ class FuzzTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    seed = int(os.environ.get("FUZZ_SEED", random.randrange(2**32)))
-    print(f"FUZZ_SEED={seed}")
-    self.rng = random.Random(seed)
+    self.seed = int(os.environ.get("FUZZ_SEED", DEFAULT_SEED))
+    print(f"FUZZ_SEED={self.seed}")
+    self.rng = random.Random(self.seed)
     self.values = Values(self.rng)
     auth = {"Authorization": f"Bearer {self.token}"}
     self.http = httpx.Client(base_url=self.server.url, headers=auth, timeout=REQUEST_TIMEOUT)
@@ -142,6 +146,7 @@ class FuzzTest(absltest.TestCase):
     self.stream = f"/api/v1/proofs/{self.prover.proof_id}/stream"
     self.failures: list[str] = []
     self.sent = 0
+    self.last_envelope: tuple[bytes, dict] | None = None  # the last one taken, and its ack
 
   def tearDown(self):
     self.http.close()
@@ -173,6 +178,7 @@ class FuzzTest(absltest.TestCase):
     response = self.request(what, "POST", self.stream, content=data)
     if response.status_code == 200 and not response.json().get("duplicate"):
       self.chain.seq += 1
+      self.last_envelope = (data, response.json())
     return response
 
   def mutate(self, fields: dict) -> None:
@@ -268,12 +274,53 @@ class FuzzTest(absltest.TestCase):
     self.request("stranger", "POST", self.stream, client=self.stranger,
                  content=self.values.encoded(), headers=headers)
 
+  def used_seq(self):
+    """Another envelope under a used seq is refused; the last one's exact resend gets its
+    acknowledgement again."""
+    if self.last_envelope is None:
+      return
+    data, ack = self.last_envelope
+    response = self.request("exact resend", "POST", self.stream, content=data)
+    if response.status_code != 200 or response.json() != {**ack, "duplicate": True}:
+      self.failures.append(f"exact resend of seq {ack['seq']}: {response.status_code} "
+                           f"{response.text[:200]}, not its ack {ack}")
+    seq = self.rng.randrange(self.chain.seq)
+    other = {"client_id": "fuzz", "seq": seq, "kind": "records",
+             "records": [self.prover.chain(self.chain.step_fields())]}
+    response = self.request(f"records under used seq {seq}", "POST", self.stream,
+                            content=encode_record(other))
+    if response.status_code != 409 or f"seq {seq}" not in response.text:
+      self.failures.append(f"an envelope under used seq {seq} got {response.status_code} "
+                           f"{response.text[:200]}, not 409 naming the seq")
+
+  def numeric_query(self):
+    name, path, low, high = self.rng.choice([
+        ("limit", f"/api/v1/proofs/{self.prover.proof_id}/records", 1, 1000),
+        ("after", f"/api/v1/proofs/{self.prover.proof_id}/records", 0, 2**31 - 1),
+        ("limit", "/api/v1/experiments", 1, 1000),
+        ("start", f"/api/v1/proofs/{self.prover.proof_id}/metrics", 0, 2**31 - 1)])
+    r = self.rng
+    text = r.choice([lambda: "9" * r.choice([19, 20, 400, 5000]), lambda: str(r.randint(
+        -2**70, 2**70)), lambda: str(r.choice([low - 1, low, high, high + 1])),
+                     lambda: r.choice(["\u00b2", "\u0661", "+1", " 1", "1_0", "1e3", "0x10",
+                                       "", "NaN", "-0"])])()
+    response = self.request(f"GET {path}?{name}={text[:40]!r}", "GET", path,
+                            params={name: text})
+    in_range = (text.isascii() and text.isdigit() and len(text) <= len(str(high))
+                and low <= int(text) <= high)
+    if in_range != (response.status_code == 200) or (
+        not in_range and (response.status_code != 400
+                          or response.json().get("parameter") != name)):
+      self.failures.append(f"{name}={text[:40]!r} on {path}: {response.status_code} "
+                           f"{response.text[:200]}")
+
   # -- the run --------------------------------------------------------------------------------
 
   def test_fuzzed_requests(self):
     cases = [(self.honest_step, 3), (self.mutated_record, 6), (self.chunked, 1),
              (self.mutated_envelope, 3), (self.random_body, 3), (self.json_body, 1),
-             (self.odd_path, 1), (self.stranger_write, 1)]
+             (self.odd_path, 1), (self.stranger_write, 1), (self.used_seq, 1),
+             (self.numeric_query, 2)]
     functions, weights = zip(*cases)
     health_latencies, health_failures, stop = [], [], threading.Event()
 
@@ -300,7 +347,7 @@ class FuzzTest(absltest.TestCase):
     finally:
       stop.set()
       watcher.join()
-    self.assertEqual(self.failures, [])
+    self.assertEqual(self.failures, [], f"replay with FUZZ_SEED={self.seed}")
     self.assertEqual(health_failures, [])
     self.assertLess(max(health_latencies), 1.0)
     self.assertLess(rss_end - rss_start, MAX_RSS_GROWTH)

@@ -10,7 +10,6 @@ Example::
 """
 
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -25,8 +24,8 @@ def page_params(request: Request) -> tuple[int, str | None]:
   limit = int_param(request.query_params, "limit", 1, MAX_PAGE, default=MAX_PAGE)
   after = request.query_params.get("after")
   if after is not None and not 0 < len(after) <= 400:
-    raise HTTPException(400, "after is the cursor a previous page handed out (its "
-                        "X-Next-After header).")
+    raise Refusal(400, "after is the cursor a previous page handed out (its X-Next-After "
+                  "header).", parameter="after")
   return limit, after
 
 
