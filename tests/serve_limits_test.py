@@ -88,22 +88,38 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
     self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer)
     self.assertIn(b"the request headers did not arrive in time", answer)
 
-  def test_an_address_holds_at_most_its_connections(self):
-    held = [self.connect("127.0.0.3") for _ in range(4)]
-    testing.wait_until(lambda: health_seconds(self.server.url) < 1.0)  # all four accepted
+  def test_idle_connections_of_an_address_give_way_to_its_new_ones(self):
+    idle = [self.connect("127.0.0.3") for _ in range(4)]  # its limit, each served once
+    for s in idle:
+      self.assertTrue(self.ask(s).startswith(b"HTTP/1.1 200 "))
     extra = self.connect("127.0.0.3")
-    extra.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-    try:
-      self.assertEqual(extra.recv(4096), b"")  # closed unanswered
-    except ConnectionError:
-      pass
+    self.assertTrue(self.ask(extra).startswith(b"HTTP/1.1 200 "))  # /health still answers
+    self.assertEqual(self.closed(idle[0]), b"")  # the oldest idle one made room
+    self.assertTrue(self.ask(idle[1]).startswith(b"HTTP/1.1 200 "))
+
+  def test_an_address_holds_at_most_its_connections_serving_requests(self):
+    base = f"/api/v1/benchmarks/alice/held/blobs/{'0' * 64}"
+    busy = [self.connect("127.0.0.5") for _ in range(4)]
+    for s in busy:  # a request whose body never comes: the app waits for it
+      s.sendall(f"PUT {base} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {self.token}\r\n"
+                "Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n".encode())
+      self.assertTrue(s.recv(4096).startswith(b"HTTP/1.1 100 "))  # it is with the app now
+    extra = self.connect("127.0.0.5")
+    extra.sendall(_HEALTH_REQUEST)
+    self.assertEqual(self.closed(extra), b"")  # closed unanswered: none of the four is idle
     other = self.connect("127.0.0.4")  # another address is served meanwhile
-    other.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-    self.assertTrue(other.recv(4096).startswith(b"HTTP/1.1 200 "))
-    for s in held:
+    self.assertTrue(self.ask(other).startswith(b"HTTP/1.1 200 "))
+    for s in busy:
       s.close()
-    again = testing.wait_until(lambda: self._health_from("127.0.0.3"), timeout=5)
+    again = testing.wait_until(lambda: self._health_from("127.0.0.5"), timeout=5)
     self.assertTrue(again.startswith(b"HTTP/1.1 200 "))
+
+  def closed(self, s: socket.socket) -> bytes:
+    """What the server sends on ``s`` before closing it (b"" when it just closes it)."""
+    try:
+      return s.recv(4096)
+    except ConnectionError:
+      return b""
 
   def _health_from(self, source: str) -> bytes:
     with socket.create_connection(("127.0.0.1", self.server.port), timeout=5,

@@ -9,8 +9,12 @@ connections for as long as they like (the ``Guard`` bounds bodies, which come la
 * a header deadline: from the connection's start, and from the first byte of each next
   request on a kept-alive connection, the request line and headers must be complete
   within ``limits.header_timeout`` seconds, else the server answers 408 and closes;
-* at most ``limits.max_connections_per_address`` open connections per client address;
-  one more is closed at once (``uvicorn``'s ``limit_concurrency`` bounds all of them).
+* at most ``limits.max_connections_per_address`` open connections per client address: one
+  more closes that address's oldest connection that is not serving a request (idle, or
+  still sending its headers), or, when every one of them is, is closed at once; so idle
+  sockets never cut an address off (``/api/v1/health`` included), while requests in
+  progress are bounded by the ``Guard``. ``uvicorn``'s ``limit_concurrency`` bounds all
+  connections.
 
 Example::
 
@@ -32,7 +36,8 @@ _TIMEOUT_ANSWER = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\
 
 def guarded_h11(limits: Limits) -> type:
   """An ``H11Protocol`` class applying the connection limits of ``limits``."""
-  open_per_address: collections.Counter = collections.Counter()  # one server's connections
+  # One server's open connections per address, oldest first (dicts keep insertion order).
+  open_per_address: dict[str, dict] = collections.defaultdict(dict)
 
   class GuardedH11Protocol(H11Protocol):
     """``H11Protocol`` with a header deadline and a per-address connection limit."""
@@ -41,20 +46,37 @@ def guarded_h11(limits: Limits) -> type:
       super().connection_made(transport)
       self._header_deadline = None
       self._address = (self.client or ("unknown",))[0]
-      if open_per_address[self._address] >= limits.max_connections_per_address:
-        self._address = None  # not counted
-        transport.close()
-        return
-      open_per_address[self._address] += 1
+      held = open_per_address[self._address]
+      if len(held) >= limits.max_connections_per_address:
+        idle = next((c for c in held if not c.serving()), None)
+        if idle is None:
+          self._address = None  # not counted
+          transport.close()
+          return
+        idle.evict()
+      held[self] = None
       self._await_headers()
+
+    def serving(self) -> bool:
+      """Whether a request of this connection is with the app or being answered."""
+      return self.cycle is not None and not self.cycle.response_complete
+
+    def evict(self) -> None:
+      """Closes this connection (not serving a request) for a newer one of its address."""
+      self._forget()
+      self.transport.close()
+
+    def _forget(self) -> None:
+      if self._address is not None:
+        held = open_per_address[self._address]
+        held.pop(self, None)
+        if not held:
+          del open_per_address[self._address]
+        self._address = None
 
     def connection_lost(self, exc) -> None:
       self._headers_arrived()
-      if self._address is not None:
-        open_per_address[self._address] -= 1
-        if not open_per_address[self._address]:
-          del open_per_address[self._address]
-        self._address = None
+      self._forget()
       super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

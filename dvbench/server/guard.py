@@ -8,11 +8,14 @@ An ASGI middleware in front of every route (``app.create_app`` installs it):
   grows past it while streaming is cut off with 413;
 * a body must arrive within ``body_timeout`` seconds, with no gap over
   ``body_idle_timeout`` seconds (else 408): a client trickling bytes cannot hold a request;
-* at most ``max_uploads`` writes run at once (beyond: 503 with ``Retry-After``); reads
-  such as ``/api/v1/health`` are never queued behind them;
+* at most ``max_uploads`` writes run at once, and at most ``max_uploads_per_token`` of one
+  token (beyond: 503 with ``Retry-After``), so one owner's slow uploads leave the others
+  room; reads such as ``/api/v1/health`` are never queued behind them;
 * a client address that sent ``bad_tokens`` unknown tokens (401) within
-  ``bad_token_window`` seconds gets 429 with ``Retry-After`` for every authenticated
-  request until the window has passed.
+  ``bad_token_window`` seconds is locked out: until the window has passed, an unknown
+  token from it gets 429 with ``Retry-After`` instead of 401. A valid token is never
+  refused (the request carries ``LOCKOUT``; ``Service.owner`` answers 429 only after its
+  token turned out unknown), so everyone behind one proxy keeps working.
 
 ``Limits`` also holds what ``connections`` applies before a request exists: the header
 deadline and the connection limits.
@@ -22,6 +25,7 @@ Example::
   app = Starlette(routes, middleware=[Middleware(Guard, limits=Limits(max_body=1 << 20))])
 """
 
+import collections
 import math
 import time
 
@@ -34,6 +38,7 @@ from dvbench.server.refusals import parse_int
 
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 _MAX_ADDRESSES = 10000  # addresses with recent bad tokens kept in memory
+LOCKOUT = "dvbench.lockout"  # scope key: seconds until the address may send unknown tokens
 
 
 class _BadTokens:
@@ -74,37 +79,38 @@ class Guard:
     self.app, self.limits = app, limits
     self.bad_tokens = _BadTokens(limits.bad_tokens, limits.bad_token_window)
     self.uploads = 0
+    self.uploads_of: collections.Counter = collections.Counter()  # by token
 
   async def __call__(self, scope, receive, send):
     if scope["type"] != "http":
       return await self.app(scope, receive, send)
-    refusal = self._refusal(scope)
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    address = (scope.get("client") or ("unknown",))[0]
+    authorization = headers.get("authorization")
+    if authorization is not None:
+      scope[LOCKOUT] = self.bad_tokens.retry_after(address)
+    refusal = self._refusal(scope, headers, authorization)
     if refusal is not None:
       return await refusal(scope, receive, send)
-    is_write = scope["method"] in _WRITES
-    address = (scope.get("client") or ("unknown",))[0]
 
     async def observed_send(message):
       if message["type"] == "http.response.start" and message["status"] == 401:
         self.bad_tokens.record(address)
       await send(message)
 
-    if not is_write:
+    if scope["method"] not in _WRITES:
       return await self.app(scope, receive, observed_send)
     self.uploads += 1
+    self.uploads_of[authorization] += 1
     try:
       await self.app(scope, self._bounded(receive), observed_send)
     finally:
       self.uploads -= 1
+      self.uploads_of[authorization] -= 1
+      if not self.uploads_of[authorization]:
+        del self.uploads_of[authorization]
 
-  def _refusal(self, scope) -> JSONResponse | None:
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-    authorization = headers.get("authorization")
-    if authorization is not None:
-      wait = self.bad_tokens.retry_after((scope.get("client") or ("unknown",))[0])
-      if wait:
-        return _refusal(429, f"too many unknown tokens from this address; retry in {wait} s.",
-                        retry_after=wait)
+  def _refusal(self, scope, headers: dict, authorization: str | None) -> JSONResponse | None:
     if scope["method"] not in _WRITES:
       return None
     if authorization is None or not authorization.startswith("Bearer "):
@@ -117,6 +123,10 @@ class Guard:
     if self.uploads >= self.limits.max_uploads:
       return _refusal(503, f"the server is taking {self.uploads} uploads; retry shortly.",
                       retry_after=1)
+    if self.uploads_of[authorization] >= self.limits.max_uploads_per_token:
+      return _refusal(503, f"this token is sending {self.uploads_of[authorization]} uploads "
+                      "already, the most one token may (dvbench serve "
+                      "--max-uploads-per-token); retry when one is done.", retry_after=1)
     return None
 
   def _bounded(self, receive):

@@ -23,6 +23,7 @@ class Limits:
   body_timeout: float = 120.0
   body_idle_timeout: float = 15.0
   max_uploads: int = 64
+  max_uploads_per_token: int = 8
   bad_tokens: int = 20
   bad_token_window: float = 60.0
   header_timeout: float = 10.0  # these three: ``connections``, before a request exists
@@ -33,6 +34,7 @@ class Limits:
   def from_args(cls, args: argparse.Namespace) -> "Limits":
     return cls(max_body=args.max_body_mb << 20, body_timeout=args.body_timeout,
                body_idle_timeout=args.body_idle_timeout, max_uploads=args.max_uploads,
+               max_uploads_per_token=args.max_uploads_per_token,
                bad_tokens=args.bad_token_limit, bad_token_window=args.bad_token_window,
                header_timeout=args.header_timeout, max_connections=args.max_connections,
                max_connections_per_address=args.max_connections_per_address)
@@ -49,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the longest pause (seconds) while a body arrives")
   parser.add_argument("--max-uploads", type=int, default=d.max_uploads,
                       help="writes served at once; more get 503 with Retry-After")
+  parser.add_argument("--max-uploads-per-token", type=int, default=d.max_uploads_per_token,
+                      help="writes of one token served at once; more get 503 with Retry-After")
   parser.add_argument("--bad-token-limit", type=int, default=d.bad_tokens,
-                      help="unknown tokens per client address and window before 429")
+                      help="unknown tokens per client address and window before its "
+                      "unknown tokens get 429 (valid tokens are always served)")
   parser.add_argument("--bad-token-window", type=float, default=d.bad_token_window,
                       help="seconds of the bad-token window")
   parser.add_argument("--header-timeout", type=float, default=d.header_timeout,
@@ -59,4 +64,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="open connections and requests at once; more get 503")
   parser.add_argument("--max-connections-per-address", type=int,
                       default=d.max_connections_per_address,
-                      help="open connections per client address; more are closed at once")
+                      help="open connections per client address; one more closes the "
+                      "address's oldest connection not serving a request (or itself)")

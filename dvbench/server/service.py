@@ -21,6 +21,7 @@ from starlette.requests import Request
 from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
+from dvbench.server.guard import LOCKOUT
 from dvbench.server.limits import Limits
 from dvbench.server.ingest_processes import IngestProcesses
 from dvbench.server.store_tokens import NAME, NAME_RULE
@@ -102,6 +103,11 @@ class Service:
       raise HTTPException(401, "missing API token: send 'Authorization: Bearer <token>' "
                           "(create one with 'dvbench token create OWNER').")
     found = self.store.token_owner(header[len("Bearer "):].strip())
+    locked_for = request.scope.get(LOCKOUT, 0)
+    if found.owner is None and locked_for:
+      raise HTTPException(429, "too many unknown tokens from this address; retry in "
+                          f"{locked_for} s (valid tokens are served meanwhile).",
+                          headers={"retry-after": str(locked_for)})
     if found.owner is None:
       raise HTTPException(401, found.problem or "unknown API token: check DVBENCH_TOKEN or "
                           "'dvbench login', or ask the server's operator for one.")
