@@ -27,6 +27,7 @@ from zkdv.transcript import encode_record, record_id
 # Short limits so that slow-client cases finish in about a second.
 _LIMITS = ("--body-timeout", "2", "--body-idle-timeout", "1", "--max-uploads", "6",
            "--max-uploads-per-token", "4", "--bad-token-limit", "5", "--bad-token-window", "30")
+_HUGE_RECORDS = 1000  # an envelope that takes the server seconds to store in one go
 
 
 def together(n: int, fn):
@@ -227,6 +228,28 @@ class DatabaseCases:
     self.assertEqual(self.http.get(f"{records}?after={top}").json(), [])  # the bounds hold
     self.assertEqual(self.http.get(f"{metrics}?start={top}").json()["steps"], [])
     self.assertLen(self.http.get(f"{records}?limit=1").json(), 1)
+
+  def test_a_huge_envelope_never_holds_up_another_owners_acknowledgements(self):
+    bob = FakeProver(self.server.url, self.server.token("bob"), "bob/huge").start()
+    raws = []
+    for _ in range(_HUGE_RECORDS):  # chained step records, written without sending them
+      raws.append(bob.step_record())
+      bob.last_id, bob.state, bob.steps = record_id(raws[-1]), bob._post(False), bob.steps + 1
+    huge = threading.Thread(target=lambda: acks.append(bob.send(*raws)))
+    acks, latencies = [], []
+    alice = self.prover("small-owner")
+    huge.start()
+    while huge.is_alive():
+      began = time.monotonic()
+      alice.step()
+      latencies.append(time.monotonic() - began)
+    huge.join()
+    self.assertEqual(acks[0].status_code, 200, acks[0].text)
+    self.assertEqual(acks[0].json()["stored"], _HUGE_RECORDS)
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    self.assertEqual(store.record_ids(bob.proof_id), [record_id(r) for r in bob.records])
+    self.assertGreater(len(latencies), 3)  # alice kept storing while bob's envelope was
+    self.assertLess(max(latencies), 1.0, sorted(latencies)[-5:])
 
   def test_concurrent_puts_of_one_blob(self):
     prover = self.prover("one-blob")

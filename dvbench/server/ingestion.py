@@ -35,7 +35,7 @@ _CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": 
 # One transaction of a large envelope: records are decoded and checked SLICE_RECORDS (or
 # SLICE_BYTES) at a time, before the transaction, which stores them for SLICE_SECONDS at
 # most; then it commits and the next writer, of any proof, gets its turn.
-SLICE_RECORDS = 512
+SLICE_RECORDS = 256
 SLICE_BYTES = 1 << 20
 SLICE_SECONDS = 0.1
 
