@@ -11,6 +11,7 @@ Example::
 """
 
 import argparse
+import dataclasses
 import getpass
 import json
 import logging
@@ -160,6 +161,7 @@ def _minimum_policy(args):
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
   from dvbench.server import connections  # pylint: disable=g-import-not-at-top
+  from dvbench.server import quotas  # pylint: disable=g-import-not-at-top
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
   from dvbench.server.ingest_processes import IngestProcesses  # pylint: disable=g-import-not-at-top
@@ -185,7 +187,8 @@ def serve(args) -> int:
                     time_limit=args.time_limit, workers=supervisor.health,
                     isolation=sandbox.describe(isolation), sandbox_missing=gaps,
                     ingest_processes=ingest_processes, crash_after=args.crash_after,
-                    max_slots_per_hour=args.max_slots_per_hour)
+                    max_slots_per_hour=args.max_slots_per_hour,
+                    quotas=quotas.Quotas.from_args(args))
   database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
   print(f"dvbench serve: listening on http://{args.host}:{args.port}, data in "
         f"{pathlib.Path(args.data).resolve()}{database}", file=sys.stderr, flush=True)
@@ -271,6 +274,21 @@ def token_revoke(args) -> int:
     raise SystemExit(f"dvbench token revoke: no active token is named {args.name!r} (see "
                      "'dvbench token list').")
   print(f"revoked {args.name}")
+  return 0
+
+
+def usage(args) -> int:
+  """An owner's usage against the quotas the server last started with."""
+  from dvbench.server import quotas  # pylint: disable=g-import-not-at-top
+  from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR  # pylint: disable=g-import-not-at-top
+  store, blobs = _store_and_blobs(args)
+  limits = json.loads(store.setting(quotas.QUOTAS_SETTING) or "null") or {
+      **dataclasses.asdict(quotas.Quotas()), "slots_per_hour": DEFAULT_MAX_SLOTS_PER_HOUR}
+  used = quotas.usage(store, blobs.size, args.owner)
+  print(f"{'quota':<16} {'used':>16} {'limit':>16}  raised with")
+  for quota, flag in quotas.FLAGS.items():
+    print(f"{quota:<16} {used[quotas.USAGE_OF[quota]]:>16} {limits[quota]:>16}  "
+          f"dvbench serve {flag}")
   return 0
 
 
@@ -417,6 +435,8 @@ def main(argv=None) -> int:
                  "web process, so reads do not wait behind uploads)")
   from dvbench.server.limits import add_arguments  # pylint: disable=g-import-not-at-top
   add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
+  from dvbench.server import quotas  # pylint: disable=g-import-not-at-top
+  quotas.add_arguments(s)  # per owner: stored bytes, open proofs, experiments
   s.add_argument("--max-queued-per-owner", type=int, default=16,
                  help="jobs an owner may have waiting; beyond it closing a proof answers 429")
   s.add_argument("--abandon-after", type=duration, default=duration("24h"),
@@ -475,6 +495,12 @@ def main(argv=None) -> int:
   storage(tr)
   tr.add_argument("name")
   tr.set_defaults(run=token_revoke)
+
+  u = sub.add_parser("usage", help="an owner's usage of its quotas (stored bytes, slots in "
+                     "the last hour, open proofs, experiments)")
+  storage(u)
+  u.add_argument("owner")
+  u.set_defaults(run=usage)
 
   l = sub.add_parser("login", help="save a token (and server URL) for Client(); the token is "
                      "read from stdin or a hidden prompt")

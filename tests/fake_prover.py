@@ -144,6 +144,11 @@ class FakeProver:
     self.steps += 1
     return response.json()
 
+  @staticmethod
+  def digest_hex(data: bytes) -> str:
+    """The blob name of ``data``."""
+    return digest(data).hex()
+
   def upload(self, data: bytes) -> bytes:
     name = digest(data)
     response = self.http.put(f"/api/v1/proofs/{self.proof_id}/blobs/{name.hex()}", content=data)

@@ -16,8 +16,7 @@ Example::
 import time
 
 import sqlalchemy as sa
-from starlette.exceptions import HTTPException
-
+from dvbench.server.refusals import Refusal
 from dvbench.server.schema import challenges, experiments, owners, proofs, slots
 from zkdv import challenge
 
@@ -86,7 +85,8 @@ def check_slot_rate(store, owner: str, per_hour: int) -> None:
                          .where((owners.c.name == owner) & (slots.c.created_at > since))).first()
   if taken[0] >= per_hour:
     wait = max(1, int(taken[1] + _HOUR - time.time()) + 1)
-    raise HTTPException(429, f"'{owner}' took {taken[0]} proof slots in the last hour; the "
-                        f"server issues at most {per_hour} per owner per hour (dvbench serve "
-                        f"--max-slots-per-hour). Every slot counts as an attempt; retry in "
-                        f"{wait} s.", headers={"retry-after": str(wait)})
+    raise Refusal(429, f"'{owner}' took {taken[0]} proof slots in the last hour; the "
+                  f"server issues at most {per_hour} per owner per hour (dvbench serve "
+                  f"--max-slots-per-hour). Every slot counts as an attempt; retry in "
+                  f"{wait} s.", headers={"retry-after": str(wait)}, quota="slots_per_hour",
+                  used=taken[0], limit=per_hour, flag="--max-slots-per-hour")

@@ -43,6 +43,13 @@ class BlobStore:
   def has(self, digest: str) -> bool:
     return self.path(digest).exists()
 
+  def size(self, digest: str) -> int:
+    """Bytes of blob ``digest`` (0 when it is not stored)."""
+    try:
+      return self.path(digest).stat().st_size
+    except FileNotFoundError:
+      return 0
+
   def upload(self, digest: str) -> "BlobUpload":
     """A blob of ``digest`` to write in parts (``BlobUpload``)."""
     return BlobUpload(self.path(digest))

@@ -9,7 +9,7 @@ at most as many as its range needs, within the range.
 Example::
 
   start = int_param(request.query_params, "start", 0, MAX_COLUMN_INT, default=0)
-  raise Refusal(429, "quota ...", quota="slots_per_hour", limit=100, flag="--quota-...")
+  raise Refusal(403, "quota ...", quota="open_proofs", limit=32, flag="--quota-open-proofs")
 """
 
 import re
@@ -20,20 +20,20 @@ _DIGITS = re.compile(r"[0-9]+")
 MAX_COLUMN_INT = 2**31 - 1  # the largest value an INTEGER column holds on every database
 
 
-def _rebuilt(status_code: int, detail: str, fields: dict) -> "Refusal":
-  return Refusal(status_code, detail, **fields)
+def _rebuilt(status_code: int, detail: str, headers: dict | None, fields: dict) -> "Refusal":
+  return Refusal(status_code, detail, headers=headers, **fields)
 
 
 class Refusal(HTTPException):
   """An HTTPException with ``fields`` for its JSON answer (``app`` adds them next to
   ``error``); it pickles, so an ingestion process can raise it."""
 
-  def __init__(self, status_code: int, detail: str, **fields):
-    super().__init__(status_code, detail)
+  def __init__(self, status_code: int, detail: str, headers: dict | None = None, **fields):
+    super().__init__(status_code, detail, headers)
     self.fields = fields
 
   def __reduce__(self):
-    return (_rebuilt, (self.status_code, self.detail, self.fields))
+    return (_rebuilt, (self.status_code, self.detail, self.headers, self.fields))
 
 
 def parse_int(text: str | None, low: int, high: int) -> int | None:

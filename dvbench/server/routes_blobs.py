@@ -14,6 +14,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from dvbench.server.paging import paged
+from dvbench.server.refusals import parse_int
 from dvbench.server.service import Service
 
 
@@ -28,6 +29,8 @@ class BlobRoutes:
     digest = self.service.blob_name(request.path_params["digest"])
     proof = await run_in_threadpool(self.service.proof_for_write, request,
                                     request.path_params["proof_id"])
+    if await run_in_threadpool(self._held_already, proof, digest, request):
+      return Response(status_code=201)
     stored = await self.service.receive_blob(request, digest)
 
     def record():
@@ -40,6 +43,20 @@ class BlobRoutes:
       self.store.add_proof_blob(proof["id"], digest)
       return 201
     return Response(status_code=await run_in_threadpool(record))
+
+  def _held_already(self, proof: dict, digest: str, request) -> bool:
+    """True when the proof holds ``digest`` already (a resend: nothing to store); 409 when
+    the proof takes no more records (nor their blobs); else checks the storage quota."""
+    if self.store.has_proof_blob(proof["id"], digest):
+      return True
+    if proof["state"] != "receiving":
+      raise HTTPException(409, f"proof {proof['id']} is {proof['state']}; it takes no more "
+                          "records, nor blobs.")
+    declared = parse_int(request.headers.get("content-length"), 0, self.service.limits.max_body)
+    self.service.quota.check_storage(proof["experiment"].split("/")[0],
+                                     self.service.limits.max_body if declared is None
+                                     else declared)
+    return False
 
   def _custody(self, request) -> tuple[dict, str]:
     """(proof, digest) when ``digest`` was uploaded for the proof; 404 otherwise."""

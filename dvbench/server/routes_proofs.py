@@ -176,6 +176,8 @@ class ProofRoutes:
           raise HTTPException(409, f"proof {proof_id} belongs to experiment "
                               f"'{existing['experiment']}'.")
         return existing  # the same root again
+      self.service.quota.check_open_proofs(owner)
+      self.service.quota.check_storage(owner, len(root))
       challenger = RootBinding(self.service, exp).challenger_row(record, proof_id)
       try:
         return self.store.create_proof(exp["id"], proof_id, str(record.get("name", ""))[:400],

@@ -29,6 +29,8 @@ class StreamRoutes:
     proof = await run_in_threadpool(self.service.proof_for_write, request,
                                     request.path_params["proof_id"])
     body = await self.service.body(request)
+    owner = proof["experiment"].split("/")[0]
+    await run_in_threadpool(self.service.quota.check_storage, owner, len(body))
     if self.service.ingest_processes is not None:
       return JSONResponse(await self.service.ingest_processes.ingest(proof, body))
     job = await run_in_threadpool(self.ingestion.begin, proof, body)

@@ -24,6 +24,7 @@ from dvbench.server.db import Store
 from dvbench.server.guard import LOCKOUT
 from dvbench.server.limits import Limits
 from dvbench.server.ingest_processes import IngestProcesses
+from dvbench.server.quotas import QUOTAS_SETTING, QuotaKeeper, Quotas
 from dvbench.server.store_tokens import NAME, NAME_RULE
 from zkdv import challenge
 from zkdv import receipt
@@ -59,6 +60,7 @@ class Service:
   ingest_processes: IngestProcesses | None = None  # None: ingestion runs in threads
   crash_after: float = 600.0  # a receiving proof silent this long is crashed (or discarded)
   max_slots_per_hour: int = DEFAULT_MAX_SLOTS_PER_HOUR  # proof slots per owner (attempts)
+  quotas: Quotas = Quotas()
 
   @property
   def heartbeat_seconds(self) -> float:
@@ -68,6 +70,9 @@ class Service:
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)
     self.store.put_setting(MINIMUM_POLICY_SETTING, json.dumps(self.minimum_policy.to_record()))
+    self.store.put_setting(QUOTAS_SETTING, json.dumps({
+        **dataclasses.asdict(self.quotas), "slots_per_hour": self.max_slots_per_hour}))
+    self.quota = QuotaKeeper(self.store, self.blobs, self.quotas)
 
   async def body(self, request: Request) -> bytes:
     """The request's body, read only once its token is known (``Guard`` bounds size and time)."""
@@ -114,11 +119,16 @@ class Service:
     return found.owner
 
   def writable_experiment(self, request: Request, owner: str, name: str) -> dict:
+    """The experiment, created for its owner (within its quota) if it is new."""
     full = check_name(owner, name)
     who = self.owner(request)
     if who != owner:
       raise HTTPException(403, f"token of '{who}' cannot write to '{full}'; experiments "
                           "are written only by their owner.")
+    existing = self.store.experiment(full)
+    if existing is not None:
+      return existing
+    self.quota.check_experiments(owner)
     return self.store.experiment(full, create_for=owner)
 
   def proof_or_404(self, proof_id: str) -> dict:

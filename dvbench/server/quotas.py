@@ -1,0 +1,133 @@
+"""Quotas per owner: what one owner's tokens may hold on the server.
+
+* ``stored_bytes``: records, chunks and blobs of the owner's proofs (a blob counted once
+  per owner however many proofs hold it);
+* slots per hour: ``attempts.check_slot_rate`` (``--max-slots-per-hour``); shown here;
+* ``open_proofs``: the owner's proofs still ``receiving``;
+* ``experiments``: the owner's experiments.
+
+A refusal is a typed ``Refusal`` (403) naming the quota, the owner's usage and limit and
+the ``dvbench serve`` flag that raises it, e.g.
+``{"error": "...", "quota": "open_proofs", "used": 32, "limit": 32,
+"flag": "--quota-open-proofs"}``. ``dvbench usage OWNER`` prints an owner's usage.
+
+Stored bytes are summed from the database and the blob store at most every
+``STORED_BYTES_TTL`` seconds per owner; the bytes admitted since are added to the sum,
+so an owner overshoots by at most what one request carries.
+
+Example::
+
+  keeper = QuotaKeeper(store, blobs, Quotas(open_proofs=4))
+  keeper.check_open_proofs("alice")  # Refusal when alice has 4 proofs receiving
+  keeper.check_storage("alice", incoming=len(body))
+  keeper.usage("alice")  # {"stored_bytes": ..., "slots_last_hour": ..., ...}
+"""
+
+import argparse
+import dataclasses
+import threading
+import time
+
+import sqlalchemy as sa
+
+from dvbench.server.refusals import Refusal
+from dvbench.server.schema import chunks, experiments, owners, proof_blobs, proofs, records, slots
+
+STORED_BYTES_TTL = 10.0
+QUOTAS_SETTING = "quotas"  # the serving quotas, for ``dvbench usage``
+
+
+@dataclasses.dataclass(frozen=True)
+class Quotas:
+  """Per-owner limits (``dvbench serve`` flags ``--quota-*``)."""
+
+  stored_bytes: int = 64 << 30
+  open_proofs: int = 32
+  experiments: int = 1000
+
+  @classmethod
+  def from_args(cls, args: argparse.Namespace) -> "Quotas":
+    return cls(stored_bytes=int(args.quota_stored_gb * (1 << 30)),
+               open_proofs=args.quota_open_proofs, experiments=args.quota_experiments)
+
+
+FLAGS = {"stored_bytes": "--quota-stored-gb", "slots_per_hour": "--max-slots-per-hour",
+         "open_proofs": "--quota-open-proofs", "experiments": "--quota-experiments"}
+USAGE_OF = {"stored_bytes": "stored_bytes", "slots_per_hour": "slots_last_hour",
+            "open_proofs": "open_proofs", "experiments": "experiments"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The ``dvbench serve`` flags of ``Quotas``."""
+  d = Quotas()
+  parser.add_argument(FLAGS["stored_bytes"], type=float, default=d.stored_bytes / (1 << 30),
+                      help="GiB of records and blobs one owner's proofs may hold")
+  parser.add_argument(FLAGS["open_proofs"], type=int, default=d.open_proofs,
+                      help="proofs of one owner receiving records at once")
+  parser.add_argument(FLAGS["experiments"], type=int, default=d.experiments,
+                      help="experiments one owner may create")
+
+
+def usage(store, blob_size, owner: str) -> dict[str, int]:
+  """What ``owner`` holds: ``stored_bytes``, ``slots_last_hour``, ``open_proofs``,
+  ``experiments`` (``blob_size(digest)``: bytes of a stored blob, 0 if gone)."""
+  of_owner = (owners.c.name == owner)
+  exp = sa.select(experiments.c.id).join(owners, owners.c.id == experiments.c.owner_id).where(
+      of_owner)
+  owned = sa.select(proofs.c.id).where(proofs.c.experiment_id.in_(exp))
+  with store.engine.connect() as conn:
+    counts = {
+        "experiments": conn.execute(sa.select(sa.func.count()).select_from(
+            exp.subquery())).scalar(),
+        "open_proofs": conn.execute(sa.select(sa.func.count()).where(
+            proofs.c.experiment_id.in_(exp) & (proofs.c.state == "receiving"))).scalar(),
+        "slots_last_hour": conn.execute(sa.select(sa.func.count()).where(
+            slots.c.experiment_id.in_(exp) & (slots.c.created_at > time.time() - 3600))
+                                        ).scalar()}
+    held = sum(conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(t.c.data)),
+                                                       0)).where(t.c.proof_id.in_(owned))
+                            ).scalar() for t in (records, chunks))
+    digests = conn.execute(sa.select(proof_blobs.c.digest).where(
+        proof_blobs.c.proof_id.in_(owned)).distinct()).scalars().all()
+  return {"stored_bytes": held + sum(blob_size(d) for d in digests), **counts}
+
+
+class QuotaKeeper:
+  """Checks ``Quotas`` before a write (see the module docstring)."""
+
+  def __init__(self, store, blobs, quotas: Quotas):
+    self.store, self.blobs, self.quotas = store, blobs, quotas
+    self._lock = threading.Lock()
+    self._stored: dict[str, tuple[float, int]] = {}  # owner -> (summed at, bytes)
+
+  def usage(self, owner: str) -> dict[str, int]:
+    return usage(self.store, self.blobs.size, owner)
+
+  def check_experiments(self, owner: str) -> None:
+    self._check(owner, "experiments", self.usage(owner)["experiments"])
+
+  def check_open_proofs(self, owner: str) -> None:
+    self._check(owner, "open_proofs", self.usage(owner)["open_proofs"])
+
+  def check_storage(self, owner: str, incoming: int) -> None:
+    """Refuses ``incoming`` more bytes beyond the owner's ``stored_bytes``; else counts them."""
+    with self._lock:
+      summed_at, held = self._stored.get(owner, (0.0, 0))
+    if time.monotonic() - summed_at > STORED_BYTES_TTL:
+      summed_at, held = time.monotonic(), self.usage(owner)["stored_bytes"]
+    self._check(owner, "stored_bytes", held, incoming)
+    with self._lock:
+      self._stored[owner] = (summed_at, held + incoming)
+
+  def _check(self, owner: str, quota: str, used: int, incoming: int = 1) -> None:
+    limit = getattr(self.quotas, quota)
+    if used + incoming <= limit:
+      return
+    what = {"stored_bytes": f"store {used + incoming} bytes",
+            "open_proofs": "have another proof receiving",
+            "experiments": "create another experiment"}[quota]
+    raise Refusal(403,
+                  f"quota {quota} of owner '{owner}': it would {what}, over its limit of "
+                  f"{limit} (used: {used}); the server's operator raises it with "
+                  f"'dvbench serve {FLAGS[quota]}'; 'dvbench usage {owner}' shows the usage.",
+                  quota=quota, used=used, limit=limit, flag=FLAGS[quota])

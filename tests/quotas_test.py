@@ -1,0 +1,137 @@
+"""Quotas per owner against a real `dvbench serve` process (SQLite and PostgreSQL).
+
+Each quota is reached by one owner and refused with a typed answer naming the quota, the
+usage, the limit and the flag that raises it, while other owners are not affected;
+``dvbench usage`` shows what an owner holds.
+"""
+
+import os
+import subprocess
+import sys
+
+import httpx
+from absl.testing import absltest
+
+from dvbench.server.local import LocalServer
+from tests.fake_prover import FakeProver
+
+_STORED_BYTES = 100_000
+_QUOTAS = ("--quota-stored-gb", str(_STORED_BYTES / (1 << 30)), "--max-slots-per-hour", "4",
+           "--quota-open-proofs", "2", "--quota-experiments", "2",
+           "--min-update-check-probability", "0")
+
+
+class QuotaCases:
+  """One server per class; ``database_url`` None is SQLite. Each test is its own owner."""
+
+  database_url: str | None = None
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0, database_url=cls.database_url,
+                             extra_args=_QUOTAS).start()
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.server.stop()
+    super().tearDownClass()
+
+  def client(self, owner: str) -> httpx.Client:
+    http = httpx.Client(base_url=self.server.url, timeout=30,
+                        headers={"Authorization": f"Bearer {self.server.token(owner)}"})
+    self.addCleanup(http.close)
+    return http
+
+  def assertQuota(self, response: httpx.Response, status: int, quota: str, used: int,
+                  limit: int, flag: str):
+    self.assertEqual(response.status_code, status, response.text)
+    answer = response.json()
+    self.assertEqual((answer["quota"], answer["used"], answer["limit"], answer["flag"]),
+                     (quota, used, limit, flag))
+    self.assertIn(f"dvbench serve {flag}", answer["error"])
+
+  def test_experiments(self):
+    http = self.client("erin")
+    for name in ("a", "b"):
+      self.assertEqual(http.post("/api/v1/experiments", json={"name": f"erin/{name}"})
+                       .status_code, 200)
+    self.assertQuota(http.post("/api/v1/experiments", json={"name": "erin/c"}), 403,
+                     "experiments", 2, 2, "--quota-experiments")
+    self.assertQuota(http.post("/api/v1/experiments/erin/d/slots"), 403,  # made on the fly
+                     "experiments", 2, 2, "--quota-experiments")
+    self.assertEqual(http.post("/api/v1/experiments/erin/a/slots").status_code, 201)
+    other = self.client("otto")  # another owner is not affected
+    self.assertEqual(other.post("/api/v1/experiments", json={"name": "otto/a"}).status_code,
+                     200)
+
+  def test_slots_per_hour(self):
+    http = self.client("sam")
+    for _ in range(4):
+      self.assertEqual(http.post("/api/v1/experiments/sam/run/slots").status_code, 201)
+    self.assertQuota(http.post("/api/v1/experiments/sam/run/slots"), 429,
+                     "slots_per_hour", 4, 4, "--max-slots-per-hour")
+
+  def test_open_proofs(self):
+    token = self.server.token("olga")
+    provers = [FakeProver(self.server.url, token, "olga/run").start(f"p{i}") for i in range(2)]
+    third = FakeProver(self.server.url, token, "olga/run")
+    self.assertQuota(third.post_root(third.root(third.slot(), "p2")), 403, "open_proofs", 2, 2,
+                     "--quota-open-proofs")
+    provers[0].run(steps=1)
+    self.assertEqual(provers[0].finish().json()["state"], "closed")
+    self.assertEqual(third.post_root(third.root(third.slot(), "p2")).status_code, 201)
+
+  def test_stored_bytes_and_usage(self):
+    prover = FakeProver(self.server.url, self.server.token("dora"), "dora/run").start()
+    data = os.urandom(_STORED_BYTES // 2)
+    prover.upload(data)
+    more = os.urandom(_STORED_BYTES // 2)
+    response = prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/"
+                               f"{FakeProver.digest_hex(more)}", content=more)
+    self.assertEqual(response.status_code, 403, response.text)
+    self.assertEqual((response.json()["quota"], response.json()["flag"]),
+                     ("stored_bytes", "--quota-stored-gb"))
+    self.assertGreaterEqual(response.json()["used"], len(data))
+    prover.upload(data)  # the resend of a held blob stores nothing: served
+    args = ["usage", "dora", "--data", str(self.server.data)]
+    if self.database_url:
+      args += ["--database-url", self.database_url]
+    shown = subprocess.run([sys.executable, "-m", "dvbench.cli", *args], check=True,
+                           capture_output=True, text=True).stdout
+    rows = {line.split()[0]: line.split()[1:3] for line in shown.splitlines()[1:]}
+    self.assertGreaterEqual(int(rows["stored_bytes"][0]), len(data))
+    self.assertEqual(rows["stored_bytes"][1], str(_STORED_BYTES))
+    self.assertEqual(rows["open_proofs"], ["1", "2"])
+    self.assertEqual(rows["slots_per_hour"], ["1", "4"])
+
+  def test_a_blob_for_a_proof_that_takes_no_more_records_is_refused(self):
+    prover = FakeProver(self.server.url, self.server.token("cleo"), "cleo/run").start()
+    held = prover.upload(b"uploaded while receiving")
+    prover.run(steps=1)
+    self.assertEqual(prover.finish().json()["state"], "closed")
+    late = b"uploaded after the close"
+    response = prover.http.put(f"/api/v1/proofs/{prover.proof_id}/blobs/"
+                               f"{FakeProver.digest_hex(late)}", content=late)
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("takes no more records, nor blobs", response.json()["error"])
+    self.assertEqual(prover.http.head(f"/api/v1/proofs/{prover.proof_id}/blobs/"
+                                      f"{FakeProver.digest_hex(late)}").status_code, 404)
+    self.assertEqual(prover.upload(b"uploaded while receiving"), held)  # a resend: served
+
+
+class SqliteQuotaTest(QuotaCases, absltest.TestCase):
+  pass
+
+
+class PostgresQuotaTest(QuotaCases, absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    from tests import postgres  # pylint: disable=g-import-not-at-top
+    cls.database_url = postgres.shared_cluster().new_database()
+    super().setUpClass()
+
+
+if __name__ == "__main__":
+  absltest.main()
