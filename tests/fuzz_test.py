@@ -6,7 +6,8 @@ mutated, random JSON bodies and odd paths, interleaved with an honest prover's r
 It asserts: no answer is 5xx, every request answers within its timeout, /health answers
 within 1 s throughout, the server's memory stays flat, and the server holds exactly the
 records it acknowledged, in order, once each; a used ``seq`` takes no other envelope and a
-numeric query parameter out of range is a 400 naming it. Every draw comes from one seeded
+numeric query parameter out of range is a 400 naming it; past its slot quota an owner gets
+429 naming the quota. Every draw comes from one seeded
 ``random.Random``: the seed is printed, ``FUZZ_SEED`` sets it (default ``DEFAULT_SEED``) and
 replays a run's requests in the same order (how many fit in ``FUZZ_SECONDS`` varies).
 """
@@ -28,6 +29,7 @@ from zkdv.transcript import encode_record, record_id
 
 FUZZ_SECONDS = float(os.environ.get("FUZZ_SECONDS", 15))
 DEFAULT_SEED = 28061
+SLOTS_PER_HOUR = 8
 REQUEST_TIMEOUT = 10.0
 MAX_RSS_GROWTH = 64 << 20
 
@@ -120,7 +122,8 @@ class FuzzTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=0, max_body_mb=8).start()
+    cls.server = LocalServer(workers=0, max_body_mb=8,
+                             extra_args=("--max-slots-per-hour", str(SLOTS_PER_HOUR))).start()
     cls.token = cls.server.token("fuzz")
 
   @classmethod
@@ -147,6 +150,7 @@ class FuzzTest(absltest.TestCase):
     self.failures: list[str] = []
     self.sent = 0
     self.last_envelope: tuple[bytes, dict] | None = None  # the last one taken, and its ack
+    self.slots = 2  # taken by the two provers
 
   def tearDown(self):
     self.http.close()
@@ -314,13 +318,23 @@ class FuzzTest(absltest.TestCase):
       self.failures.append(f"{name}={text[:40]!r} on {path}: {response.status_code} "
                            f"{response.text[:200]}")
 
+  def slot(self):
+    """Slots within the quota are issued; past it, 429 names the quota and its flag."""
+    response = self.request("slot", "POST", "/api/v1/experiments/fuzz/run/slots")
+    self.slots += 1
+    expected = 201 if self.slots <= SLOTS_PER_HOUR else 429
+    if response.status_code != expected or (expected == 429 and (
+        response.json().get("quota"), response.json().get("flag")) != (
+            "slots_per_hour", "--max-slots-per-hour")):
+      self.failures.append(f"slot {self.slots}: {response.status_code} {response.text[:200]}")
+
   # -- the run --------------------------------------------------------------------------------
 
   def test_fuzzed_requests(self):
     cases = [(self.honest_step, 3), (self.mutated_record, 6), (self.chunked, 1),
              (self.mutated_envelope, 3), (self.random_body, 3), (self.json_body, 1),
              (self.odd_path, 1), (self.stranger_write, 1), (self.used_seq, 1),
-             (self.numeric_query, 2)]
+             (self.numeric_query, 2), (self.slot, 1)]
     functions, weights = zip(*cases)
     health_latencies, health_failures, stop = [], [], threading.Event()
 
