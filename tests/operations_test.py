@@ -332,8 +332,8 @@ class IdleServerTest(absltest.TestCase):
     names = [e["full_name"] for e in self.follow("/api/v1/experiments", 1)]
     self.assertEqual(names, sorted(set(names)))
     self.assertIn("alice/paged", names)
-    for query, error in (("limit=0", "limit is a number of items from 1 to 1000"),
-                         ("limit=1001", "from 1 to 1000"), ("after=x", "a number")):
+    for query, error in (("limit=0", "limit is an integer from 1 to 1000"),
+                         ("limit=1001", "from 1 to 1000"), ("after=x", "an integer from 0")):
       response = httpx.get(f"{self.server.url}{base}/records?{query}")
       self.assertEqual(response.status_code, 400, query)
       self.assertIn(error, response.json()["error"])

@@ -193,7 +193,7 @@ class IngestProcesses:
     return {"alive": alive, "expected": self.count, "restarts": self.restarts}
 
   async def ingest(self, proof: dict, body: bytes) -> dict:
-    """The acknowledgement of ``body`` (see ``Ingestion.ingest``), stored by the child
+    """The acknowledgement of ``body`` (see ``Ingestion.begin``), stored by the child
     with the fewest envelopes, one slice per turn: turns of a child go in arrival order,
     so a large envelope's slices alternate with the envelopes that arrive meanwhile."""
     if self._turns is None:

@@ -8,9 +8,10 @@ envelopes does not compete with reads for the web process's GIL.
 Example::
 
   ingestion = Ingestion(store, signing_key)
-  ack = ingestion.ingest(store.proof(proof_id), body)  # {"seq", "stored", ...}; or 4xx
-  job = ingestion.begin(proof, body)  # or a slice at a time, others' writes in between
-  while (ack := job.step()) is None: ...
+  job = ingestion.begin(store.proof(proof_id), body)  # decoded, fields checked; or 4xx
+  while (ack := job.step()) is None:  # a slice a transaction, others' writes in between
+    pass
+  ack  # {"seq", "stored", "duplicates", "challenges"}
 """
 
 import json
@@ -75,16 +76,9 @@ class Ingestion:
     self.store, self.signing_key = store, signing_key
     self.kinds = {"chunk": self.chunk, "close": self.close}
 
-  def ingest(self, proof: dict, body: bytes) -> dict:
-    """The acknowledgement of envelope ``body`` for ``proof`` (a row of ``Store.proof``),
-    stored slice after slice; HTTPException when it is refused."""
-    job = self.begin(proof, body)
-    while (ack := job.step()) is None:
-      pass
-    return ack
-
   def begin(self, proof: dict, body: bytes) -> "EnvelopeJob":
-    """The envelope decoded and its fields checked; ``step()`` stores it, a slice a call."""
+    """Envelope ``body`` for ``proof`` (a row of ``Store.proof``), decoded and its fields
+    checked (HTTPException when refused); ``step()`` stores it, a slice a call."""
     return EnvelopeJob(self, proof, body)
 
   def chunk(self, ingest: Ingest, envelope: dict) -> dict:
