@@ -160,7 +160,7 @@ class DatabaseCases:
   def test_the_same_root_created_at_once(self):
     prover = FakeProver(self.server.url, self.token, "alice/same-root")
     raw = encode_record(prover.root(prover.slot()))
-    results = together(6, lambda _: self.http.post(
+    results = together(4, lambda _: self.http.post(  # 4 uploads a token
         "/api/v1/experiments/alice/same-root/proofs", content=raw))
     self.assertEqual({r.status_code for r in results}, {201}, [r.text for r in results])
     self.assertEqual({r.json()["id"] for r in results}, {blake3.blake3(raw).hexdigest()})
@@ -170,11 +170,11 @@ class DatabaseCases:
     prover = self.prover("same-seq")
     envelope = encode_record({"client_id": "c", "seq": 0, "kind": "records",
                               "records": [prover.step_record()]})
-    results = together(6, lambda _: self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
-                                                   content=envelope))
+    results = together(4, lambda _: self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
+                                                   content=envelope))  # 4 uploads a token
     self.assertEqual({r.status_code for r in results}, {200}, [r.text for r in results])
     acks = [r.json() for r in results]
-    self.assertEqual(sorted(a.get("duplicate", False) for a in acks), [False] + [True] * 5)
+    self.assertEqual(sorted(a.get("duplicate", False) for a in acks), [False] + [True] * 3)
     self.assertLen(self.record_ids(prover.proof_id), 2)
 
   def test_a_used_seq_is_refused_for_other_content_and_acknowledged_again_for_its_resend(self):
@@ -402,6 +402,8 @@ class TransportCases:
             s.settimeout(0.5)
             try:
               answer = s.recv(4096)
+              if answer.endswith(b"\r\n\r\n"):  # the body follows on its own
+                answer += s.recv(4096)
               break
             except socket.timeout:
               continue
