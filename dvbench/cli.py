@@ -161,11 +161,10 @@ def _minimum_policy(args):
 def serve(args) -> int:
   import uvicorn  # pylint: disable=g-import-not-at-top
   from dvbench.server import connections  # pylint: disable=g-import-not-at-top
-  from dvbench.server import quotas  # pylint: disable=g-import-not-at-top
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server.app import create_app  # pylint: disable=g-import-not-at-top
   from dvbench.server.ingest_processes import IngestProcesses  # pylint: disable=g-import-not-at-top
-  from dvbench.server.limits import Limits  # pylint: disable=g-import-not-at-top
+  from dvbench.server.limits import Limits, Quotas  # pylint: disable=g-import-not-at-top
   from dvbench.server.service import Service  # pylint: disable=g-import-not-at-top
   from dvbench.server.supervisor import Supervisor  # pylint: disable=g-import-not-at-top
   isolation, gaps = _sandbox_or_exit(args)  # probed before any thread starts
@@ -188,7 +187,7 @@ def serve(args) -> int:
                     isolation=sandbox.describe(isolation), sandbox_missing=gaps,
                     ingest_processes=ingest_processes, crash_after=args.crash_after,
                     max_slots_per_hour=args.max_slots_per_hour,
-                    quotas=quotas.Quotas.from_args(args))
+                    quotas=Quotas.from_args(args))
   database = "" if args.database_url is None else ", database " + _redacted(args.database_url)
   print(f"dvbench serve: listening on http://{args.host}:{args.port}, data in "
         f"{pathlib.Path(args.data).resolve()}{database}", file=sys.stderr, flush=True)
@@ -281,9 +280,10 @@ def usage(args) -> int:
   """An owner's usage against the quotas the server last started with."""
   from dvbench.server import quotas  # pylint: disable=g-import-not-at-top
   from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR  # pylint: disable=g-import-not-at-top
+  from dvbench.server.limits import Quotas  # pylint: disable=g-import-not-at-top
   store, blobs = _store_and_blobs(args)
   limits = json.loads(store.setting(quotas.QUOTAS_SETTING) or "null") or {
-      **dataclasses.asdict(quotas.Quotas()), "slots_per_hour": DEFAULT_MAX_SLOTS_PER_HOUR}
+      **dataclasses.asdict(Quotas()), "slots_per_hour": DEFAULT_MAX_SLOTS_PER_HOUR}
   used = quotas.usage(store, blobs.size, args.owner)
   print(f"{'quota':<16} {'used':>16} {'limit':>16}  raised with")
   for quota, flag in quotas.FLAGS.items():
@@ -433,10 +433,9 @@ def main(argv=None) -> int:
   s.add_argument("--ingest-processes", type=int, default=1,
                  help="processes that decode, check and store uploaded envelopes (off the "
                  "web process, so reads do not wait behind uploads)")
-  from dvbench.server.limits import add_arguments  # pylint: disable=g-import-not-at-top
+  from dvbench.server.limits import add_arguments, add_quota_arguments  # pylint: disable=g-import-not-at-top
   add_arguments(s)  # body size and time, concurrent uploads, bad-token rate
-  from dvbench.server import quotas  # pylint: disable=g-import-not-at-top
-  quotas.add_arguments(s)  # per owner: stored bytes, open proofs, experiments
+  add_quota_arguments(s)  # per owner: stored bytes, open proofs, experiments
   s.add_argument("--max-queued-per-owner", type=int, default=16,
                  help="jobs an owner may have waiting; beyond it closing a proof answers 429")
   s.add_argument("--abandon-after", type=duration, default=duration("24h"),

@@ -1,5 +1,6 @@
 """What one request and one client may take from the server: the ``dvbench serve`` flags of
-the guard (``guard``) and of the connection limits (``connections``).
+the guard (``guard``), of the connection limits (``connections``) and of the quotas per
+owner (``quotas``).
 
 Kept apart from the guard so that ``dvbench`` builds its command line without the server's
 extra installed (``pip install "dvbench[server]"``).
@@ -66,3 +67,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       default=d.max_connections_per_address,
                       help="open connections per client address; one more closes the "
                       "address's oldest connection not serving a request (or itself)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quotas:
+  """What one owner may hold (``dvbench serve`` flags ``--quota-*``; ``quotas`` checks
+  them). Slots per hour are the attempts' limit, ``--max-slots-per-hour``."""
+
+  stored_bytes: int = 64 << 30
+  open_proofs: int = 32
+  experiments: int = 1000
+
+  @classmethod
+  def from_args(cls, args: argparse.Namespace) -> "Quotas":
+    return cls(stored_bytes=int(args.quota_stored_gb * (1 << 30)),
+               open_proofs=args.quota_open_proofs, experiments=args.quota_experiments)
+
+
+QUOTA_FLAGS = {"stored_bytes": "--quota-stored-gb", "slots_per_hour": "--max-slots-per-hour",
+               "open_proofs": "--quota-open-proofs", "experiments": "--quota-experiments"}
+
+
+def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
+  """The ``dvbench serve`` flags of ``Quotas``."""
+  d = Quotas()
+  parser.add_argument(QUOTA_FLAGS["stored_bytes"], type=float,
+                      default=d.stored_bytes / (1 << 30),
+                      help="GiB of records and blobs one owner's proofs may hold")
+  parser.add_argument(QUOTA_FLAGS["open_proofs"], type=int, default=d.open_proofs,
+                      help="proofs of one owner receiving records at once")
+  parser.add_argument(QUOTA_FLAGS["experiments"], type=int, default=d.experiments,
+                      help="experiments one owner may create")

@@ -17,55 +17,26 @@ so an owner overshoots by at most what one request carries.
 
 Example::
 
-  keeper = QuotaKeeper(store, blobs, Quotas(open_proofs=4))
+  keeper = QuotaKeeper(store, blobs, Quotas(open_proofs=4))  # Quotas: ``limits``
   keeper.check_open_proofs("alice")  # Refusal when alice has 4 proofs receiving
   keeper.check_storage("alice", incoming=len(body))
   keeper.usage("alice")  # {"stored_bytes": ..., "slots_last_hour": ..., ...}
 """
 
-import argparse
-import dataclasses
 import threading
 import time
 
 import sqlalchemy as sa
 
+from dvbench.server.limits import QUOTA_FLAGS as FLAGS
+from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
 from dvbench.server.schema import chunks, experiments, owners, proof_blobs, proofs, records, slots
 
 STORED_BYTES_TTL = 10.0
 QUOTAS_SETTING = "quotas"  # the serving quotas, for ``dvbench usage``
-
-
-@dataclasses.dataclass(frozen=True)
-class Quotas:
-  """Per-owner limits (``dvbench serve`` flags ``--quota-*``)."""
-
-  stored_bytes: int = 64 << 30
-  open_proofs: int = 32
-  experiments: int = 1000
-
-  @classmethod
-  def from_args(cls, args: argparse.Namespace) -> "Quotas":
-    return cls(stored_bytes=int(args.quota_stored_gb * (1 << 30)),
-               open_proofs=args.quota_open_proofs, experiments=args.quota_experiments)
-
-
-FLAGS = {"stored_bytes": "--quota-stored-gb", "slots_per_hour": "--max-slots-per-hour",
-         "open_proofs": "--quota-open-proofs", "experiments": "--quota-experiments"}
 USAGE_OF = {"stored_bytes": "stored_bytes", "slots_per_hour": "slots_last_hour",
             "open_proofs": "open_proofs", "experiments": "experiments"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-  """The ``dvbench serve`` flags of ``Quotas``."""
-  d = Quotas()
-  parser.add_argument(FLAGS["stored_bytes"], type=float, default=d.stored_bytes / (1 << 30),
-                      help="GiB of records and blobs one owner's proofs may hold")
-  parser.add_argument(FLAGS["open_proofs"], type=int, default=d.open_proofs,
-                      help="proofs of one owner receiving records at once")
-  parser.add_argument(FLAGS["experiments"], type=int, default=d.experiments,
-                      help="experiments one owner may create")
 
 
 def usage(store, blob_size, owner: str) -> dict[str, int]:

@@ -22,9 +22,9 @@ from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.guard import LOCKOUT
-from dvbench.server.limits import Limits
+from dvbench.server.limits import Limits, Quotas
 from dvbench.server.ingest_processes import IngestProcesses
-from dvbench.server.quotas import QUOTAS_SETTING, QuotaKeeper, Quotas
+from dvbench.server.quotas import QUOTAS_SETTING, QuotaKeeper
 from dvbench.server.store_tokens import NAME, NAME_RULE
 from zkdv import challenge
 from zkdv import receipt
