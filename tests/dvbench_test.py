@@ -293,7 +293,7 @@ class ClientTest(DVBenchTestCase):
                                 "cannot reach a DVBench server at http://127.0.0.1:9"):
       dvbench.client.Http("http://127.0.0.1:9", None, retry_seconds=0.3).request("GET", "/")
 
-  def test_worker_time_limit_ends_invalid(self):
+  def test_worker_time_limit_ends_could_not_verify(self):
     server = Server(workers=0).start()
     self.addCleanup(server.stop)
     client = dvbench.Client(server.url, token=server.token("your-name"))
@@ -301,8 +301,9 @@ class ClientTest(DVBenchTestCase):
     subprocess.run([sys.executable, "-m", "dvbench.cli", "worker", "--data", str(server.data),
                     "--once", "--time-limit", "1"], check=True, capture_output=True)
     status = client.proof_status(proof_id)
-    self.assertEqual(status["state"], "invalid")
-    self.assertIn("time limit", status["failure"])
+    self.assertEqual(status["state"], "unverifiable")  # no finding about the proof
+    self.assertRegex(status["failure"], r"^could not verify: .*time limit of 1 s")
+    self.assertEqual(client.wait_for_verdict(proof_id, 1)["state"], "unverifiable")  # settled
 
 
 class CrashRecoveryTest(DVBenchTestCase):

@@ -29,6 +29,8 @@ tolerance, not bit for bit.
 <span class='state unchallenged'>unchallenged</span>: DVBench chose the checks, but none hit an
 update, so nothing was replayed against a dishonest prover.
 <span class='state self-audited'>self-audited</span>: {e(SELF_AUDITED)}; never ranked.
+<span class='state unverifiable'>unverifiable</span>: the server's verification itself failed
+(its worker or verifier, not the proof) and was given up: could not verify, no verdict.
 Every proof slot counts as an attempt of its owner, shown with each proof.</p>"""
 
 
