@@ -5,6 +5,8 @@ A bug in a check, XLA running out of memory, or a replay process that dies gives
 never ``invalid``; and every hostile transcript is a finding, never a fault.
 """
 
+import contextlib
+import io
 import json
 import math
 import pathlib
@@ -25,6 +27,7 @@ from zkdv import cli
 from zkdv import transcript
 from zkdv import verify
 from zkdv.verify import checks
+from zkdv.verify import claims
 
 HUGE = 2**40  # float32 elements: 4 TiB, more than any test machine can allocate
 
@@ -83,6 +86,32 @@ class VerifierFaultTest(VerifierTestCase):
     self.assertIn("Traceback", "\n".join(logged.output))  # the traceback goes to the log
     self.assertIn("broken", "\n".join(logged.output))
     self.assertEqual(json.loads(report.dumps())["fault"], report.fault)
+
+  def test_a_bug_in_the_claims_or_the_report_exits_70(self):
+    def broken(ctx):
+      raise KeyError("a bug in a claim")
+    saved = claims.BUILDERS["replays"]
+    claims.BUILDERS["replays"] = broken
+    try:
+      with self.assertLogs("zkdv.verify", "ERROR"):
+        report = verify.verify(self.good)
+    finally:
+      claims.BUILDERS["replays"] = saved
+    self.assert_fault(report, "KeyError: 'a bug in a claim'")
+    self.assertIn("replays", [c.name for c in report.unmet])
+
+    def broken_report(report):
+      raise ValueError("a bug in the report")
+    saved, cli._human_report = cli._human_report, broken_report
+    stderr = io.StringIO()
+    try:
+      with contextlib.redirect_stderr(stderr):
+        code = cli.main(["verify", str(self.good)])
+    finally:
+      cli._human_report = saved
+    self.assertEqual(code, verify.EXIT_INTERNAL_ERROR)  # never 1 ("invalid")
+    self.assertIn("ValueError: a bug in the report", stderr.getvalue())
+    self.assertIn("could not verify: internal error", stderr.getvalue())
 
   def test_out_of_memory_in_a_replay_is_a_fault(self):
     report = verify.verify(with_program(self.good, hungry_step))

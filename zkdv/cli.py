@@ -14,6 +14,7 @@ import os
 import pathlib
 import shlex
 import sys
+import traceback
 
 import cbor2
 
@@ -343,6 +344,18 @@ def _run_inspect(args) -> int:
 
 
 def main(argv=None) -> int:
+  """Runs the command; any exception of its own (a bug, out of memory) exits 70 with its
+  traceback on stderr: never 1 ("invalid") or 2, which are verdicts."""
+  try:
+    return _main(argv)
+  except Exception:  # pylint: disable=broad-except  # a fault of zkdv, not a verdict
+    traceback.print_exc()
+    print("zkdv: could not verify: internal error (the traceback is above); this is not a "
+          "verdict about the transcript.", file=sys.stderr)
+    return verify_lib.EXIT_INTERNAL_ERROR
+
+
+def _main(argv=None) -> int:
   args = _parser().parse_args(argv)
   missing = _no_transcript(args.command, pathlib.Path(args.path))
   if missing:

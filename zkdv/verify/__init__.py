@@ -92,7 +92,12 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
       _fault(ctx.report, e)
     finally:
       ctx.blobs.close()
-  claims.build_claims(ctx)
+  try:
+    claims.build_claims(ctx)
+  except Exception as e:  # pylint: disable=broad-except  # a fault of the claims' code
+    _fault(ctx.report, e)
+    ctx.report.claims = []
+    claims.build_claims(ctx)  # after a fault no builder runs: none could be verified
   ctx.report.standing = claims.standing(ctx.report).to_json()
   return ctx.report
 

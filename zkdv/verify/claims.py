@@ -277,7 +277,10 @@ def standing_of(verdict: str, finding_codes, claims: dict, update_checks: list[d
 
 
 def standing(report) -> Standing:
-  """``standing_of`` a ``Report`` (``zkdv verify``'s own)."""
+  """``standing_of`` a ``Report`` (``zkdv verify``'s own); a verifier that failed
+  (``Report.fault``) earns nothing but what an invalid finding already showed."""
+  if report.fault and report.verdict != INVALID:
+    return Standing(NOT_VERIFIED, ("the verifier failed",))
   return standing_of(report.verdict, [f.code for f in report.findings],
                      {c.name: c.status for c in report.claims},
                      [{"mode": c.mode, "status": c.status} for c in report.checks
