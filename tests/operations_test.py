@@ -4,6 +4,7 @@ Against real ``dvbench serve`` processes (SQLite and PostgreSQL where the databa
 decides), real worker and verifier processes, real kernels' namespaces and Landlock.
 """
 
+import argparse
 import concurrent.futures
 import json
 import os
@@ -22,6 +23,7 @@ from absl.testing import parameterized
 
 from starlette.testclient import TestClient
 
+from dvbench import cli as dvbench_cli
 from dvbench.server import sandbox
 from dvbench.server.app import create_app
 from dvbench.server.blobs import BlobStore
@@ -252,6 +254,14 @@ class QueueTest(parameterized.TestCase):
   def test_owner_share_is_half_the_workers(self, backend):
     del backend
     self.assertEqual([store_jobs.owner_share(n) for n in (1, 2, 3, 4, 5)], [1, 1, 2, 2, 3])
+    args = argparse.Namespace(data="/srv/data", lease_seconds=60.0, memory_limit_gb=1.0,
+                              time_limit=60, time_per_check=1.0, max_attempts=3,
+                              database_url=None, workers=3)
+    command = dvbench_cli._worker_command(args)  # what dvbench serve starts its workers with
+    self.assertEqual(command[command.index("--owner-share") + 1], "2")
+    usage = subprocess.run([*command[:4], "--help"], capture_output=True, text=True,
+                           check=True, timeout=60).stdout
+    self.assertIn("--owner-share OWNER_SHARE", usage)  # the worker takes what serve passes
 
   def test_an_owner_queues_at_most_the_cap(self, backend):
     store = Store.open(fresh_database(backend))
