@@ -68,6 +68,7 @@ class VerifierFaultTest(VerifierTestCase):
     self.assertIn(cause, report.fault)
     self.assertTrue(report.fault.startswith("internal error: "), report.fault)
     self.assertEqual([f for f in report.findings if f.blocks == verify.INVALID], [])
+    self.assertEqual(report.standing["state"], "could not verify")  # earns no state
     for claim in report.claims:  # nothing is claimed from a verification that stopped
       self.assertNotEqual(claim.status, verify.HOLDS, claim)
       self.assertNotEqual(claim.status, verify.DOES_NOT_HOLD, claim)
