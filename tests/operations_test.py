@@ -134,7 +134,8 @@ class SupervisionTest(absltest.TestCase):
                        and all(testing.exited(pid) for pid in before), timeout=10)
 
   def test_kill_9_of_the_server_during_ingestion_and_verification(self):
-    server = self.server("--min-update-check-probability", "0")  # steps only, no challenges
+    # Steps only, no challenges (no update checks, no data probes).
+    server = self.server("--min-update-check-probability", "0", "--min-probe-ratio", "0")
     token = server.token("alice")
     ingesting = FakeProver(server.url, token, "alice/ingest").start()
     verifying = closed_proof(server.url, token, "alice/verify")
