@@ -248,11 +248,12 @@ class Client:
 
   def summary(self, proof_id: str, wait: float = 0.0) -> str:
     """One line on the proof: its state, steps and checks, and its page; ``wait``: seconds
-    to wait for the server's verdict first. E.g. ``alice/run proof 3f..: verified, 10 steps,
-    4 checks (4 replayed); http://127.0.0.1:8000/proofs/3f..``"""
+    to wait for the server's verdict first. E.g. ``alice/run proof 3f..: verified steps —
+    start unattested, 10 steps, 4 checks (4 replayed); http://127.0.0.1:8000/proofs/3f..``"""
     status = self.wait_for_verdict(proof_id, wait)
-    state = status["state"]
-    if status.get("failure") and state not in ("verified", "unchallenged"):
+    state = claims.Standing(status["state"], tuple(status.get("shortfalls") or ())).label
+    if status.get("failure") and status["state"] not in (*claims.REPLAYED_STATES,
+                                                         claims.UNCHALLENGED):
       state = f"{state} ({status['failure']})"
     return (f"{status.get('experiment')} proof {proof_id}: {state}, {status['steps']} steps, "
             f"{status.get('checks', 0)} checks ({status.get('checks_verified', 0)} replayed); "

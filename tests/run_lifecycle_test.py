@@ -66,7 +66,7 @@ class TutorialMessagesTest(absltest.TestCase):
     summary = [line for line in lines if line.startswith(
         f"dvbench: your-name/jax-train-state proof {proof_id}: ")]
     self.assertLen(summary, 1, self.tutorial.stderr)
-    self.assertRegex(summary[0], r": (closed|verifying|verified), 10 steps, \d+ checks "
+    self.assertRegex(summary[0], r": (closed|verifying|verified steps — start unattested), 10 steps, \d+ checks "
                      rf"\(\d+ replayed\); {re.escape(url)}/proofs/{proof_id}$")
     # The INFO line that said nothing before: the tutorial asks for p = 0.01.
     self.assertTrue(any(f"DVBench {url} raised the proof's policy to its minimum" in line
@@ -89,7 +89,8 @@ class TutorialMessagesTest(absltest.TestCase):
     client = dvbench.Client(self.server.url)
     self.addCleanup(client.close)
     summary = client.summary(self.proof_id, wait=120)
-    self.assertRegex(summary, rf"^your-name/jax-train-state proof {self.proof_id}: verified, "
+    self.assertRegex(summary, rf"^your-name/jax-train-state proof {self.proof_id}: "
+                     r"verified steps — start unattested, "
                      r"10 steps, (\d+) checks \(\1 replayed\); ")
     folder = pathlib.Path(tempfile.mkdtemp()) / "proof"
     download = subprocess.run(
@@ -159,7 +160,7 @@ class CrashedProofTest(absltest.TestCase):
     testing.wait_until(lambda: self.client.proof_status(crashing_id)["steps"] == 3)
     os.kill(run.pid, signal.SIGKILL)  # the trainer dies before proof.finish()
     status = self.client.wait_for_verdict(crashing_id, timeout=60)
-    self.assertEqual(status["state"], "crashed", status)
+    self.assertEqual(status["state"], "crashed", repr(status))
     self.assertEqual(status["failure"], (
         "nothing arrived for 4 s after 3 steps: the run stopped before proof.finish(), so it "
         f"is never verified as it is; resume it with experiment.proof(resume='{crashing_id}')."))
@@ -273,7 +274,7 @@ class LostServerTest(absltest.TestCase):
     proof.finish()
     self.assertTrue(back.event.is_set())
     self.assertRegex(proof.summary(wait=120), rf"^alice/lost proof {proof.proof_id}: "
-                     r"verified, 3 steps")
+                     r"verified steps — start unattested, 3 steps")
 
 
 if __name__ == "__main__":
