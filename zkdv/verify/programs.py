@@ -13,7 +13,7 @@ Example::
 
   loader = ProgramLoader(ctx.report)
   info = loader.load(program)
-  end, _, per_step = loader.replay_segment(program, start, batches, "record 9")
+  end, _, per_step, _ = loader.replay_segment(program, start, batches, "record 9")
 """
 
 import dataclasses
