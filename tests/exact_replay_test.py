@@ -57,7 +57,7 @@ def _cnn_setup(proof, tx):
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updates
     grads, updates = jax.grad(loss, has_aux=True)(state.params)
     return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
-  return state, step, lambda i: (x, y, jax.random.fold_in(jax.random.key(3), i))
+  return state, step, lambda i: (x, y, proof.key(i))  # dropout: the proof's key of step i
 
 
 MODELS = {"dense": _dense_setup, "mlp512": _mlp_setup, "cnn_bn_dropout": _cnn_setup}

@@ -8,9 +8,11 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 
 from tests.verify_test import precomputed_step, write_transcript
+from zkdv import config
 from zkdv import inspect
 from zkdv.jax import stablehlo
 
@@ -31,6 +33,22 @@ class StablehloTest(absltest.TestCase):
     self.assertEqual(summary.refused, ())
     self.assertIn("stablehlo.while", summary.op_counts)
 
+  def test_constants_over_the_budget_are_refused(self):
+    weights = np.arange(config.MAX_PROGRAM_CONSTANT_BYTES // 4 + 1, dtype=np.float32)
+    small = weights[:16]
+    for baked, refused in ((weights, True), (small, False)):
+      exported = jax.export.export(jax.jit(lambda x, c=baked: x + c))(
+          jax.ShapeDtypeStruct(baked.shape, jnp.float32))
+      summary = stablehlo.analyze(exported)
+      self.assertEqual(summary.constant_bytes, baked.nbytes)
+      if refused:
+        with self.assertRaisesRegex(stablehlo.UnsafeProgramError,
+                                    f"embeds {baked.nbytes:,} bytes of constants, over the "
+                                    f"budget of {config.MAX_PROGRAM_CONSTANT_BYTES:,}"):
+          stablehlo.check_safe(exported, summary)
+      else:
+        stablehlo.check_safe(exported, summary)
+
   def test_linear_algebra_custom_calls_are_allowed(self):
     exported = jax.export.export(jax.jit(jnp.linalg.solve))(jnp.eye(3), jnp.ones(3))
     summary = stablehlo.analyze(exported)
@@ -40,12 +58,14 @@ class StablehloTest(absltest.TestCase):
 
 class InspectTest(absltest.TestCase):
 
-  def test_batch_independent_program_is_reported(self):
-    ignoring = inspect.inspect_transcript(write_transcript(fn=precomputed_step, steps=1))
-    honest = inspect.inspect_transcript(write_transcript(steps=1))
-    self.assertFalse(ignoring["programs"][0]["post_state_depends_on_batch"])
-    self.assertTrue(honest["programs"][0]["post_state_depends_on_batch"])
-    self.assertIn("does NOT depend on the batch", inspect.human(ignoring))
+  def test_constant_bytes_are_shown_against_the_budget(self):
+    summary = inspect.inspect_transcript(write_transcript(fn=precomputed_step, steps=1))
+    program = summary["programs"][0]
+    # full_like(w, 0.5), b * 0 and 2.0: three splats, one float32 each, whatever the shape.
+    self.assertEqual(program["constant_bytes"], 12)
+    self.assertEqual(program["constant_budget"], config.MAX_PROGRAM_CONSTANT_BYTES)
+    self.assertIn(f"constants: 12 bytes (budget {config.MAX_PROGRAM_CONSTANT_BYTES:,})",
+                  inspect.human(summary))
 
   def test_summary_fields(self):
     summary = inspect.inspect_transcript(write_transcript(steps=2))
@@ -53,7 +73,7 @@ class InspectTest(absltest.TestCase):
     self.assertEqual(summary["steps"], 2)
     self.assertEqual(program["parameters"], 4)  # w: 3, b: 1
     self.assertEqual([i["role"] for i in program["inputs"]], ["state", "state", "batch"])
-    self.assertEqual(program["inputs"][2]["shape"], [4, 3])
+    self.assertEqual(program["inputs"][2]["shape"], [5, 3])
     self.assertGreater(sum(program["operations"].values()), 0)
     self.assertIsNone(program["refused"])
 

@@ -1,5 +1,5 @@
 """Real JAX training challenged live by a real `dvbench serve`: independent verification
-of downloaded proofs, and a server that restarts mid-run."""
+of downloaded proofs (keys from the slot among them), and a server that restarts mid-run."""
 
 import dataclasses
 import json
@@ -15,12 +15,14 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl.testing import absltest
 
 import dvbench
 import zkdv
 from dvbench.server.local import LocalServer
 from tests import testing
+from zkdv import keys
 from zkdv import receipt
 from zkdv import transcript
 from zkdv.jax import committer as committer_lib
@@ -53,6 +55,27 @@ def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None 
   except finish_raises:
     return proof
   raise AssertionError(f"finish() did not raise {finish_raises.__name__}")
+
+
+def _keyed_step(state, batch, key):
+  keep = jax.random.uniform(key, batch.shape) >= 0.0  # a dropout mask keeping every row
+  return testing.classifier_step(state, batch * keep.astype(batch.dtype))
+
+
+def _train_from_the_slot(experiment, steps: int = 3):
+  """The tutorial with its one-line ``proof.init`` change and the proof's key each step."""
+  proof = experiment.proof(config=zkdv.ZKDVConfig(
+      sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0)))
+  proof.start(rolling_window=3, probe_ratio=0.5)
+  model = testing.TinyClassifier()
+  params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+  state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
+                                             params=params, tx=optax.adam(1e-2))
+  train_step = proof.jit(_keyed_step)
+  for t in range(steps):
+    state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (t % 2), proof.step_key())
+  proof.finish()
+  return proof
 
 
 def _zkdv_verify(folder, *args) -> tuple[int, dict]:
@@ -122,6 +145,27 @@ class IndependentVerificationTest(absltest.TestCase):
     self.assertEqual((code, report["verdict"]), (1, "invalid"), report)
     self.assertIn("discontinuity", [f["code"] for f in report["findings"]])
 
+
+  def test_the_slots_keys_verify_with_every_claim(self):
+    proof = _train_from_the_slot(self.client.experiment("alice/slot-keys"))
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "verified", status)
+    code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key,
+                                "--strict")
+    self.assertEqual((code, report["verdict"]), (0, "verified"), report)
+
+  def test_keys_not_derived_from_the_slot_are_refused(self):
+    own = keys.key_seed  # the prover derives its keys from its root, not the server's nonce
+    with mock.patch.object(keys, "key_seed", lambda challenger, tid: own({"kind": "self"}, tid)):
+      proof = _train_from_the_slot(self.client.experiment("alice/own-keys"))
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "invalid", status)
+    code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key,
+                                "--strict")
+    self.assertEqual(code, 1)
+    findings = json.dumps(report["findings"])
+    self.assertIn("is not the proof's start key (derived from its slot)", findings)
+    self.assertIn("is not the proof's key of step", findings)
 
   def test_a_check_answered_with_other_openings_is_invalid_naming_it(self):
     honest = committer_lib.Committer._update_check  # pylint: disable=protected-access

@@ -108,12 +108,13 @@ class RowGroupsTest(VerifierTestCase):
     self.assertIn("malformed probe entry", report.dumps())
 
   @parameterized.parameters(1, 8, 32)
-  def test_a_relabelled_grouping_does_not_make_up_the_batch_digests(self, group):
+  def test_a_grouping_other_than_the_protocols_is_refused(self, group):
     def regroup(records):
       first(records, "program")["batch_layout"][0]["row_group"] = group
       return records
-    report = self.assert_fails(rechained(regroup, grouped_transcript()))
-    self.assertIn("batch_roots do not make up the batch digest", report.dumps())
+    report = self.assert_fails(rechained(regroup, grouped_transcript()), "schema")
+    self.assertIn(f"row_group {group} of [0][1]: the protocol groups 16 rows of its layout "
+                  "uint32[32, 256]", report.dumps())
 
   def test_a_row_group_on_a_state_layout_is_malformed(self):
     def group_state(records):

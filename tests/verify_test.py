@@ -29,7 +29,8 @@ from zkdv import verify
 
 STATE = (digest.LeafLayout(".params['w']", "float32", (3,)),
          digest.LeafLayout(".params['b']", "float32", ()))
-BATCH = (digest.LeafLayout("[0]", "float32", (4, 3)),)
+# Five rows: an odd count, which the protocol does not group (digest.row_group_for).
+BATCH = (digest.LeafLayout("[0]", "float32", (5, 3)),)
 SEED = bytes(range(32))
 STEPS = 6
 
@@ -53,7 +54,7 @@ def exported_program(fn=sgd_step) -> tuple[bytes, object]:
 
 
 def batch_of(i: int) -> np.ndarray:
-  return (np.arange(12, dtype=np.float32).reshape(4, 3) + i) / 7
+  return (np.arange(15, dtype=np.float32).reshape(5, 3) + i) / 7
 
 
 def program_record(program_id: bytes, state=STATE, mode="exact") -> dict:
@@ -259,7 +260,7 @@ class VerifierTest(VerifierTestCase):
     self.assertEqual(sum(c.kind == "update" for c in report.checks), STEPS)
     self.assertTrue(all(c.status == "verified" for c in report.checks))
     self.assertGreater(sum(c.kind == "state" for c in report.checks), 0)
-    self.assertEqual(report.probed_rows, STEPS * 2)  # 2 of 4 rows at ratio 0.5
+    self.assertEqual(report.probed_rows, STEPS * 3)  # 3 of 5 rows at ratio 0.5
 
   @parameterized.parameters(*range(6))
   def test_any_flipped_record_byte_fails(self, seed):
@@ -419,6 +420,7 @@ class ProbeTamperTest(VerifierTestCase):
 
   def test_hostile_row_counts_are_refused_before_drawing(self):
     huge = digest.LeafLayout("[0]", "float32", (2**39, 1))
+    huge = dataclasses.replace(huge, row_group=digest.row_group_for(huge))  # the protocol's
     def edit(records):
       first(records, "program")["batch_layout"] = [huge.to_record()]
       return records

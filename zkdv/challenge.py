@@ -153,9 +153,10 @@ class Decision:
   def leaf_probe_rows(self, leaf: int, layout) -> list[int]:
     """The rows of batch leaf ``leaf`` (its ``zkdv.digest.LeafLayout``) opened as probes.
 
-    PRNG keys and scalars are never probed.
+    PRNG keys are never probed (each must be the proof's key of its step); a scalar is
+    one row, opened by every probe.
     """
-    if layout.key_impl is not None or not layout.shape:
+    if layout.key_impl is not None:
       return []
     return self.probe_rows(leaf, layout.rows)
 

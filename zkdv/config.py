@@ -17,6 +17,17 @@ MAX_SEGMENT_LENGTH = 64
 # k) and spread a check's fixed cost (keeping, writing and hashing its start state) over
 # more steps; they cost memory (a checked segment's batches) that the rolling window bounds.
 COMMITMENT_BUDGET = 0.02
+# The most bytes of constants an init or update program may embed (its StableHLO's dense
+# constants, a splat counted as one element). Far below one parameter set, so a program
+# cannot carry a model in its constants: a step that returns weights baked into it, or an
+# init program that returns them. Optimizer hyperparameters, iota tables and small lookup
+# tables fit; a larger table belongs in the state or the batch, where it is committed.
+MAX_PROGRAM_CONSTANT_BYTES = 64 * 1024
+# The most bytes a step's batch may carry in scalar leaves (shape ()), which have no rows to
+# sample: every probe opens them whole, and this bounds what they can carry unseen between
+# probes (a learning rate, a temperature and a few flags fit; rows of data do not). PRNG-key
+# leaves are not counted: each must be the proof's key of its step (``proof.key``).
+MAX_SCALAR_BATCH_BYTES = 64
 
 
 def _check_probability(name: str, value: float) -> float:

@@ -109,6 +109,22 @@ def row_group_for(layout: LeafLayout, boundaries=()) -> int:
   return group
 
 
+def check_row_group(layout: LeafLayout, multi_process: bool) -> None:
+  """Raises ValueError unless a batch leaf's ``row_group`` is the protocol's for its layout
+  (``row_group_for`` without boundaries); a multi-process program, whose groups may not
+  span two processes' rows, may use a power of two that divides it.
+
+  Example: ``check_row_group(LeafLayout("x", "float32", (128, 784), row_group=1), False)``
+  raises: the protocol groups 8 such rows.
+  """
+  fixed = row_group_for(layout)
+  group = layout.row_group
+  if group == fixed or (multi_process and group & (group - 1) == 0 and fixed % group == 0):
+    return
+  raise ValueError(f"row_group {group} of {layout.path}: the protocol groups {fixed} rows of "
+                   f"its layout {layout.dtype}{list(layout.shape)}")
+
+
 def numpy_dtype(name: str) -> np.dtype:
   """The numpy dtype named ``name``, including ml_dtypes' (bfloat16, fp8, int4)."""
   try:

@@ -1,10 +1,12 @@
 """``zkdv inspect``: what a transcript's programs compute, without running them.
 
-Per program: its inputs and outputs (paths, shapes, dtypes), operation counts
-and custom calls from its StableHLO, parameter count, and whether its post-state
-depends on the batch. All of it is derived from the exported module (a dataflow
-walk in ``zkdv.jax.stablehlo``), never read from a field the prover wrote;
-JAX is imported only when there is a program to read.
+Per program (the init program of an attested start among them): its inputs
+and outputs (paths, shapes, dtypes), operation counts and custom calls from its
+StableHLO, parameter count, and the bytes of constants it embeds against the
+budget (``zkdv.config.MAX_PROGRAM_CONSTANT_BYTES``). All of it is derived from the
+exported module (``zkdv.jax.stablehlo``), never read from a field the prover
+wrote; JAX is imported only when there is a program to read. Whether an update
+reads its batch is tested on replay (``zkdv verify``), not here.
 
 Example::
 
@@ -16,6 +18,7 @@ Example::
 import os
 import pathlib
 
+from zkdv import config
 from zkdv import errors
 from zkdv import transcript
 from zkdv.verify import structure
@@ -67,7 +70,6 @@ def _program(program: structure.Program) -> dict:
   inputs = [{"role": kind, **_leaf(next(state if kind == "state" else batch), aval)}
             for kind, aval in zip(program.inputs, in_avals)]
   outputs = [_leaf(l) for l in program.post]
-  batch_inputs = program.input_indices("batch")
   return {
       "number": program.number, "program_id": program.program_id.hex(),
       "mode": program.mode, "platforms": list(program.platforms),
@@ -76,9 +78,22 @@ def _program(program: structure.Program) -> dict:
       "parameters": parameter_count(program),
       "operations": summary.op_counts if summary else None,
       "custom_calls": list(summary.custom_calls) if summary else None,
-      "post_state_depends_on_batch": (
-          any(summary.depends_on(o, batch_inputs) for o in program.post_state_outputs
-              if o < len(summary.dependencies)) if summary else None),
+      "constant_bytes": summary.constant_bytes if summary else None,
+      "constant_budget": config.MAX_PROGRAM_CONSTANT_BYTES,
+      "refused": error,
+  }
+
+
+def _init_program(init: structure.Init) -> dict:
+  exported, summary, error = _exported(init)
+  return {
+      "program_id": init.program_id.hex(), "platforms": list(init.platforms),
+      "inputs": [_leaf(l) for l in init.inputs],
+      "outputs": len(init.outputs),
+      "operations": summary.op_counts if summary else None,
+      "custom_calls": list(summary.custom_calls) if summary else None,
+      "constant_bytes": summary.constant_bytes if summary else None,
+      "constant_budget": config.MAX_PROGRAM_CONSTANT_BYTES,
       "refused": error,
   }
 
@@ -97,6 +112,7 @@ def inspect_transcript(path: str | os.PathLike) -> dict:
                                           "versions")},
       "challenger": (root.get("challenger") or {}).get("kind"),
       "attested_start": model.init is not None,
+      "init_program": None if model.init is None else _init_program(model.init),
       "programs": [_program(p) for p in model.programs.values()],
       "steps": len(model.steps), "checks": kinds,
       "final": None if model.final is None else {
@@ -126,20 +142,33 @@ def human(summary: dict) -> str:
            f"records, {summary['steps']} steps, challenger {summary['challenger']}, "
            f"start {'attested' if summary['attested_start'] else 'unattested'})",
            f"checks: {summary['checks'] or 'none'}"]
+  init = summary.get("init_program")
+  if init is not None:
+    lines += [f"init program {init['program_id'][:16]} ({'/'.join(init['platforms'])}), "
+              f"{init['outputs']} outputs",
+              "  inputs: " + ", ".join(f"{i['path']} {i['dtype']}{i['shape']}"
+                                       for i in init["inputs"]),
+              *_program_lines(init)]
   for p in summary["programs"]:
-    depends = {True: "depends on the batch", False: "does NOT depend on the batch",
-               None: "unknown (program unreadable)"}[p["post_state_depends_on_batch"]]
-    ops = p["operations"] or {}
-    top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
     lines += [f"program {p['number']} {p['program_id'][:16]} ({p['mode']}, "
               f"{'/'.join(p['platforms'])})",
               f"  parameters: {p['parameters']:,}",
-              f"  post-state: {depends}",
               "  inputs: " + ", ".join(f"{i['role']} {i['path']} {i['dtype']}{i['shape']}"
                                        for i in p["inputs"]),
-              f"  operations: {sum(ops.values())} ("
-              + ", ".join(f"{k.split('.')[-1]} {v}" for k, v in top) + ")",
-              f"  custom calls: {', '.join(p['custom_calls'] or []) or 'none'}"]
-    if p["refused"]:
-      lines.append(f"  REFUSED: {p['refused']}")
+              *_program_lines(p)]
   return "\n".join(lines)
+
+
+def _program_lines(p: dict) -> list[str]:
+  """Operations, custom calls, constants against their budget, and any refusal."""
+  ops = p["operations"] or {}
+  top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
+  constants = ("unknown (program unreadable)" if p["constant_bytes"] is None else
+               f"{p['constant_bytes']:,} bytes (budget {p['constant_budget']:,})")
+  lines = [f"  operations: {sum(ops.values())} ("
+           + ", ".join(f"{k.split('.')[-1]} {v}" for k, v in top) + ")",
+           f"  custom calls: {', '.join(p['custom_calls'] or []) or 'none'}",
+           f"  constants: {constants}"]
+  if p["refused"]:
+    lines.append(f"  REFUSED: {p['refused']}")
+  return lines

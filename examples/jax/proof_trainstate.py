@@ -146,10 +146,9 @@ def batch_stats_and_dropout(args):
     # Outputs beside the state are committed with each step as its metrics.
     return new_state, {"loss": value}
 
-  key = jax.random.key(1)
   for _ in range(args.steps):
-    key, step_key = jax.random.split(key)
-    state, metrics = train_step(state, BATCH, step_key)
+    # A PRNG key among a step's arguments must be the proof's key of that step.
+    state, metrics = train_step(state, BATCH, proof.step_key())
   proof.finish()
   report(proof)
   print(f"  last committed loss: {float(metrics['loss']):.4f}")

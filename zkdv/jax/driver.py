@@ -33,6 +33,7 @@ from zkdv import challenge
 from zkdv import challengers
 from zkdv import config as config_lib
 from zkdv import errors
+from zkdv import keys
 from zkdv import transcript
 from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
@@ -102,6 +103,8 @@ class ZKDV:
     self._registered: dict[str, ProofFunction] = {}
     self._called: set[str] = set()  # the names of proof.jit/attest steps called
     self._dispatcher: Dispatcher | None = None
+    self._key_seed: bytes | None = None  # the seed of the proof's keys (zkdv.keys)
+    self._pending_init: start_lib.InitProgram | None = None  # written before step 0
 
   def __repr__(self):
     return f"ZKDV({self.name!r})"
@@ -186,16 +189,19 @@ class ZKDV:
       path = (pathlib.Path(self.config.output_dir) if self.config.output_dir
               else _default_folder(self.name))
       writer = transcript.TranscriptWriter(path)  # refuses a folder that holds a transcript
+      root = _root_record(self.name, self.config, group, challenger)
       try:
-        writer.append(_root_record(self.name, self.config, group, challenger), durable=True)
+        writer.append(root, durable=True)
       except BaseException:
         writer.close()
         raise
       self._writer, self._challenger = writer, challenger
-      return {"run_id": os.urandom(16), "seed": seed, "folder": str(path)}
+      return {"run_id": os.urandom(16), "seed": seed, "folder": str(path),
+              "key_seed": keys.key_seed(root["challenger"], writer.transcript_id)}
 
     run = group.open_run(open_transcript)
     path = pathlib.Path(run["folder"])
+    self._key_seed = run["key_seed"]
     if group.is_writer:
       logger.info("ZKDV proof %r: transcript at %s (checks chosen by %s)", self.name, path,
                   self._challenger.kind)
@@ -241,6 +247,7 @@ class ZKDV:
         raise self._finish_error
       return self.path
     self.ensure_started()
+    self._write_pending_init()
     self._dispatcher.close()
     error = self._complete_commitments()
     if error is None and self.failed_checks:
@@ -352,9 +359,14 @@ class ZKDV:
     """``init_fn(*args, **kwargs)``, run as an exported program whose output is the
     attested start of the proof (docs/design.md §10, claim "start").
 
-    A verifier replays the init program from the recorded inputs (the PRNG key
-    and example arguments) bit for bit and checks that the first step starts
-    from its output. Call it before the first step::
+    Every PRNG key among the arguments is replaced by the proof's start key
+    (``proof.key()``, derived from its slot). A verifier replays the init program
+    from the recorded inputs bit for bit, again with other example values (the
+    outputs must not change) and with another key (the params must), and checks
+    that every leaf of the first step's state is one of its outputs.
+    ``TrainState.create(proof=proof, params=...)`` with params from ``proof.init``
+    adds the optimizer state and step to the same program. Call it before the
+    first step::
 
       params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4)))["params"]
     """
@@ -363,12 +375,47 @@ class ZKDV:
       raise errors.ProofStateError(
           f"{self!r} already recorded {self.steps} steps; proof.init() attests the "
           "initial state, so call it before the first step.")
-    if self._committer.init_recorded:
+    if self._committer.init_recorded or self._pending_init is not None:
       raise errors.ProofStateError(f"{self!r} already has an attested start; "
                                    "proof.init() runs once per proof.")
-    init = start_lib.run_init(init_fn, args, kwargs)
-    self._committer.submit_init(init)
+    self._pending_init = start_lib.run_init(init_fn, args, kwargs, self._key_seed)
+    return self._pending_init.outputs
+
+  def extend_init(self, part, build):
+    """``build(part)`` as outputs of the init program when ``part`` came from
+    ``proof.init`` and no step ran yet (``TrainState.create`` calls it); else None."""
+    if self._pending_init is None or self.steps:
+      return None
+    init = start_lib.extend_init(self._pending_init, part, build, self._key_seed)
+    if init is None:
+      return None
+    self._pending_init = init
     return init.outputs
+
+  def key(self, step: int | None = None, impl=None) -> jax.Array:
+    """The proof's public PRNG key: the start key (``step`` None, what ``proof.init``
+    uses) or step ``step``'s key, the only value a PRNG-key batch argument of that step
+    may hold. Both derive from the proof's slot (``zkdv.keys``), not from the prover.
+
+    Example: ``state = train_step(state, batch, proof.key(t))`` at step ``t``.
+    """
+    self.ensure_started()
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+      raise ValueError(f"step must be None (the start key) or an int >= 0, got {step!r}.")
+    return start_lib.proof_key(self._key_seed, step, impl)
+
+  def step_key(self, impl=None) -> jax.Array:
+    """The key of the next step this proof records: ``proof.key(proof.steps)``.
+
+    Example: ``key, step_key = jax.random.split(key)`` becomes
+    ``step_key = proof.step_key()``.
+    """
+    return self.key(self.steps, impl)
+
+  def _write_pending_init(self) -> None:
+    if self._pending_init is not None:
+      self._committer.submit_init(self._pending_init)
+      self._pending_init = None
 
   # -- what proof.jit steps call ----------------------------------------------
 
@@ -407,4 +454,5 @@ class ZKDV:
 
   def run_step(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
+    self._write_pending_init()
     return self._dispatcher.run(program, leaves)

@@ -2,10 +2,11 @@
 
 Everything here is derived from the module itself, never from a field a prover
 wrote: which operations it runs, which custom calls it makes, and which inputs
-each output depends on (a dataflow walk over the SSA values of every function).
-``check_safe`` refuses a program before anything compiles it: custom calls off
-the allow-list (host callbacks among them), host transfers, external functions
-and effects.
+each output depends on (a dataflow walk over the SSA values of every function),
+and how many bytes of constants it embeds. ``check_safe`` refuses a program
+before anything compiles it: custom calls off the allow-list (host callbacks
+among them), host transfers, external functions, effects, and constants over
+``zkdv.config.MAX_PROGRAM_CONSTANT_BYTES`` (weights baked into a program).
 
 Example::
 
@@ -23,6 +24,8 @@ import jax
 
 from zkdv import errors
 from zkdv.jax._compat import ir, mlir  # JAX's MLIR bindings: private, kept in _compat
+
+from zkdv import config
 
 # Custom calls that jax.export itself emits for ordinary training programs:
 # sharding annotations, and the linear algebra kernels of XLA's CPU and GPU
@@ -47,15 +50,20 @@ class UnsafeProgramError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModuleSummary:
-  """Operation counts, custom calls, what is refused, and per output the inputs it reads.
+  """Operation counts, custom calls, what is refused, constants, and per output the inputs
+  it may read.
 
-  ``dependencies[j]`` is a bit mask over the exported program's flat inputs.
+  ``dependencies[j]`` is a bit mask over the exported program's flat inputs: every input
+  output ``j`` is computed from (an over-approximation: ``0 * x`` counts as reading
+  ``x``). ``constant_bytes`` counts the bytes of every dense constant, a splat (one value
+  repeated) as one element.
   """
 
   op_counts: dict
   custom_calls: tuple
   refused: tuple
   dependencies: tuple
+  constant_bytes: int = 0
 
   def depends_on(self, output: int, inputs) -> bool:
     mask = sum(1 << i for i in inputs)
@@ -86,6 +94,10 @@ def analyze(exported: jax.export.Exported) -> ModuleSummary:
 def check_safe(exported: jax.export.Exported, summary: ModuleSummary) -> None:
   """Raises UnsafeProgramError naming why ``exported`` must not be compiled here."""
   reasons = list(summary.refused)
+  if summary.constant_bytes > config.MAX_PROGRAM_CONSTANT_BYTES:
+    reasons.append(f"it embeds {summary.constant_bytes:,} bytes of constants, over the "
+                   f"budget of {config.MAX_PROGRAM_CONSTANT_BYTES:,} bytes (a program may not "
+                   "carry weights; pass large arrays in the state or the batch)")
   effects = tuple(exported.ordered_effects) + tuple(exported.unordered_effects)
   if effects:
     reasons.append(f"it has side effects {[type(e).__name__ for e in effects]}")
@@ -99,13 +111,14 @@ def _summarize(exported, module) -> ModuleSummary:
   for op in module.body.operations:
     if op.operation.name == "func.func":
       functions[ir.StringAttr(op.attributes["sym_name"]).value] = op
-  counts, calls, refused = collections.Counter(), [], []
+  counts, calls, refused, constant_bytes = collections.Counter(), [], [], 0
   for name, func in functions.items():
     if not func.regions[0].blocks:
       refused.append(f"function {name!r} has no body (an external function)")
     for op in _walk(func):
       counts[op.name] += 1
       _screen(op, calls, refused)
+      constant_bytes += _constant_bytes(op)
   main = functions.get("main")
   if main is None:
     raise UnsafeProgramError("the program's module has no main function.")
@@ -120,7 +133,38 @@ def _summarize(exported, module) -> ModuleSummary:
   dependencies = tuple(sum(1 << remap[a] for a in remap if mask >> a & 1)
                        for mask in results[extra_results:])
   return ModuleSummary(dict(sorted(counts.items())), tuple(sorted(set(calls))),
-                       tuple(dict.fromkeys(refused)), dependencies)
+                       tuple(dict.fromkeys(refused)), dependencies, constant_bytes)
+
+
+def _element_bits(element_type) -> int:
+  for kind in (ir.FloatType, ir.IntegerType):
+    try:
+      return kind(element_type).width
+    except (ValueError, TypeError):
+      pass
+  if ir.ComplexType.isinstance(element_type):
+    return 2 * _element_bits(ir.ComplexType(element_type).element_type)
+  return 64  # an element type of unknown width counts as the widest scalar
+
+
+def _constant_bytes(op) -> int:
+  """Bytes of the dense element attributes ``op`` carries (a splat: one element).
+
+  Example: ``stablehlo.constant dense<1.0> : tensor<1000xf32>`` is 4 bytes.
+  """
+  total = 0
+  attributes = op.attributes
+  for name in attributes:  # names (recent MLIR bindings) or NamedAttributes
+    attr = attributes[name] if isinstance(name, str) else name.attr
+    if not isinstance(attr, (ir.DenseElementsAttr, ir.DenseResourceElementsAttr)):
+      continue
+    shaped = ir.ShapedType(attr.type)
+    elements = 1
+    if not (isinstance(attr, ir.DenseElementsAttr) and attr.is_splat):
+      for n in shaped.shape:
+        elements *= n
+    total += (elements * _element_bits(shaped.element_type) + 7) // 8
+  return total
 
 
 def _screen(op, calls: list, refused: list) -> None:

@@ -1,4 +1,4 @@
-"""The attested start: the initial state as the output of an exported init program.
+"""The attested start: the whole initial state as the output of an exported init program.
 
 ``proof.init(model.init, key, example)`` exports ``model.init`` with
 ``jax.export``, runs the exported program (compiled as a verifier compiles
@@ -10,23 +10,47 @@ becomes
 
   params = proof.init(model.init, jax.random.key(0), x)["params"]
 
-The ``init`` record holds the program, the opened inputs (the PRNG key and the
-example arguments) and the digests of the outputs. At the first step the
-committer writes a ``start`` check with the pre-state's leaf digests; a
-verifier replays the init program bitwise and checks that every params leaf of
-the first pre-state is one of its outputs.
+Every PRNG key among the arguments is replaced by the proof's start key
+(``proof.key()``, derived from its slot, ``zkdv.keys``): the prover does not
+choose it, so it cannot grind initializations. ``TrainState.create(proof=proof,
+params=params, ...)`` with params that ``proof.init`` returned extends the init
+program by ``TrainState.create`` itself (``extend_init``), so the optimizer state,
+the step and every added field are outputs of the same program.
+
+The ``init`` record holds the program, the opened inputs (the key and the
+example arguments) and the digests of the outputs; it is written before the
+first step. At the first step the committer writes a ``start`` check with the
+pre-state's piece digests; a verifier replays the init program (with the
+recorded inputs, with other example values, with another key) and checks that
+every leaf of the first pre-state is one of its outputs (``zkdv.verify.start``).
 """
 
 import dataclasses
 
 import blake3
 import jax
+import numpy as np
 
 from zkdv import digest
 from zkdv import errors
+from zkdv import keys
 from zkdv.jax import _compat
 from zkdv.jax import arrays
+from zkdv.jax import stablehlo
 from zkdv.jax.replay import compile_program
+
+
+def proof_key(seed: bytes, step: int | None, impl=None) -> jax.Array:
+  """The proof's start key (``step`` None) or step ``step``'s key, of ``impl`` (the
+  default PRNG implementation when None), from the proof's key seed (``zkdv.keys``).
+
+  Example: ``proof_key(seed, 3)`` is what a PRNG-key batch leaf of step 3 must be.
+  """
+  template = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+  nbytes = int(np.prod(template.shape)) * template.dtype.itemsize
+  data = np.frombuffer(keys.key_data(seed, step, nbytes), template.dtype).reshape(
+      template.shape)
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(jax.random.key(0, impl=impl)))
 
 
 @dataclasses.dataclass
@@ -36,11 +60,22 @@ class InitProgram:
   blob: bytes
   record: dict
   input_bytes: list  # host copies of the inputs, to be stored as blobs
-  outputs: list
+  outputs: object  # the init function's output, a pytree of the program's outputs
+  init_fn: object = None  # what was exported, and its arguments (for ``extend_init``)
+  args: tuple = ()
+  kwargs: dict = dataclasses.field(default_factory=dict)
 
 
-def run_init(init_fn, args: tuple, kwargs: dict) -> InitProgram:
-  """Exports ``init_fn(*args, **kwargs)``, runs the exported program, digests its outputs."""
+def _with_start_key(tree, seed: bytes):
+  """``tree`` with every PRNG key leaf replaced by the start key of its implementation."""
+  return jax.tree.map(lambda x: proof_key(seed, None, jax.random.key_impl(x))
+                      if arrays.is_key(x) else x, tree)
+
+
+def run_init(init_fn, args: tuple, kwargs: dict, key_seed: bytes) -> InitProgram:
+  """Exports ``init_fn(*args, **kwargs)`` (its PRNG keys replaced by the start key),
+  runs the exported program, digests its outputs."""
+  args, kwargs = _with_start_key((args, kwargs), key_seed)
   leaves, in_tree = jax.tree.flatten((args, kwargs))
   leaves = [arrays.as_array(x) for x in leaves]
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
@@ -63,6 +98,12 @@ def run_init(init_fn, args: tuple, kwargs: dict) -> InitProgram:
     raise errors.ExportError(
         f"jax.export could not export the init function "
         f"{getattr(init_fn, '__qualname__', init_fn)!r}: {type(e).__name__}: {e}") from e
+  try:  # a verifier refuses what this refuses (weights baked in as constants among it)
+    stablehlo.check_safe(exported, stablehlo.analyze(exported))
+  except stablehlo.UnsafeProgramError as e:
+    raise errors.ExportError(f"the init function {getattr(init_fn, '__qualname__', init_fn)!r}"
+                             f": {e}", fix="Initialize from the key: an init program may not "
+                             "return weights it closes over.") from None
   outs = compile_program(jax.export.deserialize(blob))(*leaves)
   out_paths = [jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_flatten_with_path(out_shape)[0]]
@@ -80,4 +121,27 @@ def run_init(init_fn, args: tuple, kwargs: dict) -> InitProgram:
       "platforms": list(exported.platforms),
   }
   return InitProgram(blob, record, input_bytes,
-                     jax.tree.unflatten(jax.tree.structure(out_shape), list(outs)))
+                     jax.tree.unflatten(jax.tree.structure(out_shape), list(outs)),
+                     init_fn, args, kwargs)
+
+
+def extend_init(init: InitProgram, part, build, key_seed: bytes) -> InitProgram | None:
+  """``init`` followed by ``build(part)``, exported as one init program, where ``part`` is
+  made of ``init``'s outputs (the very arrays it returned); None when it is not.
+
+  Example: ``extend_init(init, params, lambda p: TrainState.create(params=p, ...), seed)``
+  gives an init program whose outputs are the whole state.
+  """
+  positions = {id(x): n for n, x in enumerate(jax.tree.leaves(init.outputs))}
+  leaves, tree = jax.tree.flatten(part)
+  if not leaves or any(id(x) not in positions for x in leaves):
+    return None
+  picked = [positions[id(x)] for x in leaves]
+  first = init.init_fn
+
+  def extended(*args, **kwargs):
+    outputs = jax.tree.leaves(first(*args, **kwargs))
+    return build(jax.tree.unflatten(tree, [outputs[n] for n in picked]))
+
+  extended.__qualname__ = f"{getattr(first, '__qualname__', 'init')} + start state"
+  return run_init(extended, init.args, init.kwargs, key_seed)

@@ -18,6 +18,7 @@ from zkdv import errors
 from zkdv import metrics
 from zkdv import transcript
 from zkdv.verify import probes
+from zkdv.verify import sensitivity
 from zkdv.verify import start
 from zkdv.verify.context import Verification
 from zkdv.verify.report import UNVERIFIABLE, CheckOutcome
@@ -133,6 +134,8 @@ def _open_batches(ctx, check, segment, program, where):
       ctx.report.fail("opening", where, f"opened batch of step {s.index} does not match its "
                       "commitment.")
       return None
+    if not start.keys_derived(ctx, s.index, program.batch, batch, where):
+      return None
     batches.append(batch)
   return batches
 
@@ -168,10 +171,11 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
     outcome.status = "not replayed"
     return outcome
   start, batches = (last[3], opened[1]) if chained else opened
-  replayed = ctx.programs.replay_segment(program, start, batches, where, chained)
+  replayed = ctx.programs.replay_segment(program, start, batches, where, chained, True)
   if replayed is None:
     return outcome
   outcome = _compare(ctx, outcome, program, replayed[0], post, segment.end, where)
+  _check_sensitivity(outcome, program, replayed[3], batches[0], step, segment, where)
   steps = ctx.model.steps[segment.first:segment.last + 1]
   if not all([_metrics_match(ctx, s, program, outputs, where)
               for s, outputs in zip(steps, replayed[2])]):
@@ -179,6 +183,26 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   if outcome.status == "verified" and program.exact:
     ctx.replayed_end = (segment.last, program.number, segment.end, replayed[1])
   return outcome
+
+
+def _check_sensitivity(outcome, program, measured, batch, step, segment, where) -> None:
+  """Records in ``outcome`` whether the segment's first step reads its batch
+  (``zkdv.verify.sensitivity``, perturbations drawn from the challenged ``step``; the
+  program claim, not the verdict, rests on it)."""
+  if not program.params_leaves:
+    return  # nothing to test: the program claim says so
+  try:
+    problem = sensitivity.measure(program, batch, sensitivity.seed_of(step.record_id),
+                                  *measured)
+  except Exception as e:  # pylint: disable=broad-except  # a perturbed replay failed: untested
+    if errors.out_of_memory(e):
+      raise  # a fault of this machine, not of the program
+    return
+  outcome.batch_sensitive = (None if problem and problem.startswith(sensitivity.UNDECIDED)
+                             else problem is None)
+  if problem is not None:
+    outcome.batch_ignored = (f"{where}: step {segment.first}, replayed with a perturbed "
+                             f"batch: {problem}")
 
 
 def _metrics_match(ctx: Verification, step, program, outputs, where: str) -> bool:

@@ -4,8 +4,9 @@ A claim does not hold when a finding it rests on is invalid, could not be
 verified when such a finding could not be, and otherwise holds only when what it
 says was shown: ``challenges`` needs dvbench's key confirmed (a receipt or the
 signed receipt that binds this very transcript; a key given by hand leaves it
-unverified), ``start`` an init program replayed to step 0's params, ``program`` every
-post-state depending on the batch, ``data`` probed rows. With ``--strict`` the
+unverified), ``start`` an init program replayed to step 0's params, ``program`` each
+replayed update changing every trained params leaf when its batch is perturbed, ``data``
+probed rows. With ``--strict`` the
 ``replays`` claim also needs bitwise (exact) replays.
 
 ``standing`` is the one rule from a verification's outcome to a proof's state and
@@ -43,7 +44,7 @@ CLAIM_CODES = {
         "too_few_checks", "unsafe_program"},
     "start": _ANY | {"start"},
     "program": _ANY | {"program_id", "missing_blob", "unsafe_program"},
-    "data": _ANY | _KEYS | {"probe", "missing_probe"},
+    "data": _ANY | _KEYS | {"probe", "missing_probe", "batch_key", "unprobed"},
 }
 
 
@@ -146,26 +147,40 @@ def _start(ctx: Verification) -> Claim:
 
 
 def _program(ctx: Verification) -> Claim:
-  rows, status = [], HOLDS
+  """Every replayed update read its batch: a challenged segment's first step, replayed with
+  a perturbed batch, changed every params leaf it trains (``zkdv.verify.sensitivity``)."""
+  tested, ignored, undecided = {}, None, None
+  for check in ctx.report.checks:
+    if check.batch_sensitive is False:
+      ignored = ignored or check.batch_ignored
+    elif check.batch_ignored:
+      undecided = undecided or check.batch_ignored
+    if check.kind == "update" and check.batch_sensitive is not None:
+      program = ctx.model.program_of(ctx.model.steps[check.step]).number
+      tested[program] = tested.get(program, True) and check.batch_sensitive
+  rows = []
   for program in ctx.model.programs.values():
     info = ctx.programs.load(program)
-    depends = info.batch_dependent(program)
     rows.append({"number": program.number, "program_id": program.program_id.hex(),
                  "mode": program.mode, "parameters": parameter_count(program),
-                 "batch_dependent": depends,
+                 "batch_sensitive": tested.get(program.number),
+                 "constant_bytes": info.summary.constant_bytes if info.summary else None,
                  "operations": sum(info.summary.op_counts.values()) if info.summary else None})
-    if depends is False:
-      status = DOES_NOT_HOLD
-    elif depends is None and status == HOLDS:
-      status = COULD_NOT_VERIFY
   ids = ", ".join(r["program_id"][:16] for r in rows) or "none"
-  if not rows:
-    status = COULD_NOT_VERIFY
-  detail = {HOLDS: f"disclosed ({ids}); every post-state depends on the batch",
-            DOES_NOT_HOLD: f"disclosed ({ids}); a post-state does not depend on the batch "
-                           "(see zkdv inspect)",
-            COULD_NOT_VERIFY: f"programs {ids} could not be analyzed"}[status]
-  return Claim("program", status, detail, {"programs": rows})
+  if False in tested.values():
+    return Claim("program", DOES_NOT_HOLD, f"disclosed ({ids}); a replayed update ignores "
+                 f"its batch at {ignored}", {"programs": rows})
+  if undecided:
+    return Claim("program", COULD_NOT_VERIFY, f"disclosed ({ids}); whether every update "
+                 f"reads its batch could not be shown at {undecided}", {"programs": rows})
+  if not tested:
+    why = ("no program names a params leaf" if rows and not any(
+        p.params_leaves for p in ctx.model.programs.values()) else "no update was replayed")
+    return Claim("program", COULD_NOT_VERIFY, f"disclosed ({ids}); whether the updates read "
+                 f"the batch could not be tested: {why}", {"programs": rows})
+  return Claim("program", HOLDS, f"disclosed ({ids}); each replayed update, run again on a "
+               f"perturbed batch, changed every params leaf it trains ({len(tested)} of "
+               f"{len(rows)} programs tested)", {"programs": rows})
 
 
 def _data(ctx: Verification) -> Claim:

@@ -47,7 +47,7 @@ class Decisions:
 def probe_count(layout, ratio: float) -> int:
   """How many rows ``Decision.leaf_probe_rows`` opens, without drawing them: the
   verifier compares counts first, so hostile row counts cost nothing."""
-  if layout.key_impl is not None or not layout.shape or ratio <= 0 or layout.rows <= 0:
+  if layout.key_impl is not None or ratio <= 0 or layout.rows <= 0:
     return 0
   return min(layout.rows, math.ceil(ratio * layout.rows))
 

@@ -2,9 +2,10 @@
 
 Each program blob is deserialized and screened (``zkdv.jax.replay.load_program``:
 custom calls on an allow-list, no host callbacks or transfers, no effects); a
-refused program is an invalid finding, never compiled. Its summary (operation
-counts, parameters, whether the post-state depends on the batch) is derived from
-its StableHLO, never read from a prover field. Compiler options from the
+refused program is an invalid finding, never compiled (constants over
+``zkdv.config.MAX_PROGRAM_CONSTANT_BYTES`` among the reasons). Its summary
+(operation counts, constant bytes) is derived from its StableHLO, never read from
+a prover field. Compiler options from the
 transcript are reduced to ``zkdv.jax.replay.REPLAY_COMPILER_OPTIONS``. JAX is
 imported on first use.
 
@@ -12,7 +13,7 @@ Example::
 
   loader = ProgramLoader(ctx.report)
   info = loader.load(program)
-  end, _, per_step = loader.replay_segment(program, start, batches, "record 9")
+  end, _, per_step, _ = loader.replay_segment(program, start, batches, "record 9")
 """
 
 import dataclasses
@@ -34,14 +35,6 @@ class ProgramInfo:
   summary: object = None  # zkdv.jax.stablehlo.ModuleSummary
   refused: bool = False
   error: str | None = None
-
-  def batch_dependent(self, program: Program) -> bool | None:
-    """Whether any post-state output reads any batch input; None when unknown."""
-    if self.summary is None:
-      return None
-    batch = program.input_indices("batch")
-    return any(self.summary.depends_on(o, batch) for o in program.post_state_outputs
-               if o < len(self.summary.dependencies))
 
 
 def parameter_count(program: Program) -> int:
@@ -90,7 +83,11 @@ class ProgramLoader:
         info.exported, info.summary = self._replay.load_program(program.blob)
       except stablehlo.UnsafeProgramError as e:
         info.refused, info.error = True, str(e)
-        self._report.fail("unsafe_program", program.where, str(e))
+        # A refused init program is a start that does not hold; an update program, the
+        # program (and every replay of it).
+        self._report.fail("start" if program.number == "init" else "unsafe_program",
+                          program.where, f"the {'init' if program.number == 'init' else 'update'}"
+                          f" program: {e}")
       else:
         self._check_outputs(program, info)
     self._infos[key] = info
@@ -112,12 +109,14 @@ class ProgramLoader:
     return self._jax.devices()[0].platform
 
   def replay_segment(self, program: Program, start, batches, where: str,
-                     start_on_device: bool = False):
+                     start_on_device: bool = False, sensitivity: bool = False):
     """(host views of the end state, its device arrays, each step's outputs by index with
-    only the metrics' read) after replaying ``program`` once per batch from ``start``
-    (host arrays, or the device arrays a previous replay returned). The state stays on
-    the device between steps (one compiled executable for every step). None (with a
-    finding) when it cannot run here."""
+    only the metrics' read, the params leaves' sensitivity or None) after replaying
+    ``program`` once per batch from ``start`` (host arrays, or the device arrays a
+    previous replay returned). The state stays on the device between steps (one compiled
+    executable for every step). With ``sensitivity`` true it is (params before the first
+    step, after it with the committed batch, and a function giving them after it with
+    another batch), host arrays. None (with a finding) when it cannot run here."""
     info = self.load(program)
     if info.exported is None or not batches:
       return None
@@ -128,6 +127,9 @@ class ProgramLoader:
       per_step.append([x if i in metric_indices else None for i, x in enumerate(outs)])
       return [outs[i] for i in program.post_state_outputs]
 
+    def params(state) -> list:
+      return [self._arrays.host_view(state[i]) for i in program.params_leaves]
+
     if start_on_device:
       compiled, state = self._compile(program, info, where), list(start)
     else:
@@ -135,23 +137,42 @@ class ProgramLoader:
                                             batches[0]), where, host=False)
       if outs is None:
         return None
-      compiled, batches, state = self._compile(program, info, where), batches[1:], keep(outs)
+      compiled = self._compile(program, info, where)
     if compiled is None:
       return None
     try:
+      if sensitivity:  # ``begin`` stays on the device for the perturbed replays
+        begin = state if start_on_device else self._untrusted(where, lambda: self._on_device(
+            info, [self._arrays.from_host(a, l) for a, l in zip(start, program.state)]))
+        before = (self._untrusted(where, params, begin) if start_on_device
+                  else [start[i] for i in program.params_leaves])
+      first = None
+      if not start_on_device:
+        state = first = keep(outs)
+        batches = batches[1:]
       for batch in batches:
-        device_batch = self._untrusted(where, lambda b=batch: self._on_device(
-            info, [self._arrays.from_host(a, l) for a, l in zip(b, program.batch)]))
-        rows, states = iter(device_batch), iter(state)
-        state = keep(self._untrusted(where, compiled, *[
-            next(states if kind == "state" else rows) for kind in program.inputs]))
+        state = keep(self._untrusted(where, self._step, compiled, info, program, state, batch))
+        first = state if first is None else first
+      if sensitivity:
+        def perturbed(batch) -> list:
+          outs = self._step(compiled, info, program, begin, batch)
+          return params([outs[i] for i in program.post_state_outputs])
+        sensitivity = (before, self._untrusted(where, params, first), perturbed)
       per_step = self._untrusted(where, lambda: [
           [None if x is None else self._arrays.host_view(x) for x in outs]
           for outs in per_step])
       return self._untrusted(where, lambda: [self._arrays.host_view(x) for x in state]), \
-          state, per_step
+          state, per_step, sensitivity or None
     except _NotReplayed:
       return None
+
+  def _step(self, compiled, info, program, state, batch) -> list:
+    """Every output of one step of ``compiled`` from ``state`` (device arrays) on ``batch``
+    (host arrays)."""
+    device_batch = self._on_device(info, [self._arrays.from_host(a, l)
+                                          for a, l in zip(batch, program.batch)])
+    rows, states = iter(device_batch), iter(state)
+    return compiled(*[next(states if kind == "state" else rows) for kind in program.inputs])
 
   @staticmethod
   def _inputs(program: Program, state, batch) -> list:

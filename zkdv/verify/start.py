@@ -1,11 +1,15 @@
-"""The attested start: step 0's params are outputs of a replayed init program.
+"""The attested start: step 0's whole state is the output of a replayed init program.
 
 An ``init`` record (docs/protocol.md) names an exported init program, its
 opened inputs (the PRNG key, example arguments) and its outputs' digests; a
 ``start`` check of step 0 opens the piece digests of step 0's pre-state. The
-start is attested when the pieces make up step 0's pre-state, replaying the
-init program gives exactly the recorded outputs, and every params leaf of
-step 0 equals one of those outputs (same dtype, shape and digests).
+start is attested when the pieces make up step 0's pre-state, every key input
+is the proof's start key (derived from its slot, ``zkdv.keys``), replaying the
+init program gives exactly the recorded outputs, every leaf of step 0's state
+(params, optimizer state, step, added fields) equals one of those outputs, and
+two more replays show that the inputs carry nothing: with other example values
+the outputs are bit for bit the same, with another key every params leaf that
+is not one value repeated (a zero bias, a unit scale) changes.
 
 Example::
 
@@ -13,9 +17,14 @@ Example::
   outcome = start_check(ctx, check, step, program, "record 4")
 """
 
+import blake3
+import numpy as np
+
 from zkdv import digest
 from zkdv import errors
+from zkdv import keys
 from zkdv import transcript
+from zkdv.verify import sensitivity
 from zkdv.verify.context import Verification
 from zkdv.verify.report import UNVERIFIABLE, CheckOutcome
 
@@ -38,8 +47,27 @@ def _pieces_ok(pieces, layouts) -> bool:
                   and all(isinstance(d, bytes) for d in p) for p, l in zip(pieces, layouts)))
 
 
-def _init_outputs(ctx: Verification, where: str):
-  """The init program's outputs replayed from its opened inputs; None with a finding."""
+def key_seed(ctx: Verification) -> bytes:
+  """The seed of the proof's public keys (``zkdv.keys``), from its root."""
+  return keys.key_seed(ctx.model.root.get("challenger"), ctx.model.transcript_id)
+
+
+def keys_derived(ctx: Verification, step: int, layouts, batch, where: str) -> bool:
+  """Whether every PRNG-key leaf of step ``step``'s opened batch is the proof's key of that
+  step (``proof.key(step)``); a finding names the first that is not."""
+  seed = key_seed(ctx)
+  for array, layout in zip(batch, layouts):
+    if layout.key_impl is not None and array.tobytes() != keys.key_data(seed, step,
+                                                                         array.nbytes):
+      ctx.report.fail("batch_key", where, f"PRNG-key leaf {layout.path} of step {step} is not "
+                      f"the proof's key of step {step} (proof.key({step})): a key the prover "
+                      "chooses can carry data no probe opens.")
+      return False
+  return True
+
+
+def _opened_inputs(ctx: Verification, where: str):
+  """The init program's recorded inputs [(array, layout)]; None with a finding."""
   init = ctx.model.init
   try:
     inputs = [(transcript.read_blob(ctx.model.folder, b, l.dtype, l.shape), l)
@@ -51,6 +79,20 @@ def _init_outputs(ctx: Verification, where: str):
   except (OSError, errors.TranscriptFormatError, TypeError, AttributeError) as e:
     ctx.report.fail("start", where, f"an input blob of the init program: {e}")
     return None
+  seed = key_seed(ctx)
+  for array, layout in inputs:
+    if layout.key_impl is not None and array.tobytes() != keys.key_data(seed, None,
+                                                                         array.nbytes):
+      ctx.report.fail("start", where, f"the init program's key input {layout.path} is not "
+                      "the proof's start key (derived from its slot): a chosen key can be "
+                      "ground for a favourable start.")
+      return None
+  return inputs
+
+
+def _init_outputs(ctx: Verification, inputs, where: str):
+  """The init program's outputs replayed from ``inputs``; None with a finding."""
+  init = ctx.model.init
   if ctx.options.replay == "none":
     ctx.report.fail("start", where, "the init program was not replayed (--replay none).",
                     UNVERIFIABLE)
@@ -63,6 +105,51 @@ def _init_outputs(ctx: Verification, where: str):
   return outs
 
 
+def _other_inputs(ctx: Verification, inputs, what: str):
+  """``inputs`` with the example values (``what`` "examples") or the key (``what`` "key")
+  replaced by others, drawn from the init program's id."""
+  seed = blake3.blake3(b"zkdv init replay " + ctx.model.init.program_id).digest()
+  other = []
+  for n, (array, layout) in enumerate(inputs):
+    if layout.key_impl is not None and what == "key":
+      array = np.frombuffer(keys.key_data(seed, n, array.nbytes), array.dtype).reshape(
+          array.shape)
+    elif layout.key_impl is None and what == "examples":
+      array = sensitivity.perturbed_batch([layout], [array], seed)[0]
+    other.append((array, layout))
+  return other
+
+
+def _inputs_carry_nothing(ctx: Verification, inputs, outs, matched, program, where) -> bool:
+  """Replays with other example values (same outputs) and another key (params change)."""
+  examples = [l.path for _, l in inputs if l.key_impl is None]
+  if examples:
+    again = ctx.programs.run(ctx.model.init, _other_inputs(ctx, inputs, "examples"), where)
+    if again is None:
+      return False
+    changed = [n for n, (a, b) in enumerate(zip(outs, again)) if not sensitivity.same_bytes(a, b)]
+    if changed:
+      ctx.report.fail("start", where, f"the init program's outputs depend on the values of "
+                      f"its example inputs {examples} (output {changed[0]} changes when they "
+                      "do): a start must come from the key, not from arrays the prover "
+                      "passes in.")
+      return False
+  varied = [i for i in program.params_leaves if np.unique(outs[matched[i]]).size > 1]
+  if not varied:
+    return True
+  other = (ctx.programs.run(ctx.model.init, _other_inputs(ctx, inputs, "key"), where)
+           if any(l.key_impl is not None for _, l in inputs) else outs)
+  if other is None:
+    return False
+  for i in varied:
+    if sensitivity.same_bytes(outs[matched[i]], other[matched[i]]):
+      ctx.report.fail("start", where, f"params leaf {program.state[i].path} of step 0 does "
+                      "not change with the init program's key: it is not initialized from "
+                      "the key.")
+      return False
+  return True
+
+
 def start_check(ctx: Verification, check, step, program, where: str) -> CheckOutcome:
   outcome = CheckOutcome(step.index, "start", "init replay", "failed")
   pieces = check.fields["pre_state_pieces"]
@@ -72,15 +159,21 @@ def start_check(ctx: Verification, check, step, program, where: str) -> CheckOut
       program.state, pieces) != step.pre_state:
     ctx.report.fail("start", where, "pre_state_pieces do not make up step 0's pre-state.")
     return outcome
-  outs = _init_outputs(ctx, where)
+  inputs = _opened_inputs(ctx, where)
+  outs = None if inputs is None else _init_outputs(ctx, inputs, where)
   if outs is None:
     return outcome
-  for i in program.params_leaves:
-    layout = program.state[i]
-    if not any(str(o.dtype) == layout.dtype and tuple(o.shape) == layout.shape
-               and digest.piece_digests(layout, o) == pieces[i] for o in outs):
-      ctx.report.fail("start", where, f"params leaf {layout.path} of step 0 is not an output "
-                      "of the init program.")
+  matched = {}
+  for i, layout in enumerate(program.state):
+    matched[i] = next((n for n, o in enumerate(outs) if str(o.dtype) == layout.dtype
+                       and tuple(o.shape) == layout.shape
+                       and digest.piece_digests(layout, o) == pieces[i]), None)
+    if matched[i] is None:
+      kind = "params" if i in program.params_leaves else "state"
+      ctx.report.fail("start", where, f"{kind} leaf {layout.path} of step 0 is not an output "
+                      "of the init program (export the optimizer state and every field "
+                      "with it: TrainState.create on params from proof.init does).")
       return outcome
-  outcome.status = "verified"
+  if _inputs_carry_nothing(ctx, inputs, outs, matched, program, where):
+    outcome.status = "verified"
   return outcome

@@ -16,6 +16,7 @@ import pathlib
 
 import blake3
 
+from zkdv import config
 from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
@@ -238,6 +239,13 @@ def _read_program(model, parsed, where, report) -> None:
   if program.number != len(model.programs):
     report.fail("program_id", where,
                 f"program number {program.number}, expected {len(model.programs)}.")
+  scalars = [l for l in program.batch if not l.shape and l.key_impl is None]
+  if sum(l.nbytes for l in scalars) > config.MAX_SCALAR_BATCH_BYTES:
+    report.fail("unprobed", where, f"the batch carries {sum(l.nbytes for l in scalars)} bytes "
+                f"in {len(scalars)} scalar leaves ({', '.join(l.path for l in scalars[:4])}"
+                f"{', ...' if len(scalars) > 4 else ''}), over the budget of "
+                f"{config.MAX_SCALAR_BATCH_BYTES} bytes a step: scalars have no rows to "
+                "sample, so pass data as arrays with a leading batch axis.")
   model.programs[program.number] = program
 
 
@@ -276,6 +284,8 @@ def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
   grouped = [l.path for l in (*state, *post) if l.row_group != 1]
   if grouped:
     raise ValueError(f"row_group is a field of batch layouts only: {grouped[:4]}")
+  for l in batch:
+    digest.check_row_group(l, isinstance(rec.get("processes"), int) and rec["processes"] > 1)
   if [(l.path, l.dtype, l.shape) for l in post] != [(l.path, l.dtype, l.shape) for l in state]:
     raise ValueError("post_state_layout does not match state_layout")
   if sorted(rec["inputs"]) != sorted(["state"] * len(state) + ["batch"] * len(batch)):

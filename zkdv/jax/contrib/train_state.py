@@ -6,17 +6,12 @@ from typing import Any
 import jax
 import optax
 from flax import struct
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
 from zkdv import overlap as overlap_lib
 from zkdv.interpreters.marker import mark_update
 
 _BOX = "params"  # the key params that are not a mapping are boxed under
-
-
-def _has_overwrite_with_gradient(tree) -> bool:
-  return isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree
 
 
 def _boxed(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -73,13 +68,35 @@ class TrainState(train_state.TrainState):
   @classmethod
   def create(cls, *, apply_fn, params, tx, proof=None, attest_apply_fn=None,
              zkdv_overlap=overlap_lib.UNCHECKED, **kwargs):
-    """Creates a state with ``step=0`` and ``opt_state = tx.init(params)``."""
+    """Flax's ``TrainState.create``: ``step=0`` and ``opt_state = tx.init(params)``.
+
+    With ``params`` from ``proof.init``, the whole state comes out of the init
+    program (``proof.extend_init``): the optimizer state, the step and every added
+    field are attested with the params.
+
+    Example::
+
+      params = proof.init(model.init, jax.random.key(0), x)["params"]
+      state = TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                tx=optax.adam(1e-2))
+    """
     if not isinstance(zkdv_overlap, overlap_lib.Overlap):
       raise TypeError("zkdv_overlap must be zkdv.overlap.UNCHECKED, ALWAYS or "
                       f"NEVER, got {zkdv_overlap!r}.")
-    params_with_opt = (params["params"] if _has_overwrite_with_gradient(params)
-                       else params)
-    return cls(step=0, apply_fn=apply_fn, params=params, tx=tx,
-               opt_state=tx.init(params_with_opt), proof=proof,
-               attest_apply_fn=attest_apply_fn, zkdv_overlap=zkdv_overlap,
-               **kwargs)
+
+    def build(params, **fields):
+      fields = {"proof": proof, "attest_apply_fn": attest_apply_fn,
+                "zkdv_overlap": zkdv_overlap, **kwargs, **fields}
+      if isinstance(params, Mapping):  # Flax's own create (FP8 params included)
+        return super(TrainState, cls).create(apply_fn=apply_fn, params=params, tx=tx,
+                                             **fields)
+      return cls(step=0, apply_fn=apply_fn, params=params, tx=tx,  # a bare array
+                 opt_state=tx.init(params), **fields)
+
+    extend = getattr(proof, "extend_init", None)
+    dynamic = {k: v for k, v in kwargs.items() if jax.tree.leaves(v)}
+    if extend is not None:  # the added fields' values come from the init program too
+      state = extend((params, dynamic), lambda parts: build(parts[0], **parts[1]))
+      if state is not None:
+        return state
+    return build(params)

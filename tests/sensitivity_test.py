@@ -1,0 +1,168 @@
+"""The program claim: a replayed update, run again on a perturbed batch, must change every
+params leaf it trains. Reading the batch on paper (``0 * x``) is not reading it."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tests import testing
+from tests.cli_test import zkdv_here
+from tests.verify_test import BATCH, STATE, write_transcript
+from zkdv import digest
+from zkdv import verify
+from zkdv.jax import stablehlo
+from zkdv.verify import sensitivity
+
+
+def decay(w):
+  """A batch-independent update of ``w`` whose elements move by different amounts."""
+  return w - 0.05 * (w + 0.3)
+
+
+def zero_times(w, b, x):
+  return decay(w) + 0 * jnp.sum(x), b + 0.01 + 0 * jnp.mean(x)
+
+
+def minus_itself(w, b, x):
+  return decay(w) + (jnp.sum(x) - jnp.sum(x)), b + 0.01 + jnp.sum(x - x)
+
+
+def where_false(w, b, x):
+  return decay(w) + jnp.where(False, jnp.sum(x), 0.0), b + jnp.where(False, x[0, 0], 0.01)
+
+
+def reads_one_leaf(w, b, x):
+  """``b`` reads the batch, ``w`` decays whatever it holds: ``w`` is named."""
+  return decay(w), b + jnp.sum(x) * 1e-3
+
+
+class BatchIgnoredTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("zero_times", zero_times), ("minus_itself", minus_itself),
+                                  ("where_false", where_false))
+  def test_reading_the_batch_on_paper_is_not_reading_it(self, fn):
+    specs = [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in STATE + BATCH]
+    summary = stablehlo.analyze(jax.export.export(jax.jit(fn, keep_unused=True))(*specs))
+    if fn is not where_false:  # XLA folds where(False, ...) away; the others fool the dataflow
+      self.assertTrue(summary.depends_on(0, [2]))
+    report = verify.verify(write_transcript(fn=fn, steps=2))
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD)
+    self.assertIn("params leaf .params['w'] comes out bit for bit the same with 16 perturbed "
+                  "batches", claim.detail)
+    self.assertEqual(zkdv_here("verify", report.path, "--strict", "--quiet").returncode, 1)
+
+  def test_the_leaf_that_ignores_the_batch_is_named(self):
+    claim = verify.verify(write_transcript(fn=reads_one_leaf, steps=2)).claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD)
+    self.assertIn("params leaf .params['w'] comes out bit for bit the same", claim.detail)
+
+  def test_a_step_that_trains_nothing_does_not_hold(self):
+    claim = verify.verify(write_transcript(fn=lambda w, b, x: (w, b), steps=2)).claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD)
+    self.assertIn("the step changes no params leaf", claim.detail)
+
+  def test_honest_program_holds(self):
+    report = verify.verify(write_transcript(steps=2))
+    self.assertEqual(report.claim("program").status, verify.HOLDS, report.dumps())
+    self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))
+
+
+class PerturbationTest(absltest.TestCase):
+
+  def test_deterministic_in_the_domain_and_different(self):
+    layouts = [digest.LeafLayout("x", "float32", (4, 3)), digest.LeafLayout("y", "int32", (4,)),
+               digest.LeafLayout("m", "bool", (4,))]
+    batch = [np.arange(12, dtype=np.float32).reshape(4, 3), np.asarray([0, 1, 1, 0], np.int32),
+             np.ones(4, bool)]
+    seed = sensitivity.seed_of(b"\1" * 32)
+    once = sensitivity.perturbed_batch(layouts, batch, seed)
+    again = sensitivity.perturbed_batch(layouts, batch, seed)
+    other = sensitivity.perturbed_batch(layouts, batch, sensitivity.seed_of(b"\2" * 32))
+    for a, b, c, original in zip(once, again, other, batch):
+      self.assertEqual((a.dtype, a.shape), (original.dtype, original.shape))
+      self.assertEqual(a.tobytes(), b.tobytes())
+      self.assertNotEqual(a.tobytes(), original.tobytes())
+    for a, c in zip(once[:2], other[:2]):  # another challenge, other draws
+      self.assertNotEqual(a.tobytes(), c.tobytes())
+    self.assertTrue(set(once[1].tolist()) <= {0, 1})  # labels stay labels
+    self.assertFalse(once[2].any())  # all-equal leaves: lowest bit flipped
+
+
+  def test_a_leaf_unchanged_by_one_draw_is_drawn_again(self):
+    layout = digest.LeafLayout(".params['b']", "float32", (2,))
+    program = types.SimpleNamespace(batch=(digest.LeafLayout("x", "float32", (4,)),),
+                                    state=(layout,), params_leaves=(0,))
+    before, honest = [np.zeros(2, np.float32)], [np.full(2, 0.01, np.float32)]
+    draws = []
+
+    def sign_only(batch):  # the honest update's signs survive the first two draws
+      draws.append(batch)
+      return honest if len(draws) < 3 else [np.asarray([0.01, -0.01], np.float32)]
+    batch = np.arange(4, dtype=np.float32)
+    self.assertIsNone(sensitivity.measure(program, [batch], b"s" * 32, before, honest,
+                                          sign_only))
+    self.assertLen(draws, 3)
+    problem = sensitivity.measure(program, [batch], b"s" * 32, before, honest,
+                                  lambda b: honest)
+    self.assertIn(f"with {sensitivity.MAX_DRAWS} perturbed batches", problem)
+
+  def test_sign_based_updates_are_never_said_to_ignore_the_batch(self):
+    """Adam's first step and Lion keep a small leaf's signs: Adam's later steps show the
+    leaf reads the batch; Lion's may not, which is undecided, never a finding."""
+    for name, allowed in (("adam", {verify.HOLDS}),
+                          ("lion", {verify.HOLDS, verify.COULD_NOT_VERIFY})):
+      proof = testing.new_proof(f"sign-{name}", update_p=1.0)
+      proof.start()
+      state = testing.classifier_state(proof, tx=testing.OPTIMIZERS[name]())
+      train_step = proof.jit(testing.classifier_step)
+      for i in range(3):
+        state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
+      claim = verify.verify(proof.finish()).claim("program")
+      self.assertIn(claim.status, allowed, claim.detail)
+      if claim.status == verify.COULD_NOT_VERIFY:
+        self.assertIn("moved every element by one step size (a sign-based update)",
+                      claim.detail)
+
+
+class StolenWeightsTest(absltest.TestCase):
+  """The attack: the honest update, then ``stolen + 0 * sum(batch)`` as the new params."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    proof = testing.new_proof("stolen-step", update_p=1.0)
+    proof.start(probe_ratio=0.5)
+    state = testing.classifier_state(proof, tx=optax.sgd(0.1))
+    stolen = jax.tree.map(lambda p: jnp.full_like(p, 0.25) + jnp.arange(p.size).reshape(
+        p.shape).astype(p.dtype) / 7, state.params)
+
+    @proof.jit  # the stolen weights are constants of the program (tiny: within the budget)
+    def train_step(state, batch):
+      new = testing.classifier_step(state, batch)
+      noise = 0 * jnp.sum(batch).astype(jnp.float32)
+      return new.replace(params=jax.tree.map(lambda s: s + noise, stolen))
+
+    for i in range(3):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
+    cls.path = proof.finish()
+
+  def test_strict_verify_fails_naming_the_params_leaf(self):
+    result = zkdv_here("verify", self.path, "--strict", "--json")
+    self.assertEqual(result.returncode, 1)
+    report = json.loads(result.stdout)
+    program = next(c for c in report["claims"] if c["name"] == "program")
+    self.assertEqual(program["status"], verify.DOES_NOT_HOLD)
+    self.assertRegex(program["detail"], r"params leaf \.params\['Dense_0'\]"
+                     r"\['(bias|kernel)'\] comes out bit for bit the same")
+
+
+if __name__ == "__main__":
+  absltest.main()
