@@ -66,7 +66,8 @@ class TutorialMessagesTest(absltest.TestCase):
     summary = [line for line in lines if line.startswith(
         f"dvbench: your-name/jax-train-state proof {proof_id}: ")]
     self.assertLen(summary, 1, self.tutorial.stderr)
-    self.assertRegex(summary[0], r": (closed|verifying|verified steps — start unattested), 10 steps, \d+ checks "
+    self.assertRegex(summary[0], r": (closed|verifying|verified steps — start unattested), "
+                     r"10 steps, \d+ checks "
                      rf"\(\d+ replayed\); {re.escape(url)}/proofs/{proof_id}$")
     # The INFO line that said nothing before: the tutorial asks for p = 0.01.
     self.assertTrue(any(f"DVBench {url} raised the proof's policy to its minimum" in line
