@@ -534,7 +534,7 @@ class ProofFunction:
     closed, out_shape = jax.make_jaxpr(self._step_on_flat_inputs(call), return_shape=True)(
         *call.specs)
     self._check_updates(closed)
-    return closed, out_shape, self._locate_post_state(out_shape, inputs.state_layouts)
+    return closed, out_shape, self._locate_post_state(out_shape, inputs)
 
   def _export(self, call: _Call, closed, shardings: dict,
               exact: bool) -> tuple[Any, bytes, list[debug_calls_lib.DebugCall]]:
@@ -630,26 +630,39 @@ class ProofFunction:
       raise errors.UnsupportedUpdateError(
           f"{self.__name__} calls apply_gradients() {sites.count} times (or, with "
           "Flax NNX, optimizer.update()); ZKDV commits one optimizer update per "
-          "proof.jit call. Split the step.")
+          "proof.jit call. Split the step into one update per call, or attest it "
+          "whole: keep Flax's own TrainState (flax.training.train_state.TrainState) "
+          f"and wrap the step with proof.attest({self.__name__}, state_argnum=...), "
+          "which commits each call, all its updates together, as one step.")
     if sites.proof_ids != {id(self._proof)}:
       raise errors.ProofIdentityError(
           f"{self.__name__} updates a TrainState created with another proof "
           "object.")
 
-  def _locate_post_state(self, out_shape, state_layouts) -> list[int]:
+  def _locate_post_state(self, out_shape, inputs: _Inputs) -> list[int]:
+    """The flat output indices of the post-state: the ``TrainState`` (NNX: GraphState)
+    the step returns; under ``proof.attest``, the one output shaped as the state."""
     if self.manual:
-      state_out = out_shape[0] if isinstance(out_shape, (tuple, list)) else out_shape
-      found = _find_nodes(out_shape, lambda n: n is state_out)
+      shaped_as_state = _shaped_as(inputs.state)
+      found = _find_nodes(out_shape, shaped_as_state)
+      if len(found) != 1:
+        raise errors.StepOutputError(
+            f"{self.__name__} is attested with state_argnum={self._state_argnum} and "
+            f"returns {_count_phrase(out_shape, shaped_as_state)} with that argument's structure and "
+            "shapes; it must return the new state once (alone, or beside other outputs "
+            "of another structure): return the new state and, beside it, outputs shaped "
+            "otherwise (a loss, metrics).")
     else:
       found = _find_nodes(out_shape, _is_state)
-    if len(found) != 1:
-      raise errors.StepOutputError(
-          f"{self.__name__} must return the updated state "
-          "(`return state.apply_gradients(grads=grads)`, optionally with other "
-          f"outputs); it returned {len(found)} states.")
+      if len(found) != 1:
+        raise errors.StepOutputError(
+            f"{self.__name__} must return the updated state "
+            "(`return state.apply_gradients(grads=grads)`, optionally with other "
+            f"outputs); it returned {len(found)} states.")
     start, state = found[0]
     post = jax.tree.leaves(state)
     post_layouts = [(tuple(x.shape), str(x.dtype)) for x in post]
+    state_layouts = inputs.state_layouts
     pre_layouts = [(l.shape if not l.key_impl else None, l.dtype) for l in state_layouts]
     if len(post) != len(state_layouts) or any(
         l.key_impl is None and (l.shape, l.dtype) != p
@@ -669,9 +682,39 @@ class ProofFunction:
     if in_shardings is not None:
       per_arg = (tuple(in_shardings) if isinstance(in_shardings, (list, tuple))
                  else (in_shardings,) * len(call.dyn_args))
-      flat = _compat.broadcast_prefix(per_arg, call.dyn_args)
+      flat = _flat_prefix(per_arg, call.dyn_args)
       shardings["in_shardings"] = tuple(flat + [None] * len(jax.tree.leaves(call.dyn_kwargs)))
     if self._options.get("out_shardings") is not None:
-      shardings["out_shardings"] = tuple(_compat.broadcast_prefix(
-          self._options["out_shardings"], out_shape))
+      shardings["out_shardings"] = tuple(_flat_prefix(self._options["out_shardings"], out_shape))
     return shardings
+
+
+def _shaped_as(state) -> Callable[[Any], bool]:
+  """Whether a node of a step's outputs has ``state``'s tree structure and leaf shapes.
+
+  Example: for ``state = (params, opt_state)``, ``(new_params, new_opt_state)`` is.
+  """
+  structure = jax.tree.structure(state)
+  shapes = [np.shape(x) for x in jax.tree.leaves(state)]
+
+  def shaped_as(node) -> bool:
+    return (jax.tree.structure(node) == structure
+            and [np.shape(x) for x in jax.tree.leaves(node)] == shapes)
+  return shaped_as
+
+
+def _count_phrase(out_shape, is_node: Callable[[Any], bool]) -> str:
+  """How many nodes of ``out_shape`` ``is_node`` picks, and where: ``"2 outputs (at [0],
+  [1])"``."""
+  paths = [jax.tree_util.keystr(path) or "the top" for path, node in
+           jax.tree_util.tree_flatten_with_path(out_shape, is_leaf=is_node)[0] if is_node(node)]
+  return f"{len(paths)} outputs (at {', '.join(paths)})" if paths else "no output"
+
+
+def _flat_prefix(shardings, tree) -> list:
+  """One sharding per leaf of ``tree``, ``shardings`` a prefix of it; as ``jax.jit``, a
+  None in it leaves its subtree unspecified (XLA places it).
+
+  Example: ``_flat_prefix((s, None), (state, {"loss": l}))`` is ``[s] * n + [None]``.
+  """
+  return _compat.broadcast_prefix(shardings, tree, is_leaf=lambda x: x is None)

@@ -35,6 +35,7 @@ from flax import struct
 from zkdv import errors
 from zkdv import overlap as overlap_lib
 from zkdv.interpreters.marker import mark_update
+from zkdv.jax import _compat
 
 
 class Optimizer(nnx.Optimizer):
@@ -163,6 +164,7 @@ def split_graph(args: tuple, kwargs: dict, name: str, flat=None):
   The first NNX object's place holds the ``GraphState`` of all of them (split
   together, so shared variables stay shared); the others hold a ``_NodeRef``.
   """
+  _compat.drop_nnx_static_cache()  # nnx.cached_partial's, for an NNX transform: unused
   structure = _plain_structure(args, kwargs, flat)
   if structure is not None and structure in _WITHOUT_NODES:
     return None

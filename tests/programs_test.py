@@ -1,0 +1,352 @@
+"""Third-party training programs, shaped as their originals, with the two swaps.
+
+Each program runs under ``proof.jit`` (or ``proof.attest``) and under the plain JAX
+transform it replaces, side by side: every step is checked (update check probability
+1), the trained state is compared leaf by leaf (dtype and bytes), and ``zkdv verify``
+exits 0.
+"""
+
+import contextlib
+import functools
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl.testing import absltest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state as flax_train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import zkdv
+from tests import testing
+from zkdv import cli
+from zkdv import errors
+from zkdv.jax.contrib import nnx as zkdv_nnx
+
+
+def _host(x) -> np.ndarray:
+  return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+                    else x)
+
+
+class ProgramTestCase(absltest.TestCase):
+
+  def assert_bitwise_equal(self, ours, theirs):
+    ours, theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
+    self.assertEqual(len(ours), len(theirs))
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+      a, b = _host(a), _host(b)
+      self.assertEqual(a.dtype, b.dtype, f"leaf {i}")
+      self.assertEqual(a.tobytes(), b.tobytes(), f"leaf {i}")
+
+  def assert_verified(self, proof, steps: int):
+    """Every step recorded and checked, and ``zkdv verify`` exits 0."""
+    self.assertEqual(proof.steps, steps)
+    self.assertEqual(proof.checks["update"], steps)
+    self.assertEqual(proof.discontinuities, [])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+      status = cli.main(["verify", str(proof.path)])
+    self.assertEqual(status, 0, out.getvalue())
+
+
+# --- Flax lm1b: in_shardings/out_shardings with None, static arguments ---------------
+
+class _LM(nn.Module):
+
+  @nn.compact
+  def __call__(self, tokens, train: bool):
+    x = nn.Embed(16, 8)(tokens)
+    x = nn.Dropout(0.1, deterministic=not train)(x)
+    return nn.Dense(16)(x)
+
+
+def _lm1b_train_step(state, batch, config, learning_rate_fn, label_smoothing=0.0,
+                     dropout_rng=None):
+  """Flax lm1b's ``train_step``: dropout keyed by the step, metrics beside the state."""
+  inputs = batch["inputs"]
+  weights = jnp.where(inputs > 0, 1, 0).astype(jnp.float32)
+  dropout_rng = jax.random.fold_in(dropout_rng, state.step)
+
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, train=config["train"],
+                            rngs={"dropout": dropout_rng})
+    targets = optax.smooth_labels(jax.nn.one_hot(inputs, 16), label_smoothing)
+    loss = (optax.softmax_cross_entropy(logits, targets) * weights).sum()
+    return loss / weights.sum(), logits
+
+  (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads)
+  metrics = {"accuracy": (logits.argmax(-1) == inputs).mean(),
+             "learning_rate": learning_rate_fn(state.step)}
+  return new_state, metrics
+
+
+class Lm1bShardingsTest(ProgramTestCase):
+
+  def test_none_in_shardings_leaves_those_inputs_and_outputs_unspecified(self):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    replicated, data_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    model = _LM()
+    params = model.init(jax.random.key(0), jnp.ones((4, 6), jnp.int32), train=False)["params"]
+    learning_rate_fn = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    proof = testing.new_proof("lm1b")
+    proof.start()
+    ours = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
+                                              params=params, tx=optax.adamw(learning_rate_fn))
+    theirs = flax_train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                tx=optax.adamw(learning_rate_fn))
+    options = dict(in_shardings=(replicated, data_sharding, None),
+                   out_shardings=(replicated, None), static_argnums=(2, 3, 4),
+                   donate_argnums=0)
+    proof_step = proof.jit(_lm1b_train_step, **options)
+    plain_step = jax.jit(_lm1b_train_step, **options)
+    config = _Frozen(train=True)
+    dropout_rngs = jax.random.key(1)
+    for i in range(3):
+      batch = {"inputs": jax.random.randint(jax.random.key(10 + i), (4, 6), 0, 16)}
+      ours, our_metrics = proof_step(ours, batch, config, learning_rate_fn, 0.1, dropout_rngs)
+      theirs, their_metrics = plain_step(theirs, batch, config, learning_rate_fn, 0.1,
+                                         dropout_rngs)
+      self.assert_bitwise_equal((ours.params, ours.opt_state, our_metrics),
+                                (theirs.params, theirs.opt_state, their_metrics))
+    proof.finish()
+    self.assert_verified(proof, 3)
+
+
+class _Frozen(dict):
+  """lm1b's model config: a static argument, hashable as ``ml_collections`` configs are."""
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+
+# --- Flax NNX toy example: nnx.cached_partial ----------------------------------------
+
+class _Count(nnx.Variable):
+  pass
+
+
+class _ToyMLP(nnx.Module):
+  """The NNX toy example's model (02_lifted_transforms.py)."""
+
+  def __init__(self, din, dhidden, dout, *, rngs: nnx.Rngs):
+    self.linear1 = nnx.Linear(din, dhidden, rngs=rngs)
+    self.linear2 = nnx.Linear(dhidden, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear2(jax.nn.relu(self.linear1(x)))
+
+
+def _toy_train_step(model, optimizer, batch):
+  x, y = batch
+  loss, grads = nnx.value_and_grad(lambda m: jnp.mean((y - m(x)) ** 2))(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def _toy_batches(steps: int):
+  xs = np.linspace(0, 1, 100, dtype=np.float32)[:, None]
+  ys = 0.8 * xs ** 2 + 0.1
+  rng = np.random.default_rng(0)
+  for _ in range(steps):
+    idx = rng.choice(len(xs), size=32)
+    yield xs[idx], ys[idx]
+
+
+class CachedPartialTest(ProgramTestCase):
+
+  def test_cached_partial_over_proof_jit_and_over_nnx_jit(self):
+    for name, wrap in (("proof.jit", lambda p, f: p.jit(f)),
+                       ("proof.jit(nnx.jit)", lambda p, f: p.jit(nnx.jit(f)))):
+      with self.subTest(name):
+        proof = testing.new_proof("cached-partial")
+        proof.start()
+        ours_model = _ToyMLP(1, 32, 1, rngs=nnx.Rngs(0))
+        theirs_model = _ToyMLP(1, 32, 1, rngs=nnx.Rngs(0))
+        ours_opt = zkdv_nnx.Optimizer(ours_model, optax.sgd(1e-3), wrt=nnx.Param, proof=proof)
+        theirs_opt = nnx.Optimizer(theirs_model, optax.sgd(1e-3), wrt=nnx.Param)
+        ours = nnx.cached_partial(wrap(proof, _toy_train_step), ours_model, ours_opt)
+        theirs = nnx.cached_partial(nnx.jit(_toy_train_step), theirs_model, theirs_opt)
+        for batch in _toy_batches(3):
+          self.assert_bitwise_equal(ours(batch), theirs(batch))
+        self.assert_bitwise_equal(nnx.state((ours_model, ours_opt)),
+                                  nnx.state((theirs_model, theirs_opt)))
+        proof.finish()
+        self.assert_verified(proof, 3)
+
+
+# --- proof.attest on tuple and list states --------------------------------------------
+
+def _mnist_init(sizes, key):
+  """JAX's MNIST from scratch: a list of ``(w, b)``."""
+  keys = jax.random.split(key, len(sizes))
+  return [(0.1 * jax.random.normal(k, (m, n)), 0.1 * jax.random.normal(k, (n,)))
+          for m, n, k in zip(sizes[:-1], sizes[1:], keys)]
+
+
+def _mnist_predict(params, inputs):
+  activations = inputs
+  for w, b in params[:-1]:
+    activations = jnp.tanh(jnp.dot(activations, w) + b)
+  final_w, final_b = params[-1]
+  logits = jnp.dot(activations, final_w) + final_b
+  return logits - jax.nn.logsumexp(logits, axis=1, keepdims=True)
+
+
+def _mnist_loss(params, batch):
+  inputs, targets = batch
+  return -jnp.mean(jnp.sum(_mnist_predict(params, inputs) * targets, axis=1))
+
+
+def _mnist_update(params, batch):
+  grads = jax.grad(_mnist_loss)(params, batch)
+  return [(w - 0.01 * dw, b - 0.01 * db) for (w, b), (dw, db) in zip(params, grads)]
+
+
+_OPTAX_TX = optax.adam(1e-2)
+
+
+def _optax_step(params, opt_state, batch):
+  """The pure-optax loop's step: ``(params, opt_state)`` in, the new pair out."""
+  loss, grads = jax.value_and_grad(_mnist_loss)(params, batch)
+  updates, opt_state = _OPTAX_TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _optax_update(carry, batch):
+  params, opt_state, _ = _optax_step(*carry, batch)
+  return params, opt_state
+
+
+def _mnist_batches(steps: int):
+  keys = jax.random.split(jax.random.key(3), steps)
+  return [(jax.random.normal(k, (8, 12)), jax.nn.one_hot(jnp.arange(8) % 4, 4)) for k in keys]
+
+
+class AttestTupleStateTest(ProgramTestCase):
+
+  def run_attested(self, update, state, steps=3, **options):
+    proof = testing.new_proof("attest-tuple")
+    proof.start()
+    ours, theirs = proof.attest(update, **options), jax.jit(update)
+    ours_state = theirs_state = state
+    for batch in _mnist_batches(steps):
+      ours_state, theirs_state = ours(ours_state, batch), theirs(theirs_state, batch)
+      self.assert_bitwise_equal(ours_state, theirs_state)
+    proof.finish()
+    self.assert_verified(proof, steps)
+    return proof
+
+  def test_jax_mnist_from_scratch_list_of_layers(self):
+    params = _mnist_init([12, 16, 4], jax.random.key(0))
+    proof = self.run_attested(_mnist_update, params)
+    program = testing.records_of(proof.path, "program")[0]
+    self.assertEqual(program["post_state_outputs"], [0, 1, 2, 3])
+
+  def test_pure_optax_params_and_opt_state_returned_as_the_pair(self):
+    params = _mnist_init([12, 4], jax.random.key(0))
+    proof = self.run_attested(_optax_update, (params, _OPTAX_TX.init(params)),
+                              donate_argnums=0)
+    self.assertEqual(testing.records_of(proof.path, "program")[0]["inputs"].count("batch"), 2)
+
+  def test_output_with_the_state_shape_twice_is_refused(self):
+    proof = testing.new_proof("attest-ambiguous")
+    proof.start()
+
+    @proof.attest
+    def update(params, batch):
+      grads = jax.grad(_mnist_loss)(params, batch)
+      return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), grads
+
+    with self.assertRaisesRegex(errors.StepOutputError,
+                                r"returns 2 outputs \(at \[0\], \[1\]\) with that argument's"):
+      update(_mnist_init([12, 4], jax.random.key(0)), _mnist_batches(1)[0])
+    with self.assertRaisesRegex(errors.StepOutputError, "returns no output with"):
+      proof.attest(lambda params, batch: jnp.zeros(()))(
+          _mnist_init([12, 4], jax.random.key(0)), _mnist_batches(1)[0])
+
+
+# --- Flax PPO: several apply_gradients in one step ------------------------------------
+
+class _ActorCritic(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16)(x))
+    return nn.log_softmax(nn.Dense(3)(x)), nn.Dense(1)(x)
+
+
+def _ppo_loss(params, apply_fn, minibatch, clip_param, vf_coeff, entropy_coeff):
+  states, actions, old_log_probs, returns, advantages = minibatch
+  log_probs, values = apply_fn({"params": params}, states)
+  values = values[:, 0]
+  probs = jnp.exp(log_probs)
+  value_loss = jnp.mean(jnp.square(returns - values), axis=0)
+  entropy = jnp.sum(-probs * log_probs, axis=1).mean()
+  log_probs_act_taken = jax.vmap(lambda lp, a: lp[a])(log_probs, actions)
+  ratios = jnp.exp(log_probs_act_taken - old_log_probs)
+  advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+  pg_loss = ratios * advantages
+  clipped_loss = advantages * jax.lax.clamp(1.0 - clip_param, ratios, 1.0 + clip_param)
+  ppo_loss = -jnp.mean(jnp.minimum(pg_loss, clipped_loss), axis=0)
+  return ppo_loss + vf_coeff * value_loss - entropy_coeff * entropy
+
+
+def _ppo_train_step(state, trajectories, batch_size, *, clip_param, vf_coeff, entropy_coeff):
+  """Flax PPO's ``train_step``: one epoch, one ``apply_gradients`` per minibatch."""
+  iterations = trajectories[0].shape[0] // batch_size
+  trajectories = jax.tree.map(
+      lambda x: x.reshape((iterations, batch_size) + x.shape[1:]), trajectories)
+  loss = 0.0
+  for batch in zip(*trajectories):
+    l, grads = jax.value_and_grad(_ppo_loss)(state.params, state.apply_fn, batch, clip_param,
+                                             vf_coeff, entropy_coeff)
+    loss += l
+    state = state.apply_gradients(grads=grads)
+  return state, loss
+
+
+def _trajectories(key):
+  k = jax.random.split(key, 5)
+  return (jax.random.normal(k[0], (8, 6)), jax.random.randint(k[1], (8,), 0, 3),
+          -jax.random.uniform(k[2], (8,)), jax.random.normal(k[3], (8,)),
+          jax.random.normal(k[4], (8,)))
+
+
+class SeveralUpdatesTest(ProgramTestCase):
+
+  def test_proof_jit_refuses_and_points_to_proof_attest_which_verifies(self):
+    model = _ActorCritic()
+    params = model.init(jax.random.key(0), jnp.ones((1, 6)))["params"]
+    hyper = dict(clip_param=0.1, vf_coeff=0.5, entropy_coeff=0.01)
+    proof = testing.new_proof("ppo")
+    proof.start()
+    refused = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
+                                                 params=params, tx=optax.adam(1e-3))
+    with self.assertRaisesRegex(errors.UnsupportedUpdateError,
+                                r"calls apply_gradients\(\) 2 times.*keep Flax's own "
+                                r"TrainState.*proof.attest\(_ppo_train_step, state_argnum"):
+      proof.jit(_ppo_train_step, static_argnums=2)(refused, _trajectories(jax.random.key(1)),
+                                                   4, **hyper)
+    proof = testing.new_proof("ppo-attest")
+    proof.start()
+    ours = theirs = flax_train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                       tx=optax.adam(1e-3))
+    attested = proof.attest(_ppo_train_step, state_argnum=0, static_argnums=2)
+    plain = jax.jit(_ppo_train_step, static_argnums=2)
+    for i in range(3):
+      trajectories = _trajectories(jax.random.key(10 + i))
+      ours, our_loss = attested(ours, trajectories, 4, **hyper)
+      theirs, their_loss = plain(theirs, trajectories, 4, **hyper)
+      self.assert_bitwise_equal((ours, our_loss), (theirs, their_loss))
+    self.assertEqual(int(ours.step), 6)  # two updates a step
+    proof.finish()
+    self.assert_verified(proof, 3)
+
+
+if __name__ == "__main__":
+  absltest.main()
