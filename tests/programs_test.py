@@ -179,6 +179,161 @@ class CachedPartialTest(ProgramTestCase):
         self.assert_verified(proof, 3)
 
 
+# --- Flax's MNIST NNX tutorial: metrics reset and updated by an eval step ------------
+
+class _CNN(nnx.Module):
+  """The tutorial's CNN, narrower (8x8 images)."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(4, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.025)
+    self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(8, rngs=rngs)
+    self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(32, 16, rngs=rngs)
+    self.dropout2 = nnx.Dropout(rate=0.025)
+    self.linear2 = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+    x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+    x = x.reshape(x.shape[0], -1)
+    x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+    return self.linear2(x)
+
+
+def _cnn_loss(model, batch, rngs=None):
+  logits = model(batch["image"], rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits=logits,
+                                                         labels=batch["label"]).mean()
+  return loss, logits
+
+
+def _mnist_train_step(model, optimizer, metrics, rngs, batch):
+  grad_fn = nnx.value_and_grad(_cnn_loss, has_aux=True)
+  (loss, logits), grads = grad_fn(model, batch, rngs)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+  optimizer.update(model, grads)
+
+
+@nnx.jit
+def _mnist_eval_step(model, metrics, batch):
+  loss, logits = _cnn_loss(model, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+
+
+def _images(key, n: int = 8) -> dict:
+  return {"image": jax.random.normal(key, (n, 8, 8, 1)), "label": jnp.arange(n) % 10}
+
+
+class _Setup:
+  """One side of the tutorial: model, views, optimizer, metrics and dropout stream."""
+
+  def __init__(self, optimizer_class, **proof):
+    self.model = _CNN(rngs=nnx.Rngs(0))
+    self.optimizer = optimizer_class(self.model, optax.adamw(0.005, 0.9), wrt=nnx.Param,
+                                     **proof)
+    self.metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                                   loss=nnx.metrics.Average("loss"))
+    self.rngs = nnx.Rngs(0)
+    self.train_model = nnx.view(self.model, deterministic=False, use_running_average=False)
+    self.eval_model = nnx.view(self.model, deterministic=True, use_running_average=True)
+
+  def epoch(self, train_step, batches, test_batches) -> dict:
+    for batch in batches:
+      train_step(self.train_model, self.optimizer, self.metrics, self.rngs, batch)
+    logs = {f"train_{k}": v for k, v in self.metrics.compute().items()}
+    self.metrics.reset()
+    for batch in test_batches:
+      _mnist_eval_step(self.eval_model, self.metrics, batch)
+    logs.update({f"test_{k}": v for k, v in self.metrics.compute().items()})
+    self.metrics.reset()
+    return logs
+
+
+class NNXMetricsTest(ProgramTestCase):
+
+  def test_mnist_tutorial_loop_with_metrics_reset_and_eval(self):
+    proof = testing.new_proof("nnx-mnist")
+    proof.start()
+    ours = _Setup(zkdv_nnx.Optimizer, proof=proof)
+    theirs = _Setup(nnx.Optimizer)
+    proof_step, plain_step = proof.jit(_mnist_train_step), nnx.jit(_mnist_train_step)
+    keys = iter(jax.random.split(jax.random.key(5), 4))
+    for _ in range(2):
+      batches = [_images(next(keys))]
+      test_batches = [_images(next(keys))]
+      self.assert_bitwise_equal(ours.epoch(proof_step, batches, test_batches),
+                                theirs.epoch(plain_step, batches, test_batches))
+      self.assert_bitwise_equal(nnx.state((ours.model, ours.optimizer, ours.rngs)),
+                                nnx.state((theirs.model, theirs.optimizer, theirs.rngs)))
+    proof.finish()
+    self.assert_verified(proof, 2)
+    program = testing.records_of(proof.path, "program")[0]
+    state_paths = [l["path"] for l in program["state_layout"]]
+    batch_paths = [l["path"] for l in program["batch_layout"]]
+    # The dropout stream feeds the update: chained. The metrics do not: batch evidence.
+    self.assertTrue(any("count" in p and "[3]" in p for p in state_paths), state_paths)
+    self.assertTrue(any("mean" in p for p in state_paths))  # BatchStat: trained state
+    self.assertLen([p for p in batch_paths if "total" in p or "count" in p], 4)
+
+  def test_a_metric_that_feeds_the_update_stays_in_the_chain(self):
+    def step(model, optimizer, metrics, x, y):
+      scale = 1.0 / (1.0 + metrics.compute()["loss"])  # the running loss scales the loss
+      loss, grads = nnx.value_and_grad(lambda m: scale * jnp.mean((m(x) - y) ** 2))(model)
+      metrics.update(loss=loss)
+      optimizer.update(model, grads)
+      return loss
+
+    proof = testing.new_proof("nnx-metric-fed")
+    proof.start()
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = zkdv_nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param, proof=proof)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    train = proof.jit(step)
+    x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+    train(model, optimizer, metrics, x, y)
+    metrics.reset()  # changes state the update depends on: outside proof.jit
+    train(model, optimizer, metrics, x, y)
+    proof.finish()
+    self.assertEqual(proof.discontinuities, [1])
+    program = testing.records_of(proof.path, "program")[0]
+    self.assertTrue(any("total" in l["path"] for l in program["state_layout"]))
+
+  def test_toy_example_counter_changed_by_a_test_step(self):
+    class MLP(_ToyMLP):
+
+      def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.count = _Count(jnp.array(0))
+
+      def __call__(self, x):
+        self.count[...] += 1
+        return super().__call__(x)
+
+    @nnx.jit
+    def test_step(model, batch):
+      x, y = batch
+      return {"loss": jnp.mean((y - model(x)) ** 2)}
+
+    proof = testing.new_proof("nnx-toy-count")
+    proof.start()
+    ours_model, theirs_model = (MLP(1, 32, 1, rngs=nnx.Rngs(0)) for _ in range(2))
+    ours = nnx.cached_partial(proof.jit(_toy_train_step), ours_model, zkdv_nnx.Optimizer(
+        ours_model, optax.sgd(1e-3), wrt=nnx.Param, proof=proof))
+    theirs = nnx.cached_partial(nnx.jit(_toy_train_step), theirs_model,
+                                nnx.Optimizer(theirs_model, optax.sgd(1e-3), wrt=nnx.Param))
+    for step, batch in enumerate(_toy_batches(4)):
+      self.assert_bitwise_equal(ours(batch), theirs(batch))
+      if step % 2 == 0:
+        self.assert_bitwise_equal(test_step(ours_model, batch), test_step(theirs_model, batch))
+    self.assertEqual(int(ours_model.count[...]), 6)
+    self.assert_bitwise_equal(nnx.state(ours_model), nnx.state(theirs_model))
+    proof.finish()
+    self.assert_verified(proof, 4)
+
+
 # --- proof.attest on tuple and list states --------------------------------------------
 
 def _mnist_init(sizes, key):

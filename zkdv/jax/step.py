@@ -27,6 +27,7 @@ import numpy as np
 from zkdv import errors
 from zkdv import metrics
 from zkdv.digest import LeafLayout
+from zkdv.interpreters import dataflow
 from zkdv.interpreters import debug_calls as debug_calls_lib
 from zkdv.interpreters.find import find_updates
 from zkdv.jax import _compat
@@ -333,7 +334,7 @@ def _key(entry):
   return str(entry)
 
 
-def _metric_outputs(out_shape, post_indices: list[int]) -> list[tuple[str, int]]:
+def _metric_outputs(out_shape, post_indices) -> list[tuple[str, int]]:
   """(metric name, flat output index) of each output beside the post-state.
 
   Example: a step returning ``(state, {"loss": l})`` has ``[("loss", n)]``,
@@ -427,6 +428,8 @@ class ProofFunction:
   def _build(self, call: _Call) -> Program:
     inputs = self._classify(call)
     closed, out_shape, post_indices = self._trace(call, inputs)
+    if call.nnx:
+      inputs, post_indices = _untrained_as_batch(call, inputs, closed, post_indices)
     exact = self.manual or inputs.state.attest_apply_fn is None
     donated = self._spec.donated_leaves(call.dyn_args, call.dyn_kwargs, call.positions)
     if call.nnx and not self._donates_every_nnx_argument(call):  # split together: all or none
@@ -436,7 +439,8 @@ class ProofFunction:
     executable = self._compile(call, exported, blob, exact, donated, shardings)
     self._proof.register(self)
     program_id = blake3.blake3(blob).digest()
-    metric_outputs = _metric_outputs(out_shape, post_indices)
+    metric_outputs = _metric_outputs(out_shape, (  # nor are an NNX step's new objects
+        range(len(jax.tree.leaves(out_shape[0]))) if call.nnx else post_indices))
     record = self._record(program_id, call, inputs, exported, post_indices, exact)
     if metric_outputs:
       record["metric_outputs"] = [list(m) for m in metric_outputs]
@@ -687,6 +691,38 @@ class ProofFunction:
     if self._options.get("out_shardings") is not None:
       shardings["out_shardings"] = tuple(_flat_prefix(self._options["out_shardings"], out_shape))
     return shardings
+
+
+def _untrained_as_batch(call: _Call, inputs: _Inputs, closed,
+                        post_indices: list[int]) -> tuple[_Inputs, list[int]]:
+  """An NNX step's inputs and post-state with its untrained state moved to batch evidence.
+
+  Trained state (``GraphState.trained_mask``) stays in the chain, and so does every
+  state leaf that any chained output can depend on (by dataflow on the step's jaxpr,
+  to a fixed point). The rest (metrics, counters, RNG streams the update does not
+  use) cannot influence the trained state: each step commits it as it receives it,
+  and it may change between steps, as ``metrics.reset()`` or an eval step changes it.
+  """
+  deps = dataflow.dependencies(closed.jaxpr)
+  chained = {k for k, trained in enumerate(inputs.state.trained_mask()) if trained}
+  while True:
+    needed = frozenset().union(*(deps[post_indices[k]] for k in chained))
+    grown = chained | {k for k, i in enumerate(inputs.state_indices) if i in needed}
+    if grown == chained:
+      break
+    chained = grown
+  if len(chained) == len(inputs.state_indices):
+    return inputs, post_indices
+  keep = sorted(chained)
+  state_indices = [inputs.state_indices[k] for k in keep]
+  batch_indices = sorted(set(range(len(call.leaves))) - set(state_indices))
+  all_paths = _paths((call.dyn_args, call.dyn_kwargs))
+  return dataclasses.replace(
+      inputs, state_indices=state_indices, batch_indices=batch_indices,
+      state_layouts=[inputs.state_layouts[k] for k in keep],
+      batch_layouts=[arrays.batch_layout_of(all_paths[i], call.leaves[i])
+                     for i in batch_indices],
+      params_mask=[inputs.params_mask[k] for k in keep]), [post_indices[k] for k in keep]
 
 
 def _shaped_as(state) -> Callable[[Any], bool]:

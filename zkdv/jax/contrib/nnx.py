@@ -89,6 +89,8 @@ class GraphState(struct.PyTreeNode):
     graphdef: their structure (static: a changed structure traces again).
     proof: the proof of the ``Optimizer`` among them.
     zkdv_overlap: that optimizer's overlap policy.
+    trained_types: the variable types that are trained state, or None if every
+      variable is (``trained_mask``).
   """
 
   state: Any
@@ -96,12 +98,28 @@ class GraphState(struct.PyTreeNode):
   proof: Any = struct.field(pytree_node=False)
   zkdv_overlap: overlap_lib.Overlap = struct.field(pytree_node=False)
   attest_apply_fn: Callable | None = struct.field(pytree_node=False, default=None)
+  trained_types: tuple[type, ...] | None = struct.field(pytree_node=False, default=None)
+
+  def _per_leaf(self, predicate: Callable[[nnx.Variable], bool]) -> list[bool]:
+    variables = jax.tree.leaves(self.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return [predicate(v) for v in variables for _ in jax.tree.leaves(v)]
 
   def params_mask(self) -> list[bool]:
     """Per flat leaf, whether it is an ``nnx.Param`` of a model (not optimizer state)."""
-    variables = jax.tree.leaves(self.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return [isinstance(v, nnx.Param) for v in variables
-            for _ in jax.tree.leaves(v)]
+    return self._per_leaf(lambda v: isinstance(v, nnx.Param))
+
+  def trained_mask(self) -> list[bool]:
+    """Per flat leaf, whether it is trained state: what the optimizer updates (its
+    ``wrt`` variables, ``nnx.Param``), the optimizer's own state and a model's
+    ``nnx.BatchStat``. ``proof.jit`` also keeps in the chain every leaf these depend
+    on; the others (metrics, counters, an RNG stream the update does not use) may
+    change between steps.
+
+    Example: ``[True, True, False]`` for a kernel, a bias and a metric's count.
+    """
+    if self.trained_types is None:
+      return self._per_leaf(lambda v: True)
+    return self._per_leaf(lambda v: isinstance(v, self.trained_types))
 
 
 class _NodeRef(struct.PyTreeNode):
@@ -136,6 +154,15 @@ def _the_optimizer(nodes: tuple, name: str) -> Optimizer:
         "updates exactly one. Create it with zkdv.jax.contrib.nnx.Optimizer("
         "model, tx, wrt=nnx.Param, proof=proof).")
   return ours[0]
+
+
+def _trained_types(wrt) -> tuple[type, ...] | None:
+  """The variable types of trained state for an optimizer of ``wrt``; None (every
+  variable is) when ``wrt`` is a filter other than variable types."""
+  types = wrt if isinstance(wrt, tuple) else (wrt,)
+  if not all(isinstance(t, type) and issubclass(t, nnx.Variable) for t in types):
+    return None
+  return (nnx.Param, nnx.BatchStat, nnx.OptState, *types)
 
 
 # Call structures (pytree definitions) found to hold no NNX object. Whether a pytree node
@@ -178,7 +205,8 @@ def split_graph(args: tuple, kwargs: dict, name: str, flat=None):
     return None
   optimizer = _the_optimizer(nodes, name)
   graphdef, state = nnx.split(nodes)
-  graph_state = GraphState(state, graphdef, optimizer.proof, optimizer.zkdv_overlap)
+  graph_state = GraphState(state, graphdef, optimizer.proof, optimizer.zkdv_overlap,
+                           trained_types=_trained_types(optimizer.wrt))
   index = {id(n): i for i, n in enumerate(nodes)}
   placed = set()
 
