@@ -17,6 +17,7 @@ import optax
 from absl.testing import absltest
 from flax import linen as nn
 from flax import nnx
+from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state as flax_train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -501,6 +502,80 @@ class SeveralUpdatesTest(ProgramTestCase):
     self.assertEqual(int(ours.step), 6)  # two updates a step
     proof.finish()
     self.assert_verified(proof, 3)
+
+
+# --- Flax ImageNet with half precision: bf16 params and DynamicScale ------------------
+
+class _HalfTrainState(zkdv.jax.contrib.TrainState):
+  dynamic_scale: dynamic_scale_lib.DynamicScale
+
+
+class _PlainHalfTrainState(flax_train_state.TrainState):
+  dynamic_scale: dynamic_scale_lib.DynamicScale
+
+
+class _HalfModel(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(8, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x))
+    return nn.Dense(3, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)(x)
+
+
+def _imagenet_train_step(state, batch):
+  """Flax ImageNet's ``train_step`` with a dynamic loss scale (skips non-finite steps)."""
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch["label"]).mean()
+
+  dynamic_scale, is_fin, loss, grads = state.dynamic_scale.value_and_grad(loss_fn)(
+      state.params)
+  new_state = state.apply_gradients(grads=grads)
+  select = functools.partial(jnp.where, is_fin)
+  new_state = new_state.replace(
+      opt_state=jax.tree.map(select, new_state.opt_state, state.opt_state),
+      params=jax.tree.map(select, new_state.params, state.params),
+      dynamic_scale=dynamic_scale)
+  return new_state, {"loss": loss, "scale": dynamic_scale.scale}
+
+
+class DtypeChangeTest(ProgramTestCase):
+
+  def test_bf16_moments_become_f32_once_the_loss_scale_is_an_array(self):
+    model = _HalfModel()
+    params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.bfloat16))["params"]
+    proof = testing.new_proof("dynamic-scale")
+    proof.start()
+    ours = _HalfTrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                  tx=optax.adam(1e-2),
+                                  dynamic_scale=dynamic_scale_lib.DynamicScale())
+    theirs = _PlainHalfTrainState.create(apply_fn=model.apply, params=params,
+                                         tx=optax.adam(1e-2),
+                                         dynamic_scale=dynamic_scale_lib.DynamicScale())
+    proof_step = proof.jit(_imagenet_train_step, donate_argnums=0)
+    plain_step = jax.jit(_imagenet_train_step, donate_argnums=0)
+    for i in range(3):
+      batch = {"image": jax.random.normal(jax.random.key(i), (8, 4), jnp.bfloat16),
+               "label": jnp.arange(8) % 3}
+      ours, our_metrics = proof_step(ours, batch)
+      theirs, their_metrics = plain_step(theirs, batch)
+      self.assert_bitwise_equal((ours.params, ours.opt_state, ours.dynamic_scale, our_metrics),
+                                (theirs.params, theirs.opt_state, theirs.dynamic_scale,
+                                 their_metrics))
+    mu = ours.opt_state[0].mu["Dense_0"]["kernel"]
+    self.assertEqual(mu.dtype, jnp.float32)  # was bfloat16 before the second step
+    proof.finish()
+    self.assert_verified(proof, 3)
+    # One program takes the moments in bf16 and returns them in f32; the next takes them so.
+    programs = testing.records_of(proof.path, "program")
+    changing = [p for p in programs if "post_state_layout" in p]
+    self.assertLen(changing, 1)
+    changed = [(a["path"], a["dtype"], b["dtype"]) for a, b in zip(
+        changing[0]["state_layout"], changing[0]["post_state_layout"]) if a != b]
+    self.assertIn((".opt_state[0].mu['Dense_0']['kernel']", "bfloat16", "float32"), changed)
+    self.assertEqual(programs[changing[0]["number"] + 1]["state_layout"],
+                     changing[0]["post_state_layout"])
 
 
 if __name__ == "__main__":

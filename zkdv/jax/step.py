@@ -665,16 +665,18 @@ class ProofFunction:
             f"outputs); it returned {len(found)} states.")
     start, state = found[0]
     post = jax.tree.leaves(state)
-    post_layouts = [(tuple(x.shape), str(x.dtype)) for x in post]
+    post_shapes = [tuple(x.shape) for x in post]
     state_layouts = inputs.state_layouts
-    pre_layouts = [(l.shape if not l.key_impl else None, l.dtype) for l in state_layouts]
+    # As under jax.jit, a leaf may come back in another dtype (bf16 moments updated by
+    # f32 gradients): the program's post-state layout says so, and the next call, with
+    # the new dtype, runs a program of its own.
     if len(post) != len(state_layouts) or any(
-        l.key_impl is None and (l.shape, l.dtype) != p
-        for l, p in zip(state_layouts, post_layouts)):
+        l.key_impl is None and l.shape != p for l, p in zip(state_layouts, post_shapes)):
       raise errors.StepOutputError(
-          f"{self.__name__} returns a state whose leaves {post_layouts} differ "
-          f"from the state it received {pre_layouts}; an update must keep every "
-          "state leaf's shape and dtype.")
+          f"{self.__name__} returns a state whose leaves "
+          f"{[(p, str(x.dtype)) for p, x in zip(post_shapes, post)]} differ from the "
+          f"state it received {[(l.shape, l.dtype) for l in state_layouts]}; an update "
+          "must keep every state leaf's shape.")
     return list(range(start, start + len(post)))
 
   def _flat_shardings(self, call: _Call, out_shape) -> dict:
