@@ -27,13 +27,13 @@ import numpy as np
 from zkdv import errors
 from zkdv import metrics
 from zkdv.digest import LeafLayout
-from zkdv.interpreters import dataflow
 from zkdv.interpreters import debug_calls as debug_calls_lib
 from zkdv.interpreters.find import find_updates
 from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.contrib.train_state import TrainState
 from zkdv.jax import replay
+from zkdv.jax import trees
 
 JIT_OPTIONS = frozenset({
     "in_shardings", "out_shardings", "static_argnums", "static_argnames",
@@ -301,37 +301,12 @@ def _avals(leaves) -> list:
   return [(tuple(x.shape), x.dtype) for x in leaves]
 
 
-def _find_nodes(tree, is_node: Callable[[Any], bool]) -> list[tuple[int, Any]]:
-  """``(index of its first flat leaf, node)`` of each node of ``tree`` that ``is_node`` picks.
-
-  Example: ``_find_nodes((x, state), _is_train_state)`` is ``[(1, state)]``.
-  """
-  found, start = [], 0
-  for node in jax.tree.leaves(tree, is_leaf=is_node):
-    if is_node(node):
-      found.append((start, node))
-    start += len(jax.tree.leaves(node))
-  return found
-
-
 def _flat_outputs(fun: Callable) -> Callable:
   """``fun`` returning its outputs' flat leaves; it keeps ``fun``'s name."""
   def flat(*inputs):
     return tuple(jax.tree.leaves(fun(*inputs)))
   flat.__name__ = flat.__qualname__ = fun.__name__
   return flat
-
-
-def _paths(tree) -> list[str]:
-  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _key(entry):
-  """A key path entry's dict key, attribute name or index."""
-  for field in ("key", "name", "idx"):
-    if hasattr(entry, field):
-      return getattr(entry, field)
-  return str(entry)
 
 
 def _metric_outputs(out_shape, post_indices) -> list[tuple[str, int]]:
@@ -342,7 +317,7 @@ def _metric_outputs(out_shape, post_indices) -> list[tuple[str, int]]:
   rest are not committed (a warning says so).
   """
   post = set(post_indices)
-  paths = [(i, tuple(_key(k) for k in path)) for i, (path, _) in
+  paths = [(i, tuple(trees.key_of(k) for k in path)) for i, (path, _) in
            enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]) if i not in post]
   if len(paths) > metrics.MAX_METRICS:
     logging.getLogger("zkdv").warning(
@@ -470,11 +445,11 @@ class ProofFunction:
   def _classify(self, call: _Call) -> _Inputs:
     """Splits the flat inputs into the state's leaves and batch evidence."""
     start, state = self._locate_state(call)
-    state_paths = _paths(state)
+    state_paths = trees.paths(state)
     state_indices = list(range(start, start + len(state_paths)))
     batch_indices = [i for i in range(len(call.leaves))
                      if not start <= i < start + len(state_paths)]
-    all_paths = _paths((call.dyn_args, call.dyn_kwargs))
+    all_paths = trees.paths((call.dyn_args, call.dyn_kwargs))
     return _Inputs(
         state=state, state_indices=state_indices, batch_indices=batch_indices,
         state_layouts=[arrays.layout_of(p, call.leaves[i], sharded=True)
@@ -493,7 +468,7 @@ class ProofFunction:
             "dynamic positional argument of this call.")
       k = call.positions.index(self._state_argnum)
       return len(jax.tree.leaves(call.dyn_args[:k])), call.dyn_args[k]
-    found = _find_nodes((call.dyn_args, call.dyn_kwargs), _is_state)
+    found = trees.find_nodes((call.dyn_args, call.dyn_kwargs), _is_state)
     if len(found) != 1:
       raise errors.StepInputError(
           f"{self.__name__} received {len(found)} zkdv.jax.contrib.TrainState "
@@ -647,17 +622,16 @@ class ProofFunction:
     """The flat output indices of the post-state: the ``TrainState`` (NNX: GraphState)
     the step returns; under ``proof.attest``, the one output shaped as the state."""
     if self.manual:
-      shaped_as_state = _shaped_as(inputs.state)
-      found = _find_nodes(out_shape, shaped_as_state)
+      shaped_as_state = trees.shaped_as(inputs.state)
+      found = trees.find_nodes(out_shape, shaped_as_state)
       if len(found) != 1:
         raise errors.StepOutputError(
             f"{self.__name__} is attested with state_argnum={self._state_argnum} and "
-            f"returns {_count_phrase(out_shape, shaped_as_state)} with that argument's structure and "
-            "shapes; it must return the new state once (alone, or beside other outputs "
-            "of another structure): return the new state and, beside it, outputs shaped "
-            "otherwise (a loss, metrics).")
+            f"returns {trees.count_phrase(out_shape, shaped_as_state)} with that argument's "
+            "structure and shapes; it must return the new state once: alone, or beside "
+            "outputs shaped otherwise (a loss, metrics).")
     else:
-      found = _find_nodes(out_shape, _is_state)
+      found = trees.find_nodes(out_shape, _is_state)
       if len(found) != 1:
         raise errors.StepOutputError(
             f"{self.__name__} must return the updated state "
@@ -688,71 +662,27 @@ class ProofFunction:
     if in_shardings is not None:
       per_arg = (tuple(in_shardings) if isinstance(in_shardings, (list, tuple))
                  else (in_shardings,) * len(call.dyn_args))
-      flat = _flat_prefix(per_arg, call.dyn_args)
+      flat = trees.flat_prefix(per_arg, call.dyn_args)
       shardings["in_shardings"] = tuple(flat + [None] * len(jax.tree.leaves(call.dyn_kwargs)))
     if self._options.get("out_shardings") is not None:
-      shardings["out_shardings"] = tuple(_flat_prefix(self._options["out_shardings"], out_shape))
+      shardings["out_shardings"] = tuple(trees.flat_prefix(self._options["out_shardings"],
+                                                           out_shape))
     return shardings
 
 
 def _untrained_as_batch(call: _Call, inputs: _Inputs, closed,
                         post_indices: list[int]) -> tuple[_Inputs, list[int]]:
-  """An NNX step's inputs and post-state with its untrained state moved to batch evidence.
-
-  Trained state (``GraphState.trained_mask``) stays in the chain, and so does every
-  state leaf that any chained output can depend on (by dataflow on the step's jaxpr,
-  to a fixed point). The rest (metrics, counters, RNG streams the update does not
-  use) cannot influence the trained state: each step commits it as it receives it,
-  and it may change between steps, as ``metrics.reset()`` or an eval step changes it.
-  """
-  deps = dataflow.dependencies(closed.jaxpr)
-  chained = {k for k, trained in enumerate(inputs.state.trained_mask()) if trained}
-  while True:
-    needed = frozenset().union(*(deps[post_indices[k]] for k in chained))
-    grown = chained | {k for k, i in enumerate(inputs.state_indices) if i in needed}
-    if grown == chained:
-      break
-    chained = grown
-  if len(chained) == len(inputs.state_indices):
+  """An NNX step's inputs and post-state with its untrained state (``nnx.chained_leaves``)
+  moved to batch evidence: each step commits it as it receives it."""
+  keep = _nnx().chained_leaves(inputs.state, closed.jaxpr, inputs.state_indices, post_indices)
+  if len(keep) == len(inputs.state_indices):
     return inputs, post_indices
-  keep = sorted(chained)
   state_indices = [inputs.state_indices[k] for k in keep]
   batch_indices = sorted(set(range(len(call.leaves))) - set(state_indices))
-  all_paths = _paths((call.dyn_args, call.dyn_kwargs))
+  all_paths = trees.paths((call.dyn_args, call.dyn_kwargs))
   return dataclasses.replace(
       inputs, state_indices=state_indices, batch_indices=batch_indices,
       state_layouts=[inputs.state_layouts[k] for k in keep],
       batch_layouts=[arrays.batch_layout_of(all_paths[i], call.leaves[i])
                      for i in batch_indices],
       params_mask=[inputs.params_mask[k] for k in keep]), [post_indices[k] for k in keep]
-
-
-def _shaped_as(state) -> Callable[[Any], bool]:
-  """Whether a node of a step's outputs has ``state``'s tree structure and leaf shapes.
-
-  Example: for ``state = (params, opt_state)``, ``(new_params, new_opt_state)`` is.
-  """
-  structure = jax.tree.structure(state)
-  shapes = [np.shape(x) for x in jax.tree.leaves(state)]
-
-  def shaped_as(node) -> bool:
-    return (jax.tree.structure(node) == structure
-            and [np.shape(x) for x in jax.tree.leaves(node)] == shapes)
-  return shaped_as
-
-
-def _count_phrase(out_shape, is_node: Callable[[Any], bool]) -> str:
-  """How many nodes of ``out_shape`` ``is_node`` picks, and where: ``"2 outputs (at [0],
-  [1])"``."""
-  paths = [jax.tree_util.keystr(path) or "the top" for path, node in
-           jax.tree_util.tree_flatten_with_path(out_shape, is_leaf=is_node)[0] if is_node(node)]
-  return f"{len(paths)} outputs (at {', '.join(paths)})" if paths else "no output"
-
-
-def _flat_prefix(shardings, tree) -> list:
-  """One sharding per leaf of ``tree``, ``shardings`` a prefix of it; as ``jax.jit``, a
-  None in it leaves its subtree unspecified (XLA places it).
-
-  Example: ``_flat_prefix((s, None), (state, {"loss": l}))`` is ``[s] * n + [None]``.
-  """
-  return _compat.broadcast_prefix(shardings, tree, is_leaf=lambda x: x is None)

@@ -34,6 +34,7 @@ from flax import struct
 
 from zkdv import errors
 from zkdv import overlap as overlap_lib
+from zkdv.interpreters import dataflow
 from zkdv.interpreters.marker import mark_update
 from zkdv.jax import _compat
 
@@ -111,9 +112,7 @@ class GraphState(struct.PyTreeNode):
   def trained_mask(self) -> list[bool]:
     """Per flat leaf, whether it is trained state: what the optimizer updates (its
     ``wrt`` variables, ``nnx.Param``), the optimizer's own state and a model's
-    ``nnx.BatchStat``. ``proof.jit`` also keeps in the chain every leaf these depend
-    on; the others (metrics, counters, an RNG stream the update does not use) may
-    change between steps.
+    ``nnx.BatchStat`` (``chained_leaves`` adds what these depend on).
 
     Example: ``[True, True, False]`` for a kernel, a bias and a metric's count.
     """
@@ -249,6 +248,28 @@ def stateful(fun: Callable, name: str) -> Callable:
           "retypes an attribute or variable); a step may change only their values.")
     return graph_state.replace(state=state), outs
   return step
+
+
+def chained_leaves(graph_state: GraphState, jaxpr, state_indices: list[int],
+                   post_indices: list[int]) -> list[int]:
+  """The positions, among the state's leaves, of those that stay in the chain.
+
+  Trained state (``GraphState.trained_mask``) stays, and so does every leaf that a
+  chained output can depend on (by dataflow on the step's ``jaxpr``, whose inputs
+  ``state_indices`` and outputs ``post_indices`` are the state's, to a fixed point).
+  The rest (metrics, counters, an RNG stream the update does not use) cannot influence
+  the trained state: it may change between steps (``metrics.reset()``, an eval step).
+
+  Example: ``[0, 1]`` for a kernel, a bias and a metric's count that nothing reads.
+  """
+  deps = dataflow.dependencies(jaxpr)
+  chained = {k for k, trained in enumerate(graph_state.trained_mask()) if trained}
+  while True:
+    needed = frozenset().union(*(deps[post_indices[k]] for k in chained))
+    grown = chained | {k for k, i in enumerate(state_indices) if i in needed}
+    if grown == chained:
+      return sorted(chained)
+    chained = grown
 
 
 def _is_graph_state(x) -> bool:
