@@ -22,8 +22,20 @@ dataflow_rules: dict[core.Primitive, DataflowRule] = {}
 
 
 def dependencies(jaxpr: core.Jaxpr) -> list[Deps]:
-  """For each output of ``jaxpr``, the indices of the inputs it can depend on."""
+  """For each output of ``jaxpr``, the indices of the inputs it can depend on.
+
+  A jaxpr with an effect anywhere (a mutable array written in place, a callback) has
+  each output depend on every input: values can flow through the effect unseen.
+  """
+  if _has_effects(jaxpr):
+    return [frozenset(range(len(jaxpr.invars)))] * len(jaxpr.outvars)
   return _walk(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
+
+
+def _has_effects(jaxpr: core.Jaxpr) -> bool:
+  return any(eqn.effects or any(_has_effects(getattr(j, "jaxpr", j))
+                                for j in core.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
 
 
 def _walk(jaxpr: core.Jaxpr, in_deps: list[Deps]) -> list[Deps]:
