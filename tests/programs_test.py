@@ -36,12 +36,9 @@ def _host(x) -> np.ndarray:
 class ProgramTestCase(absltest.TestCase):
 
   def assert_bitwise_equal(self, ours, theirs):
-    ours, theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
-    self.assertEqual(len(ours), len(theirs))
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-      a, b = _host(a), _host(b)
-      self.assertEqual(a.dtype, b.dtype, f"leaf {i}")
-      self.assertEqual(a.tobytes(), b.tobytes(), f"leaf {i}")
+    """Leaf by leaf (the two sides' pytree classes differ: ZKDV's and Flax's)."""
+    testing.assert_bitwise_equal([_host(x) for x in jax.tree.leaves(ours)],
+                                 [_host(x) for x in jax.tree.leaves(theirs)])
 
   def assert_verified(self, proof, steps: int):
     """Every step recorded and checked, and ``zkdv verify`` exits 0."""
@@ -107,7 +104,7 @@ class Lm1bShardingsTest(ProgramTestCase):
     plain_step = jax.jit(_lm1b_train_step, **options)
     config = _Frozen(train=True)
     dropout_rngs = jax.random.key(1)
-    for i in range(3):
+    for i in range(2):
       batch = {"inputs": jax.random.randint(jax.random.key(10 + i), (4, 6), 0, 16)}
       ours, our_metrics = proof_step(ours, batch, config, learning_rate_fn, 0.1, dropout_rngs)
       theirs, their_metrics = plain_step(theirs, batch, config, learning_rate_fn, 0.1,
@@ -115,7 +112,7 @@ class Lm1bShardingsTest(ProgramTestCase):
       self.assert_bitwise_equal((ours.params, ours.opt_state, our_metrics),
                                 (theirs.params, theirs.opt_state, their_metrics))
     proof.finish()
-    self.assert_verified(proof, 3)
+    self.assert_verified(proof, 2)
 
 
 class _Frozen(dict):
