@@ -154,6 +154,26 @@ class ProgramTamperTest(VerifierTestCase):
                                    required=("program",)).exit_code, 1)
 
 
+class PostStateDtypeTamperTest(VerifierTestCase):
+  """A program record that claims its post-state leaves another dtype than it is."""
+
+  @staticmethod
+  def _claiming_float16_bias(segment_length: int) -> pathlib.Path:
+    def edit(records):
+      layouts = [l.to_record() for l in STATE]
+      layouts[1]["dtype"] = "float16"
+      first(records, "program")["post_state_layout"] = layouts
+      return records
+    return rechained(edit, write_transcript(segment_length=segment_length))
+
+  def test_a_program_that_changes_dtypes_cannot_run_twice_in_a_segment(self):
+    report = self.assert_fails(self._claiming_float16_bias(2), "segment")
+    self.assertIn("returns its state in other dtypes than it takes", report.dumps())
+
+  def test_a_claimed_dtype_the_program_does_not_return_fails_its_replay(self):
+    self.assert_fails(self._claiming_float16_bias(1), "replay")
+
+
 class ReceiptTest(VerifierTestCase):
 
   @classmethod

@@ -78,7 +78,9 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
                 "post_state_outputs": Field(ListOf(INDEX), REQUIRED),
                 "platforms": Field(NAMES, REQUIRED), "function": Field(Text(MAX_TEXT)),
                 "params_leaves": Field(ListOf(INDEX)),
-                "static_arguments": Field(ListOf(Row((Text(MAX_TEXT), Text(MAX_TEXT))))),
+                # [a static argument's position or name, its repr]
+                "static_arguments": Field(ListOf(Row((
+                    Either(INDEX, Text(MAX_TEXT), "a position or a name"), Text(MAX_TEXT))))),
                 "compiler_options": Field(Map()), "nr_devices": Field(Int(1, 1 << 24)),
                 "collectives": Field(Text(20, COLLECTIVES)),
                 "processes": Field(Int(1, 1 << 20)), "post_state_layout": Field(LAYOUTS),

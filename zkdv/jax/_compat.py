@@ -20,8 +20,8 @@ from jax._src.lax import lax
 from jax._src.lib import _jax
 from jax._src.tree_util import broadcast_prefix
 
-__all__ = ["broadcast_prefix", "cpu_view", "distributed_client", "exported_abstract_mesh",
-           "on_one_cpu", "weakly_typed", "without_locations"]
+__all__ = ["broadcast_prefix", "cpu_view", "distributed_client", "drop_nnx_static_cache",
+           "exported_abstract_mesh", "on_one_cpu", "weakly_typed", "without_locations"]
 
 
 def without_locations(exported: jax.export.Exported) -> jax.export.Exported:
@@ -69,6 +69,17 @@ def weakly_typed(x: jax.Array) -> jax.Array:
   second trace only with one; JAX makes weak arrays only privately.
   """
   return lax._convert_element_type(x, weak_type=True)  # pylint: disable=protected-access
+
+
+def drop_nnx_static_cache() -> None:
+  """Takes the traversal cache ``nnx.cached_partial`` offers the next NNX transform.
+
+  ``cached_partial`` hands its cache to the first NNX transform its call enters and raises
+  when none takes it; ``proof.jit`` splits its NNX objects itself, so it takes the cache
+  and leaves it unused. Flax keeps the cache only in a private field.
+  """
+  from flax.nnx import graphlib  # pylint: disable=g-import-not-at-top
+  graphlib.GRAPH_CONTEXT.tmp_static_cache = None
 
 
 def on_one_cpu(x) -> bool:

@@ -580,7 +580,7 @@ class Committer:
       return {"mode": "exact", "equal": equal,
               "mismatched_leaves": [] if equal else ["end state"],
               "max_abs_error": 0.0, "max_rel_error": 0.0, "max_ulp_error": 0}
-    return replay.compare(program.state_layouts, replayed, segment.end_views, exact=False,
+    return replay.compare(program.post_layouts, replayed, segment.end_views, exact=False,
                           tolerance=self.config.tolerance)
 
   def _state_check(self, index, post_views) -> None:

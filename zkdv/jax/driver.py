@@ -347,9 +347,10 @@ class ZKDV:
   def attest(self, fun=None, /, *, state_argnum: int = 0, **jit_options):
     """Registers a manual update function for a loop without TrainState.
 
-    ``fun(state, *batch)`` must return the new state (or a tuple whose first
-    element is it); argument ``state_argnum`` is the state, every other
-    dynamic argument is batch evidence.
+    ``fun(state, *batch)`` must return the new state, alone or beside outputs of
+    another structure (found by the state's tree structure and shapes: a tuple or
+    list state is returned as itself); argument ``state_argnum`` is the state,
+    every other dynamic argument is batch evidence.
     """
     if fun is None:
       return lambda f: self.attest(f, state_argnum=state_argnum, **jit_options)

@@ -33,6 +33,7 @@ from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.contrib.train_state import TrainState
 from zkdv.jax import replay
+from zkdv.jax import trees
 
 JIT_OPTIONS = frozenset({
     "in_shardings", "out_shardings", "static_argnums", "static_argnames",
@@ -300,19 +301,6 @@ def _avals(leaves) -> list:
   return [(tuple(x.shape), x.dtype) for x in leaves]
 
 
-def _find_nodes(tree, is_node: Callable[[Any], bool]) -> list[tuple[int, Any]]:
-  """``(index of its first flat leaf, node)`` of each node of ``tree`` that ``is_node`` picks.
-
-  Example: ``_find_nodes((x, state), _is_train_state)`` is ``[(1, state)]``.
-  """
-  found, start = [], 0
-  for node in jax.tree.leaves(tree, is_leaf=is_node):
-    if is_node(node):
-      found.append((start, node))
-    start += len(jax.tree.leaves(node))
-  return found
-
-
 def _flat_outputs(fun: Callable) -> Callable:
   """``fun`` returning its outputs' flat leaves; it keeps ``fun``'s name."""
   def flat(*inputs):
@@ -321,19 +309,7 @@ def _flat_outputs(fun: Callable) -> Callable:
   return flat
 
 
-def _paths(tree) -> list[str]:
-  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _key(entry):
-  """A key path entry's dict key, attribute name or index."""
-  for field in ("key", "name", "idx"):
-    if hasattr(entry, field):
-      return getattr(entry, field)
-  return str(entry)
-
-
-def _metric_outputs(out_shape, post_indices: list[int]) -> list[tuple[str, int]]:
+def _metric_outputs(out_shape, post_indices) -> list[tuple[str, int]]:
   """(metric name, flat output index) of each output beside the post-state.
 
   Example: a step returning ``(state, {"loss": l})`` has ``[("loss", n)]``,
@@ -341,7 +317,7 @@ def _metric_outputs(out_shape, post_indices: list[int]) -> list[tuple[str, int]]
   rest are not committed (a warning says so).
   """
   post = set(post_indices)
-  paths = [(i, tuple(_key(k) for k in path)) for i, (path, _) in
+  paths = [(i, tuple(trees.key_of(k) for k in path)) for i, (path, _) in
            enumerate(jax.tree_util.tree_flatten_with_path(out_shape)[0]) if i not in post]
   if len(paths) > metrics.MAX_METRICS:
     logging.getLogger("zkdv").warning(
@@ -427,6 +403,8 @@ class ProofFunction:
   def _build(self, call: _Call) -> Program:
     inputs = self._classify(call)
     closed, out_shape, post_indices = self._trace(call, inputs)
+    if call.nnx:
+      inputs, post_indices = _untrained_as_batch(call, inputs, closed, post_indices)
     exact = self.manual or inputs.state.attest_apply_fn is None
     donated = self._spec.donated_leaves(call.dyn_args, call.dyn_kwargs, call.positions)
     if call.nnx and not self._donates_every_nnx_argument(call):  # split together: all or none
@@ -436,7 +414,8 @@ class ProofFunction:
     executable = self._compile(call, exported, blob, exact, donated, shardings)
     self._proof.register(self)
     program_id = blake3.blake3(blob).digest()
-    metric_outputs = _metric_outputs(out_shape, post_indices)
+    metric_outputs = _metric_outputs(out_shape, (  # nor are an NNX step's new objects
+        range(len(jax.tree.leaves(out_shape[0]))) if call.nnx else post_indices))
     record = self._record(program_id, call, inputs, exported, post_indices, exact)
     if metric_outputs:
       record["metric_outputs"] = [list(m) for m in metric_outputs]
@@ -466,11 +445,11 @@ class ProofFunction:
   def _classify(self, call: _Call) -> _Inputs:
     """Splits the flat inputs into the state's leaves and batch evidence."""
     start, state = self._locate_state(call)
-    state_paths = _paths(state)
+    state_paths = trees.paths(state)
     state_indices = list(range(start, start + len(state_paths)))
     batch_indices = [i for i in range(len(call.leaves))
                      if not start <= i < start + len(state_paths)]
-    all_paths = _paths((call.dyn_args, call.dyn_kwargs))
+    all_paths = trees.paths((call.dyn_args, call.dyn_kwargs))
     return _Inputs(
         state=state, state_indices=state_indices, batch_indices=batch_indices,
         state_layouts=[arrays.layout_of(p, call.leaves[i], sharded=True)
@@ -489,7 +468,7 @@ class ProofFunction:
             "dynamic positional argument of this call.")
       k = call.positions.index(self._state_argnum)
       return len(jax.tree.leaves(call.dyn_args[:k])), call.dyn_args[k]
-    found = _find_nodes((call.dyn_args, call.dyn_kwargs), _is_state)
+    found = trees.find_nodes((call.dyn_args, call.dyn_kwargs), _is_state)
     if len(found) != 1:
       raise errors.StepInputError(
           f"{self.__name__} received {len(found)} zkdv.jax.contrib.TrainState "
@@ -534,7 +513,7 @@ class ProofFunction:
     closed, out_shape = jax.make_jaxpr(self._step_on_flat_inputs(call), return_shape=True)(
         *call.specs)
     self._check_updates(closed)
-    return closed, out_shape, self._locate_post_state(out_shape, inputs.state_layouts)
+    return closed, out_shape, self._locate_post_state(out_shape, inputs)
 
   def _export(self, call: _Call, closed, shardings: dict,
               exact: bool) -> tuple[Any, bytes, list[debug_calls_lib.DebugCall]]:
@@ -630,34 +609,48 @@ class ProofFunction:
       raise errors.UnsupportedUpdateError(
           f"{self.__name__} calls apply_gradients() {sites.count} times (or, with "
           "Flax NNX, optimizer.update()); ZKDV commits one optimizer update per "
-          "proof.jit call. Split the step.")
+          "proof.jit call. Split the step into one update per call, or attest it "
+          "whole: keep Flax's own TrainState (flax.training.train_state.TrainState) "
+          f"and wrap the step with proof.attest({self.__name__}, state_argnum=...), "
+          "which commits each call, all its updates together, as one step.")
     if sites.proof_ids != {id(self._proof)}:
       raise errors.ProofIdentityError(
           f"{self.__name__} updates a TrainState created with another proof "
           "object.")
 
-  def _locate_post_state(self, out_shape, state_layouts) -> list[int]:
+  def _locate_post_state(self, out_shape, inputs: _Inputs) -> list[int]:
+    """The flat output indices of the post-state: the ``TrainState`` (NNX: GraphState)
+    the step returns; under ``proof.attest``, the one output shaped as the state."""
     if self.manual:
-      state_out = out_shape[0] if isinstance(out_shape, (tuple, list)) else out_shape
-      found = _find_nodes(out_shape, lambda n: n is state_out)
+      shaped_as_state = trees.shaped_as(inputs.state)
+      found = trees.find_nodes(out_shape, shaped_as_state)
+      if len(found) != 1:
+        raise errors.StepOutputError(
+            f"{self.__name__} is attested with state_argnum={self._state_argnum} and "
+            f"returns {trees.count_phrase(out_shape, shaped_as_state)} with that argument's "
+            "structure and shapes; it must return the new state once: alone, or beside "
+            "outputs shaped otherwise (a loss, metrics).")
     else:
-      found = _find_nodes(out_shape, _is_state)
-    if len(found) != 1:
-      raise errors.StepOutputError(
-          f"{self.__name__} must return the updated state "
-          "(`return state.apply_gradients(grads=grads)`, optionally with other "
-          f"outputs); it returned {len(found)} states.")
+      found = trees.find_nodes(out_shape, _is_state)
+      if len(found) != 1:
+        raise errors.StepOutputError(
+            f"{self.__name__} must return the updated state "
+            "(`return state.apply_gradients(grads=grads)`, optionally with other "
+            f"outputs); it returned {len(found)} states.")
     start, state = found[0]
     post = jax.tree.leaves(state)
-    post_layouts = [(tuple(x.shape), str(x.dtype)) for x in post]
-    pre_layouts = [(l.shape if not l.key_impl else None, l.dtype) for l in state_layouts]
+    post_shapes = [tuple(x.shape) for x in post]
+    state_layouts = inputs.state_layouts
+    # As under jax.jit, a leaf may come back in another dtype (bf16 moments updated by
+    # f32 gradients): the program's post-state layout says so, and the next call, with
+    # the new dtype, runs a program of its own.
     if len(post) != len(state_layouts) or any(
-        l.key_impl is None and (l.shape, l.dtype) != p
-        for l, p in zip(state_layouts, post_layouts)):
+        l.key_impl is None and l.shape != p for l, p in zip(state_layouts, post_shapes)):
       raise errors.StepOutputError(
-          f"{self.__name__} returns a state whose leaves {post_layouts} differ "
-          f"from the state it received {pre_layouts}; an update must keep every "
-          "state leaf's shape and dtype.")
+          f"{self.__name__} returns a state whose leaves "
+          f"{[(p, str(x.dtype)) for p, x in zip(post_shapes, post)]} differ from the "
+          f"state it received {[(l.shape, l.dtype) for l in state_layouts]}; an update "
+          "must keep every state leaf's shape.")
     return list(range(start, start + len(post)))
 
   def _flat_shardings(self, call: _Call, out_shape) -> dict:
@@ -669,9 +662,27 @@ class ProofFunction:
     if in_shardings is not None:
       per_arg = (tuple(in_shardings) if isinstance(in_shardings, (list, tuple))
                  else (in_shardings,) * len(call.dyn_args))
-      flat = _compat.broadcast_prefix(per_arg, call.dyn_args)
+      flat = trees.flat_prefix(per_arg, call.dyn_args)
       shardings["in_shardings"] = tuple(flat + [None] * len(jax.tree.leaves(call.dyn_kwargs)))
     if self._options.get("out_shardings") is not None:
-      shardings["out_shardings"] = tuple(_compat.broadcast_prefix(
-          self._options["out_shardings"], out_shape))
+      shardings["out_shardings"] = tuple(trees.flat_prefix(self._options["out_shardings"],
+                                                           out_shape))
     return shardings
+
+
+def _untrained_as_batch(call: _Call, inputs: _Inputs, closed,
+                        post_indices: list[int]) -> tuple[_Inputs, list[int]]:
+  """An NNX step's inputs and post-state with its untrained state (``nnx.chained_leaves``)
+  moved to batch evidence: each step commits it as it receives it."""
+  keep = _nnx().chained_leaves(inputs.state, closed.jaxpr, inputs.state_indices, post_indices)
+  if len(keep) == len(inputs.state_indices):
+    return inputs, post_indices
+  state_indices = [inputs.state_indices[k] for k in keep]
+  batch_indices = sorted(set(range(len(call.leaves))) - set(state_indices))
+  all_paths = trees.paths((call.dyn_args, call.dyn_kwargs))
+  return dataclasses.replace(
+      inputs, state_indices=state_indices, batch_indices=batch_indices,
+      state_layouts=[inputs.state_layouts[k] for k in keep],
+      batch_layouts=[arrays.batch_layout_of(all_paths[i], call.leaves[i])
+                     for i in batch_indices],
+      params_mask=[inputs.params_mask[k] for k in keep]), [post_indices[k] for k in keep]

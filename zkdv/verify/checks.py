@@ -152,6 +152,13 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
                     "no post_state): an update check answers a segment's last step.")
     return outcome
   outcome.first = segment.first
+  if segment.last > segment.first and [l.dtype for l in program.post] != [
+      l.dtype for l in program.state]:
+    ctx.report.fail("segment", where, f"program {program.number} returns its state in other "
+                    "dtypes than it takes, so it cannot run twice in a row; the segment "
+                    f"from step {segment.first} to {segment.last} runs it "
+                    f"{segment.last - segment.first + 1} times.")
+    return outcome
   # A segment that starts where the last replayed one ended (and was verified there)
   # continues from that replay's state on the device; its opened start is still checked
   # against its names and the commitment (every blob byte is hashed, where it lies: not
@@ -229,7 +236,7 @@ def _compare(ctx, outcome, program, replayed, post, committed, where) -> CheckOu
                       "the committed post-state bit for bit.")
     outcome.status = "verified" if ok else "failed"
     return outcome
-  result = ctx.programs.compare(program.state, replayed, post, exact=False,
+  result = ctx.programs.compare(program.post, replayed, post, exact=False,
                                 tolerance=ctx.options.tolerance)
   outcome.max_abs_error = result["max_abs_error"]
   outcome.max_rel_error = result["max_rel_error"]

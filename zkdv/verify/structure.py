@@ -286,7 +286,9 @@ def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
     raise ValueError(f"row_group is a field of batch layouts only: {grouped[:4]}")
   for l in batch:
     digest.check_row_group(l, isinstance(rec.get("processes"), int) and rec["processes"] > 1)
-  if [(l.path, l.dtype, l.shape) for l in post] != [(l.path, l.dtype, l.shape) for l in state]:
+  # A leaf may leave in another dtype (as jax.jit returns it); its path and shape stay.
+  if [(l.path, l.shape, l.key_impl) for l in post] != [
+      (l.path, l.shape, l.key_impl) for l in state]:
     raise ValueError("post_state_layout does not match state_layout")
   if sorted(rec["inputs"]) != sorted(["state"] * len(state) + ["batch"] * len(batch)):
     raise ValueError("inputs do not match the layouts")

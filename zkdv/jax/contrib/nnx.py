@@ -34,7 +34,9 @@ from flax import struct
 
 from zkdv import errors
 from zkdv import overlap as overlap_lib
+from zkdv.interpreters import dataflow
 from zkdv.interpreters.marker import mark_update
+from zkdv.jax import _compat
 
 
 class Optimizer(nnx.Optimizer):
@@ -88,6 +90,8 @@ class GraphState(struct.PyTreeNode):
     graphdef: their structure (static: a changed structure traces again).
     proof: the proof of the ``Optimizer`` among them.
     zkdv_overlap: that optimizer's overlap policy.
+    trained_types: the variable types that are trained state, or None if every
+      variable is (``trained_mask``).
   """
 
   state: Any
@@ -95,12 +99,26 @@ class GraphState(struct.PyTreeNode):
   proof: Any = struct.field(pytree_node=False)
   zkdv_overlap: overlap_lib.Overlap = struct.field(pytree_node=False)
   attest_apply_fn: Callable | None = struct.field(pytree_node=False, default=None)
+  trained_types: tuple[type, ...] | None = struct.field(pytree_node=False, default=None)
+
+  def _per_leaf(self, predicate: Callable[[nnx.Variable], bool]) -> list[bool]:
+    variables = jax.tree.leaves(self.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return [predicate(v) for v in variables for _ in jax.tree.leaves(v)]
 
   def params_mask(self) -> list[bool]:
     """Per flat leaf, whether it is an ``nnx.Param`` of a model (not optimizer state)."""
-    variables = jax.tree.leaves(self.state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    return [isinstance(v, nnx.Param) for v in variables
-            for _ in jax.tree.leaves(v)]
+    return self._per_leaf(lambda v: isinstance(v, nnx.Param))
+
+  def trained_mask(self) -> list[bool]:
+    """Per flat leaf, whether it is trained state: what the optimizer updates (its
+    ``wrt`` variables, ``nnx.Param``), the optimizer's own state and a model's
+    ``nnx.BatchStat`` (``chained_leaves`` adds what these depend on).
+
+    Example: ``[True, True, False]`` for a kernel, a bias and a metric's count.
+    """
+    if self.trained_types is None:
+      return self._per_leaf(lambda v: True)
+    return self._per_leaf(lambda v: isinstance(v, self.trained_types))
 
 
 class _NodeRef(struct.PyTreeNode):
@@ -137,6 +155,15 @@ def _the_optimizer(nodes: tuple, name: str) -> Optimizer:
   return ours[0]
 
 
+def _trained_types(wrt) -> tuple[type, ...] | None:
+  """The variable types of trained state for an optimizer of ``wrt``; None (every
+  variable is) when ``wrt`` is a filter other than variable types."""
+  types = wrt if isinstance(wrt, tuple) else (wrt,)
+  if not all(isinstance(t, type) and issubclass(t, nnx.Variable) for t in types):
+    return None
+  return (nnx.Param, nnx.BatchStat, nnx.OptState, *types)
+
+
 # Call structures (pytree definitions) found to hold no NNX object. Whether a pytree node
 # is a graph node depends on its type alone, which its definition records, so a call with a
 # known definition and plain leaves holds none: a Linen TrainState step skips the search.
@@ -163,6 +190,7 @@ def split_graph(args: tuple, kwargs: dict, name: str, flat=None):
   The first NNX object's place holds the ``GraphState`` of all of them (split
   together, so shared variables stay shared); the others hold a ``_NodeRef``.
   """
+  _compat.drop_nnx_static_cache()  # nnx.cached_partial's, for an NNX transform: unused
   structure = _plain_structure(args, kwargs, flat)
   if structure is not None and structure in _WITHOUT_NODES:
     return None
@@ -176,7 +204,8 @@ def split_graph(args: tuple, kwargs: dict, name: str, flat=None):
     return None
   optimizer = _the_optimizer(nodes, name)
   graphdef, state = nnx.split(nodes)
-  graph_state = GraphState(state, graphdef, optimizer.proof, optimizer.zkdv_overlap)
+  graph_state = GraphState(state, graphdef, optimizer.proof, optimizer.zkdv_overlap,
+                           trained_types=_trained_types(optimizer.wrt))
   index = {id(n): i for i, n in enumerate(nodes)}
   placed = set()
 
@@ -219,6 +248,28 @@ def stateful(fun: Callable, name: str) -> Callable:
           "retypes an attribute or variable); a step may change only their values.")
     return graph_state.replace(state=state), outs
   return step
+
+
+def chained_leaves(graph_state: GraphState, jaxpr, state_indices: list[int],
+                   post_indices: list[int]) -> list[int]:
+  """The positions, among the state's leaves, of those that stay in the chain.
+
+  Trained state (``GraphState.trained_mask``) stays, and so does every leaf that a
+  chained output can depend on (by dataflow on the step's ``jaxpr``, whose inputs
+  ``state_indices`` and outputs ``post_indices`` are the state's, to a fixed point).
+  The rest (metrics, counters, an RNG stream the update does not use) cannot influence
+  the trained state: it may change between steps (``metrics.reset()``, an eval step).
+
+  Example: ``[0, 1]`` for a kernel, a bias and a metric's count that nothing reads.
+  """
+  deps = dataflow.dependencies(jaxpr)
+  chained = {k for k, trained in enumerate(graph_state.trained_mask()) if trained}
+  while True:
+    needed = frozenset().union(*(deps[post_indices[k]] for k in chained))
+    grown = chained | {k for k, i in enumerate(state_indices) if i in needed}
+    if grown == chained:
+      return sorted(chained)
+    chained = grown
 
 
 def _is_graph_state(x) -> bool:
