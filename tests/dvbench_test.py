@@ -70,7 +70,8 @@ class TutorialAgainstServerTest(DVBenchTestCase):
   # p = 0.01) is then challenged, answered and replayed at every step.
   server_args = ("--min-update-check-probability", "1.0")
 
-  def _run_tutorial(self, code: str) -> dict:
+  def _run_tutorial(self, code: str, state: str = "verified steps",
+                    shortfalls: tuple[str, ...] = ("start unattested",)) -> dict:
     workdir = tempfile.mkdtemp()
     cwd = os.getcwd()
     os.chdir(workdir)
@@ -83,10 +84,11 @@ class TutorialAgainstServerTest(DVBenchTestCase):
     proof.finish()  # safe to call again
     status = dvbench.Client(self.server.url).wait_for_verdict(proof.proof_id, 120)
     # Every server-chosen check replayed bit for bit, and the state says what else holds:
-    # the tutorial's params come from model.init, which nothing attests.
-    self.assertEqual(status["state"], "verified steps", status)
-    self.assertEqual(status["shortfalls"], ["start unattested"], status)
-    self.assertTrue(status["label"].startswith("verified steps — start unattested: "), status)
+    # the verbatim tutorial's params come from model.init, which nothing attests.
+    self.assertEqual(status["state"], state, repr(status))
+    self.assertEqual(status["shortfalls"], list(shortfalls), repr(status))
+    self.assertTrue(status["label"].startswith(
+        " — ".join([state, ", ".join(shortfalls)]) if shortfalls else state), repr(status))
     self.assertEqual(status["steps"], 10)
     check_records = sum(kind == "check" for kind in self._record_kinds(proof.proof_id))
     self.assertEqual(status["checks"], check_records)
@@ -102,6 +104,13 @@ class TutorialAgainstServerTest(DVBenchTestCase):
 
   def test_tutorial_verbatim_reaches_verified(self):
     self._run_tutorial(tutorial_steps.STEPS_2_TO_6)
+
+  def test_tutorial_with_an_attested_start_is_verified_with_every_claim(self):
+    one_line = ("params = model.init(\n", "params = proof.init(model.init,\n")
+    self.assertIn(one_line[0], tutorial_steps.STEPS_2_TO_6)
+    status = self._run_tutorial(tutorial_steps.STEPS_2_TO_6.replace(*one_line),
+                                state="verified", shortfalls=())
+    self.assertTrue(status["label"].startswith("verified: "), repr(status))
 
   def test_tutorial_with_every_step_checked_is_replayed_by_the_server(self):
     code = tutorial_steps.STEPS_2_TO_6.replace("update_check_probability=0.01",
