@@ -152,11 +152,13 @@ class SegmentsTest(VerifierTestCase):
     self.assertEqual(verify.verify(path, jobs=2, read_ahead=False).dumps(), one.dumps())
 
   @parameterized.named_parameters(
-      ("batch_blobs_a_string", "batch_blobs", "x"),
-      ("batch_blobs_of_other_types", "batch_blobs", [[1, None], "y", [b"short"]]),
-      ("pre_state_blobs_too_many", "pre_state_blobs", [b"\x00" * 32] * 1000),
-      ("pre_state_blobs_missing", "pre_state_blobs", None))
-  def test_hostile_openings_read_ahead_reaches_the_same_report(self, field, value):
+      ("batch_blobs_a_string", "batch_blobs", "x", "batch_blobs"),
+      ("batch_blobs_of_other_types", "batch_blobs", [[1, None], "y", [b"short"]],
+       "batch_blobs"),
+      ("pre_state_blobs_too_many", "pre_state_blobs", [b"\x00" * 32] * 1000,
+       "pre-state blobs do not match the program layout"),
+      ("pre_state_blobs_missing", "pre_state_blobs", None, "pre_state_blobs"))
+  def test_hostile_openings_read_ahead_reaches_the_same_report(self, field, value, named):
     def edit(records):
       check = next(r for r in records if r.get("kind") == "update")
       if value is None:
@@ -167,13 +169,17 @@ class SegmentsTest(VerifierTestCase):
     path = rechained(edit, segmented())
     ahead, inline = (verify.verify(path, read_ahead=r) for r in (True, False))
     self.assertEqual(ahead.dumps(), inline.dumps())
-    self.assertNotEqual(ahead.verdict, verify.VERIFIED)
+    self.assert_refused_naming(ahead, verify.INVALID, "schema", named)
 
   @parameterized.named_parameters(
-      ("a_string", "x"), ("too_many", [b"\x00" * 32] * 1000),
-      ("of_other_types", [1, None, "y"]), ("short_names", [b"short", b"names"]),
-      ("a_name_not_in_the_transcript", "unknown"), ("missing", None))
-  def test_hostile_start_of_a_chained_segment(self, value):
+      ("a_string", "x", verify.INVALID, "pre_state_blobs"),
+      ("too_many", [b"\x00" * 32] * 1000, verify.INVALID, "pre-state blobs do not match"),
+      ("of_other_types", [1, None, "y"], verify.INVALID, "pre_state_blobs"),
+      ("short_names", [b"short", b"names"], verify.INVALID, "pre_state_blobs"),
+      ("a_name_not_in_the_transcript", "unknown", verify.UNVERIFIABLE,
+       "update check of step 5"),
+      ("missing", None, verify.INVALID, "pre_state_blobs"))
+  def test_hostile_start_of_a_chained_segment(self, value, verdict, named):
     # The start of a segment that continues the last replay is hashed where it lies; its
     # blob names are the prover's, checked as a read start's are, in one process or two.
     def edit(records):
@@ -187,7 +193,8 @@ class SegmentsTest(VerifierTestCase):
       return records
     path = rechained(edit, chained())
     one = verify.verify(path, read_ahead=False)
-    self.assertNotEqual(one.verdict, verify.VERIFIED, one.dumps())
+    self.assert_refused_naming(one, verdict, "schema" if verdict == verify.INVALID
+                               else "missing_blob", named)
     self.assertEqual([c.status for c in one.checks if c.kind == "update"][0], "verified")
     self.assertEqual(verify.verify(path, jobs=2, read_ahead=False).dumps(), one.dumps())
 

@@ -249,6 +249,15 @@ class VerifierTestCase(parameterized.TestCase):
       self.assertTrue(f.where and f.message)
     return report
 
+  def assert_refused_naming(self, report, verdict, code, named):
+    """``report`` is ``verdict`` (never a fault) with a ``code`` finding naming ``named``
+    (a field or a place) in its location or message."""
+    self.assertIsNone(report.fault, report.dumps())
+    self.assertEqual(report.verdict, verdict, report.dumps())
+    found = [f for f in report.findings if f.code == code]
+    self.assertNotEmpty(found, report.dumps())
+    self.assertTrue(any(named in f"{f.where} {f.message}" for f in found), report.dumps())
+
 
 class VerifierTest(VerifierTestCase):
 
