@@ -213,23 +213,10 @@ class CrashedProofTest(absltest.TestCase):
     proof.finish()
 
 
-class _Said(logging.Handler):
-  """Sets ``event`` when the ``dvbench.client`` logger says something matching ``pattern``."""
-
-  def __init__(self, pattern: str):
-    super().__init__(logging.INFO)
-    self.pattern, self.event, self.said = re.compile(pattern), threading.Event(), []
-
-  def emit(self, record):
-    if self.pattern.search(record.getMessage()):
-      self.said.append(record.getMessage())
-      self.event.set()
-
-
 class LostServerTest(absltest.TestCase):
 
-  def listen(self, pattern: str) -> _Said:
-    said = _Said(pattern)
+  def listen(self, pattern: str) -> testing.ClientSays:
+    said = testing.ClientSays(pattern)
     logging.getLogger("dvbench.client").addHandler(said)
     self.addCleanup(logging.getLogger("dvbench.client").removeHandler, said)
     return said

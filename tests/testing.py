@@ -1,8 +1,11 @@
 """Shared fixtures of the test suites: small models, batches and proofs."""
 
+import logging
 import os
 import pathlib
+import re
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -127,6 +130,22 @@ def assert_bitwise_equal(ours, theirs) -> None:
       raise AssertionError(f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}")
     if a.tobytes() != b.tobytes():
       raise AssertionError(f"{where}: the bytes differ")
+
+
+class ClientSays(logging.Handler):
+  """Sets ``event`` when the ``dvbench.client`` logger says something matching ``pattern``.
+
+  >>> said = ClientSays("cannot reach"); logging.getLogger("dvbench.client").addHandler(said)
+  """
+
+  def __init__(self, pattern: str):
+    super().__init__(logging.INFO)
+    self.pattern, self.event, self.said = re.compile(pattern), threading.Event(), []
+
+  def emit(self, record):
+    if self.pattern.search(record.getMessage()):
+      self.said.append(record.getMessage())
+      self.event.set()
 
 
 def wait_until(predicate, timeout=60.0, every=0.02):
