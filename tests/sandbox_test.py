@@ -235,7 +235,7 @@ class ServedTest(absltest.TestCase):
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "dvbench.cli", "serve", "--create", "--data", "data",
-         "--port", str(port), "--workers", "1", "--min-update-check-probability", "0.5"],
+         "--port", str(port), "--workers", "1", "--min-update-check-probability", "1.0"],
         cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(  # this checkout, from any folder
             [str(pathlib.Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])})
