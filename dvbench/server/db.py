@@ -128,7 +128,7 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
 # finish() (--crash-after); never verified as it is.
 SETTLED_STATES = (claims.VERIFIED_ALL, claims.VERIFIED_STEPS, claims.WITHIN_TOLERANCE,
                   claims.UNCHALLENGED, claims.SELF_AUDITED, "invalid", UNVERIFIABLE,
-                  "abandoned")
+                  "abandoned", "crashed")
 PROOF_STATES = ("receiving", "closed", "verifying", *SETTLED_STATES)
 
 
@@ -289,10 +289,10 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
 
   def set_proof_state(self, proof_id: str, state: str, failure: str | None = None,
                       conn=None, **fields) -> None:
-    if state not in PROOF_STATES:
-      raise ValueError(f"unknown proof state {state!r}.")
     """Sets the proof's state; a proof that takes no more records (any state but
     ``receiving``) keeps no chunks of records it never completed."""
+    if state not in PROOF_STATES:
+      raise ValueError(f"unknown proof state {state!r}.")
     if conn is None:
       with self.engine.begin() as c:
         return self.set_proof_state(proof_id, state, failure, c, **fields)
