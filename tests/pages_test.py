@@ -114,8 +114,9 @@ class PagesTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
+    # The index's pages need more proofs open at once than an owner's default quota.
     cls.server = LocalServer(workers=1, extra_args=(
-        "--min-update-check-probability", "0.3")).start()
+        "--min-update-check-probability", "0.3", "--quota-open-proofs", "200")).start()
     cls.url = cls.server.url
     cls.token = cls.server.token("alice")
     # A JAX run whose loss the worker replays: one-step segments at p = 0.9, so that the
