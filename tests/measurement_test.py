@@ -19,6 +19,7 @@ from flax import serialization
 
 import dvbench
 from tests.dvbench_test import DVBenchTestCase
+from tests.fake_prover import FakeProver
 from tests import tutorial_steps
 
 EVAL_BATCHES = [np.asarray(np.random.default_rng(i).integers(0, 2, (4, 5)), np.uint32)
@@ -220,11 +221,11 @@ class MeasurementTest(DVBenchTestCase):
 
   def test_submission_for_unverified_proof_is_refused_by_the_server(self):
     measurement, value = self.submit("your-name/long", self.checkpoint)
-    # The tutorial's first, abandoned proof of the same experiment: never verified.
-    unverified = [p for p in self.client.experiment("your-name/long").proofs()
-                  if p["state"] == "receiving"]
-    self.assertLen(unverified, 1)
-    measurement.proof_id = unverified[0]["id"]
+    # A proof of the same experiment still receiving its steps: never verified.
+    unverified = FakeProver(self.server.url, self.token, "your-name/long").start()
+    self.addCleanup(unverified.http.close)
+    unverified.run(steps=1)
+    measurement.proof_id = unverified.proof_id
     with self.assertRaisesRegex(dvbench.errors.ApiError, "409.*not the final state"):
       measurement.submit("accuracy", value)
     measurement.proof_id = self.short_proof  # another experiment's verified proof

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
+from dvbench.server import labels
 from dvbench.server.paging import paged
 from dvbench.server.refusals import parse_int
 from dvbench.server.service import Service
@@ -46,10 +47,11 @@ class BlobRoutes:
 
   def _held_already(self, proof: dict, digest: str, request) -> bool:
     """True when the proof holds ``digest`` already (a resend: nothing to store); 409 when
-    the proof takes no more records (nor their blobs); else checks the storage quota."""
+    the proof takes no more records, nor blobs (a proof whose replays held still takes the
+    blobs of its measurements and submissions); else checks the storage quota."""
     if self.store.has_proof_blob(proof["id"], digest):
       return True
-    if proof["state"] != "receiving":
+    if proof["state"] != "receiving" and proof["state"] not in labels.REPLAYED_STATES:
       raise HTTPException(409, f"proof {proof['id']} is {proof['state']}; it takes no more "
                           "records, nor blobs.")
     declared = parse_int(request.headers.get("content-length"), 0, self.service.limits.max_body)
