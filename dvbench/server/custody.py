@@ -94,7 +94,8 @@ class Ingest:
     self.probes: set[str] = set()
     self._open_segment: int | None = None  # stored steps after the last post_state
     self._rules = {"root": self._refuse_root, "step": self._check_step,
-                   "check": self._check_answer, "final": self._check_final}
+                   "check": self._check_answer, "resume": self._refuse_resume,
+                   "final": self._check_final}
 
   def expect(self, raws) -> None:
     """Looks up at once which of the request's records are stored already."""
@@ -165,6 +166,12 @@ class Ingest:
 
   def _refuse_root(self, record: dict, n: int) -> None:
     raise HTTPException(409, f"record {n} is a second root; a proof has one, at position 0.")
+
+  def _refuse_resume(self, record: dict, n: int) -> None:
+    raise HTTPException(409, f"record {n} resumes the run at step {record['step']}: this "
+                        "server does not take resumed transcripts (their discarded steps "
+                        "would leave challenges it issued unanswered). Verify it with "
+                        "`zkdv verify`.")
 
   def _check_step(self, record: dict, n: int) -> None:
     index = record["index"]
