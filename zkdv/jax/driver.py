@@ -258,7 +258,9 @@ class ZKDV:
     path = self.resume_from
     writer, contents = transcript.TranscriptWriter.reopen(path)
     try:
-      root = contents.records[0].record
+      records = [p.record for p in contents.records]
+      resume_lib.check_unfinished(records)
+      root = records[0]
       fields = root.get("challenger", {})
       if root.get("name") != self.name or fields.get("kind") != "self":
         raise errors.ProofStateError(
@@ -268,7 +270,7 @@ class ZKDV:
       seed = _saved_seed(path, fields)
       self._challenger = challengers.SelfChallenger(
           challenge.Policy.from_record(fields["policy"]), seed)
-      point = resume_lib.read_point([p.record for p in contents.records], seed)
+      point = resume_lib.read_point(records, seed)
     except BaseException:
       writer.close()
       raise

@@ -67,17 +67,21 @@ class ResumePoint:
           f"leaf {', '.join(differ[:4])}{' …' if len(differ) > 4 else ''}. {fix}")
 
 
+def check_unfinished(records: list[dict]) -> None:
+  """Raises ProofStateError for a finished transcript: it is never continued."""
+  if any(r.get("type") == "final" for r in records):
+    raise errors.ProofStateError("the transcript is finished; a finished proof is not "
+                                 "resumed. Start a new proof.")
+
+
 def read_point(records: list[dict], seed: bytes) -> ResumePoint:
   """The ``ResumePoint`` of an unfinished self-challenged transcript's records.
 
-  Raises ProofStateError when it cannot be resumed (finished, no committed state), and
+  Raises ProofStateError when no step committed a state, and
   UnanswerableChallengeError naming the step when a check chosen before the crash is
   missing: its openings died with the process, so the proof could never be verified.
   """
   root = records[0]
-  if any(r.get("type") == "final" for r in records):
-    raise errors.ProofStateError("the transcript is finished; a finished proof is not "
-                                 "resumed. Start a new proof.")
   programs, steps, answered = {}, [], set()
   for r in records:
     if r.get("type") == "program":
