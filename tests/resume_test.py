@@ -14,9 +14,13 @@ import subprocess
 import sys
 import tempfile
 
+from unittest import mock
+
 from absl.testing import absltest
 
+import dvbench
 import zkdv
+from dvbench.server.local import LocalServer
 from tests import testing
 from zkdv import errors
 from zkdv import transcript
@@ -171,6 +175,16 @@ class ResumeAfterKillTest(absltest.TestCase):
       zkdv.jax.ZKDV(NAME, resume=self.reference).start()
     with self.assertRaisesRegex(errors.ProofStateError, "holds proof 'resumed-run'"):
       zkdv.jax.ZKDV("another-run", resume=self.crashed).start()
+
+  def test_dvbench_refuses_a_resumed_transcript_naming_the_resume(self):
+    server = LocalServer(workers=0).start()
+    self.addCleanup(server.stop)
+    with mock.patch.dict(os.environ, {"DVBENCH_TOKEN": server.token("your-name")}):
+      experiment = dvbench.Client(server.url).experiment("your-name/resumed")
+      with self.assertRaisesRegex(dvbench.errors.ApiError,
+                                  r"409.*resumes the run at step 7: this server does not take "
+                                  "resumed transcripts"):
+        experiment.upload(self.folder)
 
 
 if __name__ == "__main__":
