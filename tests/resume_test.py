@@ -16,11 +16,14 @@ import tempfile
 
 from unittest import mock
 
+import jax.numpy as jnp
 from absl.testing import absltest
+from flax import serialization
 
 import dvbench
 import zkdv
 from dvbench.server.local import LocalServer
+from tests import resume_trainer
 from tests import testing
 from zkdv import errors
 from zkdv import transcript
@@ -71,8 +74,9 @@ class ResumeAfterKillTest(absltest.TestCase):
     os.kill(crashed.pid, signal.SIGKILL)
     crashed.wait(timeout=60)
     cls.killed = (crashed.returncode, lines)
-    cls.crashed = root / "crashed"
+    cls.crashed, cls.checkpoint5 = root / "crashed", root / "ckpt-5"
     shutil.copytree(cls.folder, cls.crashed)
+    shutil.copy(cls.checkpoint, cls.checkpoint5)
     cls.crashed_bytes = (cls.folder / transcript.RECORDS_FILE).read_bytes()
     cls.altered = _finish(_trainer(cls.folder, cls.checkpoint, "--resume", "--alter"))
     cls.altered_bytes = (cls.folder / transcript.RECORDS_FILE).read_bytes()
@@ -102,10 +106,21 @@ class ResumeAfterKillTest(absltest.TestCase):
                   "after it and was discarded", cli.stdout)
     report, reference = verify.verify(self.folder), verify.verify(self.reference)
     self.assertEqual((report.verdict, report.standing), (reference.verdict, reference.standing))
+    self.assertEqual(report.claim("start").status, verify.HOLDS)  # the start carried over
+    self.assertEqual(len(testing.records_of(self.folder, "init")), 1)
+    # The state it ends with is the one training on from the checkpoint without a crash
+    # reaches (another proof: a proof's start key, so its init, is its own).
+    unbroken = testing.new_proof("unbroken", segment_length=resume_trainer.SEGMENT)
+    state = serialization.from_bytes(testing.classifier_state(unbroken),
+                                     self.checkpoint5.read_bytes())
+    step = unbroken.jit(testing.classifier_step, donate_argnums=(0,))
+    for iteration in range(6, resume_trainer.ITERATIONS):
+      state = step(state, jnp.asarray(resume_trainer.batch_for(iteration)))
+    unbroken.finish()
     final, = testing.records_of(self.folder, "final")
-    reference_final, = testing.records_of(self.reference, "final")
-    self.assertEqual(final["final_state"], reference_final["final_state"])
-    self.assertEqual(final["final_params"], reference_final["final_params"])
+    unbroken_final, = testing.records_of(unbroken.path, "final")
+    self.assertEqual(final["final_state_leaves"], unbroken_final["final_state_leaves"])
+    self.assertEqual(final["final_state"], unbroken_final["final_state"])
     kinds = [(r["type"], r.get("index", r.get("step"))) for r in testing.records_of(self.folder)
              if r["type"] in ("step", "resume")]
     self.assertEqual(kinds, [("step", i) for i in range(7)] + [("resume", 7)]

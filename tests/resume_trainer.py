@@ -1,7 +1,8 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]``
-trains ``ITERATIONS`` steps of the tutorial classifier with ``flax.serialization``
+trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
+``proof.init``) with ``flax.serialization``
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
 waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
 there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
@@ -12,8 +13,10 @@ import argparse
 import pathlib
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import serialization
 
 import zkdv
@@ -42,7 +45,11 @@ def main() -> None:
                            output_dir=args.folder, segment_length=SEGMENT)
   proof = zkdv.jax.ZKDV("resumed-run", config, resume=args.folder if args.resume else None)
   proof.start(rolling_window=4, probe_ratio=0.5)
-  state = testing.classifier_state(proof)
+  model = testing.TinyClassifier()
+  # An attested start: resumed, proof.init returns the same params and records nothing.
+  params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+  state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                             tx=optax.adam(1e-2))
   if args.resume:
     state = serialization.from_bytes(state, args.checkpoint.read_bytes())
     if args.alter:

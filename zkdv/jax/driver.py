@@ -275,6 +275,7 @@ class ZKDV:
       writer.close()
       raise
     self._writer = writer
+    self._key_seed = keys.key_seed(fields, writer.transcript_id)
     self._open(path, group)
     self._committer.continue_from(point)
     self._dispatcher.steps = point.steps
@@ -436,7 +437,8 @@ class ZKDV:
     """
     self.ensure_started()
     if self.resume_from is not None and self._committer.init_recorded:
-      return start_lib.run_init(init_fn, args, kwargs).outputs  # attested before the crash
+      # attested before the crash: the same outputs, from the same start key
+      return start_lib.run_init(init_fn, args, kwargs, self._key_seed).outputs
     if self.steps:
       raise errors.ProofStateError(
           f"{self!r} already recorded {self.steps} steps; proof.init() attests the "
