@@ -191,16 +191,23 @@ class ResumeAfterKillTest(absltest.TestCase):
     with self.assertRaisesRegex(errors.ProofStateError, "holds proof 'resumed-run'"):
       zkdv.jax.ZKDV("another-run", resume=self.crashed).start()
 
-  def test_dvbench_refuses_a_resumed_transcript_naming_the_resume(self):
-    server = LocalServer(workers=0).start()
+  def test_dvbench_takes_a_resumed_transcript_and_refuses_a_resume_past_a_commitment(self):
+    server = LocalServer(workers=1).start()
     self.addCleanup(server.stop)
+    def back_to_step_2(records):  # another proof (root), as the attack above
+      step2 = [r for r in records if r["type"] == "step"][2]
+      return [{**records[0], "name": "dropped"}] + [
+          {**r, "after": 2, "state": step2["post_state"]} if r["type"] == "resume" else r
+          for r in records[1:] if not (r["type"] == "check" and 3 <= r["step"] <= 5)]
     with mock.patch.dict(os.environ, {"DVBENCH_TOKEN": server.token("your-name")}):
-      experiment = dvbench.Client(server.url).experiment("your-name/resumed")
+      client = dvbench.Client(server.url)
+      proof_id = client.experiment("your-name/resumed").upload(self.folder)
       with self.assertRaisesRegex(dvbench.errors.ApiError,
-                                  r"409.*resumes the run at step 7: this server does not take "
-                                  "resumed transcripts"):
-        experiment.upload(self.folder)
-
+                                  r"409.*resumes the run from step 2's state; it must go on "
+                                  r"from the committed post-state of the last step that stored "
+                                  r"one \(step 5\)"):
+        client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
+      self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
 
 if __name__ == "__main__":
   absltest.main()
