@@ -124,3 +124,11 @@ def out_of_memory(error: BaseException) -> bool:
   program, never a finding about the program.
   """
   return isinstance(error, MemoryError) or str(error).lstrip().startswith("RESOURCE_EXHAUSTED")
+
+
+class ResumeStateError(ZKDVError, ValueError):
+  """A resumed run's restored state is not the last state its transcript committed."""
+
+
+class UnanswerableChallengeError(ZKDVError, RuntimeError):
+  """A resumed run cannot answer a check chosen before the crash (its openings are lost)."""

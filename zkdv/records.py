@@ -54,7 +54,8 @@ PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
 LAYOUTS = ListOf(Map())  # each checked by zkdv.digest.LeafLayout.from_record
 NAME = Text(400)
 NAMES = ListOf(NAME, 4096)
-RECORD_TYPE = Field(Text(20, ("root", "init", "program", "step", "check", "final")), REQUIRED)
+RECORD_TYPE = Field(Text(20, ("root", "init", "program", "step", "check", "resume", "final")),
+                    REQUIRED)
 PREV = Field(DIGEST, REQUIRED)  # every record but the root chains to the one before
 
 RECORD_FIELDS: dict[str, dict[str, Field]] = {
@@ -90,9 +91,17 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
     # The states are committed where a segment starts (pre_state) and ends (post_state).
     "step": {"index": Field(INDEX, REQUIRED), "program": Field(INDEX, REQUIRED),
              "batch": Field(DIGEST, REQUIRED), "pre_state": Field(DIGEST),
-             "post_state": Field(DIGEST), "metrics": Field(StepMetrics())},
+             "post_state": Field(DIGEST), "metrics": Field(StepMetrics()),
+             # the post-state's piece digests, per leaf: a resumed run names the leaf
+             # its restored state differs in (``zkdv.jax.resume``)
+             "post_state_leaves": Field(PIECES)},
     "check": {"step": Field(INDEX, REQUIRED),
               "kind": Field(Text(20, CHECK_KINDS), REQUIRED)},  # and its kind's fields
+    # A run continued after a crash: steps go on at ``step`` from the committed post-state
+    # ``state`` of step ``after``; the steps between, whose segment never committed its end,
+    # are discarded (docs/jax.md, "Resuming a run").
+    "resume": {"step": Field(INDEX, REQUIRED), "after": Field(INDEX, REQUIRED),
+               "state": Field(DIGEST, REQUIRED)},
     "final": {"steps": Field(INDEX, REQUIRED), "status": Field(Text(20), REQUIRED),
               "discontinuities": Field(ListOf(INDEX)), "final_state": Field(DIGEST),
               "final_state_leaves": Field(PIECES), "final_params": Field(DIGEST),

@@ -96,6 +96,33 @@ class TranscriptWriter:
     self.transcript_id: bytes | None = None
     self.on_append = None  # called after each record is written (e.g. to wake an uploader)
 
+  @classmethod
+  def reopen(cls, folder: str | os.PathLike) -> tuple["TranscriptWriter", "TranscriptContents"]:
+    """A writer that appends to the unfinished transcript in ``folder``, and its contents.
+
+    A torn last record (the writer died mid-write) is cut off first: it was never part
+    of the chain. Raises ProofStateError for a folder without records.
+    """
+    folder = pathlib.Path(folder)
+    try:
+      contents = read_transcript(folder)
+    except FileNotFoundError:
+      raise errors.ProofStateError(f"{folder} holds no transcript to resume.") from None
+    if not contents.records:
+      raise errors.ProofStateError(f"{folder / RECORDS_FILE} holds no complete record to "
+                                   "resume from; start a new proof.")
+    writer = cls.__new__(cls)
+    writer.folder = folder
+    writer._file = open(folder / RECORDS_FILE, "r+b")
+    if contents.torn_tail is not None:
+      writer._file.truncate(contents.torn_tail.offset)
+      os.fsync(writer._file.fileno())
+    writer._file.seek(0, os.SEEK_END)
+    writer._prev = contents.records[-1].record_id
+    writer.transcript_id = contents.records[0].record_id
+    writer.on_append = None
+    return writer, dataclasses.replace(contents, torn_tail=None)
+
   def append(self, record: dict, *, durable: bool = False) -> bytes:
     """Chains, encodes and writes ``record``; returns its id."""
     if self._prev is not None:

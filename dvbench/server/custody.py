@@ -26,6 +26,7 @@ Example::
 import dataclasses
 import json
 
+import cbor2
 from starlette.exceptions import HTTPException
 
 from dvbench import transport
@@ -94,7 +95,8 @@ class Ingest:
     self.probes: set[str] = set()
     self._open_segment: int | None = None  # stored steps after the last post_state
     self._rules = {"root": self._refuse_root, "step": self._check_step,
-                   "check": self._check_answer, "final": self._check_final}
+                   "check": self._check_answer, "resume": self._check_resume,
+                   "final": self._check_final}
 
   def expect(self, raws) -> None:
     """Looks up at once which of the request's records are stored already."""
@@ -165,6 +167,39 @@ class Ingest:
 
   def _refuse_root(self, record: dict, n: int) -> None:
     raise HTTPException(409, f"record {n} is a second root; a proof has one, at position 0.")
+
+  def _check_resume(self, record: dict, n: int) -> None:
+    """A self-audited run resumed after a crash (``zkdv.jax.resume``): it goes on from the
+    last committed post-state, discarding only the steps of the open segment after it."""
+    step, after = record["step"], record["after"]
+    if self.challenger.kind == "dvbench":
+      raise HTTPException(409, f"record {n} resumes the run at step {step}: a proof this "
+                          "server challenges is not resumed (its discarded steps would leave "
+                          "challenges it issued unanswered).")
+    if step != self.head.steps:
+      raise HTTPException(409, f"record {n} resumes the run at step {step}, but "
+                          f"{self.head.steps} steps are stored: step indices go on.")
+    if self._open_segment is None:
+      self._open_segment = self.store.open_segment_steps(
+          self.conn, self.proof_id, self.challenger.policy.segment_length)
+    last_committed = step - self._open_segment - 1
+    stored = self._step_record(after)
+    if after != last_committed or stored is None or stored.get("post_state") != record["state"]:
+      raise HTTPException(409, f"record {n} resumes the run from step {after}'s state; it "
+                          "must go on from the committed post-state of the last step that "
+                          f"stored one (step {last_committed}).")
+    self._open_segment = 0
+
+  def _step_record(self, index: int) -> dict | None:
+    """Step ``index``'s record, from this request's records or the stored ones."""
+    for _, kind, raw in reversed(self._new):
+      if kind == "step":
+        record = cbor2.loads(raw)
+        if record["index"] == index:
+          return record
+        if record["index"] < index:
+          break
+    return self.store.step_record(self.conn, self.proof_id, index)
 
   def _check_step(self, record: dict, n: int) -> None:
     index = record["index"]

@@ -140,16 +140,24 @@ class CustodyQueries:
 
   def open_segment_steps(self, conn, proof_id: str, limit: int) -> int:
     """How many of the proof's last stored steps carry no ``post_state`` (at most
-    ``limit``): the steps of the segment that is still open."""
-    rows = conn.execute(sa.select(records.c.data).where(
-        (records.c.proof_id == proof_id) & (records.c.kind == "step"))
+    ``limit``): the steps of the segment that is still open (a ``resume`` record starts
+    a new one)."""
+    rows = conn.execute(sa.select(records.c.kind, records.c.data).where(
+        (records.c.proof_id == proof_id) & records.c.kind.in_(("step", "resume")))
                         .order_by(records.c.position.desc()).limit(limit)).all()
     count = 0
-    for (data,) in rows:  # stored records were decoded and checked at ingestion
-      if isinstance(cbor2.loads(data).get("post_state"), bytes):
+    for kind, data in rows:  # stored records were decoded and checked at ingestion
+      if kind == "resume" or isinstance(cbor2.loads(data).get("post_state"), bytes):
         break
       count += 1
     return count
+
+  def step_record(self, conn, proof_id: str, index: int) -> dict | None:
+    """The stored record of step ``index``, decoded; None when it is not stored."""
+    data = conn.execute(sa.select(records.c.data).where(
+        (records.c.proof_id == proof_id) & (records.c.kind == "step"))
+                        .order_by(records.c.position).offset(index).limit(1)).scalar()
+    return None if data is None else cbor2.loads(data)
 
   def append_records(self, conn, proof_id: str, head: CustodyHead,
                      new: list[tuple[bytes, str, bytes]]) -> None:

@@ -202,6 +202,18 @@ class Committer:
     self._init = init
     self.pipeline.submit(lambda job: self._write_init(init))
 
+  def continue_from(self, point) -> None:
+    """Continues a transcript a crashed run left (a ``zkdv.jax.resume.ResumePoint``):
+    its programs keep their numbers and the next segment starts from its committed state."""
+    self._program_numbers = dict(point.program_numbers)
+    self.last = CommittedState(point.state, point.pieces, point.layouts, point.params_mask)
+    self.committed_steps = self.written_steps = point.steps
+    self._init = point.attested_start or None
+
+  def submit_resume(self, record: dict) -> None:
+    """Queues the ``resume`` record, before the resumed run's first step."""
+    self.pipeline.submit(lambda job: self.writer.append(record, durable=True))
+
   def submit_step(self, job: StepJob):
     """Queues a step's commitment; it holds its window slot until answered."""
     return self.pipeline.submit(lambda pipeline_job: self._commit_step(pipeline_job, job),
@@ -307,6 +319,7 @@ class Committer:
       self.last = CommittedState(post_digest, post_pieces, program.post_layouts,
                                  program.params_mask)
       record["post_state"] = post_digest
+      record["post_state_leaves"] = [list(p) for p in post_pieces]
       self._write_step(job, record, post_digest,
                        job.checked[0] if job.checked is not None else end_views)
       _cross_check_replicas(job.index, program.post_layouts, post_pieces,
@@ -372,7 +385,8 @@ class Committer:
     program = held_job.program
     end = digest.state_digest_from_pieces(program.post_layouts, pieces)
     self.last = CommittedState(end, pieces, program.post_layouts, program.params_mask)
-    self._write_step(held_job, {**record, "post_state": end}, end, end_views)
+    self._write_step(held_job, {**record, "post_state": end,
+                                "post_state_leaves": [list(p) for p in pieces]}, end, end_views)
 
   def _close(self, started, last_post) -> None:
     """``finish``: the held last step ends the open segment."""
@@ -387,7 +401,8 @@ class Committer:
     pieces = self.digests.state_digests(self.digests.materialize(started))
     end = digest.state_digest_from_pieces(program.post_layouts, pieces)
     self.last = CommittedState(end, pieces, program.post_layouts, program.params_mask)
-    self._write_step(held_job, {**record, "post_state": end}, end,
+    self._write_step(held_job, {**record, "post_state": end,
+                                "post_state_leaves": [list(p) for p in pieces]}, end,
                      [arrays.host_view(x) for x in last_post])
 
   def _write_step(self, job: StepJob, record: dict, end: bytes | None = None,

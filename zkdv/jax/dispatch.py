@@ -69,12 +69,15 @@ class Dispatcher:
     self._last_dispatch: float | None = None
     self._waited = 0.0  # since the last dispatch, on the window, hashes and checks
     self._viewing = None  # the last step's commitment job, if it views its post-state
+    self.restored = None  # a resumed run's ResumePoint, until its first step checked it
 
   def run(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
     committer, multi = self._committer, self._group.multi
     if not multi:  # across processes, failures wait for finish(): see ProcessGroup.agree_on_outcome
       committer.pipeline.raise_if_failed()
+    if self.restored is not None:
+      self._check_restored(program, leaves)
     # A step that cannot enter the window raises before anything is taken: call it again.
     with self._waiting():
       committer.pipeline.reserve(waiting=self._waiting_for_window)
@@ -117,6 +120,17 @@ class Dispatcher:
     if not multi:
       committer.pipeline.raise_if_failed()
     return outs
+
+  def _check_restored(self, program, leaves: list) -> None:
+    """A resumed run's first step: its state must be the committed one (ResumeStateError
+    names the leaves that differ, and nothing is written); then the ``resume`` record."""
+    digests = self._digests
+    state = [leaves[i] for i in program.state_indices]
+    pieces = digests.state_digests(digests.materialize(
+        digests.start_state(state, program.state_layouts)))
+    self.restored.check_restored(program.state_layouts, pieces)
+    self._committer.submit_resume(self.restored.record())
+    self.restored = None
 
   def _time_step(self) -> None:
     """Records the interval since the last dispatch, less the time it waited on

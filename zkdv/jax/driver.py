@@ -37,6 +37,7 @@ from zkdv import keys
 from zkdv import transcript
 from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
+from zkdv.jax import resume as resume_lib
 from zkdv.jax import start as start_lib
 from zkdv.jax.committer import Committer
 from zkdv.jax.dispatch import Dispatcher
@@ -67,6 +68,20 @@ def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger) ->
   }
 
 
+def _saved_seed(path: pathlib.Path, fields: dict) -> bytes:
+  """The seed a self-challenged run kept beside its transcript, checked against the root."""
+  try:
+    seed = (path / resume_lib.SEED_FILE).read_bytes()
+  except FileNotFoundError:
+    raise errors.ProofStateError(
+        f"{path / resume_lib.SEED_FILE} is missing: the challenges of this transcript "
+        "cannot be continued. Start a new proof.") from None
+  if challenge.key_commitment(seed) != fields.get("seed_commitment"):
+    raise errors.ProofStateError(f"{path / resume_lib.SEED_FILE} does not match the root's "
+                                 "seed commitment. Start a new proof.")
+  return seed
+
+
 class ZKDV:
   """A verifiable training run: ``start``, ``jit``/``attest``, ``finish``.
 
@@ -80,9 +95,12 @@ class ZKDV:
     discontinuities: steps whose pre-state was not the previous post-state.
     committed_here: state pieces and batch rows this process hashed (in a
       multi-process run, each process hashes those it holds).
+    resume_from: the transcript folder of a crashed run this proof continues
+      (``ZKDV(name, resume=folder)``), or None.
   """
 
-  def __init__(self, name: str, config: config_lib.ZKDVConfig | None = None):
+  def __init__(self, name: str, config: config_lib.ZKDVConfig | None = None, *,
+               resume: str | os.PathLike | None = None):
     if not isinstance(name, str) or not name:
       raise ValueError(f"a proof needs a non-empty name, got {name!r}.")
     config = config_lib.ZKDVConfig() if config is None else config
@@ -90,6 +108,7 @@ class ZKDV:
       raise TypeError(f"config must be a zkdv.ZKDVConfig, got {type(config).__name__}.")
     self.name = name
     self.config = config
+    self.resume_from = None if resume is None else pathlib.Path(resume)
     self.path: pathlib.Path | None = None
     self.policy: challenge.Policy | None = None
     self._writer: transcript.TranscriptWriter | None = None  # process 0 only
@@ -174,6 +193,8 @@ class ZKDV:
     """
     if self._group is not None:
       raise errors.ProofStateError(f"{self!r} is already started; start() runs once.")
+    if self.resume_from is not None:
+      return self._start_resumed()
     sampling = self.config.sampling_policy
     group = processes.ProcessGroup.current()
     # A step's record waits for the next step, which a window of one would never admit.
@@ -195,6 +216,8 @@ class ZKDV:
       except BaseException:
         writer.close()
         raise
+      if challenger.kind == "self":  # kept until final reveals it, so a crash can resume
+        transcript.write_atomically(path / resume_lib.SEED_FILE, seed, mode=0o600)
       self._writer, self._challenger = writer, challenger
       return {"run_id": os.urandom(16), "seed": seed, "folder": str(path),
               "key_seed": keys.key_seed(root["challenger"], writer.transcript_id)}
@@ -209,6 +232,11 @@ class ZKDV:
       self._challenger = challengers.SelfChallenger(policy, run["seed"])
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
                   self.name, group.index, path)
+    self._open(path, group)
+    return self
+
+  def _open(self, path: pathlib.Path, group) -> None:
+    """The committer and dispatcher of a started proof."""
     self.path, self.policy = path, self._challenger.policy
     self._digests = digests_lib.for_config(self.config.digest_backend)
     self._committer = Committer(self._writer, group, self._digests, self.config,
@@ -219,6 +247,41 @@ class ZKDV:
     self._dispatcher = Dispatcher(self._committer, self._challenger, self._digests, group,
                                   self.config)
     self._group = group
+
+  def _start_resumed(self) -> "ZKDV":
+    """Continues the unfinished transcript in ``resume_from`` (``zkdv.jax.resume``): the
+    policy and challenges are the root's, step indices go on, and the first step checks
+    that the restored state is the last committed one."""
+    group = processes.ProcessGroup.current()
+    if group.multi:
+      raise errors.ProofStateError("resuming needs a single-process run.")
+    path = self.resume_from
+    writer, contents = transcript.TranscriptWriter.reopen(path)
+    try:
+      records = [p.record for p in contents.records]
+      resume_lib.check_unfinished(records)
+      root = records[0]
+      fields = root.get("challenger", {})
+      if root.get("name") != self.name or fields.get("kind") != "self":
+        raise errors.ProofStateError(
+            f"{path} holds proof {root.get('name')!r} challenged by "
+            f"{fields.get('kind')!r}; ZKDV({self.name!r}, resume=...) continues a "
+            "self-challenged transcript of the same name.")
+      seed = _saved_seed(path, fields)
+      self._challenger = challengers.SelfChallenger(
+          challenge.Policy.from_record(fields["policy"]), seed)
+      point = resume_lib.read_point(records, seed)
+    except BaseException:
+      writer.close()
+      raise
+    self._writer = writer
+    self._key_seed = keys.key_seed(fields, writer.transcript_id)
+    self._open(path, group)
+    self._committer.continue_from(point)
+    self._dispatcher.steps = point.steps
+    self._dispatcher.restored = point
+    logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s)",
+                self.name, point.steps, point.after, path)
     return self
 
   def _make_challenger(self, policy: challenge.Policy, seed: bytes, group):
@@ -276,6 +339,7 @@ class ZKDV:
         self._committer.write_final(self.steps, error is None and not self._aborted,
                                     whole_state, self._challenger.final_fields())
         self._writer.close()
+        (self.path / resume_lib.SEED_FILE).unlink(missing_ok=True)  # final reveals it
     except Exception as e:  # pylint: disable=broad-except  # the others still hear the outcome
       error = error or errors.CommitmentError(
           f"could not write the final record to {self.path}: {type(e).__name__}: {e}")
@@ -372,6 +436,9 @@ class ZKDV:
       params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4)))["params"]
     """
     self.ensure_started()
+    if self.resume_from is not None and self._committer.init_recorded:
+      # attested before the crash: the same outputs, from the same start key
+      return start_lib.run_init(init_fn, args, kwargs, self._key_seed).outputs
     if self.steps:
       raise errors.ProofStateError(
           f"{self!r} already recorded {self.steps} steps; proof.init() attests the "

@@ -31,7 +31,7 @@ _ANY = frozenset({"unreadable", "no_root", "format_version"})
 _RECORDS = frozenset({"torn_tail", "encoding", "chain", "schema", "after_final", "step_index",
                       "program_id", "discontinuity", "unfinished", "aborted", "step_count",
                       "final", "final_state", "final_params", "no_steps", "check_step",
-                      "segment", "segment_length"})
+                      "segment", "segment_length", "resume"})
 _KEYS = frozenset({"challenger", "policy", "seed", "server_key", "challenge_key", "receipt",
                    "receipt_verdict"})
 # The finding codes each claim rests on.

@@ -102,6 +102,8 @@ def require_answers(ctx: Verification, decisions: Decisions) -> None:
     return
   model = ctx.model
   for step, decision in zip(model.steps, decisions.by_step):
+    if model.discarded(step.index):
+      continue  # a resume discarded it: its segment never committed an end to check
     program = model.program_of(step)
     wanted = [kind for kind in ("update", "state") if decisions.challenged(step.index, kind)]
     if program is not None and any(probe_count(l, decision.probe_ratio) for l in program.batch):

@@ -15,6 +15,7 @@ Example::
 import dataclasses
 
 from zkdv import digest
+from zkdv.verify import structure
 from zkdv.verify.context import Verification
 from zkdv.verify.report import UNVERIFIABLE
 
@@ -87,10 +88,7 @@ def _final_state(ctx: Verification, final: dict, last_step) -> None:
   if program is None:
     return  # the step's unknown program is already a finding
   layouts = program.post
-  if (not isinstance(leaves, list) or len(leaves) != len(layouts)
-      or not all(isinstance(p, list) and len(p) == len(l.boxes)
-                 and all(isinstance(d, bytes) for d in p) for p, l in zip(leaves, layouts))
-      or digest.state_digest_from_pieces(layouts, leaves) != final["final_state"]):
+  if not structure.pieces_make(layouts, leaves, final["final_state"]):
     report.fail("final_state", "final", "final state piece digests do not make up the "
                 "final state digest.")
     return

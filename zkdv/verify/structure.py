@@ -115,6 +115,20 @@ class Check:
   where: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Resume:
+  """A resume record: steps go on at ``step`` from the committed post-state of step
+  ``after``; steps ``after + 1 .. step - 1`` (an open segment) are discarded."""
+
+  step: int
+  after: int
+  where: str
+
+  @property
+  def discarded(self) -> range:
+    return range(self.after + 1, self.step)
+
+
 @dataclasses.dataclass
 class Transcript:
   """The verifier's model of a transcript (built by ``read``)."""
@@ -130,6 +144,11 @@ class Transcript:
   checks: dict = dataclasses.field(default_factory=dict)  # (step, kind) -> Check
   final: dict | None = None
   segments: list = dataclasses.field(default_factory=list)  # Segment, in order
+  resumes: list = dataclasses.field(default_factory=list)  # Resume, in order
+
+  def discarded(self, step: int) -> bool:
+    """Whether a resume discarded ``step`` (it ran after the last committed state)."""
+    return any(step in r.discarded for r in self.resumes)
 
   def program_of(self, step: Step) -> Program | None:
     return self.programs.get(step.program)
@@ -169,7 +188,13 @@ def _segments(model: Transcript, report: Report) -> list:
   """The segments the step records delimit: one starts at a step carrying
   ``pre_state`` and ends at the next step carrying ``post_state``."""
   segments, first, start = [], None, None
+  resumed_at = {r.step for r in model.resumes}
   for step in model.steps:
+    if step.index in resumed_at:
+      if step.pre_state is None:
+        report.fail("resume", step.where, f"step {step.index} follows a resume record but "
+                    "carries no pre_state: a resumed run starts a segment.")
+      first = None  # an open segment before it was discarded
     if step.pre_state is not None:
       if first is not None:  # the segment before has no end commitment
         segments.append(Segment(first, step.index - 1, start, None))
@@ -353,8 +378,20 @@ def _read_step(model, parsed, where, report) -> None:
   if problems:
     report.fail("schema", where, f"step {expected}: {'; '.join(problems[:3])}.")
     step_metrics = {}
+  leaves = rec.get("post_state_leaves")
+  if leaves is not None and (program is None or rec.get("post_state") is None or not pieces_make(
+      program.post, leaves, rec["post_state"])):
+    report.fail("schema", where, f"step {expected}: post_state_leaves do not make up its "
+                "post_state.")
   model.steps.append(Step(expected, rec["program"], rec.get("pre_state"), rec["batch"],
                           rec.get("post_state"), parsed.record_id, where, step_metrics))
+
+
+def pieces_make(layouts, pieces, state: bytes) -> bool:
+  """Whether per-leaf piece digests match ``layouts`` and make up the state digest."""
+  return (isinstance(pieces, list) and len(pieces) == len(layouts) and all(isinstance(p, list) and len(p) == len(l.boxes) and all(
+      isinstance(d, bytes) for d in p) for p, l in zip(pieces, layouts))
+          and digest.state_digest_from_pieces(layouts, pieces) == state)
 
 
 def _read_check(model, parsed, where, report) -> None:
@@ -370,10 +407,39 @@ def _read_check(model, parsed, where, report) -> None:
   model.checks[(step, kind)] = Check(step, kind, rec, where)
 
 
+def _read_resume(model, parsed, where, report) -> None:
+  """A resume continues the step indices from the post-state of the last step that
+  committed one; only steps after it (whose segment has no end) may be discarded."""
+  rec = parsed.record
+  steps, after = model.steps, rec["after"]
+  if rec["step"] != len(steps):
+    report.fail("resume", where, f"a resume at step {rec['step']}; the next step is "
+                f"{len(steps)} (step indices go on across a resume).")
+    return
+  if after >= len(steps) or steps[after].post_state != rec["state"]:
+    report.fail("resume", where, f"the resumed state is not the committed post-state of "
+                f"step {after}.")
+    return
+  committed_later = [s.index for s in steps[after + 1:] if s.post_state is not None]
+  if committed_later:
+    report.fail("resume", where, f"the resume goes back to step {after}, past the committed "
+                f"post-state of step {committed_later[-1]}: only steps after the last "
+                "committed state may be discarded.")
+    return
+  resume = Resume(rec["step"], after, where)
+  model.resumes.append(resume)
+  lost = resume.discarded
+  discarded = ("" if not lost else f"; step {lost[0]} ran after it and was discarded" if
+               len(lost) == 1 else f"; steps {lost[0]}..{lost[-1]} ran after it and were "
+               "discarded")
+  report.notes.append(f"resumed at step {resume.step} from the committed post-state of "
+                      f"step {after}{discarded} (no state after them was used).")
+
+
 def _read_final(model, parsed, where, report) -> None:
   del where, report  # its fields are checked by zkdv.verify.final
   model.final = parsed.record
 
 
 _READERS = {"root": _read_root, "init": _read_init, "program": _read_program, "step": _read_step,
-            "check": _read_check, "final": _read_final}
+            "check": _read_check, "resume": _read_resume, "final": _read_final}

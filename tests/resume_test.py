@@ -1,0 +1,213 @@
+"""A run killed with SIGKILL mid-training resumes its transcript from a checkpoint.
+
+The trainer (``tests/resume_trainer.py``) checkpoints with ``flax.serialization`` at
+segment ends. ``setUpClass`` runs it once to the end (the reference), once until it is
+killed mid-segment, once resumed from a checkpoint whose state was altered (refused), and
+once resumed as saved; the tests judge the outcomes and attack the resume record.
+"""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from unittest import mock
+
+import jax.numpy as jnp
+from absl.testing import absltest
+from flax import serialization
+
+import dvbench
+import zkdv
+from dvbench.server.local import LocalServer
+from tests import resume_trainer
+from tests import testing
+from zkdv import errors
+from zkdv import transcript
+from zkdv import verify
+
+NAME = "resumed-run"
+
+
+def _trainer(folder, checkpoint, *flags, stdin=None):
+  return subprocess.Popen([sys.executable, "-m", "tests.resume_trainer", str(folder),
+                           str(checkpoint), *flags], stdin=stdin, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+
+
+def _finish(process) -> tuple[int, str, str]:
+  out, err = process.communicate(timeout=300)
+  return process.returncode, out, err
+
+
+def _rewrite(folder: pathlib.Path, edit) -> pathlib.Path:
+  """A copy of the transcript in ``folder`` whose records ``edit(records)`` returns,
+  chained and encoded as a prover would write them."""
+  copy = pathlib.Path(tempfile.mkdtemp()) / "edited"
+  shutil.copytree(folder, copy)
+  (copy / transcript.RECORDS_FILE).unlink()
+  records = [{k: v for k, v in r.items() if k != "prev"} for r in testing.records_of(folder)]
+  writer = transcript.TranscriptWriter(copy)
+  for record in edit(records):
+    writer.append(record)
+  writer.close()
+  return copy
+
+
+class ResumeAfterKillTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-resume-"))
+    cls.reference, cls.folder, cls.checkpoint = root / "reference", root / "run", root / "ckpt"
+    reference = _trainer(cls.reference, root / "reference-ckpt")
+    crashed = _trainer(cls.folder, cls.checkpoint, "--stop-at", "7", stdin=subprocess.PIPE)
+    lines = []
+    for line in crashed.stdout:  # mid-segment: step 6 written, step 7 held
+      lines.append(line.strip())
+      if line.strip() == "ready":
+        break
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.wait(timeout=60)
+    cls.killed = (crashed.returncode, lines)
+    cls.crashed, cls.checkpoint5 = root / "crashed", root / "ckpt-5"
+    shutil.copytree(cls.folder, cls.crashed)
+    shutil.copy(cls.checkpoint, cls.checkpoint5)
+    cls.crashed_bytes = (cls.folder / transcript.RECORDS_FILE).read_bytes()
+    cls.altered = _finish(_trainer(cls.folder, cls.checkpoint, "--resume", "--alter"))
+    cls.altered_bytes = (cls.folder / transcript.RECORDS_FILE).read_bytes()
+    cls.resumed = _finish(_trainer(cls.folder, cls.checkpoint, "--resume"))
+    cls.reference_run = _finish(reference)
+
+  def test_the_trainer_was_killed_mid_segment(self):
+    code, lines = self.killed
+    self.assertEqual(code, -signal.SIGKILL)
+    self.assertEqual(lines, ["checkpoint 2", "checkpoint 5", "ready"])
+    self.assertNotIn("final", [r["type"] for r in testing.records_of(self.crashed)])
+
+  def test_an_altered_restored_state_is_refused_naming_the_leaf(self):
+    code, _, err = self.altered
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.ResumeStateError: the restored state differs from the "
+                  "post-state step 5 committed in leaf .params['Dense_0']['bias'].", err)
+    self.assertEqual(self.altered_bytes, self.crashed_bytes)  # nothing written
+
+  def test_resumed_run_ends_as_a_never_crashed_one(self):
+    self.assertEqual(self.resumed[0], 0, self.resumed[2][-2000:])
+    self.assertEqual(self.reference_run[0], 0, self.reference_run[2][-2000:])
+    cli = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(self.folder)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    self.assertEqual(cli.returncode, 0, cli.stdout + cli.stderr)
+    self.assertIn("resumed at step 7 from the committed post-state of step 5; step 6 ran "
+                  "after it and was discarded", cli.stdout)
+    report, reference = verify.verify(self.folder), verify.verify(self.reference)
+    self.assertEqual((report.verdict, report.standing), (reference.verdict, reference.standing))
+    self.assertEqual(report.claim("start").status, verify.HOLDS)  # the start carried over
+    self.assertEqual(len(testing.records_of(self.folder, "init")), 1)
+    # The state it ends with is the one training on from the checkpoint without a crash
+    # reaches (another proof: a proof's start key, so its init, is its own).
+    unbroken = testing.new_proof("unbroken", segment_length=resume_trainer.SEGMENT)
+    state = serialization.from_bytes(testing.classifier_state(unbroken),
+                                     self.checkpoint5.read_bytes())
+    step = unbroken.jit(testing.classifier_step, donate_argnums=(0,))
+    for iteration in range(6, resume_trainer.ITERATIONS):
+      state = step(state, jnp.asarray(resume_trainer.batch_for(iteration)))
+    unbroken.finish()
+    final, = testing.records_of(self.folder, "final")
+    unbroken_final, = testing.records_of(unbroken.path, "final")
+    self.assertEqual(final["final_state_leaves"], unbroken_final["final_state_leaves"])
+    self.assertEqual(final["final_state"], unbroken_final["final_state"])
+    kinds = [(r["type"], r.get("index", r.get("step"))) for r in testing.records_of(self.folder)
+             if r["type"] in ("step", "resume")]
+    self.assertEqual(kinds, [("step", i) for i in range(7)] + [("resume", 7)]
+                     + [("step", i) for i in range(7, 13)])
+    resume, = testing.records_of(self.folder, "resume")
+    step5 = testing.records_of(self.folder, "step")[5]
+    self.assertEqual((resume["after"], resume["state"]), (5, step5["post_state"]))
+    self.assertFalse((self.folder / "challenger-seed").exists())  # final revealed it
+
+  def test_a_resume_past_a_committed_state_is_invalid(self):
+    # Discarding a committed segment would drop the checks chosen for it: here the answers
+    # of steps 3..5 are removed and the resume claims to go back to step 2.
+    def back_to_step_2(records):
+      step2 = [r for r in records if r["type"] == "step"][2]
+      return [{**r, "after": 2, "state": step2["post_state"]} if r["type"] == "resume" else r
+              for r in records if not (r["type"] == "check" and 3 <= r["step"] <= 5)]
+    report = verify.verify(_rewrite(self.folder, back_to_step_2), replay="none")
+    self.assertIn(("resume", "the resume goes back to step 2, past the committed post-state "
+                   "of step 5: only steps after the last committed state may be discarded."),
+                  [(f.code, f.message) for f in report.findings])
+    self.assertEqual(report.verdict, verify.INVALID)
+
+  def test_a_resume_from_another_state_is_invalid(self):
+    def other_state(records):
+      return [{**r, "state": bytes(32)} if r["type"] == "resume" else r for r in records]
+    report = verify.verify(_rewrite(self.folder, other_state), replay="none")
+    self.assertIn(("resume", "the resumed state is not the committed post-state of step 5."),
+                  [(f.code, f.message) for f in report.findings])
+
+  def test_post_state_leaves_must_make_up_the_post_state(self):
+    def other_leaves(records):
+      first = [r for r in records if "post_state_leaves" in r][0]
+      return [{**r, "post_state_leaves": [[bytes(32)]] * len(r["post_state_leaves"])}
+              if r is first else r for r in records]
+    report = verify.verify(_rewrite(self.folder, other_leaves), replay="none")
+    self.assertIn("step 2: post_state_leaves do not make up its post_state.",
+                  [f.message for f in report.findings])
+
+  def test_an_unanswered_check_cannot_be_resumed(self):
+    folder = pathlib.Path(tempfile.mkdtemp()) / "unanswered"
+    shutil.copytree(self.crashed, folder)
+    contents = transcript.read_transcript(folder)
+    step5 = next(p for p in contents.records
+                 if p.record["type"] == "step" and p.record["index"] == 5)
+    cut = step5.offset + len(step5.raw)  # killed before step 5's checks were written
+    with open(folder / transcript.RECORDS_FILE, "r+b") as f:
+      f.truncate(cut)
+    proof = zkdv.jax.ZKDV(NAME, resume=folder)
+    with self.assertRaisesRegex(errors.UnanswerableChallengeError,
+                                r"^step 5 was challenged for a update check before the crash"):
+      proof.start()
+    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, cut)
+
+  def test_a_torn_last_record_is_cut_off(self):
+    folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
+    shutil.copytree(self.crashed, folder)
+    whole = (folder / transcript.RECORDS_FILE).read_bytes()
+    with open(folder / transcript.RECORDS_FILE, "ab") as f:
+      f.write(transcript.encode_record({"type": "step", "index": 7})[:-3])
+    writer, contents = transcript.TranscriptWriter.reopen(folder)
+    writer.close()
+    self.assertIsNone(contents.torn_tail)
+    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), whole)
+
+  def test_a_finished_or_foreign_transcript_is_not_resumed(self):
+    with self.assertRaisesRegex(errors.ProofStateError, "a finished proof is not resumed"):
+      zkdv.jax.ZKDV(NAME, resume=self.reference).start()
+    with self.assertRaisesRegex(errors.ProofStateError, "holds proof 'resumed-run'"):
+      zkdv.jax.ZKDV("another-run", resume=self.crashed).start()
+
+  def test_dvbench_takes_a_resumed_transcript_and_refuses_a_resume_past_a_commitment(self):
+    server = LocalServer(workers=1).start()
+    self.addCleanup(server.stop)
+    def back_to_step_2(records):  # another proof (root), as the attack above
+      step2 = [r for r in records if r["type"] == "step"][2]
+      return [{**records[0], "name": "dropped"}] + [
+          {**r, "after": 2, "state": step2["post_state"]} if r["type"] == "resume" else r
+          for r in records[1:] if not (r["type"] == "check" and 3 <= r["step"] <= 5)]
+    with mock.patch.dict(os.environ, {"DVBENCH_TOKEN": server.token("your-name")}):
+      client = dvbench.Client(server.url)
+      proof_id = client.experiment("your-name/resumed").upload(self.folder)
+      with self.assertRaisesRegex(dvbench.errors.ApiError,
+                                  r"409.*resumes the run from step 2's state; it must go on "
+                                  r"from the committed post-state of the last step that stored "
+                                  r"one \(step 5\)"):
+        client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
+      self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
+
+if __name__ == "__main__":
+  absltest.main()

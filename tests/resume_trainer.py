@@ -1,0 +1,75 @@
+"""A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
+
+``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]``
+trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
+``proof.init``) with ``flax.serialization``
+checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
+waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
+there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
+changes one leaf of the restored state first. Prints ``checkpoint I`` and ``ready`` lines.
+"""
+
+import argparse
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import serialization
+
+import zkdv
+from tests import testing
+from zkdv import transcript
+
+ITERATIONS = 12
+SEGMENT = 3
+
+
+def batch_for(iteration: int) -> np.ndarray:
+  """The batch of a training iteration: the same wherever a run resumes."""
+  return np.roll(testing.TUTORIAL_BATCH, iteration, axis=0)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("folder", type=pathlib.Path)
+  parser.add_argument("checkpoint", type=pathlib.Path)
+  parser.add_argument("--resume", action="store_true")
+  parser.add_argument("--stop-at", type=int)
+  parser.add_argument("--alter", action="store_true")
+  args = parser.parse_args()
+  config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
+                                                               state_check_probability=1.0),
+                           output_dir=args.folder, segment_length=SEGMENT)
+  proof = zkdv.jax.ZKDV("resumed-run", config, resume=args.folder if args.resume else None)
+  proof.start(rolling_window=4, probe_ratio=0.5)
+  model = testing.TinyClassifier()
+  # An attested start: resumed, proof.init returns the same params and records nothing.
+  params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+  state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                             tx=optax.adam(1e-2))
+  if args.resume:
+    state = serialization.from_bytes(state, args.checkpoint.read_bytes())
+    if args.alter:
+      params = state.params
+      bias = params["Dense_0"]["bias"]
+      state = state.replace(params={"Dense_0": {**params["Dense_0"], "bias": bias + 1}})
+  step = proof.jit(testing.classifier_step, donate_argnums=(0,))
+  for iteration in range(int(state.step), ITERATIONS):
+    state = step(state, jnp.asarray(batch_for(iteration)))
+    if (iteration + 1) % SEGMENT == 0:  # the state a segment ends with, once committed
+      proof.wait_for_commitments()
+      transcript.write_atomically(args.checkpoint, serialization.to_bytes(state))
+      print(f"checkpoint {iteration}", flush=True)
+    if iteration == args.stop_at:
+      proof.wait_for_commitments()
+      print("ready", flush=True)
+      sys.stdin.read()  # killed here
+  proof.finish()
+  print("finished", flush=True)
+
+
+if __name__ == "__main__":
+  main()

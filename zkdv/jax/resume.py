@@ -1,0 +1,136 @@
+"""Resuming a run after a crash: where its transcript stopped, and what the restored state is.
+
+A resumed run appends to the same transcript: a ``resume`` record, then steps whose indices
+go on where the transcript stopped. It continues from the last post-state the transcript
+committed (the end of its last committed segment); steps recorded after it, in a segment
+that never committed its end, are discarded. The restored state must hash to that post-state,
+leaf by leaf, or the first step raises ``ResumeStateError`` naming the leaves that differ
+before anything is written (docs/jax.md, "Resuming a run").
+
+Example::
+
+  point = read_point(contents, seed)
+  point.check_restored(layouts, pieces)  # raises ResumeStateError naming the leaf
+  writer.append(point.record())
+"""
+
+import dataclasses
+
+from zkdv import challenge
+from zkdv import errors
+from zkdv.digest import LeafLayout
+
+SEED_FILE = "challenger-seed"  # a self-challenged run's seed, kept until final reveals it
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+  """Where an unfinished transcript stopped.
+
+  Attributes:
+    steps: the number of step records: the resumed run's first step index.
+    after: the last step that committed its post-state.
+    state: that post-state's digest; ``pieces`` its piece digests per leaf.
+    layouts: its leaf layouts; ``params_mask`` which leaves are params.
+    program_numbers: program id -> number of the programs recorded.
+    attested_start: whether the transcript holds an ``init`` record.
+  """
+
+  steps: int
+  after: int
+  state: bytes
+  pieces: list
+  layouts: list
+  params_mask: list
+  program_numbers: dict
+  attested_start: bool
+
+  def record(self) -> dict:
+    return {"type": "resume", "step": self.steps, "after": self.after, "state": self.state}
+
+  def check_restored(self, layouts: list, pieces: list) -> None:
+    """Raises ResumeStateError unless the restored state (its ``layouts`` and piece
+    digests) is the committed post-state of step ``after``, naming the leaves that differ."""
+    fix = (f"Restore the state saved at the end of step {self.after} (the last state the "
+           "transcript committed; save checkpoints after proof.wait_for_commitments()).")
+    shapes = [(l.path, l.dtype, tuple(l.shape)) for l in layouts]
+    committed = [(l.path, l.dtype, tuple(l.shape)) for l in self.layouts]
+    if shapes != committed:
+      differ = [c[0] for c, s in zip(committed, shapes) if c != s] or ["the number of leaves"]
+      raise errors.ResumeStateError(
+          f"the restored state is laid out differently from the post-state of step "
+          f"{self.after}: {', '.join(differ[:4])}. {fix}")
+    differ = [l.path for l, p, q in zip(layouts, pieces, self.pieces) if list(p) != list(q)]
+    if differ:
+      raise errors.ResumeStateError(
+          f"the restored state differs from the post-state step {self.after} committed in "
+          f"leaf {', '.join(differ[:4])}{' …' if len(differ) > 4 else ''}. {fix}")
+
+
+def check_unfinished(records: list[dict]) -> None:
+  """Raises ProofStateError for a finished transcript: it is never continued."""
+  if any(r.get("type") == "final" for r in records):
+    raise errors.ProofStateError("the transcript is finished; a finished proof is not "
+                                 "resumed. Start a new proof.")
+
+
+def read_point(records: list[dict], seed: bytes) -> ResumePoint:
+  """The ``ResumePoint`` of an unfinished self-challenged transcript's records.
+
+  Raises ProofStateError when no step committed a state, and
+  UnanswerableChallengeError naming the step when a check chosen before the crash is
+  missing: its openings died with the process, so the proof could never be verified.
+  """
+  root = records[0]
+  programs, steps, answered = {}, [], set()
+  for r in records:
+    if r.get("type") == "program":
+      programs[r["number"]] = r
+    elif r.get("type") == "step":
+      steps.append(r)
+    elif r.get("type") == "check":
+      answered.add((r["step"], r["kind"]))
+  committed = [s for s in steps if "post_state" in s]
+  if not committed:
+    raise errors.ProofStateError("no step of the transcript committed a state yet, so there "
+                                 "is nothing to resume from. Start a new proof.")
+  last = committed[-1]
+  if "post_state_leaves" not in last:
+    raise errors.ProofStateError(f"step {last['index']} records no post_state_leaves (the "
+                                 "transcript was written by an older zkdv); start a new proof.")
+  program = programs[last["program"]]
+  policy = challenge.Policy.from_record(root["challenger"]["policy"])
+  _require_answers(steps[:last["index"] + 1], programs, answered, seed, policy)
+  params = set(program.get("params_leaves", []))
+  layouts = [LeafLayout.from_record(l)
+             for l in program.get("post_state_layout", program["state_layout"])]
+  return ResumePoint(len(steps), last["index"], last["post_state"], last["post_state_leaves"],
+                     layouts, [i in params for i in range(len(layouts))],
+                     {p["program_id"]: n for n, p in programs.items()},
+                     any(r.get("type") == "init" for r in records))
+
+
+def _require_answers(steps: list, programs: dict, answered: set, seed: bytes,
+                     policy: challenge.Policy) -> None:
+  """Raises UnanswerableChallengeError for the first kept step whose chosen check has no
+  record (``zkdv.challenge.required_checks``, as the verifier requires them)."""
+  first = None
+  for s in steps:
+    index = s["index"]
+    first = index if "pre_state" in s else first
+    decision = challenge.decide(index, challenge.step_challenge_self(seed, index), policy)
+    segment = None
+    if "post_state" in s:
+      deciding = challenge.deciding_step("self", first, index)
+      segment = challenge.decide(deciding, challenge.step_challenge_self(seed, deciding), policy)
+    required = challenge.required_checks(decision, segment)
+    batch = [LeafLayout.from_record(l) for l in programs[s["program"]]["batch_layout"]]
+    required["probe"] = required["probe"] and any(
+        decision.leaf_probe_rows(i, l) for i, l in enumerate(batch))
+    missing = [kind for kind, wanted in required.items()
+               if wanted and (index, kind) not in answered]
+    if missing:
+      raise errors.UnanswerableChallengeError(
+          f"step {index} was challenged for a {missing[0]} check before the crash and the "
+          "transcript has no answer; its openings were lost with the process, so this "
+          "proof can never be verified. Start a new proof.")
