@@ -164,11 +164,12 @@ class CrashedProofTest(absltest.TestCase):
     self.assertEqual(status["state"], "crashed", repr(status))
     self.assertEqual(status["failure"], (
         "nothing arrived for 4 s after 3 steps: the run stopped before proof.finish(), so it "
-        f"is never verified as it is; resume it with experiment.proof(resume='{crashing_id}')."))
+        "is never verified as it is; a proof DVBench challenges cannot be resumed yet: start a "
+        "new proof from your last checkpoint."))
     self.assertTrue(status["label"].startswith("crashed: nothing arrived"), status)
     page = pages_test.chromium_dom(self, f"{self.server.url}/proofs/{crashing_id}")
     self.assertEqual([badge[2] for badge in page.find("span", class_="crashed")], ["crashed"])
-    self.assertIn(f"resume it with experiment.proof(resume='{crashing_id}')",
+    self.assertIn("cannot be resumed yet: start a new proof from your last checkpoint",
                   page.find("span", id="label")[0][2])
     # The dead run's proof that never ran a step is gone, not left receiving.
     testing.wait_until(lambda: httpx.get(

@@ -26,7 +26,11 @@ _PROOF_ROWS = (records, streams, chunks, blob_refs, probes, checks, challenges, 
 
 
 def resume_hint(proof_id: str) -> str:
-  return f"resume it with experiment.proof(resume={proof_id!r})"
+  """What a crashed proof's owner can do (an offline transcript resumes with
+  ``zkdv.jax.ZKDV(name, resume=folder)``; a challenged proof does not, yet)."""
+  del proof_id  # a challenged proof is not resumed: its id names nothing to continue
+  return ("a proof DVBench challenges cannot be resumed yet: start a new proof from your "
+          "last checkpoint")
 
 
 def crashed_failure(silent_seconds: float, steps: int, proof_id: str) -> str:
