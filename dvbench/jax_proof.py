@@ -42,13 +42,13 @@ class DVBenchProof(zkdv.jax.ZKDV):
   upload_timeout = 300.0
   challenge_timeout = 600.0
 
-  def __init__(self, experiment, config=None):
+  def __init__(self, experiment, config=None, **run):
     config = config or zkdv.ZKDVConfig()
     self._temporary = None
     if config.output_dir is None:
       self._temporary = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-proof-"))
       config = dataclasses.replace(config, output_dir=self._temporary / "transcript")
-    super().__init__(experiment.name, config)
+    super().__init__(experiment.name, config, **run)
     self.experiment = experiment
     experiment.client.proofs.append(self)
     self._uploader: Uploader | None = None
