@@ -277,10 +277,11 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     return self.page_experiments(limit)[0]
 
   def create_proof(self, experiment_id: int, proof_id: str, name: str, root: bytes,
-                   challenger: dict) -> dict:
+                   challenger: dict, run: dict | None = None) -> dict:
     """Creates the proof with its root record; idempotent for the same root.
 
-    ``challenger``: ``{"kind", "nonce" (hex or None), "policy" (JSON)}``. A dvbench
+    ``challenger``: ``{"kind", "nonce" (hex or None), "policy" (JSON)}``; ``run``: the
+    root's ``run_columns``. A dvbench
     root takes its slot in the same transaction; raises SlotTaken when the nonce
     was used meanwhile.
     """
@@ -291,8 +292,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
         return dict(row)
       conn.execute(proofs.insert().values(
           id=proof_id, experiment_id=experiment_id, name=name, state="receiving",
-          records=1, steps=0, created_at=now, updated_at=now,
-          **run_columns(cbor2.loads(root))))
+          records=1, steps=0, created_at=now, updated_at=now, **(run or {})))
       if challenger["nonce"] is not None:
         self.take_slot(conn, challenger["nonce"], experiment_id, proof_id)
       conn.execute(challengers.insert().values(proof_id=proof_id, **challenger))

@@ -20,6 +20,7 @@ from dvbench.server import custody
 from dvbench.server import labels
 from dvbench.server.paging import fetch_page, paged
 from dvbench.server.decoding import decode
+from dvbench.server.db import run_columns
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
@@ -181,7 +182,7 @@ class ProofRoutes:
       challenger = RootBinding(self.service, exp).challenger_row(record, proof_id)
       try:
         return self.store.create_proof(exp["id"], proof_id, str(record.get("name", ""))[:400],
-                                       root, challenger)
+                                       root, challenger, run_columns(record))
       except SlotTaken:
         raise HTTPException(409, "the root's nonce was used meanwhile by another proof; every "
                             "proof takes a fresh slot.") from None
