@@ -393,6 +393,30 @@ class RunPagesTest(absltest.TestCase):
     self.assertLess(headings.index("Configuration"), headings.index("Checks over steps"))
     self.assertIn("Declared by the prover", [h[2] for h in finished.find("h3")])
 
+  def test_charts_zoom_into_a_step_range(self):
+    dom = chromium_dom(self, f"{self.url}/experiments/alice/sweep?tag=sweep-1&from=5&to=8")
+    titles = [c[2] for c in dom.find("polyline", class_="run-curve") if ": loss = " in c[2]]
+    self.assertEqual(sorted(titles), [f"lr-0.1: loss = {2.0 * math.exp(-0.1 * 8):.6g} at step 8",
+                                      f"lr-0.3: loss = {2.0 * math.exp(-0.3 * 8):.6g} at step 8"])
+    [zoom] = dom.find("form", class_="zoom")
+    self.assertEqual({i[1]["name"]: i[1]["value"] for i in dom.find("input")
+                      if i[1].get("name") in ("from", "to", "tag") and i[1].get("type") != "text"},
+                     {"from": "5", "to": "8", "tag": "sweep-1"})  # the filter is kept
+    self.assertEqual(dom.find("a", class_="unzoom")[0][1]["href"],
+                     "/experiments/alice/sweep?tag=sweep-1")
+    proof = Dom(httpx.get(f"{self.url}/proofs/{self.fast.proof_id}?from=&to=3").text)
+    self.assertEqual(proof.find("p", id="drawn")[0][2].split(";")[0], "Drawn: steps 0 to 3 of 12")
+    [loss] = proof.find("svg", class_="metric-chart", **{"data-metric": "loss"})
+    self.assertEqual(loss[1]["aria-label"], "loss over steps")
+    beyond = Dom(httpx.get(f"{self.url}/proofs/{self.fast.proof_id}?from=100").text)
+    self.assertIn("No step in the zoomed range", beyond.find("p", id="no-metrics")[0][2])
+    compare = Dom(httpx.get(f"{self.url}/compare?proof={self.slow.proof_id}"
+                            f"&proof={self.fast.proof_id}&from=2&to=2").text)
+    self.assertTrue(all("at step 2" in c[2] for c in compare.find("polyline", class_="run-curve")))
+    for query in ("from=9&to=3", "from=x", "to=-1"):
+      self.assertEqual(httpx.get(f"{self.url}/proofs/{self.fast.proof_id}?{query}").status_code,
+                       400, query)
+
   def test_metrics_csv_holds_the_committed_values(self):
     response = httpx.get(f"{self.url}/api/v1/proofs/{self.fast.proof_id}/metrics.csv")
     self.assertEqual(response.status_code, 200)

@@ -143,7 +143,7 @@ def _attempts_html(attempts: dict | None) -> str:
 def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dict,
                measurements: list[dict], attempts: dict | None = None,
                runs: list[dict] = (), only: ProofFilter = ProofFilter(),
-               states: tuple = ()) -> str:
+               states: tuple = (), zoom: str = "") -> str:
   """An experiment: its latest proof's state and metrics, its proofs (those ``only`` lets
   through, with a compare form), the curves of ``runs`` ({"proof", "curves"}) overlaid, its
   measurements and its owner's attempts across all of the owner's experiments."""
@@ -170,7 +170,7 @@ def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dic
         f"<button type='submit'>compare the checked runs (2 to {page_runs.MAX_COMPARED})"
         f"</button></form><h2>Metrics of {len(runs)} runs</h2>"
         f"<p class='muted'>The newest {page_runs.MAX_COMPARED} runs listed above, overlaid; "
-        "hover a curve for its run and last value.</p>" + page_runs.overlay(runs))
+        "hover a curve for its run and last value.</p>" + zoom + page_runs.overlay(runs))
   elif only:
     latest_html = ""
     proofs_html = "<p class='empty' id='no-proofs'>No proofs match the filter.</p>"
@@ -385,11 +385,14 @@ def _config_html(url: Url, proof_id: str, config: dict) -> str:
 
 
 def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: list[str],
-                  steps: int, shown: int) -> str:
+                  steps: int, drawn: tuple[int, int], zoom: str) -> str:
   json_link = (f"<p><a href='{e(url('proof_metrics', proof_id=proof_id))}'>metrics as JSON</a>"
                f" · <a href='{e(url('proof_metrics_csv', proof_id=proof_id))}' download>"
                "metrics as CSV</a></p>")
   if not curves:
+    if steps and drawn[1] < drawn[0]:
+      return (f"{zoom}<p class='empty' id='no-metrics'>No step in the zoomed range: the run "
+              f"has steps 0 to {steps - 1}.</p>")
     if not steps:
       reason = "no step has been stored."
     elif digests:
@@ -405,10 +408,10 @@ def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: l
           "point is marked as replayed.</p>")
   hashed = (f"<p id='digest-metrics'>Committed by digest (not scalars): "
             f"{e(', '.join(digests))}.</p>" if digests else "")
-  if shown < steps:
-    note += (f"<p class='muted'>Drawn: steps 0 to {shown - 1} of {steps}; the JSON below "
-             "pages through the rest.</p>")
-  return (note + "".join(charts.metric_chart(n, points, marks) for n, points in curves.items())
+  if drawn != (0, steps - 1):
+    note += (f"<p class='muted' id='drawn'>Drawn: steps {drawn[0]} to {drawn[1]} of {steps}; "
+             "the JSON and CSV below hold every step.</p>")
+  return (zoom + note + "".join(charts.metric_chart(n, points, marks) for n, points in curves.items())
           + hashed + json_link)
 
 
@@ -417,12 +420,13 @@ CHECKS_PAGE = 100  # rows of the proof page's checks table
 
 def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int,
           config: dict, curves: dict, marks: dict, digests: list[str],
-          has_receipt: bool, shown_steps: int, checks_after: str | None = None,
-          checks_next: str | None = None, table: list[dict] | None = None) -> str:
+          has_receipt: bool, drawn: tuple[int, int], checks_after: str | None = None,
+          checks_next: str | None = None, table: list[dict] | None = None,
+          zoom: str = "") -> str:
   """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof, ``curves``
   ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks``; ``table``: the page of
   ``checks`` listed after ``checks_after`` (``store.page_checks``), ``checks_next`` the
-  cursor of the next one."""
+  cursor of the next one; ``drawn``: the first and last step drawn, under the ``zoom`` form."""
   here = url("proof_page", proof_id=p["id"])
   pager = ([f"<a rel='first' href='{e(here)}#checks'>first checks</a>"] if checks_after else [])
   if checks_next is not None:
@@ -467,6 +471,6 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
 {_attempts_html(summary.get('attempts'))}
 <h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'],
-                                          shown_steps)}
+                                          drawn, zoom)}
 <h2>Configuration</h2>{_config_html(url, p['id'], config)}
 <h2 id="checks">Checks over steps</h2>{checks_html}""")

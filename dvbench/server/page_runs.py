@@ -66,6 +66,21 @@ def filter_query(only) -> str:
   return "&" + urllib.parse.urlencode(params) if params else ""
 
 
+def zoom_form(action: str, window: tuple[int, int], zoomed: bool,
+              keep: list[tuple[str, str]] = ()) -> str:
+  """A GET form drawing the charts for steps ``from`` to ``to`` only (``keep``: the page's
+  other query parameters, as hidden fields)."""
+  hidden = "".join(f"<input type='hidden' name='{e(k)}' value='{e(v)}'>" for k, v in keep)
+  query = urllib.parse.urlencode(list(keep))
+  whole = (f" <a class='unzoom' href='{e(action)}{'?' + e(query) if query else ''}'>whole run"
+           "</a>" if zoomed else "")
+  low, high = (window[0], window[1]) if zoomed else ("", "")
+  return (f"<form class='zoom' method='get' action='{e(action)}'>{hidden}steps "
+          f"<input type='number' name='from' min='0' value='{low}' placeholder='first'> to "
+          f"<input type='number' name='to' min='0' value='{high}' placeholder='last'> "
+          f"<button type='submit'>zoom</button>{whole}</form>")
+
+
 def overlay(runs: list[dict]) -> str:
   """One chart per metric with every run's curve (``runs``: {"proof", "curves"})."""
   names = list(dict.fromkeys(n for r in runs for n in r["curves"]))
@@ -88,9 +103,10 @@ def _rows_of(run: dict) -> dict[str, str]:
   return rows
 
 
-def compare(url: "page.Url", runs: list[dict]) -> str:
+def compare(url: "page.Url", runs: list[dict], zoom: str = "") -> str:
   """Two or more runs side by side: every row (declared config, program, state) with the
-  rows that differ marked and listed first, then their curves overlaid."""
+  rows that differ marked and listed first, then their curves overlaid (``zoom``: the
+  ``zoom_form`` above them)."""
   table = [_rows_of(r) for r in runs]
   keys = list(dict.fromkeys(k for rows in table for k in rows))
   differs = {k for k in keys if len({rows.get(k, "—") for rows in table}) > 1}
@@ -107,4 +123,4 @@ def compare(url: "page.Url", runs: list[dict]) -> str:
 <em>declared</em> are the run config each prover declared, shown as declared: what the server
 verified is each run's program and its replayed steps.</p>
 <table id='compare'><tr><th></th>{heads}</tr>{body}</table>
-<h2>Metrics over steps</h2>{overlay(runs)}""")
+<h2>Metrics over steps</h2>{zoom}{overlay(runs)}""")

@@ -53,6 +53,28 @@ def proof_filter(request) -> ProofFilter:
   return only
 
 
+def step_window(request) -> tuple[tuple[int, int], bool]:
+  """The steps the charts draw, ``?from=STEP&to=STEP`` (at most ``run_view.SERIES_LIMIT``),
+  and whether the page asked for them (zoomed; an empty field is no bound); 400 naming a
+  bad bound."""
+  params = {k: v for k, v in request.query_params.items() if k in ("from", "to") and v}
+  low = int_param(params, "from", 0, MAX_COLUMN_INT, default=0)
+  high = int_param(params, "to", low, MAX_COLUMN_INT, default=low + run_view.SERIES_LIMIT - 1)
+  return (low, min(high, low + run_view.SERIES_LIMIT - 1)), bool(params)
+
+
+def zoom_of(request, window: tuple[int, int], zoomed: bool) -> str:
+  """The zoom form of the page ``request`` asked for, keeping its other parameters."""
+  keep = [(k, v) for k, v in request.query_params.multi_items() if k not in ("from", "to")]
+  return page_runs.zoom_form(request.url.path, window, zoomed, keep)
+
+
+def series_in(store, proof_id: str, window: tuple[int, int]) -> dict:
+  """``run_view.metric_series`` of the steps in ``window``."""
+  return run_view.metric_series(store, proof_id, start=window[0],
+                                limit=window[1] - window[0] + 1)
+
+
 class PageRoutes:
 
   def __init__(self, service: Service):
@@ -76,6 +98,7 @@ class PageRoutes:
 
   async def experiment_page(self, request):
     only = proof_filter(request)
+    window, zoomed = step_window(request)
 
     def gather():
       full = check_name(request.path_params["owner"], request.path_params["name"])
@@ -93,15 +116,17 @@ class PageRoutes:
                              attempts.describe(
                                  attempts.owner_attempts(self.store, full.split("/")[0]),
                                  self.service.minimum_policy.update_check_probability),
-                             runs=[self._run(p) for p in proofs[:page_runs.MAX_COMPARED]],
-                             only=only, states=PROOF_STATES)
+                             runs=[self._run(p, window) for p in
+                                   proofs[:page_runs.MAX_COMPARED]],
+                             only=only, states=PROOF_STATES,
+                             zoom=zoom_of(request, window, zoomed))
     return HTMLResponse(await run_in_threadpool(gather))
 
-  def _run(self, proof: dict, with_config: bool = False) -> dict:
-    """A run as the overlay and compare views take it: its proof row and curves (and its
-    ``run_view.run_config``)."""
+  def _run(self, proof: dict, window: tuple[int, int], with_config: bool = False) -> dict:
+    """A run as the overlay and compare views take it: its proof row and curves in
+    ``window`` (and its ``run_view.run_config``)."""
     run = {"proof": proof,
-           "curves": run_view.scalar_curves(run_view.metric_series(self.store, proof["id"]))}
+           "curves": run_view.scalar_curves(series_in(self.store, proof["id"], window))}
     if with_config:
       run["config"] = run_view.run_config(self.store, proof["id"])
     return run
@@ -112,10 +137,11 @@ class PageRoutes:
     if not 2 <= len(ids) <= page_runs.MAX_COMPARED:
       raise HTTPException(400, f"compare 2 to {page_runs.MAX_COMPARED} runs: check them on "
                           f"an experiment page (got {len(ids)}).")
+    window, zoomed = step_window(request)
 
     def gather():
-      return page_runs.compare(_url(request), [self._run(self._proof_or_404(i), True)
-                                               for i in ids])
+      return page_runs.compare(_url(request), [self._run(self._proof_or_404(i), window, True)
+                                               for i in ids], zoom_of(request, window, zoomed))
     return HTMLResponse(await run_in_threadpool(gather))
 
   async def leaderboard(self, request):
@@ -139,6 +165,7 @@ class PageRoutes:
 
   async def proof_page(self, request):
     proof_id = request.path_params["proof_id"]
+    window, zoomed = step_window(request)
     checks_after = request.query_params.get("checks_after")
     if checks_after is not None:
       step, _, kind = checks_after.partition(".")
@@ -156,15 +183,16 @@ class PageRoutes:
                                          claims=self.store.proof_claims(proof_id),
                                          attempts=attempts.owner_attempts(
                                              self.store, proof["experiment"].split("/")[0]))
-      series = run_view.metric_series(self.store, proof_id)
+      series = series_in(self.store, proof_id, window)
       curves = run_view.scalar_curves(series)
+      drawn = (series["steps"][0], series["steps"][-1]) if series["steps"] else (0, -1)
       return page.proof(_url(request), proof, summary, checks,
                         self.store.probe_counts().get(proof_id, 0),
                         run_view.run_config(self.store, proof_id), curves,
                         run_view.step_marks(rows, checks),
                         [n for n in series["metrics"] if n not in curves],
-                        self.store.receipt(proof_id) is not None, len(series["steps"]),
-                        checks_after, following, table)
+                        self.store.receipt(proof_id) is not None, drawn,
+                        checks_after, following, table, zoom_of(request, window, zoomed))
     return HTMLResponse(await run_in_threadpool(gather))
 
   def _proof_or_404(self, proof_id: str) -> dict:
