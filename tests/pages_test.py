@@ -186,6 +186,11 @@ class PagesTest(absltest.TestCase):
     self.assertEqual([np.float32(v).tobytes() for v in series["metrics"]["loss"]],
                      [x.tobytes() for x in self.losses])
     self.assertTrue(set(series["marks"].values()) <= {"verified"})
+    rows = list(csv.reader(io.StringIO(httpx.get(
+        f"{self.url}/api/v1/proofs/{self.jax_proof}/metrics.csv").text)))
+    self.assertEqual(rows[0], ["step", "loss"])  # the program's metric
+    self.assertEqual([np.float32(float(r[1])).tobytes() for r in rows[1:]],
+                     [x.tobytes() for x in self.losses])
     fake = self.get_json(f"/api/v1/proofs/{self.fake.proof_id}/metrics?start=2")
     self.assertEqual(fake["steps"][0], 2)
     self.assertEqual(fake["metrics"]["grad_norm"][1], "inf")
@@ -384,6 +389,9 @@ class RunPagesTest(absltest.TestCase):
     self.assertNotIn("running", dom.find("td", id="duration")[0][2])
     self.assertEqual(dom.find("td", id="run-name")[0][2], "preempted")
     self.assertEqual(dom.find("td", id="tags")[0][2].split(), ["sweep-2"])
+    api = httpx.get(f"{self.url}/api/v1/proofs/{self.crashing.proof_id}").json()
+    self.assertEqual((api["run_name"], api["tags"]), ("preempted", ["sweep-2"]))
+    self.assertGreater(api["ended_at"], api["created_at"])
     finished = Dom(httpx.get(f"{self.url}/proofs/{self.slow.proof_id}").text)
     self.assertRegex(finished.find("td", id="duration")[0][2], r"^\d+ s$")
     declared = {r[1]["data-key"]: r[2] for r in finished.find("tr") if "data-key" in r[1]}

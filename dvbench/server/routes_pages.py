@@ -228,8 +228,10 @@ class PageRoutes:
       writer, names = csv.writer(out, lineterminator="\n"), None
       while start is not None:
         series = run_view.metric_series(self.store, proof_id, start=start)
-        if names is None:
-          names = list(series["metrics"])
+        if names is None:  # the programs' metrics, and any the first steps commit
+          programs = run_view.run_config(self.store, proof_id)["programs"]
+          names = list(dict.fromkeys([*(m for p in programs for m in p["metrics"]),
+                                      *series["metrics"]]))
           writer.writerow(["step", *names])
         columns = [series["metrics"].get(m) for m in names]
         for n, step in enumerate(series["steps"]):

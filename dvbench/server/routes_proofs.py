@@ -34,10 +34,14 @@ _SELF_FIELDS = {"kind", "seed_commitment", "policy"}
 
 
 def public_proof(p: dict) -> dict:
+  """A proof row as the API shows it (``run_name`` and ``tags``: declared by the prover;
+  ``ended_at``: when it stopped receiving, or None)."""
   return {"id": p["id"], "experiment": p.get("experiment"), "name": p["name"],
+          "run_name": p.get("run_name"), "tags": json.loads(p.get("tags") or "[]"),
           "state": p["state"], "failure": p["failure"], "records": p["records"],
           "steps": p["steps"], "final_params": p["final_params"],
-          "created_at": p["created_at"], "updated_at": p["updated_at"]}
+          "created_at": p["created_at"], "updated_at": p["updated_at"],
+          "ended_at": p.get("ended_at")}
 
 
 def json_number(value):
