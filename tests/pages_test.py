@@ -10,6 +10,7 @@ import html
 import html.parser
 import io
 import math
+import re
 import shutil
 import subprocess
 import tempfile
@@ -483,6 +484,17 @@ class RunPagesTest(absltest.TestCase):
     self.assertEqual(dom.find("td", id="run-name")[0][2], INJECTED)  # shown as text
     self.assertEmpty(dom.find("script"))
     self.assertEmpty(dom.find("img"))
+
+  def test_a_client_refuses_bad_run_fields_before_sending_anything(self):
+    with dvbench.Client(self.url, token=self.server.token("alice")) as client:
+      experiment = client.experiment("alice/refused")
+      for declared, message in (({"tags": ["no spaces"]}, "run.tags[0]: a tag of 1-64"),
+                                ({"run_config": {"f": print}}, "run.run_config.f: a number")):
+        with self.assertRaisesRegex(ValueError, re.escape(message)):
+          experiment.proof(**declared)
+      self.assertEmpty(experiment.proofs())
+      proof = experiment.proof(run_config={"lr": np.float32(0.5), "shape": (2, 3)})
+      self.assertEqual(proof.run, {"run_config": {"lr": 0.5, "shape": [2, 3]}})
 
   def test_declared_run_fields_are_bounded_at_the_root(self):
     prover = FakeProver(self.url, self.server.token("alice"), "alice/bounds")
