@@ -158,8 +158,14 @@ class Experiment:
         "POST", f"/api/v1/experiments/{owner}/{name}/slots",
         while_retrying=lambda: "the proof, and training with it, starts once it answers").json()
 
-  def proof(self, backend: str = "jax", config=None):
-    """The ``zkdv.jax.ZKDV`` driver for this experiment, uploading live."""
+  def proof(self, backend: str = "jax", config=None, *, run_name: str | None = None,
+            tags=(), run_config: dict | None = None):
+    """The ``zkdv.jax.ZKDV`` driver for this experiment, uploading live.
+
+    ``run_name``, ``tags`` and ``run_config`` (your hyperparameters) go into the proof's
+    root record and onto its pages, shown as declared by you; e.g.
+    ``experiment.proof(run_name="lr 3e-4", tags=["sweep-1"], run_config={"lr": 3e-4})``.
+    """
     if backend != "jax":
       raise ValueError(f"backend {backend!r} is not available; use backend='jax'.")
     from dvbench.jax_proof import DVBenchProof  # pylint: disable=g-import-not-at-top
@@ -167,7 +173,7 @@ class Experiment:
       if earlier.experiment.name == self.name and earlier.unused:
         earlier.discard(f"experiment.proof() made a new proof of {self.name} before this one "
                         "ran a step")
-    return DVBenchProof(self, config)
+    return DVBenchProof(self, config, run_name=run_name, tags=tags, run_config=run_config)
 
   def upload(self, path: str | os.PathLike, timeout: float = 300.0,
              **uploader_options) -> str:

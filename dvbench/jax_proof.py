@@ -42,13 +42,18 @@ class DVBenchProof(zkdv.jax.ZKDV):
   upload_timeout = 300.0
   challenge_timeout = 600.0
 
-  def __init__(self, experiment, config=None):
+  def __init__(self, experiment, config=None, **run):
     config = config or zkdv.ZKDVConfig()
     self._temporary = None
     if config.output_dir is None:
       self._temporary = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-proof-"))
       config = dataclasses.replace(config, output_dir=self._temporary / "transcript")
-    super().__init__(experiment.name, config)
+    try:
+      super().__init__(experiment.name, config, **run)
+    except (TypeError, ValueError):  # e.g. a tag records.run_fields refuses
+      if self._temporary is not None:
+        shutil.rmtree(self._temporary, ignore_errors=True)
+      raise
     self.experiment = experiment
     experiment.client.proofs.append(self)
     self._uploader: Uploader | None = None

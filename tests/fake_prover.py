@@ -87,8 +87,9 @@ class FakeProver:
       self.records = [raw]
     return response
 
-  def start(self, name: str = "fake") -> "FakeProver":
-    response = self.post_root(self.root(self.slot(), name))
+  def start(self, name: str = "fake", **run) -> "FakeProver":
+    """Posts a root (``run``: its declared ``run_name``, ``tags`` and ``run_config``)."""
+    response = self.post_root({**self.root(self.slot(), name), **run})
     if response.status_code != 201:
       raise AssertionError(f"root refused: {response.text}")
     return self

@@ -5,8 +5,12 @@ its loss (replayed by the worker), and pure-Python proofs (tests/fake_prover.py)
 curves, challenged steps, empty states and the index's pages.
 """
 
+import csv
+import html
 import html.parser
+import io
 import math
+import re
 import shutil
 import subprocess
 import tempfile
@@ -124,8 +128,12 @@ class PagesTest(absltest.TestCase):
     # of a tiny model may join its six steps into one or two segments, left unchallenged
     # with probability 0.1 or 0.01).
     client = dvbench.Client(cls.url, token=cls.token)
-    proof = client.experiment("alice/jax").proof(backend="jax", config=zkdv.ZKDVConfig(
-        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.9), segment_length=1))
+    proof = client.experiment("alice/jax").proof(
+        backend="jax", config=zkdv.ZKDVConfig(
+            sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.9),
+            segment_length=1),
+        run_name="adam 1e-3", tags=("tutorial",),
+        run_config={"learning_rate": np.float32(1e-3), "widths": (4, 2), "seed": 0})
     state = testing.classifier_state(proof)
     train_step = proof.jit(loss_step)
     cls.losses = []
@@ -165,6 +173,11 @@ class PagesTest(absltest.TestCase):
     self.assertEqual({c[1]["data-step"] for c in dom.find("circle", class_="verified")},
                      replayed)
     self.assertIn("optimizer state: count, mu, nu", dom.find("table", id="config")[0][2])
+    self.assertEqual(dom.find("td", id="run-name")[0][2], "adam 1e-3")
+    self.assertEqual(dom.find("td", id="tags")[0][2].split(), ["tutorial"])
+    declared = {r[1]["data-key"]: r[2] for r in dom.find("tr") if "data-key" in r[1]}
+    self.assertEqual(declared, {"learning_rate": f"learning_rate{float(np.float32(1e-3))!r}",
+                                "widths": "widths[4, 2]", "seed": "seed0"})
     self.assertIn("loss_step", dom.find("table", id="config")[0][2])
     self.assertNotIn("<script", httpx.get(f"{self.url}/proofs/{self.jax_proof}").text)
 
@@ -174,6 +187,11 @@ class PagesTest(absltest.TestCase):
     self.assertEqual([np.float32(v).tobytes() for v in series["metrics"]["loss"]],
                      [x.tobytes() for x in self.losses])
     self.assertTrue(set(series["marks"].values()) <= {"verified"})
+    rows = list(csv.reader(io.StringIO(httpx.get(
+        f"{self.url}/api/v1/proofs/{self.jax_proof}/metrics.csv").text)))
+    self.assertEqual(rows[0], ["step", "loss"])  # the program's metric
+    self.assertEqual([np.float32(float(r[1])).tobytes() for r in rows[1:]],
+                     [x.tobytes() for x in self.losses])
     fake = self.get_json(f"/api/v1/proofs/{self.fake.proof_id}/metrics?start=2")
     self.assertEqual(fake["steps"][0], 2)
     self.assertEqual(fake["metrics"]["grad_norm"][1], "inf")
@@ -275,6 +293,224 @@ class PagesTest(absltest.TestCase):
     response = httpx.get(self.url + path, timeout=30)
     self.assertEqual(response.status_code, 200, response.text)
     return response.json()
+
+
+def sweep_curve(scale: float):
+  """What a sweep run's step t commits: a loss that falls at a rate ``scale``."""
+  return lambda t: {"loss": 2.0 * math.exp(-scale * t), "accuracy": min(1.0, scale * t)}
+
+
+INJECTED = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+
+
+class RunPagesTest(absltest.TestCase):
+  """Run names, tags, declared configs, overlays, the compare view, search and filter, CSV,
+  timing and the crashed state, on one server (no worker: nothing is replayed) whose
+  --crash-after is 3 s. Pure-Python runs (tests/fake_prover.py) of 12 steps."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0, extra_args=("--crash-after", "3s")).start()
+    cls.url = cls.server.url
+    token = cls.server.token("alice")
+    cls.provers = []
+
+    def run(experiment, name, steps, scale, finish=True, **declared):
+      prover = FakeProver(cls.url, token, experiment).start(name, **declared)
+      cls.provers.append(prover)
+      outcome = prover.run(steps, metrics=sweep_curve(scale))
+      if finish:
+        prover.finish()
+      return prover, outcome
+
+    cls.slow, _ = run("alice/sweep", "sweep", 12, 0.1, run_name="lr-0.1",
+                      tags=["sweep-1", "baseline"],
+                      run_config={"lr": 0.1, "optimizer": {"name": "adam", "b1": 0.9},
+                                  "layers": [64, 64]})
+    cls.fast, _ = run("alice/sweep", "sweep", 12, 0.3, run_name="lr-0.3", tags=["sweep-1"],
+                      run_config={"lr": 0.3, "optimizer": {"name": "adam", "b1": 0.9},
+                                  "layers": [64, 64]})
+    cls.crashing, _ = run("alice/sweep", "sweep", 3, 0.2, finish=False, run_name="preempted",
+                          tags=["sweep-2"])
+    cls.hostile, _ = run("alice/hostile", "hostile", 2, 0.1, run_name=INJECTED,
+                         run_config={INJECTED: INJECTED, "nested": {"x": INJECTED}})
+    testing.wait_until(lambda: httpx.get(f"{cls.url}/api/v1/proofs/{cls.crashing.proof_id}"
+                                         ).json()["state"] == "crashed", timeout=60)
+
+  @classmethod
+  def tearDownClass(cls):
+    for prover in cls.provers:
+      prover.http.close()
+    cls.server.stop()
+    super().tearDownClass()
+
+  def listed(self, path: str) -> list[str]:
+    response = httpx.get(self.url + path)
+    self.assertEqual(response.status_code, 200, response.text)
+    return [r[1]["data-proof"] for r in Dom(response.text).find("tr") if "data-proof" in r[1]]
+
+  def test_experiment_page_overlays_its_runs_curves(self):
+    dom = chromium_dom(self, f"{self.url}/experiments/alice/sweep")
+    [loss] = dom.find("svg", class_="overlay-chart", **{"data-metric": "loss"})
+    curves = {c[1]["data-run"]: c[2] for c in dom.find("polyline", class_="run-curve")
+              if ": loss = " in c[2]}
+    self.assertTrue({self.slow.proof_id, self.fast.proof_id, self.crashing.proof_id}
+                    <= set(curves))
+    self.assertIn(f"lr-0.3: loss = {2.0 * math.exp(-0.3 * 11):.6g} at step 11",
+                  curves[self.fast.proof_id])
+    self.assertIn("lr-0.1", loss[2])  # the legend names the runs
+    self.assertLen(dom.find("svg", class_="overlay-chart"), 2)  # loss and accuracy
+    self.assertLen(dom.find("input", type="checkbox", name="proof"), 3)
+    self.assertEqual(dom.find("form", id="compare-form")[0][1]["action"], "/compare")
+
+  def test_compare_view_marks_what_differs_and_overlays_the_curves(self):
+    dom = chromium_dom(self, f"{self.url}/compare?proof={self.slow.proof_id}"
+                             f"&proof={self.fast.proof_id}")
+    rows = {r[1]["data-key"]: r for r in dom.find("tr") if "data-key" in r[1]}
+    self.assertIn("differs", rows["declared: lr"][1].get("class", ""))
+    self.assertIn("0.3", rows["declared: lr"][2])
+    self.assertIn("differs", rows["tags"][1].get("class", ""))
+    for same in ("declared: optimizer.name", "declared: optimizer.b1", "declared: layers",
+                 "state", "steps"):
+      self.assertNotIn("differs", rows[same][1].get("class", ""), same)
+    order = [r[1]["data-key"] for r in dom.find("tr") if "data-key" in r[1]]
+    self.assertLess(order.index("declared: lr"), order.index("state"))  # differences first
+    self.assertEqual({c[1]["data-run"] for c in dom.find("polyline", class_="run-curve")},
+                     {self.slow.proof_id, self.fast.proof_id})
+    for query, status in ((f"proof={self.slow.proof_id}", 400), ("", 400),
+                          (f"proof={self.slow.proof_id}&proof=" + "ab" * 32, 404),
+                          ("&".join(["proof=x"] * 9), 400)):
+      self.assertEqual(httpx.get(f"{self.url}/compare?{query}").status_code, status, query)
+
+  def test_a_crashed_run_page_says_crashed_with_its_duration(self):
+    dom = chromium_dom(self, f"{self.url}/proofs/{self.crashing.proof_id}")
+    self.assertEqual([b[2] for b in dom.find("span", class_="crashed")], ["crashed"])
+    self.assertIn("crashed: nothing arrived", dom.find("span", id="label")[0][2])
+    self.assertNotIn("running", dom.find("td", id="duration")[0][2])
+    self.assertEqual(dom.find("td", id="run-name")[0][2], "preempted")
+    self.assertEqual(dom.find("td", id="tags")[0][2].split(), ["sweep-2"])
+    api = httpx.get(f"{self.url}/api/v1/proofs/{self.crashing.proof_id}").json()
+    self.assertEqual((api["run_name"], api["tags"]), ("preempted", ["sweep-2"]))
+    self.assertGreater(api["ended_at"], api["created_at"])
+    finished = Dom(httpx.get(f"{self.url}/proofs/{self.slow.proof_id}").text)
+    self.assertRegex(finished.find("td", id="duration")[0][2], r"^\d+ s$")
+    declared = {r[1]["data-key"]: r[2] for r in finished.find("tr") if "data-key" in r[1]}
+    self.assertEqual(declared["optimizer.name"], "optimizer.nameadam")
+    self.assertEqual(declared["layers"], "layers[64, 64]")
+    headings = [h[2] for h in finished.find("h2")]
+    self.assertLess(headings.index("Configuration"), headings.index("Checks over steps"))
+    self.assertIn("Declared by the prover", [h[2] for h in finished.find("h3")])
+
+  def test_charts_zoom_into_a_step_range(self):
+    dom = chromium_dom(self, f"{self.url}/experiments/alice/sweep?tag=sweep-1&from=5&to=8")
+    titles = [c[2] for c in dom.find("polyline", class_="run-curve") if ": loss = " in c[2]]
+    self.assertEqual(sorted(titles), [f"lr-0.1: loss = {2.0 * math.exp(-0.1 * 8):.6g} at step 8",
+                                      f"lr-0.3: loss = {2.0 * math.exp(-0.3 * 8):.6g} at step 8"])
+    [zoom] = dom.find("form", class_="zoom")
+    self.assertEqual({i[1]["name"]: i[1]["value"] for i in dom.find("input")
+                      if i[1].get("name") in ("from", "to", "tag") and i[1].get("type") != "text"},
+                     {"from": "5", "to": "8", "tag": "sweep-1"})  # the filter is kept
+    self.assertEqual(dom.find("a", class_="unzoom")[0][1]["href"],
+                     "/experiments/alice/sweep?tag=sweep-1")
+    proof = Dom(httpx.get(f"{self.url}/proofs/{self.fast.proof_id}?from=&to=3").text)
+    self.assertEqual(proof.find("p", id="drawn")[0][2].split(";")[0], "Drawn: steps 0 to 3 of 12")
+    [loss] = proof.find("svg", class_="metric-chart", **{"data-metric": "loss"})
+    self.assertEqual(loss[1]["aria-label"], "loss over steps")
+    beyond = Dom(httpx.get(f"{self.url}/proofs/{self.fast.proof_id}?from=100").text)
+    self.assertIn("No step in the zoomed range", beyond.find("p", id="no-metrics")[0][2])
+    compare = Dom(httpx.get(f"{self.url}/compare?proof={self.slow.proof_id}"
+                            f"&proof={self.fast.proof_id}&from=2&to=2").text)
+    self.assertTrue(all("at step 2" in c[2] for c in compare.find("polyline", class_="run-curve")))
+    for query in ("from=9&to=3", "from=x", "to=-1"):
+      self.assertEqual(httpx.get(f"{self.url}/proofs/{self.fast.proof_id}?{query}").status_code,
+                       400, query)
+
+  def test_metrics_csv_holds_the_committed_values(self):
+    response = httpx.get(f"{self.url}/api/v1/proofs/{self.fast.proof_id}/metrics.csv")
+    self.assertEqual(response.status_code, 200)
+    self.assertTrue(response.headers["content-type"].startswith("text/csv"))
+    self.assertIn("attachment", response.headers["content-disposition"])
+    rows = list(csv.reader(io.StringIO(response.text)))
+    self.assertEqual(rows[0], ["step", "loss", "accuracy"])
+    self.assertEqual([int(r[0]) for r in rows[1:]], list(range(12)))
+    expected = sweep_curve(0.3)
+    for step, loss, accuracy in rows[1:]:
+      self.assertEqual((float(loss), float(accuracy)),
+                       (expected(int(step))["loss"], expected(int(step))["accuracy"]))
+    self.assertEqual(httpx.get(f"{self.url}/api/v1/proofs/{'ab' * 32}/metrics.csv")
+                     .status_code, 404)
+
+  def test_search_and_filter_the_index_and_the_experiment_page(self):
+    self.assertEqual(self.listed("/?q=LR-0.3"), [self.fast.proof_id])
+    self.assertEqual(self.listed(f"/?q={self.slow.proof_id[:10]}"), [self.slow.proof_id])
+    self.assertEqual(self.listed("/?tag=baseline"), [self.slow.proof_id])
+    self.assertEqual(self.listed("/?tag=sweep"), [])  # tags match whole
+    self.assertEqual(self.listed("/?state=crashed"), [self.crashing.proof_id])
+    self.assertEqual(self.listed("/?state=closed&tag=sweep-1"),
+                     [self.fast.proof_id, self.slow.proof_id])
+    self.assertEqual(self.listed("/?q=%25"), [])  # a LIKE wildcard is searched as text
+    self.assertEqual(self.listed("/experiments/alice/sweep?tag=sweep-1"),
+                     [self.fast.proof_id, self.slow.proof_id])
+    self.assertEqual(self.listed("/experiments/alice/sweep?q=preempted&state=crashed"),
+                     [self.crashing.proof_id])
+    empty = Dom(httpx.get(f"{self.url}/experiments/alice/sweep?q=nothing-like-it").text)
+    self.assertIn("No proofs match", empty.find("p", id="no-proofs")[0][2])
+    form = Dom(httpx.get(f"{self.url}/?state=crashed&q=x").text)
+    self.assertEqual([o[1]["value"] for o in form.find("option") if "selected" in o[1]],
+                     ["crashed"])
+    states = {o[1]["value"] for o in form.find("option")}
+    self.assertTrue({"verified", "verified steps", "within tolerance", "unchallenged",
+                     "self-audited", "invalid", "unverifiable", "abandoned", "crashed"}
+                    <= states)
+    for query in ("state=bogus", "tag=a%20b", "q=" + "x" * 201):
+      response = httpx.get(f"{self.url}/?{query}")
+      self.assertEqual(response.status_code, 400, query)
+    proof_page = f"{self.url}/proofs/{self.slow.proof_id}?checks_after="
+    for cursor, status in (("3.update", 200), ("x", 400), ("9" * 12 + ".update", 400),
+                           ("3.<b>", 400)):
+      self.assertEqual(httpx.get(proof_page + cursor).status_code, status, cursor)
+
+  def test_prover_written_text_is_escaped_everywhere(self):
+    pages = [f"/proofs/{self.hostile.proof_id}", "/", "/experiments/alice/hostile",
+             f"/compare?proof={self.hostile.proof_id}&proof={self.slow.proof_id}",
+             f"/?q={self.hostile.proof_id[:12]}"]
+    for path in pages:
+      text = httpx.get(self.url + path).text
+      self.assertNotIn("<script", text, path)
+      self.assertNotIn("<img", text, path)
+      self.assertIn(html.escape(INJECTED), text, path)
+    dom = chromium_dom(self, f"{self.url}/proofs/{self.hostile.proof_id}")
+    self.assertEqual(dom.find("td", id="run-name")[0][2], INJECTED)  # shown as text
+    self.assertEmpty(dom.find("script"))
+    self.assertEmpty(dom.find("img"))
+
+  def test_a_client_refuses_bad_run_fields_before_sending_anything(self):
+    with dvbench.Client(self.url, token=self.server.token("alice")) as client:
+      experiment = client.experiment("alice/refused")
+      for declared, message in (({"tags": ["no spaces"]}, "run.tags[0]: a tag of 1-64"),
+                                ({"run_config": {"f": print}}, "run.run_config.f: a number")):
+        with self.assertRaisesRegex(ValueError, re.escape(message)):
+          experiment.proof(**declared)
+      self.assertEmpty(experiment.proofs())
+      proof = experiment.proof(run_config={"lr": np.float32(0.5), "shape": (2, 3)})
+      self.assertEqual(proof.run, {"run_config": {"lr": 0.5, "shape": [2, 3]}})
+
+  def test_declared_run_fields_are_bounded_at_the_root(self):
+    prover = FakeProver(self.url, self.server.token("alice"), "alice/bounds")
+    self.provers.append(prover)
+    for declared, message in (
+        ({"tags": ["a b"]}, "(root).tags[0]: a tag of 1-64"),
+        ({"tags": ["t"] * 33}, "(root).tags: a list of 0-32 items"),
+        ({"run_name": "x" * 201}, "(root).run_name: a string of 0-200"),
+        ({"run_config": {"a": {"b": {"c": {"d": {"e": {"f": {"g": 1}}}}}}}},
+         "run_config.a.b.c.d.e.f: nested deeper than 6"),
+        ({"run_config": {str(n): n for n in range(1001)}}, "at most 1000 values"),
+        ({"run_config": {"lr": b"bytes"}}, "run_config.lr: a number, string"),
+        ({"run_config": [1]}, "(root).run_config: a map of hyperparameters")):
+      response = prover.post_root({**prover.root(prover.slot()), **declared})
+      self.assertEqual(response.status_code, 400, declared)
+      self.assertIn(message, response.json()["error"])
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ def out_of_bounds(spec):
     return transcript.FORMAT_VERSION + 1
   if isinstance(spec, records.StepMetrics):
     return {"no spaces allowed": 1}
+  if isinstance(spec, records.Tag):
+    return "x" * 65
+  if isinstance(spec, records.RunConfig):
+    return {str(n): n for n in range(spec.MAX_ENTRIES + 1)}
   raise AssertionError(f"no out-of-bounds value for {spec!r}")
 
 

@@ -7,6 +7,7 @@ import tempfile
 import threading
 import time
 
+import cbor2
 import sqlalchemy as sa
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -39,6 +40,29 @@ class StoreTest(parameterized.TestCase):
       versions = [r[0] for r in conn.execute(sa.select(db.schema_migrations.c.version))]
     self.assertEqual(versions, [v for v, _ in db.MIGRATIONS])
     self.assertEqual(db.Store.open(url).migrate(), [])
+
+  def test_migration_7_gives_stored_proofs_their_run_name_tags_and_end(self, backend):
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    exp = store.experiment("alice/run", create_for="alice")
+    challenger = {"kind": "self", "nonce": None, "policy": json.dumps(
+        challenge.Policy().to_record())}
+    root = cbor2.dumps({"type": "root", "run_name": "lr-0.1", "tags": ["sweep-1", "a"]})
+    store.create_proof(exp["id"], "ab" * 32, "alice/run", root, challenger)
+    store.create_proof(exp["id"], "cd" * 32, "alice/run", cbor2.dumps({"type": "root"}),
+                       challenger)
+    store.set_proof_state("ab" * 32, "invalid", "wrong")
+    with store.engine.begin() as conn:  # as migration 6 left it
+      for column in db.MIGRATION_7_COLUMNS["proofs"]:
+        conn.execute(sa.text(f"ALTER TABLE proofs DROP COLUMN {column}"))
+      conn.execute(db.schema_migrations.delete().where(db.schema_migrations.c.version == 7))
+    self.assertEqual(db.Store.open(url).migrate(), [])  # open() applied it
+    settled, receiving = store.proof("ab" * 32), store.proof("cd" * 32)
+    self.assertEqual((settled["run_name"], json.loads(settled["tags"])),
+                     ("lr-0.1", ["sweep-1", "a"]))
+    self.assertEqual(settled["ended_at"], settled["updated_at"])
+    self.assertEqual((receiving["run_name"], receiving["tags"], receiving["ended_at"]),
+                     (None, None, None))
 
   def test_tokens_are_stored_hashed(self, backend):
     store = db.Store.open(_fresh_url(backend))

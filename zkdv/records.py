@@ -14,6 +14,8 @@ Example::
   fields_of({"type": "check", "kind": "state"})  # type, step, kind, post_state_blobs, prev
 """
 
+import re
+
 from zkdv import challenge
 from zkdv import errors
 from zkdv import metrics
@@ -46,6 +48,51 @@ class StepMetrics(Spec):
       raise Invalid(f"{where}: {problems[0]}.")
 
 
+class Tag(Spec):
+  """A run tag: 1-64 letters, digits, '.', '_', ':' or '-' (so a filter matches it exactly)."""
+
+  PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+  def check(self, value, where):
+    if not isinstance(value, str) or not self.PATTERN.fullmatch(value):
+      self.fail(value, where, "a tag of 1-64 letters, digits, '.', '_', ':' or '-'")
+
+
+class RunConfig(Spec):
+  """The prover's declared hyperparameters: a map of text keys to numbers, text, booleans,
+  None, lists and maps, at most ``MAX_DEPTH`` deep and ``MAX_ENTRIES`` values in all.
+  Shown as declared, never verified (the program is what is verified)."""
+
+  MAX_DEPTH, MAX_ENTRIES, MAX_KEY, MAX_STRING = 6, 1000, 100, 1000
+
+  def check(self, value, where):
+    if not isinstance(value, dict):
+      self.fail(value, where, "a map of hyperparameters")
+    stack, entries = [(value, where, 0)], 0
+    while stack:
+      item, at, depth = stack.pop()
+      entries += 1
+      if entries > self.MAX_ENTRIES:
+        raise Invalid(f"{where}: at most {self.MAX_ENTRIES} values in all.")
+      if isinstance(item, dict) or isinstance(item, list):
+        if depth >= self.MAX_DEPTH:
+          raise Invalid(f"{at}: nested deeper than {self.MAX_DEPTH} levels.")
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        for k, v in pairs:
+          if isinstance(item, dict) and (not isinstance(k, str)
+                                         or not 1 <= len(k) <= self.MAX_KEY or "\x00" in k):
+            self.fail(k, at, f"a map with keys of 1-{self.MAX_KEY} characters")
+          stack.append((v, f"{at}.{k}" if isinstance(item, dict) else f"{at}[{k}]", depth + 1))
+      elif isinstance(item, str):
+        if len(item) > self.MAX_STRING or "\x00" in item:
+          self.fail(item, at, f"a string of at most {self.MAX_STRING} characters, no NUL")
+      elif isinstance(item, int) and not isinstance(item, bool):
+        if not -(1 << 63) <= item < 1 << 64:
+          self.fail(item, at, "an integer of at most 64 bits")
+      elif not (item is None or isinstance(item, (bool, float))):
+        self.fail(item, at, "a number, string, boolean, None, list or map")
+
+
 REQUIRED = True
 INDEX = Int()
 DIGEST = Bytes()
@@ -66,7 +113,10 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              # its fields are checked where it is read (zkdv.verify.policy) or bound
              # (dvbench.server.routes_proofs)
              "challenger": Field(Map(), REQUIRED),
-             "device_kinds": Field(NAMES), "processes": Field(Int(1, 1 << 20))},
+             "device_kinds": Field(NAMES), "processes": Field(Int(1, 1 << 20)),
+             # declared by the prover for its pages; shown as declared, never verified
+             "run_name": Field(Text(200)), "tags": Field(ListOf(Tag(), 32)),
+             "run_config": Field(RunConfig())},
     "init": {"program_id": Field(DIGEST, REQUIRED), "input_layout": Field(LAYOUTS, REQUIRED),
              "input_blobs": Field(DIGESTS, REQUIRED), "output_layout": Field(LAYOUTS, REQUIRED),
              "outputs": Field(DIGESTS, REQUIRED), "platforms": Field(NAMES, REQUIRED),
@@ -122,6 +172,33 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
                                           ListOf(DIGEST, 64)))), REQUIRED)},
     "start": {"pre_state_pieces": Field(PIECES, REQUIRED)},
 }
+
+
+RUN_FIELDS = ("run_name", "tags", "run_config")
+
+
+def _plain(value, at: str):
+  """A user's config value as plain CBOR data: tuples as lists, NumPy scalars as numbers."""
+  if isinstance(value, dict):
+    return {k: _plain(v, f"{at}.{k}") for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v, f"{at}[{n}]") for n, v in enumerate(value)]
+  if hasattr(value, "item") and getattr(value, "shape", None) == ():  # a NumPy/JAX scalar
+    return value.item()
+  return value
+
+
+def run_fields(run_name: str | None = None, tags=(), run_config: dict | None = None) -> dict:
+  """The root's declared run fields, checked; raises ``Invalid`` (a ``ValueError``) naming
+  the first field that is wrong. Example::
+
+    run_fields("lr-3e-4", ["sweep:1"], {"lr": 3e-4})  # {"run_name": ..., "tags": ..., ...}
+  """
+  fields = {"run_name": run_name, "tags": _plain(list(tags), "tags"),
+            "run_config": _plain(dict(run_config), "run_config") if run_config else None}
+  fields = {k: v for k, v in fields.items() if v not in (None, [])}
+  check_fields(fields, {k: RECORD_FIELDS["root"][k] for k in RUN_FIELDS}, "run")
+  return fields
 
 
 def check_format(root: dict, where: str) -> None:

@@ -179,3 +179,37 @@ def checks_chart(steps: int, checks: list[dict]) -> str:
       ("<line x1='6' x2='6' y1='-6' y2='6' stroke='#cf222e' stroke-width='2'/>", "failed")])
   return (f"<svg class='checks' width='{WIDTH}' height='{HEIGHT}' role='img' "
           f"aria-label='checks over steps'>{''.join(axes)}{''.join(ticks)}{legend}</svg>")
+
+
+# Colors of overlaid runs (colour-blind safe, Okabe-Ito), in run order.
+RUN_COLORS = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#f0e442",
+              "#000000")
+
+
+def overlay_chart(name: str, runs: list[tuple[str, str, list[tuple[int, float]]]]) -> str:
+  """One metric of several runs on shared axes: ``runs`` is [(run id, label, points)], at
+  most ``len(RUN_COLORS)``; each curve's hover title names its run and its last value."""
+  drawn = [(run, label, [(s, v) for s, v in points if math.isfinite(v)])
+           for run, label, points in runs[:len(RUN_COLORS)]]
+  drawn = [d for d in drawn if d[2]]
+  if not drawn:
+    return f"<p class='empty' data-metric='{e(name)}'>{e(name)}: no finite value committed.</p>"
+  steps = [s for _, _, points in drawn for s, _ in points]
+  values = [v for _, _, points in drawn for _, v in points]
+  x_ticks = nice_ticks(min(steps), max(max(steps), min(steps) + 1), 6)
+  x_ticks = [t for t in x_ticks if t == int(t)] or x_ticks
+  y_ticks = nice_ticks(min(values), max(values), 5)
+  frame = _Frame(x_ticks, y_ticks)
+  curves, legend = [], []
+  for color, (run, label, points) in zip(RUN_COLORS, drawn):
+    path = " ".join(f"{frame.x(s):.1f},{frame.y(v):.1f}" for s, v in _thin(points, set()))
+    last_step, last = points[-1]
+    curves.append(f"<polyline class='run-curve' data-run='{e(run)}' fill='none' "
+                  f"stroke='{color}' stroke-width='1.5' points='{path}'><title>{e(label)}: "
+                  f"{e(name)} = {last:.6g} at step {last_step}</title></polyline>")
+    legend.append((f"<line x1='0' x2='12' y1='0' y2='0' stroke='{color}' stroke-width='2'/>",
+                   label if len(label) <= 24 else label[:23] + "…"))
+  return (f"<svg class='overlay-chart' data-metric='{e(name)}' width='{WIDTH}' "
+          f"height='{HEIGHT}' role='img' aria-label='{e(name)} of {len(drawn)} runs'>"
+          f"{_axes(frame, x_ticks, y_ticks, name)}{''.join(curves)}"
+          f"{_legend(legend)}</svg>")

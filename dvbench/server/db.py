@@ -18,15 +18,17 @@ Example::
 """
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Callable
 
+import cbor2
 import sqlalchemy as sa
 
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
-    MIGRATION_6_COLUMNS, benchmarks, blob_refs, challengers, challenges, checks, chunks,
+    MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, benchmarks, blob_refs, challengers, challenges, checks, chunks,
     eval_rows, eval_sets, experiments, jobs, measurements, metadata, owners, probes, proof_blobs,
     proof_claims, proofs, receipts, records, schema_migrations, score_shards, settings, slots,
     streams, submissions, tokens)
@@ -92,16 +94,22 @@ def _migration_5(conn) -> None:
         kind=SHARD_JOB, subject=shard_id, state="queued"))
 
 
-def _migration_6(conn) -> None:
-  """Jobs know their owner (fair queue), heartbeat and why an attempt ended; tokens have
-  names, expiry and revocation. Tokens made before get the name ``OWNER-ID``."""
-  present = {t: {c["name"] for c in sa.inspect(conn).get_columns(t)} for t in MIGRATION_6_COLUMNS}
-  for table, names in MIGRATION_6_COLUMNS.items():
+def _add_columns(conn, columns: dict[str, tuple[str, ...]]) -> None:
+  """Adds the ``columns`` (table -> names) a table made before lacks (a new database's
+  tables have them from migration 1)."""
+  present = {t: {c["name"] for c in sa.inspect(conn).get_columns(t)} for t in columns}
+  for table, names in columns.items():
     for name in names:
       if name not in present[table]:
         column = metadata.tables[table].c[name]
         conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {name} "
                              f"{column.type.compile(conn.dialect)}"))
+
+
+def _migration_6(conn) -> None:
+  """Jobs know their owner (fair queue), heartbeat and why an attempt ended; tokens have
+  names, expiry and revocation. Tokens made before get the name ``OWNER-ID``."""
+  _add_columns(conn, MIGRATION_6_COLUMNS)
   for index in tokens.indexes:  # created with the table by migration 1 on new databases
     index.create(conn, checkfirst=True)
   for token_id, owner in conn.execute(sa.select(tokens.c.id, owners.c.name).select_from(
@@ -113,9 +121,32 @@ def _migration_6(conn) -> None:
         owner=JobQueries.subject_owner(conn, kind, subject)))
 
 
+def _migration_7(conn) -> None:
+  """Proofs carry their root's declared run name and tags (searched by the pages) and when
+  they stopped receiving; proofs stored before get them from their root records, and a
+  settled one its last update as its end."""
+  _add_columns(conn, MIGRATION_7_COLUMNS)
+  roots = conn.execute(sa.select(records.c.proof_id, records.c.data).where(
+      records.c.kind == "root"))
+  for proof_id, data in roots.all():
+    conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
+        **run_columns(cbor2.loads(data))))
+  conn.execute(proofs.update().where(proofs.c.state != "receiving").values(
+      ended_at=proofs.c.updated_at))
+
+
+def run_columns(root) -> dict:
+  """The proofs columns of a root's declared run fields (checked by ``zkdv.records``)."""
+  root = root if isinstance(root, dict) else {}
+  tags = root.get("tags") if isinstance(root.get("tags"), list) else []
+  return {"run_name": str(root.get("run_name", ""))[:200] or None,
+          "tags": json.dumps([str(t)[:64] for t in tags[:32]]) if tags else None}
+
+
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
-                                          (5, _migration_5), (6, _migration_6)]
+                                          (5, _migration_5), (6, _migration_6),
+                                          (7, _migration_7)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,
@@ -246,10 +277,11 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     return self.page_experiments(limit)[0]
 
   def create_proof(self, experiment_id: int, proof_id: str, name: str, root: bytes,
-                   challenger: dict) -> dict:
+                   challenger: dict, run: dict | None = None) -> dict:
     """Creates the proof with its root record; idempotent for the same root.
 
-    ``challenger``: ``{"kind", "nonce" (hex or None), "policy" (JSON)}``. A dvbench
+    ``challenger``: ``{"kind", "nonce" (hex or None), "policy" (JSON)}``; ``run``: the
+    root's ``run_columns``. A dvbench
     root takes its slot in the same transaction; raises SlotTaken when the nonce
     was used meanwhile.
     """
@@ -260,7 +292,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
         return dict(row)
       conn.execute(proofs.insert().values(
           id=proof_id, experiment_id=experiment_id, name=name, state="receiving",
-          records=1, steps=0, created_at=now, updated_at=now))
+          records=1, steps=0, created_at=now, updated_at=now, **(run or {})))
       if challenger["nonce"] is not None:
         self.take_slot(conn, challenger["nonce"], experiment_id, proof_id)
       conn.execute(challengers.insert().values(proof_id=proof_id, **challenger))
@@ -296,8 +328,11 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     if conn is None:
       with self.engine.begin() as c:
         return self.set_proof_state(proof_id, state, failure, c, **fields)
+    now = time.time()
     conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
-        state=state, failure=failure, updated_at=time.time(), **fields))
+        state=state, failure=failure, updated_at=now,
+        ended_at=None if state == "receiving" else sa.func.coalesce(proofs.c.ended_at, now),
+        **fields))
     if state != "receiving":
       conn.execute(chunks.delete().where(chunks.c.proof_id == proof_id))
     return None

@@ -11,10 +11,13 @@ Example::
 
 import datetime
 import html
+import json
 from collections.abc import Callable
 
 from dvbench.server import charts
+from dvbench.server import page_runs
 from dvbench.server.labels import SELF_AUDITED
+from dvbench.server.store_listing import ProofFilter
 
 e = html.escape
 Url = Callable[..., str]
@@ -42,7 +45,8 @@ def _badge(state: str) -> str:
   return f"<span class='state {e(state.replace(' ', '-'))}'>{e(state)}</span>"
 
 
-def _page(url: Url, title: str, body: str) -> str:
+def page(url: Url, title: str, body: str) -> str:
+  """A whole page: the navigation, ``title`` and ``body`` (HTML, escaped by the caller)."""
   return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{e(title)} · DVBench</title>
 <link rel="stylesheet" href="{e(url('static', path='/style.css'))}"></head><body>
@@ -70,33 +74,45 @@ def experiment_link(url: Url, full_name: str) -> str:
           f"{e(full_name)}</a>")
 
 
-def _proof_rows(url: Url, proofs: list[dict], with_experiment: bool = True) -> str:
+def _proof_rows(url: Url, proofs: list[dict], with_experiment: bool = True,
+                compare: bool = False) -> str:
+  """Rows of a proofs table (``compare``: with a checkbox of the compare form)."""
   return "".join(
       f"<tr data-proof='{e(p['id'])}' data-state='{e(p['state'])}'>"
+      + (f"<td><input type='checkbox' name='proof' value='{e(p['id'])}'></td>" if compare
+         else "")
       + (f"<td>{experiment_link(url, p['experiment'])}</td>" if with_experiment else "")
       + f"<td><a href='{e(url('proof_page', proof_id=p['id']))}'><code>{e(p['id'][:16])}…"
-      f"</code></a></td><td>{e(p['name'])}</td>"
+      f"</code></a></td><td class='run-name'>{e(p.get('run_name') or '')}</td>"
+      f"<td>{page_runs.tags_html(json.loads(p.get('tags') or '[]'))}</td>"
       f"<td class='num'>{p['steps']}</td>"
       f"<td>{_badge(p['state'])}</td><td class='failure'>{e(failure_summary(p['failure']))}</td>"
-      f"<td class='nowrap'>{_time(p['updated_at'])}</td></tr>" for p in proofs)
+      f"<td class='nowrap'>{_time(p['created_at'])}</td>"
+      f"<td class='nowrap duration'>{page_runs.timing(p)}</td></tr>" for p in proofs)
 
 
-_PROOF_HEADS = ("<th>transcript</th><th>run name</th><th>steps</th><th>state</th>"
-                "<th>failure</th><th>updated</th>")
+_PROOF_HEADS = ("<th>transcript</th><th>run name</th><th>tags</th><th>steps</th><th>state</th>"
+                "<th>failure</th><th>started</th><th>duration</th>")
 
 
-def _pager(url: Url, first: bool, following: str | None, total: int) -> str:
-  links = [] if first else [f"<a rel='first' href='{e(url('index'))}'>← newest</a>"]
-  links.append(f"{total} proofs, {PAGE_SIZE} a page")
+def _pager(url: Url, first: bool, following: str | None, total: int,
+           only: ProofFilter = ProofFilter()) -> str:
+  kept = page_runs.filter_query(only)
+  newest = url("index") + (f"?{kept[1:]}" if kept else "")
+  links = [] if first else [f"<a rel='first' href='{e(newest)}'>← newest</a>"]
+  links.append(f"{total} proofs{' match' if only else ''}, {PAGE_SIZE} a page")
   if following is not None:
-    links.append(f"<a rel='next' href='{e(url('index'))}?after={e(following)}'>older →</a>")
+    links.append(f"<a rel='next' href='{e(url('index'))}?after={e(following)}{e(kept)}'>"
+                 "older →</a>")
   return f"<p class='pager'>{' · '.join(links)}</p>"
 
 
 def index(url: Url, experiments: list[dict], counts: dict[int, int], proofs: list[dict],
-          first: bool, following: str | None, total: int) -> str:
+          first: bool, following: str | None, total: int, only: ProofFilter = ProofFilter(),
+          states: tuple = ()) -> str:
   """Experiments (each links to its page) and a page of proofs, newest first (``following``:
-  the cursor of the next page, ``store.page_proofs``)."""
+  the cursor of the next page, ``store.page_proofs``), those ``only`` lets through
+  (``states``: the filter's choices)."""
   exp_rows = "".join(
       f"<tr data-experiment='{e(x['full_name'])}'><td>{experiment_link(url, x['full_name'])}</td>"
       f"<td class='num'>{counts.get(x['id'], 0)}</td></tr>" for x in experiments)
@@ -106,14 +122,15 @@ def index(url: Url, experiments: list[dict], counts: dict[int, int], proofs: lis
       "<code>dvbench.Client(URL).experiment(\"owner/name\").proof(...)</code>.</p>")
   proofs_html = (
       f"<table id='proofs'><tr><th>experiment</th>{_PROOF_HEADS}</tr>"
-      f"{_proof_rows(url, proofs)}</table>{_pager(url, first, following, total)}"
-      if proofs else "<p class='empty'>No proofs on this page.</p>" if total else
+      f"{_proof_rows(url, proofs)}</table>{_pager(url, first, following, total, only)}"
+      if proofs else "<p class='empty' id='no-proofs'>No proofs match the filter.</p>" if only
+      else "<p class='empty'>No proofs on this page.</p>" if total else
       "<p class='empty'>No proofs yet.</p>")
-  return _page(url, "DVBench", f"""
+  return page(url, "DVBench", f"""
 <p>Proofs are verified by server-side replay of the checks DVBench chose; only
 {_badge('verified')} proofs count.</p>{_STATES}
 <h2>Experiments</h2>{experiments_html}
-<h2>Proofs</h2>{proofs_html}""")
+<h2>Proofs</h2>{page_runs.filter_form(url('index'), only, states)}{proofs_html}""")
 
 
 def _attempts_html(attempts: dict | None) -> str:
@@ -124,9 +141,14 @@ def _attempts_html(attempts: dict | None) -> str:
 
 
 def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dict,
-               measurements: list[dict], attempts: dict | None = None) -> str:
-  """An experiment: its latest proof's state and metrics, its proofs and measurements, and
-  its owner's attempts across all of the owner's experiments."""
+               measurements: list[dict], attempts: dict | None = None,
+               runs: list[dict] = (), only: ProofFilter = ProofFilter(),
+               states: tuple = (), zoom: str = "") -> str:
+  """An experiment: its latest proof's state and metrics, its proofs (those ``only`` lets
+  through, with a compare form), the curves of ``runs`` ({"proof", "curves"}) overlaid, its
+  measurements and its owner's attempts across all of the owner's experiments."""
+  owner, name = full_name.split("/", 1)
+  here = url("experiment_page", owner=owner, name=name)
   if proofs:
     latest = proofs[0]
     values = "".join(
@@ -141,8 +163,17 @@ def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dic
  else ""}{values}</table>""" + (
         "" if latest_metrics else "<p class='empty'>The latest proof has committed no step "
         "metrics yet.</p>")
-    proofs_html = (f"<table id='proofs'><tr>{_PROOF_HEADS}</tr>"
-                   f"{_proof_rows(url, proofs, with_experiment=False)}</table>")
+    proofs_html = (
+        f"<form id='compare-form' method='get' action='{e(url('compare'))}'>"
+        f"<table id='proofs'><tr><th>compare</th>{_PROOF_HEADS}</tr>"
+        f"{_proof_rows(url, proofs, with_experiment=False, compare=True)}</table>"
+        f"<button type='submit'>compare the checked runs (2 to {page_runs.MAX_COMPARED})"
+        f"</button></form><h2>Metrics of {len(runs)} runs</h2>"
+        f"<p class='muted'>The newest {page_runs.MAX_COMPARED} runs listed above, overlaid; "
+        "hover a curve for its run and last value.</p>" + zoom + page_runs.overlay(runs))
+  elif only:
+    latest_html = ""
+    proofs_html = "<p class='empty' id='no-proofs'>No proofs match the filter.</p>"
   else:
     latest_html = ""
     proofs_html = (f"<p class='empty'>No proofs yet. A run sends one with "
@@ -156,8 +187,8 @@ def experiment(url: Url, full_name: str, proofs: list[dict], latest_metrics: dic
   measured_html = (f"<table id='measurements'><tr><th>metric</th><th>value</th><th>state</th>"
                    f"<th></th></tr>{measured}</table>" if measurements else
                    "<p class='empty'>No measurements yet.</p>")
-  return _page(url, f"Experiment {full_name}", f"""{latest_html}{_attempts_html(attempts)}
-<h2>Proofs</h2>{proofs_html}
+  return page(url, f"Experiment {full_name}", f"""{latest_html}{_attempts_html(attempts)}
+<h2>Proofs</h2>{page_runs.filter_form(here, only, states)}{proofs_html}
 <h2>Measurements</h2>{measured_html}""")
 
 
@@ -171,7 +202,7 @@ def _metric_text(value) -> str:
 
 
 def not_found(url: Url, message: str) -> str:
-  return _page(url, "Not found", f"<p class='empty' id='not-found'>{e(message)}</p>"
+  return page(url, "Not found", f"<p class='empty' id='not-found'>{e(message)}</p>"
                f"<p><a href='{e(url('index'))}'>All experiments and proofs</a></p>")
 
 
@@ -213,7 +244,7 @@ def leaderboards(url: Url, benchmarks: list[dict], measurements: list[dict]) -> 
       f"<td><a href='{e(url('proof_page', proof_id=m['proof_id']))}'>proof</a>"
       f"{'<br><span class=muted>' + e(m['failure']) + '</span>' if m['failure'] else ''}"
       f"</td></tr>" for m in measurements)
-  return _page(url, "Leaderboard", f"""
+  return page(url, "Leaderboard", f"""
 <p>Rankings belong to benchmarks: the owner registers the evaluation program, the rows and
 the audit a proof needs; the server scores each verified checkpoint itself.</p>
 <table id="benchmarks"><tr><th>benchmark</th><th>metric</th><th>better</th><th>rows</th>
@@ -283,7 +314,7 @@ def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> s
       + (f"<a href='{e(here)}?sort={key}'>{e(title)}</a>{' ▾' if key == sort else ''}"
          if key in sorts else e(title)) + "</th>" for key, title in _COLUMNS)
   pins = bench["allowed_programs"]
-  return _page(url, f"Benchmark {bench['name']}", f"""
+  return page(url, f"Benchmark {bench['name']}", f"""
 <table id="definition">
 <tr><th>metric</th><td>{e(bench['metric'])} ({'higher' if bench['higher_is_better'] else 'lower'}
  is better), the {e(bench['aggregate'])} of the program's output on every row</td></tr>
@@ -323,7 +354,7 @@ def _config_html(url: Url, proof_id: str, config: dict) -> str:
   def pairs(items) -> str:
     return ", ".join(f"{e(k)} {e(v)}" for k, v in items) or "—"
 
-  rows = [("run name", e(config["name"]) or "—"),
+  rows = [("proof name", e(config["name"]) or "—"),
           ("platform", f"{e(config['platform'])} ({e(', '.join(config['device_kinds']))}; "
                        f"{config['processes']} process{'es' if config['processes'] > 1 else ''})"),
           ("versions", pairs(config["versions"])), ("proof config", pairs(config["config"])),
@@ -339,15 +370,29 @@ def _config_html(url: Url, proof_id: str, config: dict) -> str:
                  f"<br>compiler options: {pairs(p['compiler_options'])}"
                  f"<br>platforms: {e(', '.join(p['platforms']))}; devices: {p['devices'] or 1}"
                  f"<br>metrics: {e(', '.join(p['metrics']) or '—')}"))
-  return "<table id='config'>" + "".join(
-      f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in rows) + "</table>"
+  declared = "".join(f"<tr data-key='{e(k)}'><th>{e(k)}</th><td>{e(v)}</td></tr>"
+                     for k, v in config["declared"])
+  declared_html = (
+      f"<table id='declared'>{declared}</table>" if declared else
+      "<p class='empty' id='no-declared'>None declared: pass <code>run_config={...}</code> to "
+      "<code>experiment.proof</code>.</p>")
+  return ("<div class='columns'><section><h3>Declared by the prover</h3><p class='muted'>"
+          "Its run config, shown as declared and not verified.</p>" + declared_html
+          + "</section><section><h3>Verified program</h3><p class='muted'>What the server "
+          "replays: the exported program and the run's records.</p><table id='config'>"
+          + "".join(f"<tr><th>{e(k)}</th><td>{v}</td></tr>" for k, v in rows)
+          + "</table></section></div>")
 
 
 def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: list[str],
-                  steps: int, shown: int) -> str:
+                  steps: int, drawn: tuple[int, int], zoom: str) -> str:
   json_link = (f"<p><a href='{e(url('proof_metrics', proof_id=proof_id))}'>metrics as JSON</a>"
-               "</p>")
+               f" · <a href='{e(url('proof_metrics_csv', proof_id=proof_id))}' download>"
+               "metrics as CSV</a></p>")
   if not curves:
+    if steps and drawn[1] < drawn[0]:
+      return (f"{zoom}<p class='empty' id='no-metrics'>No step in the zoomed range: the run "
+              f"has steps 0 to {steps - 1}.</p>")
     if not steps:
       reason = "no step has been stored."
     elif digests:
@@ -363,27 +408,41 @@ def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: l
           "point is marked as replayed.</p>")
   hashed = (f"<p id='digest-metrics'>Committed by digest (not scalars): "
             f"{e(', '.join(digests))}.</p>" if digests else "")
-  if shown < steps:
-    note += (f"<p class='muted'>Drawn: steps 0 to {shown - 1} of {steps}; the JSON below "
-             "pages through the rest.</p>")
-  return (note + "".join(charts.metric_chart(n, points, marks) for n, points in curves.items())
+  if drawn != (0, steps - 1):
+    note += (f"<p class='muted' id='drawn'>Drawn: steps {drawn[0]} to {drawn[1]} of {steps}; "
+             "the JSON and CSV below hold every step.</p>")
+  return (zoom + note + "".join(charts.metric_chart(n, points, marks) for n, points in curves.items())
           + hashed + json_link)
+
+
+CHECKS_PAGE = 100  # rows of the proof page's checks table
 
 
 def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int,
           config: dict, curves: dict, marks: dict, digests: list[str],
-          has_receipt: bool, shown_steps: int) -> str:
+          has_receipt: bool, drawn: tuple[int, int], checks_after: str | None = None,
+          checks_next: str | None = None, table: list[dict] | None = None,
+          zoom: str = "") -> str:
   """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof, ``curves``
-  ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks``."""
+  ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks``; ``table``: the page of
+  ``checks`` listed after ``checks_after`` (``store.page_checks``), ``checks_next`` the
+  cursor of the next one; ``drawn``: the first and last step drawn, under the ``zoom`` form."""
+  here = url("proof_page", proof_id=p["id"])
+  pager = ([f"<a rel='first' href='{e(here)}#checks'>first checks</a>"] if checks_after else [])
+  if checks_next is not None:
+    pager.append(f"<a rel='next' href='{e(here)}?checks_after={e(checks_next)}#checks'>"
+                 "next checks →</a>")
+  table = checks if table is None else table
   rows = "".join(
       f"<tr data-state='{e(c['status'])}'><td class='num'>{c['step']}</td><td>{e(c['kind'])}</td>"
       f"<td>{e(c['mode'])}</td><td>{_badge(c['status'])}</td>"
       f"<td class='num'>{c['max_abs_error']:.3g}</td><td class='num'>{c['max_ulp_error']}</td></tr>"
-      for c in checks)
+      for c in table)
   checks_html = (
       f"{charts.checks_chart(p['steps'], checks)}<table id='checks'><tr><th>step</th>"
       f"<th>kind</th><th>mode</th><th>status</th><th>max abs error</th><th>max ulp</th></tr>"
-      f"{rows}</table>" if checks else
+      f"{rows}</table><p class='pager'>{len(checks)} checks, {CHECKS_PAGE} a page "
+      f"{' · '.join(pager)}</p>" if checks else
       "<p class='empty' id='no-checks'>No checks replayed yet: the server's workers replay "
       "the checks it chose once the proof is closed"
       + (f" ({len(marks)} steps challenged so far)." if marks else ".") + "</p>")
@@ -393,12 +452,17 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
   if has_receipt:
     downloads.append(f"<a href='{e(url('proof_receipt', proof_id=p['id']))}' download>"
                      "signed receipt</a>")
-  return _page(url, f"Proof {p['id'][:16]}…", f"""
+  return page(url, f"Proof {p['id'][:16]}…", f"""
 <table id="summary">
 <tr><th>experiment</th><td>{experiment_link(url, p['experiment'])}</td></tr>
+<tr><th>run name</th><td id="run-name">{e(config['run_name']) or '—'}</td></tr>
+<tr><th>tags</th><td id="tags">{page_runs.tags_html(config['tags']) or '—'}</td></tr>
 <tr><th>transcript id</th><td><code>{e(p['id'])}</code></td></tr>
 <tr><th>state</th><td>{_badge(p['state'])} <span id="label">{e(summary['label'])}</span></td></tr>
 {_challenge_rows(summary)}
+<tr><th>started</th><td>{_time(p['created_at'])}</td></tr>
+<tr><th>ended</th><td>{_time(p['ended_at']) if p.get('ended_at') else 'still receiving'}</td></tr>
+<tr><th>duration</th><td id="duration">{page_runs.timing(p)}</td></tr>
 <tr><th>steps</th><td>{p['steps']}</td></tr><tr><th>records</th><td>{p['records']}</td></tr>
 <tr><th>final params</th><td><code>{e(p['final_params'] or '—')}</code></td></tr>
 <tr><th>distinct batch rows opened as probes</th><td>{probed_rows}</td></tr>
@@ -407,6 +471,6 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
 {_attempts_html(summary.get('attempts'))}
 <h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'],
-                                          shown_steps)}
-<h2>Checks over steps</h2>{checks_html}
-<h2>Configuration</h2>{_config_html(url, p['id'], config)}""")
+                                          drawn, zoom)}
+<h2>Configuration</h2>{_config_html(url, p['id'], config)}
+<h2 id="checks">Checks over steps</h2>{checks_html}""")

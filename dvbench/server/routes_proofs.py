@@ -20,6 +20,7 @@ from dvbench.server import custody
 from dvbench.server import labels
 from dvbench.server.paging import fetch_page, paged
 from dvbench.server.decoding import decode
+from dvbench.server.db import run_columns
 from dvbench.server.service import MINIMUM_POLICY_SETTING, Service, check_name
 from dvbench.server.store_custody import SlotTaken
 from zkdv import challenge
@@ -33,10 +34,14 @@ _SELF_FIELDS = {"kind", "seed_commitment", "policy"}
 
 
 def public_proof(p: dict) -> dict:
+  """A proof row as the API shows it (``run_name`` and ``tags``: declared by the prover;
+  ``ended_at``: when it stopped receiving, or None)."""
   return {"id": p["id"], "experiment": p.get("experiment"), "name": p["name"],
+          "run_name": p.get("run_name"), "tags": json.loads(p.get("tags") or "[]"),
           "state": p["state"], "failure": p["failure"], "records": p["records"],
           "steps": p["steps"], "final_params": p["final_params"],
-          "created_at": p["created_at"], "updated_at": p["updated_at"]}
+          "created_at": p["created_at"], "updated_at": p["updated_at"],
+          "ended_at": p.get("ended_at")}
 
 
 def json_number(value):
@@ -181,7 +186,7 @@ class ProofRoutes:
       challenger = RootBinding(self.service, exp).challenger_row(record, proof_id)
       try:
         return self.store.create_proof(exp["id"], proof_id, str(record.get("name", ""))[:400],
-                                       root, challenger)
+                                       root, challenger, run_columns(record))
       except SlotTaken:
         raise HTTPException(409, "the root's nonce was used meanwhile by another proof; every "
                             "proof takes a fresh slot.") from None

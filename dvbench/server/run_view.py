@@ -85,11 +85,34 @@ def _program_summary(record: dict) -> dict:
   }
 
 
+MAX_DECLARED = 200  # flattened entries of a declared run config shown
+
+
+def flatten(value, prefix: str = "") -> list[tuple[str, str]]:
+  """A declared run config as (dotted key, value text) pairs, bounded. Example:
+  ``flatten({"opt": {"lr": 0.1}, "layers": [2, 3]})`` is
+  ``[("opt.lr", "0.1"), ("layers", "[2, 3]")]``."""
+  pairs, stack = [], [(prefix, value)]
+  while stack and len(pairs) < MAX_DECLARED:
+    key, item = stack.pop(0)
+    if isinstance(item, dict) and item:
+      stack[:0] = [(f"{key}.{k}" if key else str(k), v) for k, v in item.items()]
+    else:
+      pairs.append((_short(key), _short(item if isinstance(item, str) else repr(item))))
+  return pairs
+
+
 def run_config(store, proof_id: str) -> dict:
-  """The run's configuration as its root and program records state it."""
+  """The run's configuration as its root and program records state it: what the prover
+  declared (run name, tags, its own config) and what the verified program is."""
   root = next(_records(store, proof_id, "root"), {})
   challenger = root.get("challenger") if isinstance(root.get("challenger"), dict) else {}
+  tags = root.get("tags") if isinstance(root.get("tags"), list) else []
   return {
+      "run_name": _short(root.get("run_name", "")),
+      "tags": [_short(t) for t in tags[:MAX_ENTRIES]],
+      "declared": flatten(root.get("run_config")) if isinstance(root.get("run_config"),
+                                                               dict) else [],
       "name": _short(root.get("name", "")),
       "platform": _short(root.get("platform", "")),
       "device_kinds": [_short(d) for d in root.get("device_kinds", [])[:MAX_ENTRIES]],

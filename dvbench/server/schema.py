@@ -49,7 +49,12 @@ proofs = sa.Table(
     sa.Column("steps", sa.Integer, nullable=False, default=0),
     sa.Column("final_params", sa.String(64)),
     sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("updated_at", sa.Float, nullable=False))
+    sa.Column("updated_at", sa.Float, nullable=False),
+    # migration 7: the root's declared run name and tags (JSON list), searched and filtered
+    # by the pages; when the proof stopped receiving (closed, crashed or abandoned)
+    sa.Column("run_name", sa.String(200)),
+    sa.Column("tags", sa.String(2200)),
+    sa.Column("ended_at", sa.Float))
 
 records = sa.Table(
     "records", metadata,
@@ -283,3 +288,4 @@ MIGRATION_5_TABLES = (score_shards, training_members)
 # columns that migration 6 adds to tables created before it
 MIGRATION_6_COLUMNS = {"tokens": ("name", "expires_at", "revoked_at"),
                        "jobs": ("owner", "started_at", "heartbeat_at", "failure")}
+MIGRATION_7_COLUMNS = {"proofs": ("run_name", "tags", "ended_at")}

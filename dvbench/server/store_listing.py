@@ -7,6 +7,9 @@ is None on the last page. Example::
   more, after = store.page_record_ids(proof_id, limit=1000, after=after)
 """
 
+import dataclasses
+import json
+
 import sqlalchemy as sa
 
 from dvbench.server.refusals import MAX_COLUMN_INT, parse_int
@@ -28,6 +31,34 @@ def _int(after: str | None, what: str) -> int:
   return value
 
 
+@dataclasses.dataclass(frozen=True)
+class ProofFilter:
+  """Which proofs a listing shows: ``search`` (a case-insensitive part of the run name, the
+  experiment's name or the proof id), a ``state`` and a ``tag`` (exact). Example::
+
+    ProofFilter(search="lr-3e-4", state="verified", tag="sweep-1")
+  """
+
+  search: str = ""
+  state: str = ""
+  tag: str = ""
+
+  def where(self, query):
+    if self.search:
+      text = self.search.lower()
+      query = query.where(sa.func.lower(sa.func.coalesce(proofs.c.run_name, "")).contains(
+          text, autoescape=True) | sa.func.lower(experiments.c.full_name).contains(
+              text, autoescape=True) | proofs.c.id.startswith(text, autoescape=True))
+    if self.state:
+      query = query.where(proofs.c.state == self.state)
+    if self.tag:
+      query = query.where(proofs.c.tags.contains(json.dumps(self.tag), autoescape=True))
+    return query
+
+  def __bool__(self):
+    return bool(self.search or self.state or self.tag)
+
+
 class ListingQueries:
   """Paged reads; the routes bound ``limit`` (``paging.MAX_PAGE``)."""
 
@@ -44,11 +75,12 @@ class ListingQueries:
     return self._page(query, limit, lambda r: r["full_name"])
 
   def page_proofs(self, limit: int, after: str | None = None,
-                  experiment_id: int | None = None):
-    """Newest first; the cursor is the id of the last proof of the page."""
-    query = (sa.select(proofs, experiments.c.full_name.label("experiment"))
-             .select_from(proofs.join(experiments))
-             .order_by(proofs.c.created_at.desc(), proofs.c.id.desc()))
+                  experiment_id: int | None = None, only: ProofFilter = ProofFilter()):
+    """Newest first, those ``only`` lets through; the cursor is the id of the last proof
+    of the page."""
+    query = only.where(sa.select(proofs, experiments.c.full_name.label("experiment"))
+                       .select_from(proofs.join(experiments))
+                       .order_by(proofs.c.created_at.desc(), proofs.c.id.desc()))
     if experiment_id is not None:
       query = query.where(proofs.c.experiment_id == experiment_id)
     if after is not None:
@@ -56,6 +88,14 @@ class ListingQueries:
       query = query.where((proofs.c.created_at < last) |
                           ((proofs.c.created_at == last) & (proofs.c.id < after)))
     return self._page(query, limit, lambda r: r["id"])
+
+  def count_proofs(self, only: ProofFilter, experiment_id: int | None = None) -> int:
+    """How many proofs ``only`` lets through (of one experiment, or all)."""
+    query = only.where(sa.select(sa.func.count()).select_from(proofs.join(experiments)))
+    if experiment_id is not None:
+      query = query.where(proofs.c.experiment_id == experiment_id)
+    with self.engine.connect() as conn:
+      return conn.execute(query).scalar_one()
 
   def page_record_ids(self, proof_id: str, limit: int, after: str | None = None):
     """Record ids in custody order; the cursor is a position."""

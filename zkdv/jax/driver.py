@@ -34,6 +34,7 @@ from zkdv import challengers
 from zkdv import config as config_lib
 from zkdv import errors
 from zkdv import keys
+from zkdv import records
 from zkdv import transcript
 from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
@@ -52,7 +53,8 @@ def _default_folder(name: str) -> pathlib.Path:
   return pathlib.Path.cwd() / "zkdv-proofs" / f"{slug}-{stamp}-{os.urandom(3).hex()}"
 
 
-def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger) -> dict:
+def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger,
+                 run: dict) -> dict:
   devices = jax.devices()
   return {
       "type": "root",
@@ -65,6 +67,7 @@ def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger) ->
       "config": config.to_record(),
       "challenger": challenger.root_fields(),
       **({"processes": group.count} if group.multi else {}),
+      **run,
   }
 
 
@@ -88,6 +91,8 @@ class ZKDV:
   Attributes:
     name: the proof's name, written into the root record.
     config: its ``zkdv.ZKDVConfig``.
+    run: the declared ``run_name``, ``tags`` and ``run_config`` the root carries for the
+      run's pages (``zkdv.records.run_fields``); shown as declared, never verified.
     path: the transcript folder (set by ``start``).
     policy: the effective ``challenge.Policy`` (set by ``start``).
     steps: the number of steps recorded so far.
@@ -100,9 +105,11 @@ class ZKDV:
   """
 
   def __init__(self, name: str, config: config_lib.ZKDVConfig | None = None, *,
-               resume: str | os.PathLike | None = None):
+               resume: str | os.PathLike | None = None, run_name: str | None = None,
+               tags=(), run_config: dict | None = None):
     if not isinstance(name, str) or not name:
       raise ValueError(f"a proof needs a non-empty name, got {name!r}.")
+    self.run = records.run_fields(run_name, tags, run_config)
     config = config_lib.ZKDVConfig() if config is None else config
     if not isinstance(config, config_lib.ZKDVConfig):
       raise TypeError(f"config must be a zkdv.ZKDVConfig, got {type(config).__name__}.")
@@ -210,7 +217,7 @@ class ZKDV:
       path = (pathlib.Path(self.config.output_dir) if self.config.output_dir
               else _default_folder(self.name))
       writer = transcript.TranscriptWriter(path)  # refuses a folder that holds a transcript
-      root = _root_record(self.name, self.config, group, challenger)
+      root = _root_record(self.name, self.config, group, challenger, self.run)
       try:
         writer.append(root, durable=True)
       except BaseException:
