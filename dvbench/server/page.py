@@ -10,17 +10,14 @@ Example::
 """
 
 import datetime
-import html
 import json
-from collections.abc import Callable
 
 from dvbench.server import charts
 from dvbench.server import page_runs
+from dvbench.server.page_frame import Url, e, experiment_link, page
 from dvbench.server.labels import SELF_AUDITED
 from dvbench.server.store_listing import ProofFilter
 
-e = html.escape
-Url = Callable[..., str]
 _STATES = f"""<p>States say what the server's verification showed.
 <span class='state verified'>verified</span>: DVBench chose the checks after storing each step,
 replayed them bit for bit, and every claim of <code>zkdv verify --strict</code> holds (attested
@@ -45,17 +42,6 @@ def _badge(state: str) -> str:
   return f"<span class='state {e(state.replace(' ', '-'))}'>{e(state)}</span>"
 
 
-def page(url: Url, title: str, body: str) -> str:
-  """A whole page: the navigation, ``title`` and ``body`` (HTML, escaped by the caller)."""
-  return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{e(title)} · DVBench</title>
-<link rel="stylesheet" href="{e(url('static', path='/style.css'))}"></head><body>
-<nav><a href="{e(url('index'))}">Experiments and proofs</a><a href="{e(url('leaderboard'))}">Leaderboard</a></nav>
-<h1>{e(title)}</h1>
-{body}
-</body></html>"""
-
-
 PAGE_SIZE = 50  # proofs per page of the index
 FAILURE_SUMMARY = 120  # characters of a failure shown in a table
 
@@ -66,12 +52,6 @@ def failure_summary(failure: str | None) -> str:
     return ""
   line = failure.strip().splitlines()[0] if failure.strip() else ""
   return line if len(line) <= FAILURE_SUMMARY else line[:FAILURE_SUMMARY - 1] + "…"
-
-
-def experiment_link(url: Url, full_name: str) -> str:
-  owner, name = full_name.split("/", 1)
-  return (f"<a class='experiment' href='{e(url('experiment_page', owner=owner, name=name))}'>"
-          f"{e(full_name)}</a>")
 
 
 def _proof_rows(url: Url, proofs: list[dict], with_experiment: bool = True,

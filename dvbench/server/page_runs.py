@@ -14,7 +14,7 @@ import time
 import urllib.parse
 
 from dvbench.server import charts
-from dvbench.server import page
+from dvbench.server import page_frame as page
 
 e = html.escape
 MAX_COMPARED = len(charts.RUN_COLORS)  # runs overlaid or compared at once
