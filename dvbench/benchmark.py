@@ -166,6 +166,8 @@ class Benchmark:
         "type": "benchmark", "metric": metric, "higher_is_better": bool(higher_is_better),
         "aggregate": aggregate, "batch_rows": batch_rows, "program": self._put(program),
         "params_layout": [l.to_record() for l in tree_layouts(params)[0]],
+        "reference_params": [self._put(bytes(digest.byte_view(v)))
+                             for v in tree_layouts(params)[1]],
         "data_layout": [l.to_record() for l in data_layouts],
         "data_blobs": [self._put(bytes(digest.byte_view(d))) for d in data],
         "audit": audit, "min_update_check_probability": float(min_update_check_probability),
@@ -257,6 +259,67 @@ def check_program(exported, summary, job: dict) -> None:
     raise ProgramError("its output does not read the batch: a constant, not an evaluation.")
 
 
+def _perturbed(a: np.ndarray, how: str, rng: np.random.Generator) -> np.ndarray:
+  """``a`` changed: "flip" everywhere (ints' low bit flipped, booleans negated, floats
+  ``-a - 1``), "noise" at random (ints' and booleans' low bit flipped in a seeded half of
+  the elements, floats with noise of their own spread)."""
+  if a.dtype.kind in "iub":
+    mask = (np.ones(a.shape, bool) if how == "flip"
+            else rng.integers(0, 2, a.shape).astype(bool))
+    return a ^ mask.astype(a.dtype)
+  f = a.astype(np.float64)
+  new = -f - 1 if how == "flip" else f + rng.normal(size=f.shape) * (np.std(f) + 1)
+  return new.astype(a.dtype)
+
+
+def numeric_checks(run, params: list[np.ndarray] | None, data: list[np.ndarray],
+                   params_layouts, batch_rows: int) -> list[str]:
+  """Runs the evaluation program on the owner's first batch of rows and raises ProgramError
+  unless its outputs change with the params (at the owner's ``params`` and at a perturbed
+  model, so rewarding one weight value fails), change with the batch, and are finite at the
+  owner's params. Returns the checks it ran. ``params``: None draws a seeded model."""
+  rng = np.random.default_rng(0)
+  count = data[0].shape[0]
+  batch = [d[np.arange(batch_rows) % count] for d in data]
+  owner = params is not None
+  if params is None:
+    params = [_perturbed(np.zeros(l.shape, l.dtype), "noise", rng) for l in params_layouts]
+
+  def outputs(ps, rows) -> np.ndarray:
+    device = [arrays.from_host(p, l) for p, l in zip(ps, params_layouts, strict=True)]
+    (out,) = jax.tree.leaves(run(*device, *rows))
+    return np.asarray(out, np.float64)
+
+  def varies(ps, changed) -> bool:
+    base = outputs(ps, batch)
+    return any(not np.array_equal(base, outputs(*c), equal_nan=True) for c in changed)
+
+  base = outputs(params, batch)
+  bad = np.flatnonzero(~np.isfinite(base))
+  if owner and bad.size:
+    raise ProgramError(f"its outputs on rows {bad[:16].tolist()} at the owner's params are "
+                       "not finite (nan or inf): an entry would fail there.")
+  where = "the owner's params" if owner else "a seeded model"
+  moved = [_perturbed(p, "noise", rng) for p in params]
+  for point, name in ((params, where), (moved, "a perturbed model")):
+    candidates = [([_perturbed(p, how, rng) for p in point], batch) for how in ("flip", "noise")]
+    if not varies(point, candidates):
+      raise ProgramError(
+          f"its outputs do not change when the params change, at {name}: it scores "
+          "something other than the checkpoint (a constant, the labels alone)." if name == where
+          else f"its outputs change with the params at {where} but not at a perturbed "
+          "model: it rewards particular weight values, not a model.")
+  changed_batches = [[np.roll(d, 1, axis=0) for d in batch],
+                     [_perturbed(d, "flip", rng) for d in batch],
+                     *([_perturbed(d, "noise", rng) for d in batch] for _ in range(3))]
+  if not varies(params, [(params, b) for b in changed_batches]):
+    raise ProgramError("its outputs do not change when the batch changes: it ignores the rows.")
+  return ["structure: takes the params and a batch, one number per row, reads both",
+          f"params: outputs change with the params at {where} and at a perturbed model",
+          "batch: outputs change with the rows of the batch",
+          *(["finite: every output on the owner's first batch at its params"] if owner else [])]
+
+
 def load_checked_program(folder: pathlib.Path, job: dict):
   """The screened (``replay.load_program``) and checked evaluation program of ``job``."""
   blob = (folder / transcript.BLOBS_DIR / job["program"].hex()).read_bytes()
@@ -284,7 +347,25 @@ def score_rows(job: dict, folder: pathlib.Path) -> np.ndarray:
     rows = (start + np.arange(batch_rows)) % count
     (out,) = jax.tree.leaves(run(*params, *[d[rows] for d in data]))
     outputs.append(np.asarray(out, np.float64)[:min(batch_rows, end - start)])
-  return np.concatenate(outputs).astype(scoring.OUTPUT_DTYPE)
+  outputs = np.concatenate(outputs)
+  bad = first + np.flatnonzero(~np.isfinite(outputs))
+  if bad.size:
+    raise ProgramError(f"its outputs on rows {bad[:16].tolist()} of this checkpoint are not "
+                       "finite (nan or inf); the entry fails rather than favour a model.")
+  return outputs.astype(scoring.OUTPUT_DTYPE)
+
+
+def check_job(folder: pathlib.Path, job: dict) -> list[str]:
+  """Checks ``job``'s evaluation program structurally and numerically (``numeric_checks``)
+  on the owner's rows and params in ``folder/blobs``; the checks it ran."""
+  exported = load_checked_program(folder, job)
+  params_layouts = [digest.LeafLayout.from_record(l) for l in job["params_layout"]]
+  data_layouts = [digest.LeafLayout.from_record(l) for l in job["data_layout"]]
+  data = [_read(folder, b, l) for b, l in zip(job["data_blobs"], data_layouts, strict=True)]
+  params = None if job["reference_params"] is None else [
+      _read(folder, b, l) for b, l in zip(job["reference_params"], params_layouts, strict=True)]
+  return numeric_checks(replay.compile_program(exported), params, data, params_layouts,
+                        job["batch_rows"])
 
 
 def main(argv=None) -> int:
@@ -293,11 +374,12 @@ def main(argv=None) -> int:
   folder = pathlib.Path((argv or sys.argv[1:])[0])
   job = cbor2.loads((folder / "job.cbor").read_bytes())
   try:
+    checks = None
     if job["mode"] == "check":
-      load_checked_program(folder, job)
+      checks = check_job(folder, job)
     else:
       (folder / scoring.OUTPUTS_FILE).write_bytes(score_rows(job, folder).tobytes())
-    print(json.dumps({"failure": None}))
+    print(json.dumps({"failure": None, "checks": checks}))
   except ProgramError as e:
     print(json.dumps({"failure": f"the evaluation program: {e}"}))
   except Exception as e:  # an unusable program or checkpoint fails the entry, never the worker

@@ -2,6 +2,7 @@
 scores in shards, contamination and rows outside a pinned training set block ranking, and
 each attack on a leaderboard is refused with a clear message."""
 
+import html
 import io
 
 import blake3
@@ -15,9 +16,12 @@ from absl.testing import parameterized
 from flax import serialization
 
 import dvbench
+from dvbench import contamination
 from dvbench.benchmark import TrainingSet, export_evaluation
 from dvbench.measurement import tree_layouts
+from dvbench.server import labels
 from tests.dvbench_test import DVBenchTestCase, local_transcript
+from tests.fake_prover import FakeProver
 from tests.measurement_test import Rows, _model, browse, train, tutorial_steps_batch
 from zkdv import merkle
 
@@ -26,13 +30,34 @@ EVAL_ROWS = np.asarray([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1
                         [0, 0, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0], [1, 0, 0, 0, 1]],
                        np.uint32)
 COLUMNS = ["rank", "experiment", "value", "state", "challenged by", "checks replayed", "p",
-           "escape (1 − p)", "start", "program", "contamination", "training set", "proof"]
+           "escape (1 − p)", "start", "program", "contamination", "training set",
+           "owner's attempts", "proof"]
 
 
 def correct(params, batch):
   """Per row: 1.0 when the tiny classifier predicts the label."""
   logits = _model().apply({"params": params}, batch[:, :4])
   return (jnp.argmax(logits, -1) == batch[:, 4].astype(jnp.int32)).astype(jnp.float32)
+
+
+def correct_split(params, batch):
+  """``correct`` for rows given as tokens ``x`` and a separate int32 label ``y``."""
+  logits = _model().apply({"params": params}, batch["x"])
+  return (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+
+
+def split(rows) -> dict:
+  """Rows of 4 tokens and a label as ``{"x": uint32 tokens, "y": int32 labels}``."""
+  return {"x": rows[:, :4], "y": rows[:, 4].astype(np.int32)}
+
+
+# The tutorial, its batch given as tokens and a separate int32 label leaf, every row probed.
+SPLIT_BATCH = (
+    ("for _ in range(", "batch = {'x': batch[:, :4], 'y': batch[:, 4].astype(jnp.int32)}\n"
+     "for _ in range("),
+    ("    tokens = batch[:, :4]\n    labels = batch[:, 4].astype(jnp.int32)",
+     "    tokens, labels = batch['x'], batch['y']"),
+    ("proof.start(probe_ratio=0.5)", "proof.start(probe_ratio=1.0)"))
 
 
 def program_ids(server_url: str, proof_id: str) -> list[str]:
@@ -62,9 +87,28 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     # Checked at p = 0.9, from initial weights no init program attests.
     cls.loose, cls.loose_proof = train(url, "your-name/loose", 3, update_check_probability=0.9,
                                        attested_start=False)
+    # Trained one step further than the honest run: another checkpoint, from the same start.
+    cls.longer, cls.longer_proof = train(url, "your-name/honest-longer", 4)
+    # Attack: mallory's proof starts from the honest run's published final params and
+    # trains one step at learning rate 0: the same checkpoint. (An init program returning
+    # them is refused by the verifier; this start is unattested, its steps verified.)
+    stolen = serialization.msgpack_restore(cls.honest.read_bytes())
+    cls.copy, cls.copy_proof = train(url, "mallory/copy", 1, attested_start=False, edits=(
+        ("Client(API_URL)", "Client(API_URL, token=TOKEN)"),
+        ("state = zkdv.jax.contrib.TrainState.create(",
+         "params = STOLEN\nstate = zkdv.jax.contrib.TrainState.create("),
+        ("optax.adam(1e-2)", "optax.adam(0.0)")),
+        names={"TOKEN": cls.server.token("mallory"), "STOLEN": stolen})
+    cls.split, cls.split_proof = train(url, "your-name/split-labels", 2, edits=SPLIT_BATCH)
+    cls.split_dirty, cls.split_dirty_proof = train(url, "your-name/split-on-eval-set", 2,
+                                                   batch=EVAL_ROWS[:4], edits=SPLIT_BATCH)
     for proof_id, state in ((cls.honest_proof, "verified"), (cls.dirty_proof, "verified"),
-                            (cls.loose_proof, "verified steps")):  # its start is unattested
+                            (cls.loose_proof, "verified steps"),  # its start is unattested
+                            (cls.longer_proof, "verified"), (cls.split_proof, "verified"),
+                            (cls.split_dirty_proof, "verified")):
       assert cls.submitter.wait_for_verdict(proof_id, 120)["state"] == state
+    assert cls.mallory.wait_for_verdict(cls.copy_proof, 120)["state"] in (
+        labels.REPLAYED_STATES), cls.copy_proof
     # The owner allows the training programs it reviewed.
     cls.pinned = sorted({*program_ids(url, cls.honest_proof), *program_ids(url, cls.dirty_proof)})
     cls.params = _model().init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
@@ -88,8 +132,9 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
   def refused(self, status: int, pattern: str):
     return self.assertRaisesRegex(dvbench.errors.ApiError, f"{status}.*{pattern}")
 
-  def raw_submit(self, client, record: dict) -> httpx.Response:
-    return httpx.post(f"{self.server.url}/api/v1/benchmarks/alice/tiny-accuracy/submissions",
+  def raw_submit(self, client, record: dict,
+                 bench: str = "alice/tiny-accuracy") -> httpx.Response:
+    return httpx.post(f"{self.server.url}/api/v1/benchmarks/{bench}/submissions",
                       content=cbor2.dumps(record, canonical=True),
                       headers={"Authorization": f"Bearer {client.token}"})
 
@@ -122,7 +167,8 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertGreater(contaminated["contamination"], 0)
     self.assertEqual(contaminated["outside_training_set"], contaminated["contamination"])
     self.assertEqual(contaminated["unranked_because"], [
-        f"contaminated: {contaminated['contamination']} probed rows are evaluation rows",
+        f"contaminated: {contaminated['contamination']} evaluation examples were probed in its "
+        "training batches",
         f"{contaminated['contamination']} probed rows are outside the registered training set"])
     self.assertTrue(board["your-name/honest"]["strict"])
     for entry in board.values():
@@ -156,6 +202,104 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertIn("<svg class=\"values\"", dom)
     self.assertIn("/benchmarks/alice/tiny-accuracy", httpx.get(
         self.server.url + "/leaderboard").text)
+
+  def test_attack_one_entry_per_proof_and_per_checkpoint(self):
+    bench = self.register(self.owner, "alice/one-entry", min_update_check_probability=0.5,
+                          training_set=self.training_set)
+    proofs = self.training_set.membership_proofs(self.entry.probed_rows(self.honest_proof))
+    first = self.raw_submit(self.submitter, self.honest_record(training_proofs=proofs),
+                            bench.name)
+    self.assertEqual(first.status_code, 201, first.text)
+    # Attack: the same proof again with other submission fields (its membership proofs
+    # left out) is the same entry, not a second rank.
+    again = self.raw_submit(self.submitter, self.honest_record(), bench.name)
+    self.assertEqual((again.status_code, again.json()["id"]), (200, first.json()["id"]))
+    self.entry.wait(first.json()["id"])
+    # Attack: another owner's proof whose checkpoint is the honest run's final params.
+    copy = self.mallory.benchmark(bench.name)
+    with self.refused(409, f"refused: a copy: its checkpoint "
+                      f"{self.checkpoint_of(self.honest_proof)[:16]}… equals the final params "
+                      f"of proof {self.honest_proof} of 'your-name/honest', which closed "
+                      "first; one entry per checkpoint"):
+      copy.submit(self.copy_proof, self.copy, training_set=self.training_set)
+    (entry,) = bench.leaderboard()
+    self.assertEqual((entry["proof_id"], entry["rank"], entry["copy_of"]),
+                     (self.honest_proof, 1, None))
+    self.assertEqual(entry["pins"], {"audit": "min-probability: holds",
+                                     "training_programs": "not pinned", "training_set": "holds"})
+
+  def checkpoint_of(self, proof_id: str) -> str:
+    return httpx.get(f"{self.server.url}/api/v1/proofs/{proof_id}").json()["final_params"]
+
+  def test_attack_ties_share_a_rank_and_attempts_are_shown(self):
+    def predictions(checkpoint):
+      params = serialization.msgpack_restore(checkpoint.read_bytes())
+      logits = _model().apply({"params": params}, jnp.asarray(EVAL_ROWS[:, :4]))
+      return np.asarray(jnp.argmax(logits, -1))
+    # The evaluation rows on which both honest checkpoints predict alike: equal values.
+    alike = predictions(self.honest) == predictions(self.longer)
+    self.assertGreater(alike.sum(), 0)
+    bench = self.register(self.owner, "alice/tied", min_update_check_probability=0.5,
+                          rows=EVAL_ROWS[alike])
+    entry = self.submitter.benchmark(bench.name)
+    for proof_id, checkpoint in ((self.honest_proof, self.honest),
+                                 (self.longer_proof, self.longer)):
+      self.assertEqual(entry.wait(entry.submit(proof_id, checkpoint)["id"])["state"], "scored")
+    board = bench.leaderboard()
+    self.assertEqual([e["value"] for e in board][0], board[1]["value"])
+    self.assertEqual([e["rank"] for e in board], [1, 1])  # not 1, 2 by submission time
+    for e in board:
+      shown = httpx.get(f"{self.server.url}/api/v1/proofs/{e['proof_id']}").json()["attempts"]
+      self.assertEqual(e["attempts"], shown)
+      self.assertGreaterEqual(e["attempts"]["slots"], 4)  # your-name's runs of this test
+    page = httpx.get(f"{self.server.url}/benchmarks/{bench.name}").text
+    self.assertIn(f"title='{html.escape(board[0]['attempts']['summary'], quote=True)}'>"
+                  f"{board[0]['attempts']['slots']}</td>", page)
+
+  def test_contamination_by_whole_example_labels_never_count_alone(self):
+    # A new user's classification benchmark: fresh evaluation tokens, a separate int32 label
+    # leaf (two distinct rows, equal to training labels).
+    labels_apart = self.register(self.owner, "alice/split-labels", evaluate=correct_split,
+                                 rows=split(EVAL_ROWS), min_update_check_probability=0.5)
+    # Whole examples only: every evaluation example twice, so no leaf identifies one alone.
+    repeated = self.register(self.owner, "alice/split-repeated", evaluate=correct_split,
+                             rows=split(np.concatenate([EVAL_ROWS[:4], EVAL_ROWS[:4]])),
+                             min_update_check_probability=0.5)
+    for bench in (labels_apart, repeated):
+      entry = self.submitter.benchmark(bench.name)
+      for proof_id, checkpoint in ((self.split_proof, self.split),
+                                   (self.split_dirty_proof, self.split_dirty)):
+        self.assertEqual(entry.wait(entry.submit(proof_id, checkpoint)["id"])["state"],
+                         "scored")
+    clean = {e["experiment"]: e for e in labels_apart.leaderboard()}
+    self.assertEqual((clean["your-name/split-labels"]["contamination"],
+                      clean["your-name/split-labels"]["rank"]), (0, 1))
+    # Trained on 4 evaluation examples: caught by their tokens (16 distinct bytes a row) ...
+    self.assertEqual(clean["your-name/split-on-eval-set"]["contamination"], 4)
+    # ... and, where no leaf identifies an example, by the whole example.
+    whole = {e["experiment"]: e for e in repeated.leaderboard()}
+    self.assertEqual(whole["your-name/split-labels"]["contamination"], 0)
+    dirty = whole["your-name/split-on-eval-set"]
+    self.assertEqual((dirty["contamination"], dirty["rank"]), (4, None))
+    self.assertIn("contaminated: 4 evaluation examples were probed in its training batches",
+                  dirty["unranked_because"])
+    page = httpx.get(f"{self.server.url}/benchmarks/{repeated.name}").text
+    self.assertIn("unranked: contaminated: 4 evaluation examples were probed", page)
+    # The public digests: every example's, and the rows of identifying leaves only.
+    listed = httpx.get(f"{self.server.url}/api/v1/benchmarks/{labels_apart.name}/rows").json()
+    self.assertLen(listed, 2 * len(EVAL_ROWS))  # 8 examples, 8 token rows; no label rows
+    self.assertNotIn(blake3.blake3(np.int32(1).tobytes()).hexdigest(), listed)
+
+  def test_the_recipe_says_what_it_leaves_open(self):
+    init = "the init: any attested start (an init program of the prover's, proof.init)"
+    self.assertEqual(self.bench.info()["left_open"], [init])  # programs and rows pinned
+    loose = self.submitter.benchmark("alice/any-program").info()["left_open"]
+    self.assertEqual(loose, [
+        init, "the training program: any, and a program may embed up to 65536 bytes of "
+        f"constants (410× the evaluation set's {EVAL_ROWS.nbytes} bytes), unseen by probes",
+        "the training set: probed rows are compared with the evaluation set only"])
+    page = httpx.get(f"{self.server.url}/benchmarks/alice/any-program").text
+    self.assertIn(html.escape(loose[1], quote=True), page)
 
   def test_only_the_owner_writes_a_benchmark_and_names_are_namespaced(self):
     with self.refused(403, "token of 'mallory' cannot write benchmark 'alice/tiny-accuracy'"):
@@ -220,6 +364,41 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
   def test_registration_checks_the_evaluation_program(self, evaluate, message):
     with self.refused(400, f"the evaluation program: {message}"):
       self.register(self.owner, "alice/bad-program", evaluate=evaluate)
+
+  @parameterized.named_parameters(
+      # Attack: 0 * params + 1 reads both structurally, scores 1.0 whatever the checkpoint.
+      ("zero_times_params", lambda params, batch: 0 * jax.tree.leaves(params)[0].sum()
+       + 0 * batch[:, 0] + 1.0, "its outputs do not change when the params change, at the "
+       "owner's params: it scores something other than the checkpoint"),
+      # Attack: the labels alone.
+      ("labels_only", lambda params, batch: (batch[:, 4] == 1).astype(jnp.float32)
+       + 0 * jax.tree.leaves(params)[0].sum(), "its outputs do not change when the params "
+       "change, at the owner's params"),
+      # Attack: a reward for one weight value (the owner's bias), nothing for any model.
+      ("magic_weight", lambda params, batch: (1.0 + correct(params, batch)) * (
+          params["Dense_0"]["bias"][0] == 0.0), "its outputs change with the params at the "
+       "owner's params but not at a perturbed model: it rewards particular weight values"),
+      # An output that is NaN or inf on some of the owner's rows (token 1 set: 1, 3, 5, 6).
+      ("nan_rows", lambda params, batch: correct(params, batch) / (
+          1.0 - batch[:, 1].astype(jnp.float32)),
+       r"its outputs on rows \[1, 3, 5, 6\] at the owner's params are not finite"),
+  )
+  def test_attack_registration_checks_the_program_numerically(self, evaluate, message):
+    self.assertEqual(float(self.params["Dense_0"]["bias"][0]), 0.0)  # the magic value
+    name = f"alice/numerically-bad-{blake3.blake3(message.encode()).hexdigest()[:8]}"
+    with self.refused(400, f"the evaluation program: {message}"):
+      self.register(self.owner, name, evaluate=evaluate)
+
+  def test_registration_says_which_checks_it_ran(self):
+    bench = self.owner.benchmark("alice/checked")
+    registered = bench.register(metric="accuracy", evaluate=correct, params=self.params,
+                                rows=EVAL_ROWS)
+    self.assertEqual(registered["checks_run"], [
+        "structure: takes the params and a batch, one number per row, reads both",
+        "params: outputs change with the params at the owner's params and at a perturbed "
+        "model",
+        "batch: outputs change with the rows of the batch",
+        "finite: every output on the owner's first batch at its params"])
 
   def test_registration_screens_host_callbacks(self):
     def calls_host(params, batch):
@@ -291,24 +470,33 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
       unpinned.submit(self.honest_proof, self.honest, training_set=self.training_set)
 
   def test_unverified_and_self_audited_proofs_are_refused(self):
-    receiving = [p for p in self.submitter.experiment("your-name/honest").proofs()
-                 if p["state"] == "receiving"]
-    self.assertLen(receiving, 1)  # the tutorial's first proof, never finished
+    receiving = FakeProver(self.server.url, self.server.token("your-name"),
+                           "your-name/unfinished").start()
+    receiving.run(steps=1)
     with self.refused(409, "is receiving, not verified"):
-      self.entry.submit(receiving[0]["id"], self.honest)
+      self.entry.submit(receiving.proof_id, self.honest)
     experiment = self.submitter.experiment("your-name/offline")
     offline = experiment.upload(local_transcript(2))
     self.assertEqual(self.submitter.wait_for_verdict(offline, 120)["state"], "self-audited")
-    with self.refused(409, "self-audited, not verified: its prover chose its own checks"):
-      self.entry.submit(offline, self.honest)
+    response = self.raw_submit(self.submitter, self.honest_record(proof_id=offline))
+    self.assertEqual(response.status_code, 409)
+    self.assertIn("self-audited, not verified: its prover chose its own checks",
+                  response.json()["error"])
 
   def test_a_checkpoint_that_is_not_the_proofs_final_params_is_refused(self):
     params = serialization.msgpack_restore(self.honest.read_bytes())
     further = jax.tree.map(lambda p: p - 1e-3, params)  # trained on without a proof
     with self.refused(409, "is not the final_params"):
       self.entry.submit(self.honest_proof, further)
-    with self.refused(409, "checkpoint's leaves"):
-      self.entry.submit(self.honest_proof, {"w": np.zeros(3, np.float32)})
+    for checkpoint, message in ((further, "is not the final_params"),
+                                ({"w": np.zeros(3, np.float32)}, "checkpoint's leaves")):
+      layouts, values = tree_layouts(checkpoint)  # its blobs never uploaded
+      response = self.raw_submit(self.submitter, {
+          "type": "submission", "proof_id": self.honest_proof, "training_proofs": [],
+          "params_layout": [l.to_record() for l in layouts],
+          "params_blobs": [blake3.blake3(np.asarray(v).tobytes()).digest() for v in values]})
+      self.assertEqual(response.status_code, 409)
+      self.assertIn(message, response.json()["error"])
 
   def test_scoring_in_shards_aggregated_by_the_server(self):
     sharded = self.register(self.owner, "alice/sharded", batch_size=3, aggregate="sum")
@@ -352,6 +540,27 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertIn("data-ranked='false' data-strict='false'", page)
     self.assertIn("unranked: the proof does not pass --strict (start: does not hold)", page)
     self.assertIn("<td>unattested</td>", page)
+
+
+class ContaminationTest(absltest.TestCase):
+
+  def test_labels_never_count_alone_and_examples_match_whole(self):
+    tokens = np.arange(32, dtype=np.uint32).reshape(8, 4)  # 16 distinct bytes a row
+    labels = np.asarray([0, 1] * 4, np.int32)
+    as_rows = lambda a: a.reshape(len(a), -1).view(np.uint8)  # pylint: disable=g-long-lambda
+    found = contamination.evaluation_digests([as_rows(tokens), as_rows(labels)])
+    label_digests = {blake3.blake3(l.tobytes()).hexdigest() for l in labels}
+    self.assertFalse(label_digests & set(found))
+    self.assertEqual(set(found.values()), set(range(8)))
+    self.assertLen(found, 16)  # every example's digest and every token row's
+    # A probe of tokens row 2 (single rows) and of labels group 0 (rows 0-3, one blob each).
+    digest_of = lambda a: blake3.blake3(a.tobytes()).digest()  # pylint: disable=g-long-lambda
+    record = {"type": "check", "kind": "probe", "probes": [
+        [0, 2, digest_of(tokens[2]), []], [1, 0, [digest_of(l) for l in labels[:4]], []]]}
+    (example,) = contamination.probed_examples(record)
+    self.assertEqual(found[example], 2)
+    self.assertEqual(contamination.probed_examples({**record, "probes": record["probes"][:1]}),
+                     set())  # one leaf probed: its rows are the probed rows
 
 
 class TrainingSetTest(absltest.TestCase):

@@ -28,12 +28,15 @@ EVAL_BATCHES = [np.asarray(np.random.default_rng(i).integers(0, 2, (4, 5)), np.u
 
 def train(server_url: str, experiment: str, steps: int, batch=None,
           update_check_probability: float = 1.0,
-          attested_start: bool = True) -> tuple[pathlib.Path, str]:
+          attested_start: bool = True, edits: tuple[tuple[str, str], ...] = (),
+          names: dict | None = None) -> tuple[pathlib.Path, str]:
   """The tutorial (with data probes and every step checked); returns (checkpoint, proof id).
 
   ``batch``: rows (uint32, 4 tokens and a label) trained on instead of the tutorial's.
   ``attested_start``: the one-line change ``model.init(...)`` -> ``proof.init(model.init,
-  ...)`` that attests the initial params.
+  ...)`` that attests the initial params. ``edits``: further ``(old, new)`` replacements of
+  the code, which runs with ``names`` defined, e.g. ``(("Client(API_URL)",
+  "Client(API_URL, token=TOKEN)"),)`` with ``{"TOKEN": ...}``.
   """
   code = tutorial_steps.STEPS_2_TO_6
   if batch is not None:  # row for row, so that no line moves (programs record locations)
@@ -49,11 +52,14 @@ def train(server_url: str, experiment: str, steps: int, batch=None,
           .replace("for _ in range(10):", f"for _ in range({steps}):"))
   if attested_start:
     code = code.replace("params = model.init(", "params = proof.init(model.init, ")
+  for old, new in edits:
+    assert old in code, old
+    code = code.replace(old, new)
   workdir = pathlib.Path(tempfile.mkdtemp())
   cwd = os.getcwd()
   os.chdir(workdir)
   try:
-    namespace = {"API_URL": server_url}
+    namespace = {"API_URL": server_url, **(names or {})}
     exec(compile(code, "tutorial", "exec"), namespace)  # pylint: disable=exec-used
   finally:
     os.chdir(cwd)

@@ -27,7 +27,7 @@ def _benchmark(store, aggregate: str = "mean", rows: int = 5) -> dict:
       "full_name": "bob/bench", "metric": "accuracy", "higher_is_better": True,
       "aggregate": aggregate, "program": "00" * 32, "rows": rows,
       "min_update_check_probability": 0.5, "allowed_programs": None, "public_rows": False,
-      "definition": b"registered"}, {"ee" * 32})
+      "definition": b"registered"}, {"ee" * 32: 0})
 
 
 def _outputs(values) -> bytes:

@@ -29,6 +29,7 @@ import json
 import cbor2
 from starlette.exceptions import HTTPException
 
+from dvbench import contamination
 from dvbench import transport
 from dvbench.server.decoding import decode
 from zkdv import challenge
@@ -93,6 +94,7 @@ class Ingest:
     self.steps_seen: list[int] = []
     self.refs: set[str] = set()
     self.probes: set[str] = set()
+    self.examples: set[str] = set()  # whole examples probed (dvbench.contamination)
     self._open_segment: int | None = None  # stored steps after the last post_state
     self._rules = {"root": self._refuse_root, "step": self._check_step,
                    "check": self._check_answer, "resume": self._check_resume,
@@ -128,6 +130,7 @@ class Ingest:
     self.stored += 1
     self.refs |= transport.blob_refs(record)
     self.probes |= transport.probe_blobs(record)
+    self.examples |= contamination.probed_examples(record)
 
   def ack(self) -> dict:
     """Writes what was appended; the acknowledgement with the challenges of its steps."""
@@ -135,6 +138,7 @@ class Ingest:
     self._new = []
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
     self.store.add_probes(self.conn, self.proof_id, self.probes)
+    self.store.add_probe_examples(self.conn, self.proof_id, self.examples)
     rows = self.store.challenges_of(self.conn, self.proof_id, set(self.steps_seen))
     return {"stored": self.stored, "duplicates": self.duplicates,
             "challenges": [{"step": r["step"], "record_id": r["record_id"].hex(),

@@ -28,10 +28,10 @@ import sqlalchemy as sa
 
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
-    MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, benchmarks, blob_refs, challengers, challenges, checks, chunks,
-    eval_rows, eval_sets, experiments, jobs, measurements, metadata, owners, probes, proof_blobs,
-    proof_claims, proofs, receipts, records, schema_migrations, score_shards, settings, slots,
-    streams, submissions, tokens)
+    MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
+    benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
+    measurements, metadata, owners, probes, proof_blobs, proof_claims, proofs, receipts, records,
+    schema_migrations, score_shards, settings, slots, streams, submissions, tokens)
 from dvbench.server import store_benchmarks
 from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
@@ -106,6 +106,13 @@ def _add_columns(conn, columns: dict[str, tuple[str, ...]]) -> None:
                              f"{column.type.compile(conn.dialect)}"))
 
 
+def _migration_8(conn) -> None:
+  """Evaluation digests know their example; probed whole examples are kept."""
+  _add_columns(conn, MIGRATION_8_COLUMNS)
+  for table in MIGRATION_8_TABLES:
+    table.create(conn, checkfirst=True)
+
+
 def _migration_6(conn) -> None:
   """Jobs know their owner (fair queue), heartbeat and why an attempt ended; tokens have
   names, expiry and revocation. Tokens made before get the name ``OWNER-ID``."""
@@ -146,7 +153,7 @@ def run_columns(root) -> dict:
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
                                           (5, _migration_5), (6, _migration_6),
-                                          (7, _migration_7)]
+                                          (7, _migration_7), (8, _migration_8)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,

@@ -242,7 +242,8 @@ _COLUMNS = (("rank", "rank"), ("experiment", "experiment"), ("value", "value"),
             ("checks_replayed", "checks replayed"), ("update_check_probability", "p"),
             ("escape_probability", "escape (1 − p)"), ("start_attested", "start"),
             ("program_pinned", "program"), ("contamination", "contamination"),
-            ("outside_training_set", "training set"), ("proof", "proof"))
+            ("outside_training_set", "training set"), ("attempts", "owner's attempts"),
+            ("proof", "proof"))
 
 
 def _entry(url: Url, r: dict) -> str:
@@ -272,9 +273,17 @@ def _entry(url: Url, r: dict) -> str:
           f"<td class='num'>{r['escape_probability']:.3g}</td>"
           f"<td>{'attested' if r['start_attested'] else 'unattested'}</td>"
           f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}{programs}</td><td>{dirty}</td>"
-          f"<td>{training}</td>"
+          f"<td>{training}</td>{_attempts_cell(r['attempts'])}"
           f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'><code>"
           f"{e(r['proof_id'][:12])}…</code></a></td></tr>")
+
+
+def _attempts_cell(attempts: dict | None) -> str:
+  """The owner's proof slots, what became of them in the title (``attempts.describe``)."""
+  if not attempts:
+    return "<td>—</td>"
+  return (f"<td class='num attempts' title='{e(attempts['summary'])}'>{attempts['slots']}"
+          f"</td>")
 
 
 def _training_set(pin: dict | None) -> str:
@@ -305,12 +314,15 @@ def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> s
  {bench['min_update_check_probability']:g}</td></tr>
 <tr><th>training programs</th><td>{'pinned: ' + ', '.join(e(p[:16]) + '…' for p in pins)
  if pins is not None else 'not pinned (any)'}</td></tr>
-<tr><th>training set</th><td>{_training_set(bench['training_set'])}</td></tr></table>
-<p>Ranked: scored by the server, the proof passes <code>zkdv verify --strict</code> (server
-challenges, exact replays, an attested start, a program whose update reads the batch, probes),
-no probed training row is in the evaluation set and, where a training set is registered,
-every probed row is proven (Merkle) to be in it. Any other entry is shown with what it lacks
-and not ranked.</p>
+<tr><th>training set</th><td>{_training_set(bench['training_set'])}</td></tr>
+<tr><th>left open by the recipe</th><td id="left-open">{'<br>'.join(
+    e(text) for text in bench['left_open']) or 'nothing'}</td></tr></table>
+<p>Ranked: scored by the server, not a copy (one entry per proof and per checkpoint: a
+checkpoint equal to the final params of a proof that closed earlier is that proof's), the proof
+passes <code>zkdv verify --strict</code> (server challenges, exact replays, an attested start, a
+program whose update reads the batch, probes), no probed training example is in the evaluation
+set and, where a training set is registered, every probed row is proven (Merkle) to be in it.
+Equal values share a rank. Any other entry is shown with what it lacks and not ranked.</p>
 {_bars([r for r in entries if r['ranked']])}
 <table class="leaderboard" data-benchmark="{e(bench['name'])}"><tr>{heads}</tr>
 {''.join(_entry(url, r) for r in entries)}</table>""")

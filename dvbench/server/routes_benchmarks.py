@@ -10,7 +10,6 @@ Example::
 """
 
 import json
-import math
 import pathlib
 import re
 import sys
@@ -25,7 +24,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from dvbench import contamination
 from dvbench.server import labels
+from dvbench.server import leaderboard
 from dvbench.server import sandbox
 from dvbench import scoring
 from dvbench.server import worker
@@ -33,13 +34,15 @@ from dvbench.server.paging import next_link, page_params, paged
 from dvbench.server.decoding import decode
 from dvbench.server.refusals import MAX_COLUMN_INT, int_param
 from dvbench.server.service import HEX_ID, NAME, Service, check_name
+from zkdv import config
 from zkdv import digest
 from zkdv import merkle
 
 _DEFINITION = {"type", "metric", "higher_is_better", "aggregate", "batch_rows", "program",
                "params_layout", "data_layout", "data_blobs", "min_update_check_probability",
                "allowed_programs", "public_rows"}
-_DEFINITION_ADDED = {"audit", "training_set"}  # absent from definitions registered before them
+# absent from definitions registered before them
+_DEFINITION_ADDED = {"audit", "training_set", "reference_params"}
 _SUBMISSION = {"type", "proof_id", "params_layout", "params_blobs", "training_proofs"}
 # The audit levels a benchmark may require; each names the check of a submitted proof in
 # ``BenchmarkRoutes``. "full-replay": the server's workers re-executed every step of the
@@ -52,7 +55,7 @@ _CHECKED_PROGRAMS = 1024  # (program, signature) pairs remembered as checked
 # The leaderboard columns a client may sort by (``?sort=``); unranked entries have no rank.
 SORTS = ("rank", "value", "experiment", "state", "challenger", "checks_replayed",
          "update_check_probability", "escape_probability", "start_attested", "program_pinned",
-         "contamination", "outside_training_set", "submitted")
+         "contamination", "outside_training_set", "attempts", "submitted")
 _STATE_REASONS = {
     "self-audited": "its prover chose its own checks (detects faults, not a dishonest prover)",
     "unchallenged": "the server chose no update check in it, so nothing was replayed",
@@ -133,12 +136,19 @@ def parse_definition(body: bytes) -> dict:
   if type(rows) is not int or not 0 < rows <= count:
     raise _bad("batch_rows", f"an int in [1, {count}] (the rows of one evaluation call).")
   allowed = record["allowed_programs"]
+  params_layout = _layouts(record["params_layout"], "params_layout")
+  reference = record.get("reference_params")
+  if reference is not None:
+    reference = _digests(reference, "reference_params")
+    if len(reference) != len(params_layout):
+      raise _bad("reference_params", "null or one blob per params_layout leaf (the owner's "
+                 "params, on which the program is checked numerically).")
   return {"metric": record["metric"], "higher_is_better": record["higher_is_better"],
           "aggregate": record["aggregate"], "public_rows": record["public_rows"],
           "audit": audit, "training_set": _training_set(record.get("training_set")),
           "min_update_check_probability": p, "batch_rows": rows, "rows": count,
           "program": _digest(record["program"], "program"),
-          "params_layout": _layouts(record["params_layout"], "params_layout"),
+          "params_layout": params_layout, "reference_params": reference,
           "data_layout": data_layouts,
           "data_blobs": _digests(record["data_blobs"], "data_blobs"),
           "allowed_programs": None if allowed is None else _digests(allowed, "allowed_programs")}
@@ -189,17 +199,17 @@ def _leaves(layouts: list[digest.LeafLayout]) -> str:
   return f"[{shown}{', …' if len(layouts) > 8 else ''}]"
 
 
-def row_digests(path, layout: digest.LeafLayout) -> set[str]:
-  """BLAKE3 of each row's bytes (as probes hash a batch row), e.g. ``row_digests(p, l)``."""
-  data = np.fromfile(path, np.uint8).reshape(layout.shape[0], -1)
-  return {blake3.blake3(row.tobytes()).hexdigest() for row in data}
+def leaf_rows(path, layout: digest.LeafLayout) -> np.ndarray:
+  """A stored leaf's rows as ``(rows, bytes per row)`` uint8, e.g. ``leaf_rows(p, l)``."""
+  return np.fromfile(path, np.uint8).reshape(layout.shape[0], -1)
 
 
 class BenchmarkRoutes:
 
   def __init__(self, service: Service):
     self.service, self.store, self.blobs = service, service.store, service.blobs
-    self._checked_programs: dict[bytes, None] = {}  # insertion-ordered, oldest first
+    # the checks each checked job ran; insertion-ordered, oldest first
+    self._checked_programs: dict[bytes, list[str]] = {}
 
   def _owned(self, request) -> str:
     """``owner/name`` of the path, after checking the token is the owner's (403)."""
@@ -266,22 +276,26 @@ class BenchmarkRoutes:
         if existing["definition"] != body:
           raise HTTPException(409, f"benchmark '{full}' is registered and cannot change, so "
                               "its scores stay comparable; register a new name.")
-        return existing, 200
-      refs = [spec["program"], *spec["data_blobs"]]
+        return existing, 200, None
+      refs = [spec["program"], *spec["data_blobs"], *(spec["reference_params"] or [])]
       missing = [d.hex() for d in refs if not self.store.has_benchmark_blob(full, d.hex())]
       if missing:
         raise HTTPException(409, f"{len(missing)} blobs were not uploaded for '{full}' (first "
                             f"{missing[0]}); PUT them to .../blobs/DIGEST first.")
       if len(spec["data_blobs"]) != len(spec["data_layout"]):
         raise _bad("data_blobs", "one blob per data_layout leaf.")
-      rows = set()
+      leaves = []
       for blob, layout in zip(spec["data_blobs"], spec["data_layout"]):
         path = self.blobs.path(blob.hex())
         if path.stat().st_size != layout.nbytes:
           raise _bad("data_blobs", f"blob {blob.hex()} holds {path.stat().st_size} bytes; its "
                      f"layout needs {layout.nbytes}.")
-        rows |= row_digests(path, layout)
-      self._check_program(spec)
+        leaves.append(leaf_rows(path, layout))
+      for blob, layout in zip(spec["reference_params"] or [], spec["params_layout"]):
+        if self.blobs.path(blob.hex()).stat().st_size != layout.nbytes:
+          raise _bad("reference_params", f"blob {blob.hex()} is not {layout.nbytes} bytes, "
+                     f"the size of params leaf {layout.path}.")
+      checks = self._check_program(spec)
       allowed = spec["allowed_programs"]
       row = {"full_name": full, "metric": spec["metric"],
              "higher_is_better": spec["higher_is_better"], "aggregate": spec["aggregate"],
@@ -290,27 +304,33 @@ class BenchmarkRoutes:
              "allowed_programs": None if allowed is None else json.dumps(
                  sorted(p.hex() for p in allowed)),
              "public_rows": spec["public_rows"], "definition": body}
-      return self.store.create_benchmark(full.split("/")[0], row, rows), 201
-    row, status = await run_in_threadpool(register)
-    return JSONResponse(public_benchmark(row), status_code=status)
+      return self.store.create_benchmark(full.split("/")[0], row, contamination.evaluation_digests(
+          leaves)), 201, checks
+    row, status, *checks = await run_in_threadpool(register)
+    return JSONResponse({**public_benchmark(row), "checks_run": checks[0] if checks else None},
+                        status_code=status)
 
-  def _check_program(self, spec: dict) -> None:
+  def _check_program(self, spec: dict) -> list[str]:
     """400 naming what is wrong with the evaluation program, checked in a limited child
-    process as uploaded programs always are (``dvbench.benchmark.check_program``): it
+    process as uploaded programs always are (``dvbench.benchmark.check_job``): it
     deserializes, passes the StableHLO screen, takes the params and a batch, returns one
-    number per row and reads both."""
+    number per row and reads both; on the owner's rows its outputs change with the params
+    (at the owner's params and a perturbed model) and with the batch, and are finite.
+    Returns the checks it ran."""
     size = self.blobs.path(spec["program"].hex()).stat().st_size
     if size > _MAX_PROGRAM_BYTES:
       raise _bad("program", f"at most {_MAX_PROGRAM_BYTES >> 20} MiB, got {size} bytes.")
     job = {"mode": "check", "program": spec["program"], "batch_rows": spec["batch_rows"],
            "params_layout": [l.to_record() for l in spec["params_layout"]],
-           "data_layout": [l.to_record() for l in spec["data_layout"]]}
+           "data_layout": [l.to_record() for l in spec["data_layout"]],
+           "data_blobs": spec["data_blobs"], "reference_params": spec["reference_params"]}
     key = blake3.blake3(cbor2.dumps(job, canonical=True)).digest()
     if key in self._checked_programs:
-      return
+      return self._checked_programs[key]
+    blobs = [spec["program"], *spec["data_blobs"], *(spec["reference_params"] or [])]
     data = self.blobs.folder.parent.resolve()  # the child works elsewhere: absolute paths
     with tempfile.TemporaryDirectory(prefix="program-", dir=data) as work:
-      folder = worker.child_folder(pathlib.Path(work), self.blobs, [spec["program"].hex()])
+      folder = worker.child_folder(pathlib.Path(work), self.blobs, [b.hex() for b in blobs])
       (folder / "job.cbor").write_bytes(cbor2.dumps(job))
       seconds = min(self.service.time_limit, 600)
       limits = worker.Limits(self.service.memory_bytes, seconds, isolation=sandbox.available(),
@@ -322,9 +342,10 @@ class BenchmarkRoutes:
     if failure:
       raise HTTPException(400, failure if failure.startswith("the evaluation program") else
                           f"the evaluation program could not be checked: {failure}")
-    self._checked_programs[key] = None
+    self._checked_programs[key] = result["checks"]
     if len(self._checked_programs) > _CHECKED_PROGRAMS:
       del self._checked_programs[next(iter(self._checked_programs))]
+    return result["checks"]
 
   async def get_benchmark(self, request):
     row = await run_in_threadpool(self._benchmark_or_404, request)
@@ -352,14 +373,17 @@ class BenchmarkRoutes:
       self._check_audit(bench, definition, proof)
       self._check_checkpoint(definition, proof, spec)
       members = self._training_members(bench, definition, proof, spec["training_proofs"])
-      submission_id = blake3.blake3(bench["full_name"].encode() + b"\0" + body).hexdigest()
+      existing = self.store.benchmark_submission(bench["id"], proof["id"])
+      # One entry per (benchmark, proof): another encoding of the same submission is it.
+      submission_id = existing["id"] if existing else blake3.blake3(
+          bench["full_name"].encode() + b"\0" + proof["id"].encode()).hexdigest()
       shards = scoring.shard_ranges(definition["rows"], definition["batch_rows"],
                                     self.service.score_shard_rows)
       return self.store.add_submission({"id": submission_id, "benchmark_id": bench["id"],
                                         "proof_id": proof["id"], "record": body},
-                                       shards, members)
-    row = await run_in_threadpool(submit)
-    return JSONResponse(public_submission(row), status_code=201)
+                                       shards, members), 200 if existing else 201
+    row, status = await run_in_threadpool(submit)
+    return JSONResponse(leaderboard.public_submission(row), status_code=status)
 
   def _check_audit(self, bench: dict, definition: dict, proof: dict) -> None:
     """409 unless the proof's audit meets the benchmark's (state, audit level, programs)."""
@@ -394,7 +418,7 @@ class BenchmarkRoutes:
   def _check_programs(self, bench: dict, proof: dict) -> None:
     if bench["allowed_programs"] is not None:
       allowed = set(json.loads(bench["allowed_programs"]))
-      used = set(training_programs(self.store, proof["id"]))
+      used = set(leaderboard.training_programs(self.store, proof["id"]))
       if not used or not used <= allowed:
         raise HTTPException(409, f"proof {proof['id']} trained with programs "
                             f"{sorted(p[:16] for p in used - allowed)} that "
@@ -417,6 +441,10 @@ class BenchmarkRoutes:
     if missing:
       raise HTTPException(409, f"{len(missing)} checkpoint blobs were not uploaded for proof "
                           f"{proof['id']} (first {missing[0]}).")
+    first = leaderboard.copy_of(self.store, proof)
+    if first is not None:
+      raise HTTPException(409, f"refused: {leaderboard.copy_reason(checkpoint.hex(), first)}; "
+                          "one entry per checkpoint, the first proof's.")
 
   def _training_members(self, bench: dict, definition: dict, proof: dict,
                         entries: list) -> list[str]:
@@ -454,7 +482,8 @@ class BenchmarkRoutes:
       row = self.store.submission(request.path_params["submission_id"])
       if row is None:
         raise HTTPException(404, "unknown submission.")
-      return {**public_submission(row), "shards": self.store.shard_progress(row["id"])}
+      return {**leaderboard.public_submission(row),
+              "shards": self.store.shard_progress(row["id"])}
     return JSONResponse(await run_in_threadpool(submission))
 
   async def get_leaderboard(self, request):
@@ -464,7 +493,9 @@ class BenchmarkRoutes:
     start = int_param({"after": after}, "after", 0, MAX_COLUMN_INT, default=0)
 
     def board():
-      return leaderboard_entries(self.store, self._benchmark_or_404(request), sort)
+      bench = self._benchmark_or_404(request)
+      return leaderboard.leaderboard_entries(self.store, bench,
+                                             parse_definition(bench["definition"]), sort)
     entries = await run_in_threadpool(board)
     more = start + limit < len(entries)
     return JSONResponse(entries[start:start + limit],
@@ -475,6 +506,23 @@ def sort_key(sort: str) -> str:
   if sort not in SORTS:
     raise HTTPException(400, f"sort is one of {list(SORTS)}, got {sort[:40]!r}.")
   return sort
+
+
+def left_open(definition: dict, allowed_programs) -> list[str]:
+  """What a benchmark's recipe does not pin, and what that lets a run do unseen."""
+  eval_bytes = sum(l.nbytes for l in definition["data_layout"])
+  budget = config.MAX_PROGRAM_CONSTANT_BYTES
+  open_ = ["the init: any attested start (an init program of the prover's, proof.init)"]
+  if allowed_programs is None:
+    open_.append(
+        f"the training program: any, and a program may embed up to {budget} bytes of "
+        f"constants ({budget / max(eval_bytes, 1):.3g}× the evaluation set's {eval_bytes} "
+        "bytes), unseen by probes" if budget >= eval_bytes else
+        f"the training program: any, and a program may embed up to {budget} bytes of "
+        f"constants, {budget / eval_bytes:.3g} of the evaluation set's {eval_bytes} bytes")
+  if definition["training_set"] is None:
+    open_.append("the training set: probed rows are compared with the evaluation set only")
+  return open_
 
 
 def public_benchmark(row: dict) -> dict:
@@ -488,92 +536,8 @@ def public_benchmark(row: dict) -> dict:
           "min_update_check_probability": row["min_update_check_probability"],
           "allowed_programs": None if row["allowed_programs"] is None else json.loads(
               row["allowed_programs"]),
-          "public_rows": row["public_rows"], "created_at": row["created_at"]}
-
-
-def public_submission(row: dict) -> dict:
-  return {k: row[k] for k in ("id", "proof_id", "state", "value", "failure", "created_at",
-                              "updated_at")}
-
-
-def audit(store, proof_id: str) -> dict:
-  """What a benchmark entry's proof shows: who challenged, checks replayed, p, 1 − p, start."""
-  proof = store.proof(proof_id)
-  checks = store.proof_checks(proof_id)
-  summary = labels.challenge_summary(proof, store.challenger(proof_id),
-                                     store.challenge_rows(proof_id), checks,
-                                     claims=store.proof_claims(proof_id))
-  return {"challenger": summary["challenger"],
-          "checks_replayed": summary["server_challenges"]["update_replayed"],
-          "update_check_probability": summary["update_check_probability"],
-          "escape_probability": summary["escape_probability_one_faked_step"],
-          "full_replay": summary["full_replay"],
-          "start_attested": any(c["kind"] == "start" and c["status"] == "verified"
-                                for c in checks),
-          "proof_state": proof["state"], "steps": proof["steps"], **_strictness(store, proof_id)}
-
-
-def _strictness(store, proof_id: str) -> dict:
-  """Whether the proof passed ``zkdv verify --strict`` on the server, and what it lacks."""
-  shown = store.proof_claims(proof_id) or {"claims": {}, "strict": False}
-  unmet = [f"{name}: {status}" for name, status in shown["claims"].items()
-           if status != "holds" and name != labels.FULL_REPLAY]
-  return {"strict": shown["strict"], "unmet_claims": unmet or (
-      [] if shown["strict"] else ["replays: not exact"])}
-
-
-def training_programs(store, proof_id: str) -> list[str]:
-  """The hex ids of the update programs a proof's steps ran, in record order."""
-  return [decode(r, "a stored program record")["program_id"].hex()
-          for r in store.records_of_kind(proof_id, "program")]
-
-
-def _unranked_because(entry: dict, audit_level: str) -> list[str]:
-  """Why a leaderboard entry is not ranked; empty when it is."""
-  reasons = [] if entry["state"] == "scored" else [f"not scored ({entry['state']})"]
-  if audit_level == "full-replay" and not entry["full_replay"]:
-    reasons.append("the benchmark requires a full replay; this proof was not fully replayed")
-  if entry["contamination"]:
-    reasons.append(f"contaminated: {entry['contamination']} probed rows are evaluation rows")
-  if entry["outside_training_set"]:
-    reasons.append(f"{entry['outside_training_set']} probed rows are outside the registered "
-                   "training set")
-  if not entry["strict"]:
-    reasons.append(f"the proof does not pass --strict ({'; '.join(entry['unmet_claims'])})")
-  return reasons
-
-
-def leaderboard_entries(store, bench: dict, sort: str = "rank") -> list[dict]:
-  """Every submission with its audit; ranked: scored, its proof passed ``--strict`` (every
-  claim holds: server challenges, exact replays, attested start, a program that reads the
-  batch, probes), no probed row is in the evaluation set and, where the benchmark pins a
-  training set, every probed row is a proven member of it."""
-  dirty = store.benchmark_contamination(bench["id"])
-  definition = parse_definition(bench["definition"])
-  pinned_rows = definition["training_set"] is not None
-  outside = store.training_outside(bench["id"]) if pinned_rows else {}
-  entries = []
-  for s in store.list_submissions(bench["id"]):
-    entry = {**public_submission(s), "experiment": s["experiment"],
-             **audit(store, s["proof_id"]),
-             "program_pinned": bench["allowed_programs"] is not None,
-             "training_programs": training_programs(store, s["proof_id"]),
-             "contamination": dirty.get(s["proof_id"], 0),
-             "training_set_pinned": pinned_rows,
-             "outside_training_set": outside.get(s["proof_id"], 0) if pinned_rows else None,
-             "rank": None}
-    entry["unranked_because"] = _unranked_because(entry, definition["audit"])
-    entry["ranked"] = not entry["unranked_because"]
-    entries.append(entry)
-  sign = -1 if bench["higher_is_better"] else 1
-  ranked = sorted((e for e in entries if e["ranked"]), key=lambda e: sign * e["value"])
-  for i, e in enumerate(ranked):
-    e["rank"] = i + 1
-  keys = {"rank": lambda e: e["rank"] or math.inf,
-          "value": lambda e: math.inf if e["value"] is None else sign * e["value"],
-          "outside_training_set": lambda e: e["outside_training_set"] or 0,
-          "submitted": lambda e: e["created_at"]}
-  return sorted(entries, key=keys.get(sort, lambda e: e[sort]))
+          "public_rows": row["public_rows"], "created_at": row["created_at"],
+          "left_open": left_open(definition, row["allowed_programs"])}
 
 
 def benchmark_routes(service: Service) -> list[Route]:

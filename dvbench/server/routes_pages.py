@@ -19,6 +19,7 @@ from starlette.routing import Route
 from dvbench.server import attempts
 from dvbench.server import labels
 from dvbench.server import page
+from dvbench.server import leaderboard
 from dvbench.server import page_runs
 from dvbench.server import routes_benchmarks
 from dvbench.server import run_view
@@ -158,7 +159,8 @@ class PageRoutes:
       bench = self.store.benchmark(full)
       if bench is None:
         raise HTTPException(404, f"unknown benchmark '{full}'.")
-      entries = routes_benchmarks.leaderboard_entries(self.store, bench, sort)
+      entries = leaderboard.leaderboard_entries(
+          self.store, bench, routes_benchmarks.parse_definition(bench["definition"]), sort)
       return page.benchmark(_url(request), routes_benchmarks.public_benchmark(bench), entries,
                             sort, routes_benchmarks.SORTS)
     return HTMLResponse(await run_in_threadpool(gather))

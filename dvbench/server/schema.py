@@ -222,10 +222,11 @@ benchmark_blobs = sa.Table(  # blobs uploaded by a benchmark's owner for it
     sa.Column("benchmark", sa.String(400), primary_key=True),  # owner/name
     sa.Column("digest", sa.String(64), primary_key=True))
 
-benchmark_rows = sa.Table(  # BLAKE3 of each evaluation row of each leaf, computed by the server
+benchmark_rows = sa.Table(  # the digests identifying evaluation examples (dvbench.contamination)
     "benchmark_rows", metadata,
     sa.Column("benchmark_id", sa.Integer, sa.ForeignKey("benchmarks.id"), primary_key=True),
-    sa.Column("digest", sa.String(64), primary_key=True))
+    sa.Column("digest", sa.String(64), primary_key=True),
+    sa.Column("example", sa.Integer))  # its example's index (migration 8; None before)
 
 submissions = sa.Table(
     "submissions", metadata,
@@ -289,3 +290,14 @@ MIGRATION_5_TABLES = (score_shards, training_members)
 MIGRATION_6_COLUMNS = {"tokens": ("name", "expires_at", "revoked_at"),
                        "jobs": ("owner", "started_at", "heartbeat_at", "failure")}
 MIGRATION_7_COLUMNS = {"proofs": ("run_name", "tags", "ended_at")}
+
+# -- migration 8: whole examples (dvbench.contamination) --------------------------------
+
+MIGRATION_8_COLUMNS = {"benchmark_rows": ("example",)}
+
+probe_examples = sa.Table(  # whole examples probes opened (dvbench.contamination.probed_examples)
+    "probe_examples", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+MIGRATION_8_TABLES = (probe_examples,)

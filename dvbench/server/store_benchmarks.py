@@ -15,8 +15,8 @@ import sqlalchemy as sa
 
 from dvbench import scoring
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
-                                   probes, proofs, records, score_shards, submissions,
-                                   training_members)
+                                   probe_examples, probes, proofs, records, score_shards,
+                                   submissions, training_members)
 from dvbench.server.store_custody import add_held_blob, has_held_blob
 
 # "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
@@ -49,8 +49,10 @@ class BenchmarkQueries:
       return [dict(r) for r in conn.execute(
           sa.select(benchmarks).order_by(benchmarks.c.full_name)).mappings()]
 
-  def create_benchmark(self, owner: str, row: dict, row_digests: set[str]) -> dict:
-    """Registers ``row`` (with its rows' digests) unless the name exists; returns the stored one."""
+  def create_benchmark(self, owner: str, row: dict, row_digests: dict[str, int]) -> dict:
+    """Registers ``row`` with the digests identifying its examples (``{digest: example}``,
+    ``dvbench.contamination.evaluation_digests``) unless the name exists; returns the
+    stored one."""
     with self.engine.begin() as conn:
       existing = conn.execute(sa.select(benchmarks).where(
           benchmarks.c.full_name == row["full_name"])).mappings().first()
@@ -59,8 +61,9 @@ class BenchmarkQueries:
       owner_id = self._owner_id(conn, owner, create=True)
       benchmark_id = conn.execute(benchmarks.insert().values(
           **row, owner_id=owner_id, created_at=time.time())).inserted_primary_key[0]
-      conn.execute(benchmark_rows.insert(), [{"benchmark_id": benchmark_id, "digest": d}
-                                             for d in sorted(row_digests)])
+      conn.execute(benchmark_rows.insert(), [
+          {"benchmark_id": benchmark_id, "digest": d, "example": row_digests[d]}
+          for d in sorted(row_digests)])
       return dict(conn.execute(sa.select(benchmarks).where(
           benchmarks.c.id == benchmark_id)).mappings().first())
 
@@ -70,12 +73,26 @@ class BenchmarkQueries:
           benchmark_rows.c.benchmark_id == benchmark_id).order_by(benchmark_rows.c.digest))]
 
   def benchmark_contamination(self, benchmark_id: int) -> dict[str, int]:
-    """Per proof: distinct probed training rows equal to an evaluation row of the benchmark."""
-    query = (sa.select(probes.c.proof_id, sa.func.count())
-             .select_from(probes.join(benchmark_rows, benchmark_rows.c.digest == probes.c.digest))
-             .where(benchmark_rows.c.benchmark_id == benchmark_id).group_by(probes.c.proof_id))
+    """Per proof: the distinct evaluation examples of the benchmark that a probe opened,
+    whole or by an identifying row (``dvbench.contamination``)."""
+    opened = sa.union_all(sa.select(probes.c.proof_id, probes.c.digest),
+                          sa.select(probe_examples.c.proof_id, probe_examples.c.digest)
+                          ).subquery()
+    row = benchmark_rows.c
+    example = sa.func.coalesce(sa.cast(row.example, sa.String), row.digest)
+    query = (sa.select(opened.c.proof_id, sa.func.count(sa.distinct(example)))
+             .select_from(opened.join(benchmark_rows, row.digest == opened.c.digest))
+             .where(row.benchmark_id == benchmark_id).group_by(opened.c.proof_id))
     with self.engine.connect() as conn:
       return dict(conn.execute(query).all())
+
+  def add_probe_examples(self, conn, proof_id: str, digests: set[str]) -> None:
+    """Stores the whole examples a proof's probes opened (``probed_examples``)."""
+    known = {r[0] for r in conn.execute(sa.select(probe_examples.c.digest).where(
+        probe_examples.c.proof_id == proof_id))}
+    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
+    if new:
+      conn.execute(probe_examples.insert(), new)
 
   def training_outside(self, benchmark_id: int) -> dict[str, int]:
     """Per proof: distinct probed rows not proven members of the benchmark's training set."""
@@ -86,6 +103,27 @@ class BenchmarkQueries:
              .where(member.digest.is_(None)).group_by(probes.c.proof_id))
     with self.engine.connect() as conn:
       return dict(conn.execute(query).all())
+
+  def first_with_final_params(self, final_params: str) -> dict | None:
+    """``{"id", "experiment"}`` of the proof that closed first with these final params (a
+    proof that ended before ``ended_at`` was kept counts from its creation), e.g. the original
+    of a copied checkpoint."""
+    query = (sa.select(proofs.c.id, experiments.c.full_name.label("experiment"))
+             .select_from(proofs.join(experiments))
+             .where(proofs.c.final_params == final_params)
+             .order_by(sa.func.coalesce(proofs.c.ended_at, proofs.c.created_at), proofs.c.id)
+             .limit(1))
+    with self.engine.connect() as conn:
+      row = conn.execute(query).mappings().first()
+    return dict(row) if row else None
+
+  def benchmark_submission(self, benchmark_id: int, proof_id: str) -> dict | None:
+    """The entry of ``proof_id`` on a benchmark (one per proof), or None."""
+    with self.engine.connect() as conn:
+      row = conn.execute(sa.select(submissions).where(
+          (submissions.c.benchmark_id == benchmark_id)
+          & (submissions.c.proof_id == proof_id))).mappings().first()
+    return dict(row) if row else None
 
   def probed_rows(self, proof_id: str) -> set[str]:
     """The digests of the batch rows a proof's probe checks opened."""

@@ -1,0 +1,83 @@
+"""Contamination by whole example: the digests that identify an evaluation example.
+
+An example is the tuple of every leaf's row at one index (tokens and their label, an image
+and its mask). A probed training example matches an evaluation example when
+
+- the rows at one index of every probed batch leaf equal, leaf for leaf, an evaluation
+  example's rows (``example_digest`` of both), or
+- the row of one *identifying* leaf equals that leaf's row of an evaluation example. A leaf
+  identifies only when its evaluation rows are all distinct and hold at least
+  ``MIN_IDENTIFYING_BYTES`` bytes each: a label, a mask or a small scalar repeats across
+  unrelated examples and never counts alone. An evaluation set of one leaf: its rows are
+  its examples.
+
+Only numpy and BLAKE3 here: the server's web process uses it. Example::
+
+  digests = evaluation_digests([tokens_rows, label_rows])  # {digest: example index}
+  probed_examples(probe_check_record)                      # {example digest, ...}
+"""
+
+import blake3
+import numpy as np
+
+MIN_IDENTIFYING_BYTES = 16
+_EXAMPLE = b"zkdv example\x00"
+
+
+def row_digest(row: bytes) -> bytes:
+  """BLAKE3 of one row's bytes, as a probe names the row it opens."""
+  return blake3.blake3(row).digest()
+
+
+def example_digest(row_digests: list[bytes]) -> str:
+  """The hex digest of the example whose leaves' rows have ``row_digests``, in leaf order."""
+  return blake3.blake3(_EXAMPLE + len(row_digests).to_bytes(4, "little")
+                       + b"".join(row_digests)).hexdigest()
+
+
+def identifying(rows: np.ndarray) -> bool:
+  """Whether one leaf's evaluation rows (``(rows, bytes per row)`` uint8) identify their
+  examples alone: all distinct, each at least ``MIN_IDENTIFYING_BYTES`` bytes."""
+  return rows.shape[1] >= MIN_IDENTIFYING_BYTES and len(np.unique(rows, axis=0)) == len(rows)
+
+
+def evaluation_digests(leaves: list[np.ndarray]) -> dict[str, int]:
+  """``{hex digest: example index}`` for an evaluation set given per leaf as ``(rows, bytes
+  per row)`` uint8 arrays: every example's digest and the rows of its identifying leaves
+  (all rows of a single leaf). The first example wins a digest two examples share."""
+  digests = [[row_digest(r.tobytes()) for r in leaf] for leaf in leaves]
+  found: dict[str, int] = {}
+  for leaf, rows in zip(digests, leaves):
+    if len(leaves) == 1 or identifying(rows):
+      for i, d in enumerate(leaf):
+        found.setdefault(d.hex(), i)
+  if len(leaves) > 1:
+    for i, example in enumerate(zip(*digests)):
+      found.setdefault(example_digest(list(example)), i)
+  return found
+
+
+def probed_examples(record: dict) -> set[str]:
+  """The ``example_digest`` of each leading-axis row a probe check opened in every probed
+  leaf (a probe of a group of g rows, Merkle row r, opens rows r*g to r*g+g-1, one blob
+  each); nothing when it probed fewer than two leaves, whose rows are the probed rows."""
+  probes = record.get("probes") if (record.get("type"), record.get("kind")) == (
+      "check", "probe") else None
+  if not isinstance(probes, list):
+    return set()
+  by_row: dict[int, dict[int, bytes]] = {}
+  leaves = set()
+  for p in probes:
+    if not (isinstance(p, list) and len(p) == 4 and type(p[0]) is int
+            and type(p[1]) is int and 0 <= p[1] < 1 << 62):
+      continue
+    blobs = p[2] if isinstance(p[2], list) else [p[2]]
+    for i, blob in enumerate(blobs[:1 << 16]):
+      if isinstance(blob, bytes) and len(blob) == 32:
+        by_row.setdefault(p[1] * len(blobs) + i, {})[p[0]] = blob
+        leaves.add(p[0])
+  if len(leaves) < 2:
+    return set()
+  order = sorted(leaves)
+  return {example_digest([opened[leaf] for leaf in order])
+          for opened in by_row.values() if set(opened) == leaves}
