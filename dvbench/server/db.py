@@ -106,13 +106,6 @@ def _add_columns(conn, columns: dict[str, tuple[str, ...]]) -> None:
                              f"{column.type.compile(conn.dialect)}"))
 
 
-def _migration_8(conn) -> None:
-  """Evaluation digests know their example; probed whole examples are kept."""
-  _add_columns(conn, MIGRATION_8_COLUMNS)
-  for table in MIGRATION_8_TABLES:
-    table.create(conn, checkfirst=True)
-
-
 def _migration_6(conn) -> None:
   """Jobs know their owner (fair queue), heartbeat and why an attempt ended; tokens have
   names, expiry and revocation. Tokens made before get the name ``OWNER-ID``."""
@@ -148,6 +141,13 @@ def run_columns(root) -> dict:
   tags = root.get("tags") if isinstance(root.get("tags"), list) else []
   return {"run_name": str(root.get("run_name", ""))[:200] or None,
           "tags": json.dumps([str(t)[:64] for t in tags[:32]]) if tags else None}
+
+
+def _migration_8(conn) -> None:
+  """Evaluation digests know their example; probed whole examples are kept."""
+  _add_columns(conn, MIGRATION_8_COLUMNS)
+  for table in MIGRATION_8_TABLES:
+    table.create(conn, checkfirst=True)
 
 
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
