@@ -103,8 +103,8 @@ class Lm1bShardingsTest(ProgramTestCase):
     proof_step = proof.jit(_lm1b_train_step, **options)
     plain_step = jax.jit(_lm1b_train_step, **options)
     config = _Frozen(train=True)
-    dropout_rngs = jax.random.key(1)
     for i in range(2):
+      dropout_rngs = proof.key(i)  # a key batch argument is the proof's key of the step
       batch = {"inputs": jax.random.randint(jax.random.key(10 + i), (4, 6), 0, 16)}
       ours, our_metrics = proof_step(ours, batch, config, learning_rate_fn, 0.1, dropout_rngs)
       theirs, their_metrics = plain_step(theirs, batch, config, learning_rate_fn, 0.1,
