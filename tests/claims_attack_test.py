@@ -11,7 +11,6 @@
   probability accounts for them; slots per owner are rate-limited.
 """
 
-import json
 import pathlib
 import shutil
 import subprocess
@@ -59,11 +58,6 @@ def train(client, experiment: str, p: float, *, attested_start: bool = False,
   proof.finish()
   return proof.proof_id
 
-
-def zkdv_verify(folder, *args) -> tuple[int, dict]:
-  result = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json",
-                           *args], cwd=REPO, capture_output=True, text=True)
-  return result.returncode, json.loads(result.stdout)
 
 
 class ServerStateTest(absltest.TestCase):
@@ -122,7 +116,7 @@ class ServerStateTest(absltest.TestCase):
                       "label": "verified steps — start unattested"})
     page = httpx.get(f"{self.server.url}/proofs/{self.proofs['unattested']}").text
     self.assertIn("verified steps — start unattested", page)
-    code, report = zkdv_verify(self.download("unattested"), "--strict", "--server-key",
+    code, report = testing.zkdv_verify(self.download("unattested"), "--strict", "--server-key",
                                self.server_key)
     self.assertEqual((code, report["unmet"]), (1, ["start"]), str(report))
     self.assertEqual(report["standing"]["label"], "verified steps — start unattested")
@@ -132,7 +126,7 @@ class ServerStateTest(absltest.TestCase):
     self.assertEqual(status["state"], "within tolerance", str(status))
     self.assertTrue(status["label"].startswith("within tolerance: "), str(status))
     self.assertEqual(self.receipt_fields("tolerance")["standing"]["state"], "within tolerance")
-    code, report = zkdv_verify(self.download("tolerance"), "--strict", "--server-key",
+    code, report = testing.zkdv_verify(self.download("tolerance"), "--strict", "--server-key",
                                self.server_key)
     self.assertEqual((code, report["unmet"]), (1, ["replays"]), str(report))
     replays = next(c for c in report["claims"] if c["name"] == "replays")
@@ -142,7 +136,7 @@ class ServerStateTest(absltest.TestCase):
     status = self.status["attested"]
     self.assertEqual((status["state"], status["shortfalls"]), ("verified", []), str(status))
     self.assertEqual(status["policy"]["probe_ratio"], 0.01)  # the server's default minimum
-    code, report = zkdv_verify(self.download("attested"), "--strict", "--server-key",
+    code, report = testing.zkdv_verify(self.download("attested"), "--strict", "--server-key",
                                self.server_key)
     self.assertEqual((code, report["standing"]["state"]), (0, "verified"), str(report))
 
@@ -160,7 +154,7 @@ class ServerStateTest(absltest.TestCase):
     (folder / receipt.RECEIPT_FILE).unlink()  # the receipt binds the records; drop it
     key_file = folder.parent / "published.key"
     key_file.write_text(published.hex())
-    code, report = zkdv_verify(folder, "--challenge-key-file", str(key_file),
+    code, report = testing.zkdv_verify(folder, "--challenge-key-file", str(key_file),
                                "--require", "chain,challenges,replays")
     claims = {c["name"]: c for c in report["claims"]}
     self.assertEqual(code, 2, str(report))

@@ -79,11 +79,6 @@ def _train_from_the_slot(experiment, steps: int = 3):
   return proof
 
 
-def _zkdv_verify(folder, *args) -> tuple[int, dict]:
-  result = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json",
-                           *args], cwd=REPO, capture_output=True, text=True)
-  return result.returncode, json.loads(result.stdout)
-
 
 class IndependentVerificationTest(absltest.TestCase):
 
@@ -113,7 +108,7 @@ class IndependentVerificationTest(absltest.TestCase):
     self.assertEqual(status["state"], "verified steps", repr(status))  # start unattested
     self.assertEqual(status["challenger"], "dvbench")
     folder = self._download(proof.proof_id)
-    code, report = _zkdv_verify(folder, "--server-key", self.key)
+    code, report = testing.zkdv_verify(folder, "--server-key", self.key)
     self.assertEqual((code, report["verdict"]), (0, "verified"), report)
     claims = {c["name"]: c for c in report["claims"]}
     self.assertEqual(claims["challenges"]["status"], "holds", claims["challenges"])
@@ -123,17 +118,17 @@ class IndependentVerificationTest(absltest.TestCase):
     self.assertGreater(len(replayed), 0)
     self.assertTrue(all(c["status"] == "verified" for c in replayed))
     # Without the server's word, the challenges cannot be re-derived.
-    code, report = _zkdv_verify(folder)
+    code, report = testing.zkdv_verify(folder)
     self.assertEqual(code, 2, report)
     # Another server's key, or a flipped receipt byte, is reported.
-    code, report = _zkdv_verify(folder, "--server-key", os.urandom(32).hex())
+    code, report = testing.zkdv_verify(folder, "--server-key", os.urandom(32).hex())
     self.assertNotEqual(code, 0)
     self.assertIn("another server challenged it", json.dumps(report["findings"]))
     path = folder / receipt.RECEIPT_FILE
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
     path.write_bytes(bytes(data))
-    code, report = _zkdv_verify(folder, "--server-key", self.key)
+    code, report = testing.zkdv_verify(folder, "--server-key", self.key)
     self.assertNotEqual(code, 0)
     self.assertTrue(report["findings"], report)
 
@@ -142,7 +137,7 @@ class IndependentVerificationTest(absltest.TestCase):
     status = self.client.wait_for_verdict(proof.proof_id, 180)
     self.assertEqual(status["state"], "invalid", status)
     self.assertIn("step 3", status["failure"])
-    code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key)
+    code, report = testing.zkdv_verify(self._download(proof.proof_id), "--server-key", self.key)
     self.assertEqual((code, report["verdict"]), (1, "invalid"), report)
     self.assertIn("discontinuity", [f["code"] for f in report["findings"]])
 
@@ -151,7 +146,7 @@ class IndependentVerificationTest(absltest.TestCase):
     proof = _train_from_the_slot(self.client.experiment("alice/slot-keys"))
     status = self.client.wait_for_verdict(proof.proof_id, 180)
     self.assertEqual(status["state"], "verified", status)
-    code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key,
+    code, report = testing.zkdv_verify(self._download(proof.proof_id), "--server-key", self.key,
                                 "--strict")
     self.assertEqual((code, report["verdict"]), (0, "verified"), report)
 
@@ -161,7 +156,7 @@ class IndependentVerificationTest(absltest.TestCase):
       proof = _train_from_the_slot(self.client.experiment("alice/own-keys"))
     status = self.client.wait_for_verdict(proof.proof_id, 180)
     self.assertEqual(status["state"], "invalid", status)
-    code, report = _zkdv_verify(self._download(proof.proof_id), "--server-key", self.key,
+    code, report = testing.zkdv_verify(self._download(proof.proof_id), "--server-key", self.key,
                                 "--strict")
     self.assertEqual(code, 1)
     findings = json.dumps(report["findings"])

@@ -1,9 +1,12 @@
 """Shared fixtures of the test suites: small models, batches and proofs."""
 
+import json
 import logging
 import os
 import pathlib
 import re
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -146,6 +149,14 @@ class ClientSays(logging.Handler):
     if self.pattern.search(record.getMessage()):
       self.said.append(record.getMessage())
       self.event.set()
+
+
+def zkdv_verify(folder, *args) -> tuple[int, dict]:
+  """``zkdv verify FOLDER --json ARGS`` in a process of its own: (exit code, report)."""
+  result = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json",
+                           *args], cwd=pathlib.Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True)
+  return result.returncode, json.loads(result.stdout)
 
 
 def wait_until(predicate, timeout=60.0, every=0.02):
