@@ -17,6 +17,7 @@ import pathlib
 import time
 from collections.abc import Callable
 
+import cbor2
 import httpx
 
 from dvbench import console
@@ -137,6 +138,14 @@ class Http:
       self.request("PUT", path, content=read(), retry_seconds=retry_seconds,
                    while_retrying=while_retrying,
                    headers={"content-type": "application/octet-stream"})
+
+  def post_blobs(self, proof_id: str, blobs: list[tuple[str, bytes]], retry_seconds=None,
+                 while_retrying=None) -> None:
+    """Uploads many small blobs ``(hex digest, bytes)`` for a proof in one request."""
+    self.request("POST", f"/api/v1/proofs/{proof_id}/blobs",
+                 content=cbor2.dumps([[bytes.fromhex(d), data] for d, data in blobs]),
+                 retry_seconds=retry_seconds, while_retrying=while_retrying,
+                 headers={"content-type": "application/cbor"}, ok=(201,))
 
   def close(self) -> None:
     self._client.close()

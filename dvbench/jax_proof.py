@@ -100,7 +100,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
           "it is then labelled self-audited.")
     slot = self.experiment.proof_slot()
     try:
-      effective = policy.at_least(challenge.Policy.from_record(slot["policy"]))
+      minimum = challenge.Policy.from_record(slot["policy"])
+      # The window starts at the caller's and may grow to the server's while its answers
+      # take longer than that many steps (Dispatcher._size_window): the root says so.
+      effective = dataclasses.replace(policy.at_least(minimum),
+                                      rolling_window=minimum.rolling_window)
       fields = {"kind": "dvbench", "server_key": bytes.fromhex(slot["server_key"]),
                 "nonce": bytes.fromhex(slot["nonce"]),
                 "key_commitment": bytes.fromhex(slot["key_commitment"]),
@@ -110,7 +114,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
       raise errors.ApiError(502, f"the server's proof slot is malformed ({e}); is "
                             f"{self.experiment.client.url} a DVBench server of this "
                             "version?") from None
-    if effective != policy:
+    if effective != dataclasses.replace(policy, rolling_window=minimum.rolling_window):
       logger.info("DVBench %s raised the proof's policy to its minimum: %s",
                   self.experiment.client.url, effective)
     return challengers.ServerChallenger(fields, effective, timeout_s=self.challenge_timeout,
@@ -119,7 +123,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
   def _steps_ahead(self) -> str:
     """How far training goes on without the server, e.g. 'training continues 3 more steps'."""
     undecided = self.steps - self._challenger.decided_steps
-    ahead = max(0, self.policy.rolling_window - undecided)
+    ahead = max(0, self._committer.pipeline.window - undecided)
     return (f"training continues {ahead} more steps, then waits for the server's "
             f"challenges for up to {self.challenge_timeout:.0f} s")
 

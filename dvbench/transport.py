@@ -38,6 +38,8 @@ MAX_ITEMS = 1 << 20
 MAX_STRING = MAX_BODY_BYTES  # bytes and text strings of an envelope
 MAX_RECORD_STRING = 1 << 20  # bytes and text strings inside a record
 MAX_RECORD_BYTES = 256 * 1024 * 1024  # a record reassembled from chunks
+MAX_BLOBS = 4096  # blobs in one POST /api/v1/proofs/{id}/blobs
+SMALL_BLOB_BYTES = 64 * 1024  # blobs this small travel together, one request per envelope
 ENVELOPE_KINDS = ("records", "chunk", "close")
 BLOB_FIELDS = ("blob", "pre_state_blobs", "batch_blobs", "post_state_blobs", "input_blobs")
 # An init record names its program blob by the program's id.

@@ -2,8 +2,10 @@
 
 The uploader is a background thread: training never waits on the network,
 only, at the rolling window, on the server's challenges, which acknowledgements
-carry (``on_challenge``). Blobs are uploaded for the proof and skipped when
-the server already holds them for it.
+carry (``on_challenge``). Blobs are uploaded for the proof by a second thread,
+beside the envelopes (the server needs them by the close, not to challenge):
+small ones (probed rows) together, one request per envelope, large ones each
+skipped when the server already holds it for the proof.
 
 Example::
 
@@ -18,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent import futures
 
 from zkdv.transcript import BLOBS_DIR
 from zkdv.transcript import RECORDS_FILE
@@ -70,7 +73,9 @@ class Uploader(threading.Thread):
     self._seq = 0
     self._offset = 0
     self._scanner = transport.RecordScanner()
-    self._sent_blobs: set[str] = set()
+    self._sent_blobs: set[str] = set()  # sent or queued
+    self._blob_sender = futures.ThreadPoolExecutor(1, thread_name_prefix="dvbench-blobs")
+    self._blob_uploads: list[futures.Future] = []
     self._closing = threading.Event()
     self._stopped = threading.Event()
     self._wake = threading.Event()
@@ -128,6 +133,7 @@ class Uploader(threading.Thread):
           self._wake.clear()
       if self._stopped.is_set():
         return
+      self._raise_blob_failure(wait=True)  # the server closes a proof with all its blobs
       if self._final_id is not None:
         self._envelope({"kind": "close", "final_record_id": self._final_id,
                         "record_count": self.sent_records})
@@ -137,6 +143,8 @@ class Uploader(threading.Thread):
       self.error = e
       if self.on_failure is not None:
         self.on_failure(f"uploading to DVBench failed: {e}")
+    finally:
+      self._blob_sender.shutdown(wait=False, cancel_futures=True)
 
   def _send_new(self) -> bool:
     path = self.folder / RECORDS_FILE
@@ -150,25 +158,24 @@ class Uploader(threading.Thread):
     found = self._scanner.feed(data)
     if not found:
       return bool(data)
-    batch, size = [], 0
+    batch, size, blobs = [], 0, set()  # an envelope's records and the blobs they name
     for raw, record in found:
       if self.proof_id is None:
         self._create_proof(raw)
         continue
-      self._upload_blobs(transport.blob_refs(record))
       if record.get("type") == "final":
         self._final_id = transport.record_id(raw)
+      if len(raw) > self.chunk_bytes or size + len(raw) > self.batch_bytes:
+        self._flush(batch, blobs)
+        batch, size, blobs = [], 0, set()
       if len(raw) > self.chunk_bytes:
-        self._flush(batch)
-        batch, size = [], 0
+        self._upload_blobs(transport.blob_refs(record))
         self._send_chunks(raw)
         continue
-      if size + len(raw) > self.batch_bytes:
-        self._flush(batch)
-        batch, size = [], 0
       batch.append(raw)
+      blobs |= transport.blob_refs(record)
       size += len(raw)
-    self._flush(batch)
+    self._flush(batch, blobs)
     return True
 
   def _request(self, method: str, path: str, **kwargs):
@@ -198,7 +205,9 @@ class Uploader(threading.Thread):
     logger.info("%s proof %s started; its page: %s/proofs/%s", self.experiment, self.proof_id,
                 self.http.url, self.proof_id)
 
-  def _flush(self, batch: list[bytes]) -> None:
+  def _flush(self, batch: list[bytes], blobs: set[str]) -> None:
+    """Queues the blobs the records name and sends the records in one envelope."""
+    self._upload_blobs(blobs)
     if batch:
       self._envelope({"kind": "records", "records": batch})
       self.sent_records += len(batch)
@@ -237,9 +246,45 @@ class Uploader(threading.Thread):
         self.on_challenge(step, value)
 
   def _upload_blobs(self, digests: set[str]) -> None:
-    for digest in sorted(digests - self._sent_blobs):
-      self.http.put_blob(self.proof_id, digest,
-                         (self.folder / BLOBS_DIR / digest).read_bytes,
-                         retry_seconds=self.retry_seconds, while_retrying=self.while_retrying)
-      self._last_contact = time.monotonic()
-      self._sent_blobs.add(digest)
+    """Queues the blobs not sent yet for the blob thread (the server needs them by the
+    close, not to challenge: records go on meanwhile); raises a failed upload's error."""
+    new = sorted(digests - self._sent_blobs)
+    if new:
+      self._sent_blobs.update(new)
+      self._blob_uploads.append(self._blob_sender.submit(self._send_blobs, new))
+    self._raise_blob_failure(wait=False)
+
+  def _raise_blob_failure(self, wait: bool) -> None:
+    """Raises the error of a finished blob upload (with ``wait``, of any, once all ran)."""
+    pending = []
+    for upload in self._blob_uploads:
+      if wait or upload.done():
+        upload.result()
+      else:
+        pending.append(upload)
+    self._blob_uploads = pending
+
+  def _send_blobs(self, digests: list[str]) -> None:
+    """Small blobs (a probe's rows) together in requests of up to ``batch_bytes``, large
+    ones one by one (each skipped if the server holds it)."""
+    small, size = [], 0
+    for digest in digests:
+      path = self.folder / BLOBS_DIR / digest
+      if path.stat().st_size > transport.SMALL_BLOB_BYTES:
+        self.http.put_blob(self.proof_id, digest, path.read_bytes,
+                           retry_seconds=self.retry_seconds, while_retrying=self.while_retrying)
+        self._last_contact = time.monotonic()
+        continue
+      data = path.read_bytes()
+      if small and (size + len(data) > self.batch_bytes or len(small) == transport.MAX_BLOBS):
+        self._post_blobs(small)
+        small, size = [], 0
+      small.append((digest, data))
+      size += len(data)
+    if small:
+      self._post_blobs(small)
+
+  def _post_blobs(self, blobs: list[tuple[str, bytes]]) -> None:
+    self.http.post_blobs(self.proof_id, blobs, retry_seconds=self.retry_seconds,
+                         while_retrying=self.while_retrying)
+    self._last_contact = time.monotonic()

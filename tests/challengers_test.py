@@ -1,5 +1,6 @@
 """Challengers: decisions known in advance (self) or delivered late (a server)."""
 
+import dataclasses
 import pathlib
 import tempfile
 import threading
@@ -103,9 +104,17 @@ class _LateProof(zkdv.jax.ZKDV):
     return delivered
 
 
-def _late_proof(update_p=1.0, window=2, timeout_s=30.0, segment_length=1, state_p=0.0):
+class _WideningProof(_LateProof):
+  """A late proof whose server allows a window of 8 (the root declares it)."""
+
+  def _make_challenger(self, policy, seed, group):
+    return super()._make_challenger(dataclasses.replace(policy, rolling_window=8), seed, group)
+
+
+def _late_proof(update_p=1.0, window=2, timeout_s=30.0, segment_length=1, state_p=0.0,
+                kind=_LateProof):
   folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-test-")) / "late"
-  proof = _LateProof("late", zkdv.ZKDVConfig(
+  proof = kind("late", zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p,
                                           state_check_probability=state_p),
       output_dir=folder, segment_length=segment_length))
@@ -173,6 +182,32 @@ class LateDecisionsTest(parameterized.TestCase):
       self.assertLess(kinds.index(("step", None, t)), kinds.index(("check", "update", t)))
     self.assertEqual(proof.checks["update"], 5)
     self.assertEqual(proof.failed_checks, [])
+
+  def test_the_window_doubles_while_written_steps_wait_up_to_the_servers(self):
+    proof = _late_proof(window=2, timeout_s=3.0, kind=_WideningProof)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    pipeline = proof._committer.pipeline  # pylint: disable=protected-access
+    windows = []
+    with self.assertLogs("zkdv", "INFO") as logs:
+      for _ in range(8):  # no decision comes back meanwhile
+        state = train_step(state, batch)
+        pipeline.drain()  # the step's record is written before the next step asks
+        windows.append(pipeline.window)
+      with self.assertRaises(errors.ChallengeTimeoutError):
+        train_step(state, batch)  # 8 written, undecided steps: the server's largest window
+    self.assertEqual(windows, [2, 2, 4, 4, 8, 8, 8, 8])
+    said = "\n".join(logs.output)
+    self.assertIn("the window grows from 2 to 4 steps", said)
+    self.assertIn("the window grows from 4 to 8 steps", said)
+    self.assertIn("training waits for DVBench: 8 written steps wait for decisions", said)
+    self.assertEqual(proof.policy.rolling_window, 8)  # what the root declares
+    _wait(lambda: proof.deliver_written() == 8)
+    proof.finish()
+    self.assertEqual(proof.checks["update"], 8)
+    report = verify.verify(proof.path, challenge_key=proof.key, min_checks=0)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
 
   @parameterized.parameters(1, 3)
   def test_only_decided_checks_are_answered_and_verify(self, segment_length):

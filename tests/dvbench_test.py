@@ -16,6 +16,7 @@ import cbor2
 import httpx
 import jax.numpy as jnp
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import dvbench
 from dvbench import transport
@@ -26,14 +27,22 @@ from tests import tutorial_steps
 from zkdv import transcript
 
 
-def local_transcript(steps: int, update_p: float = 1.0, **config) -> pathlib.Path:
+def local_transcript(steps: int, update_p: float = 1.0, probe_ratio: float = 0.0,
+                     **config) -> pathlib.Path:
   proof = testing.new_proof("local", update_p=update_p, **config)
-  proof.start()
+  proof.start(probe_ratio=probe_ratio)
   state = testing.classifier_state(proof)
   train_step = proof.jit(testing.classifier_step, donate_argnums=0)
   for i in range(steps):
     state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (i % 2))
   return proof.finish()
+
+
+def probed_rows(path) -> list[bytes]:
+  """The blob digests of every probed row of a transcript (a row group's one by one)."""
+  opened = [p[2] for r in testing.records_of(path, "check") if r["kind"] == "probe"
+            for p in r["probes"]]
+  return [d for blobs in opened for d in (blobs if isinstance(blobs, list) else [blobs])]
 
 
 def local_ids(path) -> list[str]:
@@ -151,7 +160,7 @@ class PostgresServerTest(TutorialAgainstServerTest):
     return Store.open(self.database_url)
 
 
-class TamperedUploadTest(DVBenchTestCase):
+class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):
 
   def test_one_record_byte_is_refused_at_the_next_record(self):
     path = pathlib.Path(tempfile.mkdtemp()) / "t"
@@ -178,21 +187,48 @@ class TamperedUploadTest(DVBenchTestCase):
     self.assertLessEqual(len(stored), position + 1)
     self.assertEqual(client.wait_for_verdict(honest, 120)["state"], "self-audited")
 
-  def test_one_blob_byte_ends_invalid_naming_the_blob(self):
+  @parameterized.named_parameters(
+      ("one_request_per_blob", "pre_state_blobs", 0),  # PUT .../blobs/DIGEST
+      ("small_blobs_together", "pre_state_blobs", transport.SMALL_BLOB_BYTES),  # POST
+      ("a_probed_row", "probes", transport.SMALL_BLOB_BYTES))
+  def test_one_blob_byte_ends_invalid_naming_the_blob(self, field, small_blob_bytes):
     path = pathlib.Path(tempfile.mkdtemp()) / "t"
-    shutil.copytree(local_transcript(2), path)
-    check = next(r for r in testing.records_of(path, "check"))
-    blob = transcript.blob_path(path, check["pre_state_blobs"][-1])
+    shutil.copytree(local_transcript(2, probe_ratio=0.5), path)
+    check = next(r for r in testing.records_of(path, "check") if field in r)
+    name = check[field][-1] if field != "probes" else probed_rows(path)[0]
+    blob = transcript.blob_path(path, name)
     data = bytearray(blob.read_bytes())
     data[0] ^= 1
     blob.write_bytes(bytes(data))
     client = dvbench.Client(self.server.url)
-    with self.assertRaisesRegex(dvbench.errors.ApiError, "does not hash to its name"):
-      client.experiment("your-name/tampered-blob").upload(path)
-    proofs = client.experiment("your-name/tampered-blob").proofs()
+    experiment = client.experiment(f"your-name/tampered-blob-{field}-{small_blob_bytes}")
+    with mock.patch.object(transport, "SMALL_BLOB_BYTES", small_blob_bytes):
+      with self.assertRaisesRegex(dvbench.errors.ApiError, "does not hash to its name"):
+        experiment.upload(path)
+    proofs = experiment.proofs()
     self.assertLen(proofs, 1)
     self.assertEqual(proofs[0]["state"], "invalid")
-    self.assertIn(check["pre_state_blobs"][-1].hex(), proofs[0]["failure"])
+    self.assertIn(name.hex(), proofs[0]["failure"])
+
+  def test_small_blobs_travel_together_and_are_named_by_their_hash(self):
+    experiment = dvbench.Client(self.server.url).experiment("your-name/probed")
+    requests = []
+    original = experiment.client.http.request
+
+    def counting(method, path, **kwargs):
+      requests.append((method, path.rsplit("/", 1)[-1]))
+      return original(method, path, **kwargs)
+
+    with mock.patch.object(experiment.client.http, "request", counting):
+      proof_id = experiment.upload(local := local_transcript(3, probe_ratio=0.5))
+    rows = {d.hex() for d in probed_rows(local)}
+    self.assertGreaterEqual(len(rows), 2)
+    held = set(httpx.get(f"{self.server.url}/api/v1/proofs/{proof_id}/blobs").json())
+    self.assertTrue(rows <= held, rows - held)
+    self.assertNotIn(("PUT", next(iter(rows))), requests)  # no request of its own
+    blob_posts = sum(m == "POST" and p == "blobs" for m, p in requests)
+    envelopes = sum(m == "POST" and p == "stream" for m, p in requests)
+    self.assertBetween(blob_posts, 1, envelopes - 1)  # at most one per envelope of records
 
 
 class BadRequestsTest(DVBenchTestCase):
@@ -257,6 +293,19 @@ class BadRequestsTest(DVBenchTestCase):
                                            "final_record_id": bytes(32), "record_count": 9}))
     self.assertEqual(response.status_code, 409)
     self.assertIn("cannot close", response.json()["error"])
+
+  def test_malformed_blob_batches_store_nothing(self):
+    url = f"{self.server.url}/api/v1/proofs/{self.proof_id}/blobs"
+    for body, why in ((b"\xc1\x00", "tags are not accepted"),
+                      (cbor2.dumps([b"x" * 10]), "pairs"),
+                      (cbor2.dumps([[b"short", b"x"]]), "pairs"),
+                      (cbor2.dumps({"a": b"x"}), "pairs")):
+      response = self.post(body, url=url)
+      self.assertEqual(response.status_code, 400, body)
+      self.assertIn(why, response.json()["error"])
+    self.assertEqual(httpx.get(url).json(), [])
+    foreign = {"Authorization": f"Bearer {self.server.token('mallory')}"}
+    self.assertEqual(self.post(cbor2.dumps([]), url=url, headers=foreign).status_code, 403)
 
   def test_oversized_body(self):
     small = Server(workers=0, max_body_mb=1).start()

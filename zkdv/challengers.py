@@ -71,6 +71,8 @@ class ServerChallenger:
     self.timeout_s = timeout_s
     self._describe = describe
     self._decided: dict[int, challenge.Decision] = {}
+    self._asked: dict[int, float] = {}  # step -> when it was dispatched
+    self._answer_times: list[float] = []  # the last few dispatch-to-decision intervals
     self._failure: str | None = None
     self._logged_wait = False
     self._changed = threading.Condition()
@@ -88,9 +90,19 @@ class ServerChallenger:
     """How many steps the server has decided (training may run a window beyond them)."""
     return len(self._decided)
 
+  @property
+  def answer_seconds(self) -> float | None:
+    """The median time from a step's dispatch to its decision (None before one came):
+    committing, uploading and the server's round trip."""
+    with self._changed:
+      times = sorted(self._answer_times)
+    return times[len(times) // 2] if times else None
+
   def decision_now(self, step: int) -> None:
-    """Never known before the step runs: the server decides after storing it."""
-    del step
+    """Never known before the step runs: the server decides after storing it (the
+    dispatch time is kept, to measure ``answer_seconds``)."""
+    with self._changed:
+      self._asked[step] = time.monotonic()
     return None
 
   def deliver(self, step: int, step_challenge: bytes) -> None:
@@ -103,6 +115,9 @@ class ServerChallenger:
       if step in self._decided:
         return  # a resent acknowledgement
       self._decided[step] = decision
+      asked = self._asked.pop(step, None)
+      if asked is not None:
+        self._answer_times = (self._answer_times + [time.monotonic() - asked])[-16:]
       self._changed.notify_all()
     if self.on_decision is not None:
       self.on_decision(decision)

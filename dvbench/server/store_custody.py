@@ -46,12 +46,13 @@ def has_held_blob(engine, holder_column, holder, digest: str, conn=None) -> bool
     return c.execute(query).first() is not None
 
 
-def add_held_blob(engine, holder_column, holder, digest: str) -> None:
-  """Records that ``digest`` was uploaded for ``holder`` (once)."""
+def add_held_blob(engine, holder_column, holder, *digests: str) -> None:
+  """Records that each of ``digests`` was uploaded for ``holder`` (once), in one transaction."""
   with engine.begin() as conn:
-    if not has_held_blob(engine, holder_column, holder, digest, conn):
-      conn.execute(holder_column.table.insert().values(
-          {holder_column.name: holder, "digest": digest}))
+    for digest in dict.fromkeys(digests):
+      if not has_held_blob(engine, holder_column, holder, digest, conn):
+        conn.execute(holder_column.table.insert().values(
+            {holder_column.name: holder, "digest": digest}))
 
 
 class CustodyQueries:
@@ -243,6 +244,9 @@ class CustodyQueries:
 
   def add_proof_blob(self, proof_id: str, digest: str) -> None:
     add_held_blob(self.engine, proof_blobs.c.proof_id, proof_id, digest)
+
+  def add_proof_blobs(self, proof_id: str, digests: list[str]) -> None:
+    add_held_blob(self.engine, proof_blobs.c.proof_id, proof_id, *digests)
 
   def has_proof_blob(self, proof_id: str, digest: str, conn=None) -> bool:
     return has_held_blob(self.engine, proof_blobs.c.proof_id, proof_id, digest, conn)

@@ -530,9 +530,9 @@ class Committer:
     """The blob of a probed Merkle row; of a group of rows, one blob per leading-axis
     row, so each is named by its own BLAKE3 (a server matches those against datasets)."""
     if layout.row_group == 1:
-      return self.writer.put_blob(data)
+      return self.writer.put_blob(data, durable=False)
     width = len(data) // layout.row_group
-    return [self.writer.put_blob(data[i * width:(i + 1) * width])
+    return [self.writer.put_blob(data[i * width:(i + 1) * width], durable=False)
             for i in range(layout.row_group)]
 
   # -- checks -------------------------------------------------------------------

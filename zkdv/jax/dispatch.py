@@ -13,7 +13,9 @@ Example::
 """
 
 import contextlib
+import logging
 import math
+import statistics
 import threading
 import time
 
@@ -26,6 +28,8 @@ from zkdv import overlap as overlap_lib
 from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.committer import StepJob
+
+logger = logging.getLogger("zkdv")
 
 
 def adaptive_segment_length(step_seconds: float, state_seconds: float, batch_seconds: float,
@@ -70,6 +74,7 @@ class Dispatcher:
     self._waited = 0.0  # since the last dispatch, on the window, hashes and checks
     self._viewing = None  # the last step's commitment job, if it views its post-state
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
+    self._said_window_short = False
 
   def run(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
@@ -78,6 +83,8 @@ class Dispatcher:
       committer.pipeline.raise_if_failed()
     if self.restored is not None:
       self._check_restored(program, leaves)
+    if committer.pipeline.full and isinstance(self._challenger, challengers.ServerChallenger):
+      self._size_window()
     # A step that cannot enter the window raises before anything is taken: call it again.
     with self._waiting():
       committer.pipeline.reserve(waiting=self._waiting_for_window)
@@ -137,8 +144,8 @@ class Dispatcher:
     commitments and checks (hashing is costed apart; a check is not a step)."""
     now = time.perf_counter()
     if self._last_dispatch is not None and self.steps >= 2:  # not the compiling steps
-      interval = now - self._last_dispatch - self._waited
-      self._step_times = (self._step_times + [interval])[-16:]
+      interval = now - self._last_dispatch
+      self._step_times = (self._step_times + [interval - self._waited])[-16:]
     self._last_dispatch, self._waited = now, 0.0
 
   @contextlib.contextmanager
@@ -161,8 +168,8 @@ class Dispatcher:
     hash_seconds, batch_seconds = self._committer.hash_seconds, self._committer.batch_seconds
     if hash_seconds is None or not batch_seconds or len(self._step_times) < 2:
       return 1
-    return adaptive_segment_length(float(np.median(self._step_times)), hash_seconds,
-                                   float(np.median(batch_seconds)), bound)
+    return adaptive_segment_length(statistics.median(self._step_times), hash_seconds,
+                                   statistics.median(batch_seconds), bound)
 
   def _prepare(self, program, index: int, leaves: list, decision) -> StepJob:
     """The step's job before dispatch: its place in a segment and what must be hashed
@@ -233,12 +240,39 @@ class Dispatcher:
     self._committer.submit_close(leaves, self._last_program.post_layouts)
     self._ended = True
 
+  def _size_window(self) -> None:
+    """Widens a full window while most of it is steps whose records are written and
+    whose decisions have not come back (the server's round trip holds training, not
+    the steps' own compute or commitments): doubled, up to the policy's rolling window;
+    says so once when even that is too short and training waits on the server.
+
+    Example: a window of 4 with 3 written, undecided steps grows to 8, then 16, ...
+    """
+    pipeline = self._committer.pipeline
+    awaiting = self._committer.written_steps - self._challenger.decided_steps
+    if 2 * awaiting < pipeline.window:
+      return
+    bound = self._challenger.policy.rolling_window
+    answer = self._challenger.answer_seconds
+    said = f"{answer * 1e3:.1f} ms" if answer is not None else "not yet measured"
+    if pipeline.window < bound:
+      window = min(bound, 2 * pipeline.window)
+      logger.info("ZKDV: %d steps wait for DVBench's decisions (a step's comes %s after it "
+                  "starts): the window grows from %d to %d steps.", awaiting, said,
+                  pipeline.window, window)
+      pipeline.grow(window)
+    elif not self._said_window_short:
+      self._said_window_short = True
+      logger.warning("ZKDV: training waits for DVBench: %d written steps wait for decisions "
+                     "(a step's comes %s after it starts), the most the server allows.",
+                     awaiting, said)
+
   def _waiting_for_window(self, seconds: float) -> None:
     if not self._group.multi:
       self._committer.pipeline.raise_if_failed()
     if isinstance(self._challenger, challengers.ServerChallenger):
       self._challenger.waiting(seconds, f"step {self.steps} to enter the window of "
-                               f"{self._challenger.policy.rolling_window} unanswered steps")
+                               f"{self._committer.pipeline.window} unanswered steps")
 
   def gather_last_state(self) -> list[np.ndarray] | None:
     """The whole last post-state, when some params leaf of it is sharded (then only an

@@ -195,7 +195,8 @@ class ZKDV:
         are not yet written or whose challenges are not yet answered (bounds
         the batches ZKDV keeps for a server's late challenges). An adaptive
         segment is at most this long, so an undecided segment's batches stay
-        within the window too.
+        within the window too. A server's challenger widens the window, up to
+        its policy's, when its decisions take longer than that many steps.
       probe_ratio: the fraction of each batch's rows opened as data probes.
     """
     if self._group is not None:
@@ -246,8 +247,10 @@ class ZKDV:
     """The committer and dispatcher of a started proof."""
     self.path, self.policy = path, self._challenger.policy
     self._digests = digests_lib.for_config(self.config.digest_backend)
+    # A server's challenger may widen the window up to its policy's (Dispatcher._size_window).
     self._committer = Committer(self._writer, group, self._digests, self.config,
-                                self.policy.rolling_window, on_error=self._report_failure)
+                                min(rolling_window, self.policy.rolling_window),
+                                on_error=self._report_failure)
     self._committer.prover_replays = not self.policy.full_replay  # the verifier replays all
     if isinstance(self._challenger, challengers.ServerChallenger):
       self._challenger.on_decision = self._committer.answer

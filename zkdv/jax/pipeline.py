@@ -2,7 +2,8 @@
 
 Jobs (program records, step commitments, checks) run in submission order, so
 records are written in order. ``reserve()`` blocks while ``window`` steps are
-in flight, which bounds the buffer generations ZKDV keeps alive; a job
+in flight, which bounds the buffer generations ZKDV keeps alive (``grow`` widens
+it: a server's challenges that take longer than the window's steps); a job
 submitted with ``holds_slot`` gives a slot back when it has run (a step whose
 challenge comes later gives its slot back with the job that answers it). A
 failure is
@@ -48,7 +49,7 @@ class CommitPipeline:
     self.window = window
     self._on_error = on_error
     self.in_flight = 0  # steps reserved whose records are not yet written
-    self._slots = threading.BoundedSemaphore(window)
+    self._slots = threading.Semaphore(window)
     self._queue: queue.Queue[Job | None] = queue.Queue()
     self._error: BaseException | None = None
     self.last_job: Job | None = None
@@ -67,6 +68,17 @@ class CommitPipeline:
       if waiting is not None:
         waiting(time.monotonic() - started)
     self.in_flight += 1
+
+  @property
+  def full(self) -> bool:
+    """Whether a step now would wait for a slot."""
+    return self.in_flight >= self.window
+
+  def grow(self, window: int) -> None:
+    """Admits up to ``window`` steps in flight from now on (a window never shrinks)."""
+    while self.window < window:
+      self.window += 1
+      self._slots.release()
 
   def submit(self, work: Callable[[Job], None], *, holds_slot: bool = False) -> Job:
     job = Job(work, holds_slot)

@@ -1,0 +1,161 @@
+"""The live path against ``jax.jit``: offline and live, with and without probes.
+
+  python -m benchmarks.live [--quick] [--workloads small mlp tiny] [--batch 128 256 1024]
+                            [--rounds 6] [--block 10] [--p 0.01] [--probe-ratio 0.01]
+
+Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``;
+``proof.jit`` offline (self-sampled checks at p, no upload) without and with probes;
+``proof.jit`` through a live ``dvbench serve`` on loopback (no workers: the server
+stores, challenges and acknowledges) without and with probes. A block is timed from
+its first step to its last step's outputs being ready, then settled (every step
+committed and, live, every challenge answered) outside the timing; *settled* counts
+the settle too. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
+per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
+tutorial's model). The table comes last.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from flax.training import train_state
+
+import zkdv
+from benchmarks import common
+
+ROWS = ("jax.jit", "offline", "offline, probes", "live", "live, probes")
+
+
+class SmallMLP(nn.Module):
+  """784 -> 128 -> 10."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(10)(nn.relu(nn.Dense(128)(x)))
+
+
+def workload(name: str, batch_size: int):
+  """(model, params, batch) of a workload."""
+  if name == "tiny":
+    return common.tutorial_workload()
+  model, params, batch = common.mlp_workload(batch_size)
+  if name == "small":
+    model = SmallMLP()
+    params = model.init(jax.random.key(0), batch[0][:1])["params"]
+  return model, params, batch
+
+
+class Runner:
+  """One row's state and step."""
+
+  def __init__(self, row: str, model, params, batch, p: float, probe_ratio: float,
+               folder: str, window: int):
+    self.batch, self.proof = batch, None
+    params = jax.tree.map(jnp.copy, params)  # each row donates its own
+    if row == "jax.jit":
+      self.state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                 tx=optax.adam(1e-3))
+      self._step = jax.jit(common.train_step, donate_argnums=0)
+      return
+    config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
+                             output_dir=os.path.join(folder, row.replace(", ", "-")))
+    if row.startswith("offline"):
+      self.proof = zkdv.jax.ZKDV("live-benchmark", config)
+    else:
+      import dvbench  # pylint: disable=g-import-not-at-top
+      client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
+      self.proof = client.experiment("bench/live").proof(config=config)
+    self.proof.start(rolling_window=window,
+                     probe_ratio=probe_ratio if row.endswith("probes") else 0.0)
+    self.state = zkdv.jax.contrib.TrainState.create(
+        proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    self._step = self.proof.jit(common.train_step, donate_argnums=0)
+
+  def step(self):
+    self.state = self._step(self.state, *self.batch)
+    return self.state
+
+  def settle(self):
+    jax.block_until_ready(self.state)
+    if self.proof is not None:
+      self.proof.wait_for_commitments()
+
+
+def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
+  model, params, batch = workload(name, batch_size)
+  runners = {row: Runner(row, model, params, batch, args.p, args.probe_ratio,
+                         os.path.join(folder, f"{name}-{batch_size}"), args.window)
+             for row in ROWS}
+  for r in runners.values():  # warm-up: compile, first commitments
+    for _ in range(3):
+      r.step()
+    r.settle()
+  blocks = {row: [] for row in ROWS}
+  settled = {row: [] for row in ROWS}
+  for _ in range(args.rounds):
+    for row, r in runners.items():
+      started = time.perf_counter()
+      for _ in range(args.block):
+        r.step()
+      jax.block_until_ready(r.state)
+      stepped = time.perf_counter()
+      r.settle()
+      blocks[row].append((stepped - started) / args.block)
+      settled[row].append((time.perf_counter() - started) / args.block)
+  for r in runners.values():
+    if r.proof is not None:
+      r.proof.finish()
+  base = common.median(blocks["jax.jit"])
+  label = {"small": "MLP 784-128-10", "mlp": "MLP 784-1024x4-10",
+           "tiny": "tutorial model"}[name]
+  return [[f"{label}, batch {batch_size if name != 'tiny' else 4}", row,
+           f"{common.median(blocks[row]) * 1e3:.2f}",
+           f"{common.median(blocks[row]) / base:.3f}",
+           f"{common.median(settled[row]) / base:.3f}"] for row in ROWS]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workloads", nargs="+", default=["small", "mlp", "tiny"],
+                      choices=["small", "mlp", "tiny"])
+  parser.add_argument("--batch", type=int, nargs="+", default=[128, 256, 1024],
+                      help="batch sizes of the mlp workload (small runs at 256)")
+  parser.add_argument("--p", type=float, default=0.01, help="update check probability")
+  parser.add_argument("--probe-ratio", type=float, default=0.01)
+  parser.add_argument("--window", type=int, default=4,
+                      help="rolling window (the tutorial's; live, it grows to the server's)")
+  parser.add_argument("--rounds", type=int, default=6)
+  parser.add_argument("--block", type=int, default=10)
+  parser.add_argument("--quick", action="store_true",
+                      help="small and tiny workloads, mlp at batch 128 only, 3 rounds")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.rounds, args.batch = 3, [128]
+  cases = [(name, b) for name in args.workloads
+           for b in (args.batch if name == "mlp" else [256])]
+  from dvbench.server.local import LocalServer  # pylint: disable=g-import-not-at-top
+  server = LocalServer(workers=0, extra_args=(  # the proofs' own probe ratio, 0 or not
+      "--min-update-check-probability", str(args.p), "--min-probe-ratio", "0")).start()
+  try:
+    os.environ.update(DVBENCH_URL=server.url, DVBENCH_TOKEN=server.token("bench"))
+    with tempfile.TemporaryDirectory(prefix="zkdv-live-") as folder:
+      rows = [row for name, b in cases for row in measure(name, b, args, folder)]
+  finally:
+    server.stop()
+  with open("/proc/loadavg") as f:
+    load = f.read().split()[:3]
+  common.print_table(
+      f"Live path, p={args.p}, probe ratio {args.probe_ratio}, window {args.window}, "
+      f"{args.rounds} rounds of {args.block} steps, {jax.devices()[0].platform}, "
+      f"load {' '.join(load)}",
+      ["workload", "configuration", "median step ms", "ratio to jax.jit",
+       "ratio incl. settle"], rows)
+
+
+if __name__ == "__main__":
+  main()
