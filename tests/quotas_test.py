@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import cbor2
 import httpx
 from absl.testing import absltest
 
@@ -118,6 +119,29 @@ class QuotaCases:
     self.assertEqual(prover.http.head(f"/api/v1/proofs/{prover.proof_id}/blobs/"
                                       f"{FakeProver.digest_hex(late)}").status_code, 404)
     self.assertEqual(prover.upload(b"uploaded while receiving"), held)  # a resend: served
+
+
+  def test_blobs_posted_together_are_counted_and_refused_as_put_ones_are(self):
+    prover = FakeProver(self.server.url, self.server.token("fern"), "fern/run").start()
+    url = f"/api/v1/proofs/{prover.proof_id}/blobs"
+
+    def post(*blobs: bytes) -> httpx.Response:
+      return prover.http.post(url, content=cbor2.dumps(
+          [[bytes.fromhex(FakeProver.digest_hex(b)), b] for b in blobs]))
+
+    first = os.urandom(_STORED_BYTES // 4)
+    self.assertEqual(post(first).status_code, 201)
+    response = post(os.urandom(_STORED_BYTES // 2), os.urandom(_STORED_BYTES // 2))
+    self.assertEqual(response.status_code, 403, response.text)
+    self.assertEqual((response.json()["quota"], response.json()["flag"]),
+                     ("stored_bytes", "--quota-stored-gb"))
+    self.assertEqual(prover.http.get(url).json(), [FakeProver.digest_hex(first)])  # none kept
+    self.assertEqual(post(first).status_code, 201)  # a resend of a held blob: served
+    prover.run(steps=1)
+    self.assertEqual(prover.finish().json()["state"], "closed")
+    response = post(b"posted after the close")
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("takes no more records, nor blobs", response.json()["error"])
 
 
 class SqliteQuotaTest(QuotaCases, absltest.TestCase):
