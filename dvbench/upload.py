@@ -16,6 +16,7 @@ Example::
 """
 
 import pathlib
+import queue
 import threading
 import time
 import uuid
@@ -74,7 +75,9 @@ class Uploader(threading.Thread):
     self._offset = 0
     self._scanner = transport.RecordScanner()
     self._sent_blobs: set[str] = set()  # sent or queued
-    self._blob_sender = futures.ThreadPoolExecutor(1, thread_name_prefix="dvbench-blobs")
+    self._blob_queue: queue.SimpleQueue = queue.SimpleQueue()  # (future, digests) or None
+    self._blob_thread = threading.Thread(target=self._send_queued_blobs, daemon=True,
+                                         name="dvbench-blobs")
     self._blob_uploads: list[futures.Future] = []
     self._closing = threading.Event()
     self._stopped = threading.Event()
@@ -144,7 +147,7 @@ class Uploader(threading.Thread):
       if self.on_failure is not None:
         self.on_failure(f"uploading to DVBench failed: {e}")
     finally:
-      self._blob_sender.shutdown(wait=False, cancel_futures=True)
+      self._blob_queue.put(None)
 
   def _send_new(self) -> bool:
     path = self.folder / RECORDS_FILE
@@ -226,9 +229,13 @@ class Uploader(threading.Thread):
     refuses one that does)."""
     body = {**body, "client_id": self.client_id, "seq": self._seq}
     self._seq += 1
-    ack = self._request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
-                        content=transport.encode(body),
-                        headers={"content-type": "application/cbor"}).json()
+    try:
+      ack = self._request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
+                          content=transport.encode(body),
+                          headers={"content-type": "application/cbor"}).json()
+    except errors.ApiError:
+      self._raise_blob_failure(wait=True)  # a refused blob (the proof is invalid) says why
+      raise
     self._deliver_challenges(ack)
     return ack
 
@@ -251,8 +258,23 @@ class Uploader(threading.Thread):
     new = sorted(digests - self._sent_blobs)
     if new:
       self._sent_blobs.update(new)
-      self._blob_uploads.append(self._blob_sender.submit(self._send_blobs, new))
+      upload = futures.Future()
+      if not self._blob_thread.is_alive():
+        self._blob_thread.start()
+      self._blob_queue.put((upload, new))
+      self._blob_uploads.append(upload)
     self._raise_blob_failure(wait=False)
+
+  def _send_queued_blobs(self) -> None:
+    """The blob thread (a daemon, like this one: a server that stopped answering does not
+    hold the interpreter's exit)."""
+    while (item := self._blob_queue.get()) is not None:
+      upload, digests = item
+      try:
+        self._send_blobs(digests)
+        upload.set_result(None)
+      except BaseException as e:  # raised on the uploader thread by _raise_blob_failure
+        upload.set_exception(e)
 
   def _raise_blob_failure(self, wait: bool) -> None:
     """Raises the error of a finished blob upload (with ``wait``, of any, once all ran)."""
