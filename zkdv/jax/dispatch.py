@@ -144,8 +144,8 @@ class Dispatcher:
     commitments and checks (hashing is costed apart; a check is not a step)."""
     now = time.perf_counter()
     if self._last_dispatch is not None and self.steps >= 2:  # not the compiling steps
-      interval = now - self._last_dispatch
-      self._step_times = (self._step_times + [interval - self._waited])[-16:]
+      interval = now - self._last_dispatch - self._waited
+      self._step_times = (self._step_times + [interval])[-16:]
     self._last_dispatch, self._waited = now, 0.0
 
   @contextlib.contextmanager
