@@ -240,16 +240,18 @@ class ZKDV:
       self._challenger = challengers.SelfChallenger(policy, run["seed"])
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
                   self.name, group.index, path)
-    self._open(path, group)
+    self._open(path, group, rolling_window)
     return self
 
-  def _open(self, path: pathlib.Path, group) -> None:
-    """The committer and dispatcher of a started proof."""
+  def _open(self, path: pathlib.Path, group, window: int | None = None) -> None:
+    """The committer and dispatcher of a started proof (``window``: the first rolling
+    window, the policy's when None)."""
     self.path, self.policy = path, self._challenger.policy
     self._digests = digests_lib.for_config(self.config.digest_backend)
     # A server's challenger may widen the window up to its policy's (Dispatcher._size_window).
     self._committer = Committer(self._writer, group, self._digests, self.config,
-                                min(rolling_window, self.policy.rolling_window),
+                                min(window or self.policy.rolling_window,
+                                    self.policy.rolling_window),
                                 on_error=self._report_failure)
     self._committer.prover_replays = not self.policy.full_replay  # the verifier replays all
     if isinstance(self._challenger, challengers.ServerChallenger):
