@@ -125,6 +125,7 @@ class TranscriptWriter:
     writer._prev = contents.records[-1].record_id
     writer.transcript_id = contents.records[0].record_id
     writer.on_append = None
+    writer._stored = set()  # pylint: disable=protected-access
     return writer, dataclasses.replace(contents, torn_tail=None)
 
   def append(self, record: dict, *, durable: bool = False) -> bytes:
