@@ -30,8 +30,8 @@ EVAL_ROWS = np.asarray([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1
                         [0, 0, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0], [1, 0, 0, 0, 1]],
                        np.uint32)
 COLUMNS = ["rank", "experiment", "value", "state", "challenged by", "checks replayed", "p",
-           "escape (1 − p)", "start", "program", "contamination", "training set",
-           "owner's attempts", "proof"]
+           "escape (1 − p; over the owner's attempts)", "start", "program", "contamination",
+           "training set", "owner's attempts", "proof"]
 
 
 def correct(params, batch):

@@ -240,7 +240,8 @@ replayed the batches it chose after the outputs were committed. Never ranked.</p
 _COLUMNS = (("rank", "rank"), ("experiment", "experiment"), ("value", "value"),
             ("state", "state"), ("challenger", "challenged by"),
             ("checks_replayed", "checks replayed"), ("update_check_probability", "p"),
-            ("escape_probability", "escape (1 − p)"), ("start_attested", "start"),
+            ("escape_probability", "escape (1 − p; over the owner's attempts)"),
+            ("start_attested", "start"),
             ("program_pinned", "program"), ("contamination", "contamination"),
             ("outside_training_set", "training set"), ("attempts", "owner's attempts"),
             ("proof", "proof"))
@@ -270,12 +271,20 @@ def _entry(url: Url, r: dict) -> str:
           f"<td class='num'>{value}</td><td>{state}</td><td>{challenger}</td>"
           f"<td class='num'>{r['checks_replayed']}</td>"
           f"<td class='num'>{r['update_check_probability']:g}</td>"
-          f"<td class='num'>{r['escape_probability']:.3g}</td>"
+          f"<td class='num'>{_escape_cell(r['escape_probability'], r['attempts'])}</td>"
           f"<td>{'attested' if r['start_attested'] else 'unattested'}</td>"
           f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}{programs}</td><td>{dirty}</td>"
           f"<td>{training}</td>{_attempts_cell(r['attempts'])}"
           f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'><code>"
           f"{e(r['proof_id'][:12])}…</code></a></td></tr>")
+
+
+def _escape_cell(per_attempt: float, attempts: dict | None) -> str:
+  """The chance one faked segment escaped: per attempt and over the owner's attempts."""
+  if not attempts or attempts.get("escape_probability_over_attempts") is None:
+    return f"{per_attempt:.3g}"
+  over = attempts["escape_probability_over_attempts"]
+  return f"{per_attempt:.3g}<br><span class=muted>{over:.3g} over {attempts['slots']}</span>"
 
 
 def _attempts_cell(attempts: dict | None) -> str:
