@@ -20,8 +20,6 @@ import tempfile
 import time
 
 import jax
-import optax
-from flax.training import train_state
 
 import zkdv
 from benchmarks import common
@@ -30,38 +28,25 @@ ROWS = ("jax.jit", "proof.jit self-sampled", "proof.jit DVBench live",
         "proof.jit DVBench live, k=1")
 
 
-class Runner:
+class Runner(common.TrainRow):
   """One configuration's state and step."""
 
   def __init__(self, row: str, batch_size: int, p: float, folder: str, window: int = 4):
-    model, params, self.batch = common.mlp_workload(batch_size)
-    self.proof = None
+    model, params, batch = common.mlp_workload(batch_size)
     if row == "jax.jit":
-      self.state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                                 tx=optax.adam(1e-3))
-      self._step = jax.jit(common.train_step, donate_argnums=0)
+      super().__init__(model, params, batch)
       return
     config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
                              output_dir=f"{folder}/{row.replace(' ', '_')}-{batch_size}",
                              segment_length=1 if row.endswith("k=1") else None)
     if row == "proof.jit self-sampled":
-      self.proof = zkdv.jax.ZKDV("challenges-benchmark", config)
+      proof = zkdv.jax.ZKDV("challenges-benchmark", config)
     else:
       import dvbench  # pylint: disable=g-import-not-at-top
       client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
-      self.proof = client.experiment("bench/challenges").proof(config=config)
-    self.proof.start(rolling_window=window)
-    self.state = zkdv.jax.contrib.TrainState.create(
-        proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    self._step = self.proof.jit(common.train_step, donate_argnums=0)
-
-  def step(self):
-    self.state = self._step(self.state, *self.batch)
-    return self.state
-
-  def settle(self):
-    if self.proof is not None:
-      self.proof.wait_for_commitments()
+      proof = client.experiment("bench/challenges").proof(config=config)
+    proof.start(rolling_window=window)
+    super().__init__(model, params, batch, proof)
 
 
 def state_bytes(batch_size: int) -> int:

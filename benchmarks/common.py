@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import linen as nn
+from flax.training import train_state
+
+import zkdv
 
 
 class MLP(nn.Module):
@@ -54,6 +57,35 @@ def train_step(state, x, y):
     logits = state.apply_fn({"params": params}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
   return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+class TrainRow:
+  """A benchmark row's state and step: ``jax.jit`` with Flax's TrainState when ``proof``
+  is None, else ``proof.jit`` with ZKDV's (``proof`` already started).
+
+  Example: ``row = TrainRow(model, params, batch); row.step(); row.settle()``
+  """
+
+  def __init__(self, model, params, batch, proof=None):
+    self.batch, self.proof = batch, proof
+    if proof is None:
+      self.state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                                 tx=optax.adam(1e-3))
+      self._step = jax.jit(train_step, donate_argnums=0)
+    else:
+      self.state = zkdv.jax.contrib.TrainState.create(
+          proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+      self._step = proof.jit(train_step, donate_argnums=0)
+
+  def step(self):
+    self.state = self._step(self.state, *self.batch)
+    return self.state
+
+  def settle(self):
+    """Waits for the last step and, with a proof, for every commitment and check."""
+    jax.block_until_ready(self.state)
+    if self.proof is not None:
+      self.proof.wait_for_commitments()
 
 
 def timed(fn: Callable[[], object]) -> float:

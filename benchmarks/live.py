@@ -21,9 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import linen as nn
-from flax.training import train_state
 
 import zkdv
 from benchmarks import common
@@ -50,40 +48,26 @@ def workload(name: str, batch_size: int):
   return model, params, batch
 
 
-class Runner:
+class Runner(common.TrainRow):
   """One row's state and step."""
 
   def __init__(self, row: str, model, params, batch, p: float, probe_ratio: float,
                folder: str, window: int):
-    self.batch, self.proof = batch, None
     params = jax.tree.map(jnp.copy, params)  # each row donates its own
     if row == "jax.jit":
-      self.state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                                 tx=optax.adam(1e-3))
-      self._step = jax.jit(common.train_step, donate_argnums=0)
+      super().__init__(model, params, batch)
       return
     config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
                              output_dir=os.path.join(folder, row.replace(", ", "-")))
     if row.startswith("offline"):
-      self.proof = zkdv.jax.ZKDV("live-benchmark", config)
+      proof = zkdv.jax.ZKDV("live-benchmark", config)
     else:
       import dvbench  # pylint: disable=g-import-not-at-top
       client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
-      self.proof = client.experiment("bench/live").proof(config=config)
-    self.proof.start(rolling_window=window,
-                     probe_ratio=probe_ratio if row.endswith("probes") else 0.0)
-    self.state = zkdv.jax.contrib.TrainState.create(
-        proof=self.proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    self._step = self.proof.jit(common.train_step, donate_argnums=0)
-
-  def step(self):
-    self.state = self._step(self.state, *self.batch)
-    return self.state
-
-  def settle(self):
-    jax.block_until_ready(self.state)
-    if self.proof is not None:
-      self.proof.wait_for_commitments()
+      proof = client.experiment("bench/live").proof(config=config)
+    proof.start(rolling_window=window,
+                probe_ratio=probe_ratio if row.endswith("probes") else 0.0)
+    super().__init__(model, params, batch, proof)
 
 
 def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
