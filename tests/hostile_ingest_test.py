@@ -21,6 +21,7 @@ import dvbench
 from dvbench import transport
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
+from tests import postgres
 from tests.fake_prover import FakeProver, write_self_transcript
 from zkdv.transcript import encode_record, record_id
 
@@ -280,13 +281,8 @@ class DatabaseCases:
     self.assertEqual([(c["max_abs_error"], c["max_rel_error"], c["max_ulp_error"])
                       for c in response.json()], [("inf", "inf", str(2**63 - 1))] * 2)
 
-class PostgresDatabaseTest(DatabaseCases, HostileTestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    from tests import postgres  # pylint: disable=g-import-not-at-top
-    cls.database_url = postgres.shared_cluster().new_database()
-    super().setUpClass()
+class PostgresDatabaseTest(postgres.OnPostgres, DatabaseCases, HostileTestCase):
+  pass
 
 
 class TransportCases:

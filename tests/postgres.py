@@ -83,3 +83,16 @@ def stop_shared_cluster() -> None:
   if _SHARED is not None:
     _SHARED.stop()
     _SHARED = None
+
+
+class OnPostgres:
+  """A test-class mixin: ``database_url`` is a new database of the shared cluster, set
+  before the other bases' ``setUpClass`` starts a server or store on it.
+
+  Example: ``class PostgresQuotaTest(OnPostgres, QuotaCases, absltest.TestCase): pass``
+  """
+
+  @classmethod
+  def setUpClass(cls):
+    cls.database_url = shared_cluster().new_database()
+    super().setUpClass()

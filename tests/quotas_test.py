@@ -14,6 +14,7 @@ import httpx
 from absl.testing import absltest
 
 from dvbench.server.local import LocalServer
+from tests import postgres
 from tests.fake_prover import FakeProver
 
 _STORED_BYTES = 100_000
@@ -148,13 +149,8 @@ class SqliteQuotaTest(QuotaCases, absltest.TestCase):
   pass
 
 
-class PostgresQuotaTest(QuotaCases, absltest.TestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    from tests import postgres  # pylint: disable=g-import-not-at-top
-    cls.database_url = postgres.shared_cluster().new_database()
-    super().setUpClass()
+class PostgresQuotaTest(postgres.OnPostgres, QuotaCases, absltest.TestCase):
+  pass
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from absl.testing import absltest
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from dvbench.server.schema import chunks
+from tests import postgres
 from tests import testing
 from tests.fake_prover import FakeProver, digest
 from zkdv.transcript import encode_record, record_id
@@ -306,13 +307,8 @@ class SqliteStoreTest(StoreCases, absltest.TestCase):
   pass
 
 
-class PostgresStoreTest(StoreCases, absltest.TestCase):
-
-  @classmethod
-  def setUpClass(cls):
-    from tests import postgres  # pylint: disable=g-import-not-at-top
-    cls.database_url = postgres.shared_cluster().new_database()
-    super().setUpClass()
+class PostgresStoreTest(postgres.OnPostgres, StoreCases, absltest.TestCase):
+  pass
 
 
 if __name__ == "__main__":
