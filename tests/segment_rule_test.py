@@ -33,7 +33,20 @@ from zkdv.verify.report import Report
 
 STEPS = 7
 LAYOUTS = {1: [1] * 7, 2: [2, 2, 2, 1], 3: [3, 3, 1]}  # segment_length -> segment lengths
-SAMPLING = zkdv.SamplingPolicy(update_check_probability=0.5, state_check_probability=0.5)
+# Every server segment draws its update check (so its replay always runs); state checks and
+# probes are drawn, so which step decides them still shows.
+SAMPLING = zkdv.SamplingPolicy(update_check_probability=1.0, state_check_probability=0.5)
+SELF_POLICY = challenge.Policy(0.5, 0.5, 0.25)
+
+
+def seed_drawing_an_update_at_step_0() -> bytes:
+  """A self-challenger seed whose first segment (decided by step 0) draws an update check,
+  so the self-challenged runs replay something every time, never by chance."""
+  for i in range(1 << 16):
+    seed = i.to_bytes(32, "little")
+    if challenge.decide(0, challenge.step_challenge_self(seed, 0), SELF_POLICY).update:
+      return seed
+  raise AssertionError("no such seed")
 KINDS = ("update", "state", "probe")
 
 
@@ -96,7 +109,9 @@ class SelfChallengedTest(parameterized.TestCase):
   @parameterized.parameters(1, 2, 3)
   def test_prover_and_verifier_require_the_same_checks(self, segment_length):
     with mock.patch.object(challenge, "deciding_step",
-                           wraps=challenge.deciding_step) as rule:
+                           wraps=challenge.deciding_step) as rule, mock.patch.object(
+                               challenge, "new_key",
+                               return_value=seed_drawing_an_update_at_step_0()):
       path = train(testing.new_proof(f"rule-{segment_length}", update_p=0.5, state_p=0.5,
                                      segment_length=segment_length))
       required, layout = verifier_table(path)
