@@ -125,6 +125,17 @@ class Http:
       time.sleep(wait)
       delay = min(delay * 2, _MAX_DELAY)
 
+  def listing(self, path: str):
+    """Every item of a paged JSON listing (``x-next-after``), page by page."""
+    after = None
+    while True:
+      params = {} if after is None else {"after": after}
+      response = self.request("GET", path, params=params)
+      yield from response.json()
+      after = response.headers.get("x-next-after")
+      if after is None:
+        return
+
   def put_blob(self, proof_id: str, digest: str, read, retry_seconds=None,
                while_retrying=None) -> None:
     """Uploads a blob for a proof unless the server already holds it for that proof.
@@ -168,12 +179,15 @@ class Experiment:
         while_retrying=lambda: "the proof, and training with it, starts once it answers").json()
 
   def proof(self, backend: str = "jax", config=None, *, run_name: str | None = None,
-            tags=(), run_config: dict | None = None):
+            tags=(), run_config: dict | None = None, resume: str | None = None):
     """The ``zkdv.jax.ZKDV`` driver for this experiment, uploading live.
 
     ``run_name``, ``tags`` and ``run_config`` (your hyperparameters) go into the proof's
     root record and onto its pages, shown as declared by you; e.g.
     ``experiment.proof(run_name="lr 3e-4", tags=["sweep-1"], run_config={"lr": 3e-4})``.
+    ``resume=PROOF_ID`` continues a proof of this experiment whose run stopped before
+    ``finish()`` (crashed, preempted) from the checkpoint of its last committed state
+    (docs/jax.md, "Resuming a run"); its root keeps the first run's fields.
     """
     if backend != "jax":
       raise ValueError(f"backend {backend!r} is not available; use backend='jax'.")
@@ -182,6 +196,11 @@ class Experiment:
       if earlier.experiment.name == self.name and earlier.unused:
         earlier.discard(f"experiment.proof() made a new proof of {self.name} before this one "
                         "ran a step")
+    if resume is not None:
+      if run_name is not None or tags or run_config is not None:
+        raise ValueError("a resumed proof keeps the run_name, tags and run_config of its "
+                         "root; call experiment.proof(resume=...) without them.")
+      return DVBenchProof(self, config, resume_id=resume)
     return DVBenchProof(self, config, run_name=run_name, tags=tags, run_config=run_config)
 
   def upload(self, path: str | os.PathLike, timeout: float = 300.0,

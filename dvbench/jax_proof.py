@@ -19,6 +19,7 @@ from zkdv import challengers
 from zkdv import errors as zkdv_errors
 
 from dvbench import errors
+from dvbench import resume
 from dvbench.console import logger
 from dvbench.upload import Uploader
 
@@ -42,7 +43,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
   upload_timeout = 300.0
   challenge_timeout = 600.0
 
-  def __init__(self, experiment, config=None, **run):
+  def __init__(self, experiment, config=None, resume_id: str | None = None, **run):
     config = config or zkdv.ZKDVConfig()
     self._temporary = None
     if config.output_dir is None:
@@ -58,6 +59,8 @@ class DVBenchProof(zkdv.jax.ZKDV):
     experiment.client.proofs.append(self)
     self._uploader: Uploader | None = None
     self._upload_done = False
+    self._resume_id = resume_id
+    self._stored: resume.StoredProof | None = None  # what the server held of a resumed proof
 
   @property
   def proof_id(self) -> str | None:
@@ -120,6 +123,18 @@ class DVBenchProof(zkdv.jax.ZKDV):
     return challengers.ServerChallenger(fields, effective, timeout_s=self.challenge_timeout,
                                         describe=self._resume_hint)
 
+  def _resumed_challenger(self, path, fields):
+    """The server's challenger of the resumed proof, and the challenges it sent."""
+    if fields.get("kind") != "dvbench":
+      raise zkdv_errors.ProofStateError(
+          f"proof {self._resume_id} is self-audited; resume its transcript folder with "
+          "zkdv.jax.ZKDV(name, resume=folder) and upload it with experiment.upload(folder).")
+    challenger = challengers.ServerChallenger(
+        fields, challenge.Policy.from_record(fields["policy"]),
+        timeout_s=self.challenge_timeout, describe=self._resume_hint)
+    challenger.resume_at(self._stored.steps)
+    return challenger, self._stored.challenge
+
   def _steps_ahead(self) -> str:
     """How far training goes on without the server, e.g. 'training continues 3 more steps'."""
     undecided = self.steps - self._challenger.decided_steps
@@ -130,19 +145,42 @@ class DVBenchProof(zkdv.jax.ZKDV):
   def _resume_hint(self) -> str:
     return (f"The transcript so far is intact in {self.path}. Call the step again to resume "
             "once the server answers (the unanswered steps are kept), or proof.finish() to "
-            "end the run; a proof with unanswered challenges is invalid on DVBench.")
+            "end the run; a proof with unanswered challenges is invalid on DVBench. If this "
+            f"process ends, resume proof {self.proof_id} from your last checkpoint with "
+            f"experiment.proof(resume={self.proof_id!r}).")
 
   def start(self, rolling_window: int = 16, probe_ratio: float = 0.0):
+    """Takes a proof slot and starts the run; a resumed proof (``resume=PROOF_ID``)
+    reopens its stored records instead and goes on from its last committed state."""
+    if self._resume_id is not None and self._group is None:
+      folder = pathlib.Path(self.config.output_dir)
+      self._stored = resume.reopen(self.experiment, self._resume_id, folder)
+      self.resume_from = folder
     super().start(rolling_window=rolling_window, probe_ratio=probe_ratio)
     challenger = self._challenger
     self._uploader = Uploader(self.experiment.client.http, self.experiment.name, self.path,
                               on_challenge=challenger.deliver, on_failure=challenger.fail,
                               retry_seconds=self.challenge_timeout,
                               while_retrying=self._steps_ahead)
+    if self._stored is not None:
+      stored = self._stored
+      self._uploader.continue_proof(stored.proof_id, stored.size, stored.records,
+                                    stored.heartbeat_seconds)
+      logger.info("%s proof %s resumes at step %d; its page: %s/proofs/%s",
+                  self.experiment.name, stored.proof_id, self.steps,
+                  self.experiment.client.url, stored.proof_id)
     challenger.on_waiting = self._uploader.wake
     self._writer.on_append = self._uploader.wake
     self._uploader.start()
     return self
+
+  def wait_for_commitments(self) -> None:
+    """Blocks until every step so far is committed, its challenges answered, and all of
+    it stored by the server: a checkpoint saved then is a state a resumed run goes on
+    from (``experiment.proof(resume=...)``)."""
+    super().wait_for_commitments()
+    if self._uploader is not None and not self._upload_done:
+      self._uploader.flush(self.upload_timeout)
 
   def finish(self):
     error = None

@@ -87,6 +87,15 @@ class Uploader(threading.Thread):
     self._last_id: bytes | None = None
     self.heartbeat_seconds: float | None = None  # the server's, once the proof exists
     self._last_contact = time.monotonic()
+    self._flushes: list[tuple[int, threading.Event]] = []  # (file offset, sent by then)
+    self._flush_lock = threading.Lock()
+
+  def continue_proof(self, proof_id: str, offset: int, records: int,
+                     heartbeat_seconds: float | None) -> None:
+    """Before ``start()``: the proof exists and holds the first ``records`` records, the
+    folder's first ``offset`` bytes (a resumed run, ``dvbench.resume``)."""
+    self.proof_id, self._offset, self.sent_records = proof_id, offset, records
+    self.heartbeat_seconds = heartbeat_seconds
 
   # -- the training thread's side ----------------------------------------------
 
@@ -110,6 +119,25 @@ class Uploader(threading.Thread):
         raise type(e)(f"{e}{hint}") from e
       raise errors.UploadError(f"uploading {self.folder} failed: {e!r}.{hint}") from e
 
+  def flush(self, timeout: float) -> None:
+    """Blocks until every record written so far and every blob they name is stored by the
+    server (a checkpoint taken then is a state a resumed run finds there)."""
+    try:
+      target = (self.folder / RECORDS_FILE).stat().st_size
+    except FileNotFoundError:
+      return
+    sent = threading.Event()
+    with self._flush_lock:
+      self._flushes.append((target, sent))
+    self._wake.set()
+    deadline = time.monotonic() + timeout
+    while not sent.wait(0.5):
+      if self.error is not None or not self.is_alive():
+        raise errors.UploadError(f"uploading {self.folder} stopped: {self.error!r}")
+      if time.monotonic() > deadline:
+        raise errors.UploadError(f"the records of {self.folder} were not all stored by the "
+                                 f"server within {timeout:.0f} s.")
+
   def stop(self) -> None:
     """Stops without closing the proof (for an abandoned, unfinished proof)."""
     self._stopped.set()
@@ -131,6 +159,7 @@ class Uploader(threading.Thread):
         if closing and not progressed:
           break
         if not progressed:
+          self._settle_flushes()
           self._heartbeat()
           self._wake.wait(self.poll_seconds)
           self._wake.clear()
@@ -180,6 +209,17 @@ class Uploader(threading.Thread):
       size += len(raw)
     self._flush(batch, blobs)
     return True
+
+  def _settle_flushes(self) -> None:
+    """Answers the ``flush`` calls whose records are all sent, once their blobs are."""
+    with self._flush_lock:
+      done = [f for f in self._flushes if f[0] <= self._offset]
+      if not done:
+        return
+      self._flushes = [f for f in self._flushes if f[0] > self._offset]
+    self._raise_blob_failure(wait=True)
+    for _, sent in done:
+      sent.set()
 
   def _request(self, method: str, path: str, **kwargs):
     response = self.http.request(method, path, retry_seconds=self.retry_seconds,

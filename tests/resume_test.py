@@ -23,6 +23,7 @@ from flax import serialization
 import dvbench
 import zkdv
 from dvbench.server.local import LocalServer
+from tests import benchmark_test
 from tests import resume_trainer
 from tests import testing
 from zkdv import errors
@@ -208,6 +209,108 @@ class ResumeAfterKillTest(absltest.TestCase):
                                   r"one \(step 5\)"):
         client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
       self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
+
+class LiveResumeAfterKillTest(absltest.TestCase):
+  """A DVBench proof whose trainer is killed mid-segment becomes ``crashed``; resumed with
+  ``experiment.proof(resume=ID)`` from its checkpoint it ends ``verified`` and ranks."""
+
+  EXPERIMENT = "your-name/resumed-live"
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=1, extra_args=(
+        "--min-update-check-probability", "1.0", "--crash-after", "2s")).start()
+    cls.addClassCleanup(cls.server.stop)
+    cls.env = {**os.environ, "DVBENCH_TOKEN": cls.server.token("your-name")}
+    cls.client = dvbench.Client(cls.server.url, cls.env["DVBENCH_TOKEN"])
+    root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-resume-"))
+    cls.checkpoint = root / "ckpt"
+    crashed = cls.trainer(root / "first", "--stop-at", "7", stdin=subprocess.PIPE)
+    lines = []
+    for line in crashed.stdout:  # step 5 committed, step 6 stored in the open segment, 7 held
+      lines.append(line.strip())
+      if line.strip() == "ready":
+        break
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.wait(timeout=60)
+    cls.killed = (crashed.returncode, lines)
+    cls.proof_id = lines[-2].removeprefix("proof ")
+    cls.crashed_state = testing.wait_until(
+        lambda: cls.client.proof_status(cls.proof_id)["state"] == "crashed" and
+        cls.client.proof_status(cls.proof_id), timeout=60, every=0.2)
+    cls.records_before = cls.client.proof_status(cls.proof_id)["records"]
+    cls.altered = _finish(cls.trainer(root / "altered", "--resume", "--alter"))
+    cls.records_after_altered = cls.client.proof_status(cls.proof_id)["records"]
+    cls.resumed = _finish(cls.trainer(root / "resumed", "--resume"))
+    cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
+
+  @classmethod
+  def trainer(cls, folder, *flags, stdin=None):
+    extra = ("--proof-id", cls.proof_id) if "--resume" in flags else ()
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.resume_trainer", str(folder), str(cls.checkpoint),
+         "--server", cls.server.url, "--experiment", cls.EXPERIMENT, *flags, *extra],
+        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cls.env)
+
+  def test_the_killed_run_is_crashed_and_says_how_to_resume(self):
+    code, lines = self.killed
+    self.assertEqual(code, -signal.SIGKILL)
+    self.assertEqual(lines[:2], ["checkpoint 2", "checkpoint 5"])
+    self.assertEqual(self.crashed_state["steps"], 7)
+    self.assertIn(f"resume it from the checkpoint of its last committed state with "
+                  f"experiment.proof(resume='{self.proof_id}')", self.crashed_state["failure"])
+
+  def test_an_altered_restored_state_is_refused_and_nothing_is_sent(self):
+    code, _, err = self.altered
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.ResumeStateError: the restored state differs from the "
+                  "post-state step 5 committed in leaf .params['Dense_0']['bias'].", err)
+    self.assertEqual(self.records_after_altered, self.records_before)
+
+  def test_the_resumed_proof_is_verified_with_every_claim_and_ranks(self):
+    self.assertEqual(self.resumed[0], 0, self.resumed[2][-3000:])
+    self.assertEqual(self.verdict["state"], "verified", self.verdict)
+    folder = pathlib.Path(tempfile.mkdtemp()) / "downloaded"
+    cli = subprocess.run(
+        [sys.executable, "-m", "dvbench.cli", "download", self.proof_id, str(folder),
+         "--url", self.server.url], capture_output=True, text=True, timeout=120, check=False)
+    self.assertEqual(cli.returncode, 0, cli.stderr)
+    kinds = [(r["type"], r.get("index", r.get("step"))) for r in testing.records_of(folder)
+             if r["type"] in ("step", "resume", "root")]
+    self.assertEqual(kinds, [("root", None)] + [("step", i) for i in range(7)]
+                     + [("resume", 7)] + [("step", i) for i in range(7, 13)])
+    server_key = bytes.fromhex(self.client.http.request("GET", "/api/v1/server-key")
+                               .json()["server_key"])
+    report = verify.verify(folder, strict=True, server_key=server_key)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
+    self.assertIn("resumed at step 7 from the committed post-state of step 5; step 6 ran "
+                  "after it and was discarded", "\n".join(report.notes))
+    self.assertEqual({c.name: c.status for c in report.claims},
+                     {c.name: verify.HOLDS for c in report.claims})
+    self.assertIn("dvbench", report.claim("challenges").detail)
+    params = serialization.msgpack_restore(self.checkpoint.read_bytes())["params"]
+    owner = dvbench.Client(self.server.url, self.server.token("alice"))
+    owner.benchmark("alice/resumed").register(
+        metric="accuracy", evaluate=benchmark_test.correct, params=params,
+        rows=benchmark_test.EVAL_ROWS, min_update_check_probability=1.0)
+    bench = self.client.benchmark("alice/resumed")
+    entry = bench.wait(bench.submit(self.proof_id, params)["id"])
+    self.assertEqual(entry["state"], "scored", entry)
+    board, = bench.leaderboard()
+    self.assertEqual((board["rank"], board["proof_id"]), (1, self.proof_id), board)
+
+  def test_a_finished_proof_or_another_experiments_is_not_resumed(self):
+    with self.assertRaisesRegex(dvbench.errors.ApiError, "409.*belongs to experiment"):
+      self.client.experiment("your-name/other").proof(
+          resume=self.proof_id, config=zkdv.ZKDVConfig(
+              output_dir=tempfile.mkdtemp() + "/t")).start()
+    self.client.wait_for_verdict(self.proof_id, 240)
+    with self.assertRaisesRegex(dvbench.errors.ApiError, "409.*is verified: only a proof"):
+      self.client.experiment(self.EXPERIMENT).proof(
+          resume=self.proof_id, config=zkdv.ZKDVConfig(
+              output_dir=tempfile.mkdtemp() + "/t")).start()
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,12 +1,15 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
-``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]``
-trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
+``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
+[--server URL --experiment OWNER/NAME [--proof-id ID]]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
 ``proof.init``) with ``flax.serialization``
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
 waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
 there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
-changes one leaf of the restored state first. Prints ``checkpoint I`` and ``ready`` lines.
+changes one leaf of the restored state first. With ``--server`` the proof is DVBench's,
+challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
+(``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
+lines.
 """
 
 import argparse
@@ -19,6 +22,7 @@ import numpy as np
 import optax
 from flax import serialization
 
+import dvbench
 import zkdv
 from tests import testing
 from zkdv import transcript
@@ -39,11 +43,18 @@ def main() -> None:
   parser.add_argument("--resume", action="store_true")
   parser.add_argument("--stop-at", type=int)
   parser.add_argument("--alter", action="store_true")
+  parser.add_argument("--server")
+  parser.add_argument("--experiment")
+  parser.add_argument("--proof-id")
   args = parser.parse_args()
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
                                                                state_check_probability=1.0),
                            output_dir=args.folder, segment_length=SEGMENT)
-  proof = zkdv.jax.ZKDV("resumed-run", config, resume=args.folder if args.resume else None)
+  if args.server:
+    experiment = dvbench.Client(args.server).experiment(args.experiment)
+    proof = experiment.proof(config=config, resume=args.proof_id if args.resume else None)
+  else:
+    proof = zkdv.jax.ZKDV("resumed-run", config, resume=args.folder if args.resume else None)
   proof.start(rolling_window=4, probe_ratio=0.5)
   model = testing.TinyClassifier()
   # An attested start: resumed, proof.init returns the same params and records nothing.
@@ -65,6 +76,8 @@ def main() -> None:
       print(f"checkpoint {iteration}", flush=True)
     if iteration == args.stop_at:
       proof.wait_for_commitments()
+      if args.server:
+        print(f"proof {proof.proof_id}", flush=True)
       print("ready", flush=True)
       sys.stdin.read()  # killed here
   proof.finish()

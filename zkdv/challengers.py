@@ -71,6 +71,7 @@ class ServerChallenger:
     self.timeout_s = timeout_s
     self._describe = describe
     self._decided: dict[int, challenge.Decision] = {}
+    self._decided_before = 0  # a resumed proof's stored steps, decided before the crash
     self._asked: dict[int, float] = {}  # step -> when it was dispatched
     self._answer_times: list[float] = []  # the last few dispatch-to-decision intervals
     self._failure: str | None = None
@@ -88,7 +89,11 @@ class ServerChallenger:
   @property
   def decided_steps(self) -> int:
     """How many steps the server has decided (training may run a window beyond them)."""
-    return len(self._decided)
+    return self._decided_before + len(self._decided)
+
+  def resume_at(self, steps: int) -> None:
+    """A resumed proof: its ``steps`` stored steps were decided before the crash."""
+    self._decided_before = steps
 
   @property
   def answer_seconds(self) -> float | None:
@@ -149,7 +154,7 @@ class ServerChallenger:
     """Blocks until steps ``0 .. steps-1`` all have decisions."""
     started = time.monotonic()
     with self._changed:
-      while len(self._decided) < steps:
+      while self.decided_steps < steps:
         self.waiting(time.monotonic() - started, f"the challenges of {steps} steps")
         self._changed.wait(1.0)
 

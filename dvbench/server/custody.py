@@ -173,13 +173,10 @@ class Ingest:
     raise HTTPException(409, f"record {n} is a second root; a proof has one, at position 0.")
 
   def _check_resume(self, record: dict, n: int) -> None:
-    """A self-audited run resumed after a crash (``zkdv.jax.resume``): it goes on from the
-    last committed post-state, discarding only the steps of the open segment after it."""
+    """A run resumed after a crash (``zkdv.jax.resume``): it goes on from the last
+    committed post-state, discarding only the steps of the open segment after it (their
+    segment was never decided: a server decides a segment at its last step)."""
     step, after = record["step"], record["after"]
-    if self.challenger.kind == "dvbench":
-      raise HTTPException(409, f"record {n} resumes the run at step {step}: a proof this "
-                          "server challenges is not resumed (its discarded steps would leave "
-                          "challenges it issued unanswered).")
     if step != self.head.steps:
       raise HTTPException(409, f"record {n} resumes the run at step {step}, but "
                           f"{self.head.steps} steps are stored: step indices go on.")

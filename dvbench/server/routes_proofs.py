@@ -215,6 +215,21 @@ class ProofRoutes:
     await run_in_threadpool(touch)
     return Response(status_code=204)
 
+  async def resume_proof(self, request):
+    """Reopens a proof whose run stopped before ``finish()`` for its resumed run: the
+    client then reads the stored records and challenges and goes on from the last
+    committed state (``zkdv.jax.resume``); 409 for a finished proof."""
+    def reopen():
+      proof = self.service.proof_for_write(request, request.path_params["proof_id"])
+      if proof["state"] == "crashed":
+        self.service.quota.check_open_proofs(proof["experiment"].split("/")[0])
+      refused = self.store.reopen_proof(proof["id"])
+      if refused is not None:
+        raise HTTPException(409, f"{refused}; start a new proof.")
+      return self.service.proof_or_404(proof["id"])
+    return JSONResponse({**public_proof(await run_in_threadpool(reopen)),
+                         "heartbeat_seconds": self.service.heartbeat_seconds})
+
   def proof_json(self, proof_id: str) -> dict:
     proof = self.service.proof_or_404(proof_id)
     checks = self.store.proof_checks(proof_id)
@@ -286,6 +301,8 @@ def proof_routes(service: Service) -> list[Route]:
             name="discard_proof"),
       Route("/api/v1/proofs/{proof_id}/alive", api.proof_alive, methods=["POST"],
             name="proof_alive"),
+      Route("/api/v1/proofs/{proof_id}/resume", api.resume_proof, methods=["POST"],
+            name="resume_proof"),
       Route("/api/v1/proofs/{proof_id}/checks", api.get_checks, name="proof_checks"),
       Route("/api/v1/proofs/{proof_id}/records", api.get_record_ids, name="proof_records"),
       Route("/api/v1/proofs/{proof_id}/challenges", api.get_challenges, name="proof_challenges"),

@@ -26,11 +26,10 @@ _PROOF_ROWS = (records, streams, chunks, blob_refs, probes, checks, challenges, 
 
 
 def resume_hint(proof_id: str) -> str:
-  """What a crashed proof's owner can do (an offline transcript resumes with
-  ``zkdv.jax.ZKDV(name, resume=folder)``; a challenged proof does not, yet)."""
-  del proof_id  # a challenged proof is not resumed: its id names nothing to continue
-  return ("a proof DVBench challenges cannot be resumed yet: start a new proof from your "
-          "last checkpoint")
+  """What a crashed proof's owner can do: resume it from the checkpoint of its last
+  committed state (docs/jax.md, "Resuming a run")."""
+  return (f"resume it from the checkpoint of its last committed state with "
+          f"experiment.proof(resume={proof_id!r})")
 
 
 def crashed_failure(silent_seconds: float, steps: int, proof_id: str) -> str:
@@ -51,6 +50,17 @@ class LivenessQueries:
         conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
             updated_at=time.time()))
       return state
+
+  def reopen_proof(self, proof_id: str) -> str | None:
+    """A ``crashed`` (or still ``receiving``) proof takes records again, for its resumed
+    run; None when done, else why not (it is finished)."""
+    with self.engine.begin() as conn:
+      state = conn.execute(sa.select(proofs.c.state).where(proofs.c.id == proof_id)).scalar()
+      if state not in ("receiving", "crashed"):
+        return (f"proof {proof_id} is {state}: only a proof that stopped before "
+                "proof.finish() (receiving or crashed) is resumed")
+      self.set_proof_state(proof_id, "receiving", None, conn)
+      return None
 
   def discard_unstarted_proof(self, proof_id: str, conn=None) -> str | None:
     """Deletes a ``receiving`` proof that holds no step; None when done, else why not."""

@@ -274,15 +274,12 @@ class ZKDV:
       resume_lib.check_unfinished(records)
       root = records[0]
       fields = root.get("challenger", {})
-      if root.get("name") != self.name or fields.get("kind") != "self":
+      if root.get("name") != self.name:
         raise errors.ProofStateError(
-            f"{path} holds proof {root.get('name')!r} challenged by "
-            f"{fields.get('kind')!r}; ZKDV({self.name!r}, resume=...) continues a "
-            "self-challenged transcript of the same name.")
-      seed = _saved_seed(path, fields)
-      self._challenger = challengers.SelfChallenger(
-          challenge.Policy.from_record(fields["policy"]), seed)
-      point = resume_lib.read_point(records, seed)
+            f"{path} holds proof {root.get('name')!r}; ZKDV({self.name!r}, resume=...) "
+            "continues a transcript of the same name.")
+      self._challenger, challenge_of = self._resumed_challenger(path, fields)
+      point = resume_lib.read_point(records, challenge_of)
     except BaseException:
       writer.close()
       raise
@@ -295,6 +292,18 @@ class ZKDV:
     logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s)",
                 self.name, point.steps, point.after, path)
     return self
+
+  def _resumed_challenger(self, path: pathlib.Path, fields: dict):
+    """(the challenger of a resumed transcript, step -> its challenge): a self-challenged
+    run's, from the seed kept beside its transcript (DVBench proofs override it)."""
+    if fields.get("kind") != "self":
+      raise errors.ProofStateError(
+          f"{path} holds a proof challenged by {fields.get('kind')!r}; "
+          f"ZKDV({self.name!r}, resume=...) continues a self-challenged transcript (resume "
+          "a DVBench proof with experiment.proof(resume=PROOF_ID)).")
+    seed = _saved_seed(path, fields)
+    challenger = challengers.SelfChallenger(challenge.Policy.from_record(fields["policy"]), seed)
+    return challenger, lambda step: challenge.step_challenge_self(seed, step)
 
   def _make_challenger(self, policy: challenge.Policy, seed: bytes, group):
     """The challenger of this proof: self-chosen checks (DVBench proofs override it)."""
@@ -368,9 +377,13 @@ class ZKDV:
   def wait_for_commitments(self) -> None:
     """Blocks until every step so far is committed and its challenges are answered.
 
-    ``finish()`` does this itself; benchmarks and tests use it to settle a run.
+    ``finish()`` does this itself; benchmarks and tests use it to settle a run, and a
+    run that checkpoints calls it first (docs/jax.md, "Resuming a run").
     Raises ChallengeTimeoutError when a server's challenges do not come.
     """
+    self._settle_commitments()
+
+  def _settle_commitments(self) -> None:
     pipeline = self._committer.pipeline
     pipeline.drain()
     if isinstance(self._challenger, challengers.ServerChallenger) and pipeline.error is None:
@@ -382,7 +395,7 @@ class ZKDV:
     pipeline = self._committer.pipeline
     error = None
     try:
-      self.wait_for_commitments()
+      self._settle_commitments()
     except errors.ChallengeTimeoutError as e:
       error = e
     pipeline.close()

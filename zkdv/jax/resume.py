@@ -9,12 +9,13 @@ before anything is written (docs/jax.md, "Resuming a run").
 
 Example::
 
-  point = read_point(contents, seed)
+  point = read_point(records, lambda step: challenge.step_challenge_self(seed, step))
   point.check_restored(layouts, pieces)  # raises ResumeStateError naming the leaf
   writer.append(point.record())
 """
 
 import dataclasses
+from collections.abc import Callable
 
 from zkdv import challenge
 from zkdv import errors
@@ -74,8 +75,10 @@ def check_unfinished(records: list[dict]) -> None:
                                  "resumed. Start a new proof.")
 
 
-def read_point(records: list[dict], seed: bytes) -> ResumePoint:
-  """The ``ResumePoint`` of an unfinished self-challenged transcript's records.
+def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> ResumePoint:
+  """The ``ResumePoint`` of an unfinished transcript's records; ``challenge_of(step)`` is
+  step ``step``'s challenge (a self-challenged run's from its seed, a DVBench proof's as
+  the server sent it).
 
   Raises ProofStateError when no step committed a state, and
   UnanswerableChallengeError naming the step when a check chosen before the crash is
@@ -99,8 +102,10 @@ def read_point(records: list[dict], seed: bytes) -> ResumePoint:
     raise errors.ProofStateError(f"step {last['index']} records no post_state_leaves (the "
                                  "transcript was written by an older zkdv); start a new proof.")
   program = programs[last["program"]]
-  policy = challenge.Policy.from_record(root["challenger"]["policy"])
-  _require_answers(steps[:last["index"] + 1], programs, answered, seed, policy)
+  fields = root["challenger"]
+  policy = challenge.Policy.from_record(fields["policy"])
+  _require_answers(steps[:last["index"] + 1], programs, answered, challenge_of,
+                   fields["kind"], policy)
   params = set(program.get("params_leaves", []))
   layouts = [LeafLayout.from_record(l)
              for l in program.get("post_state_layout", program["state_layout"])]
@@ -110,7 +115,8 @@ def read_point(records: list[dict], seed: bytes) -> ResumePoint:
                      any(r.get("type") == "init" for r in records))
 
 
-def _require_answers(steps: list, programs: dict, answered: set, seed: bytes,
+def _require_answers(steps: list, programs: dict, answered: set,
+                     challenge_of: Callable[[int], bytes], kind: str,
                      policy: challenge.Policy) -> None:
   """Raises UnanswerableChallengeError for the first kept step whose chosen check has no
   record (``zkdv.challenge.required_checks``, as the verifier requires them)."""
@@ -118,11 +124,11 @@ def _require_answers(steps: list, programs: dict, answered: set, seed: bytes,
   for s in steps:
     index = s["index"]
     first = index if "pre_state" in s else first
-    decision = challenge.decide(index, challenge.step_challenge_self(seed, index), policy)
+    decision = challenge.decide(index, challenge_of(index), policy)
     segment = None
     if "post_state" in s:
-      deciding = challenge.deciding_step("self", first, index)
-      segment = challenge.decide(deciding, challenge.step_challenge_self(seed, deciding), policy)
+      deciding = challenge.deciding_step(kind, first, index)
+      segment = challenge.decide(deciding, challenge_of(deciding), policy)
     required = challenge.required_checks(decision, segment)
     batch = [LeafLayout.from_record(l) for l in programs[s["program"]]["batch_layout"]]
     required["probe"] = required["probe"] and any(

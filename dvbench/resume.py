@@ -1,0 +1,86 @@
+"""Resuming a DVBench proof after a crash: what the server stored of it, as a transcript.
+
+A run that stopped before ``finish()`` (preempted, killed) leaves its proof ``receiving``
+or ``crashed`` on the server. ``experiment.proof(resume=PROOF_ID)`` reopens it, reads the
+stored records and the challenges the server sent for them, and writes them into the
+new run's transcript folder; ``zkdv.jax`` then goes on from the last committed state
+(``zkdv.jax.resume``) and the uploader from the last stored record.
+
+Example::
+
+  stored = reopen(experiment, proof_id, folder)
+  stored.challenge(7)  # the challenge the server derived for step 7
+"""
+
+import dataclasses
+import pathlib
+
+from zkdv import transcript
+from zkdv import errors as zkdv_errors
+
+from dvbench import errors
+from dvbench import transport
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredProof:
+  """A proof as the server holds it: its records (written into ``folder``), the step
+  challenges it derived, and its heartbeat interval."""
+
+  proof_id: str
+  folder: pathlib.Path
+  records: int
+  steps: int
+  size: int
+  challenges: dict
+  heartbeat_seconds: float | None
+
+  def challenge(self, step: int) -> bytes:
+    """Step ``step``'s challenge as the server derived it after storing the step."""
+    try:
+      return self.challenges[step]
+    except KeyError:
+      raise errors.ApiError(502, f"the server sent no challenge for stored step {step} of "
+                            f"proof {self.proof_id}; is it a DVBench server of this "
+                            "version?") from None
+
+
+def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
+  """Reopens ``proof_id`` on the server and writes its stored records into ``folder``.
+
+  Raises ApiError when the proof is not this experiment's or is finished, and
+  ProofStateError when a blob its records name never reached the server (the run died
+  before uploading it: the proof can never be closed).
+  """
+  http = experiment.client.http
+  if not isinstance(proof_id, str) or len(proof_id) != 64:
+    raise ValueError(f"resume= takes a proof id (64 hex digits), got {proof_id!r}.")
+  path = f"/api/v1/proofs/{proof_id}"
+  info = http.request("GET", path).json()
+  if info.get("experiment") != experiment.name:
+    raise errors.ApiError(409, f"proof {proof_id} belongs to experiment "
+                          f"{info.get('experiment')!r}, not {experiment.name!r}; resume it "
+                          "from its own experiment.")
+  info = http.request("POST", f"{path}/resume").json()
+  data = http.request("GET", f"{path}/transcript").content
+  challenges = {}
+  for row in http.listing(f"{path}/challenges"):
+    challenges[row["step"]] = bytes.fromhex(row["challenge"])
+  folder = pathlib.Path(folder)
+  (folder / transcript.BLOBS_DIR).mkdir(parents=True, exist_ok=True)
+  transcript.write_atomically(folder / transcript.RECORDS_FILE, data)
+  contents = transcript.read_transcript(folder)
+  named = set()
+  for parsed in contents.records:
+    named |= transport.blob_refs(parsed.record)
+  missing = sorted(named - set(http.listing(f"{path}/blobs")))
+  if missing:
+    raise zkdv_errors.ProofStateError(
+        f"the server never received blob {missing[0]} (and {len(missing) - 1} more) that "
+        f"proof {proof_id}'s stored records name: the run stopped before uploading it, so "
+        "the proof can never be closed. Start a new proof (save checkpoints after "
+        "proof.wait_for_commitments(), which waits for the upload).")
+  heartbeat = info.get("heartbeat_seconds")
+  steps = sum(p.record.get("type") == "step" for p in contents.records)
+  return StoredProof(proof_id, folder, len(contents.records), steps, len(data), challenges,
+                     float(heartbeat) if isinstance(heartbeat, (int, float)) else None)
