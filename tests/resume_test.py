@@ -16,12 +16,14 @@ import tempfile
 
 from unittest import mock
 
+import httpx
 import jax.numpy as jnp
 from absl.testing import absltest
 from flax import serialization
 
 import dvbench
 import zkdv
+from dvbench import transport
 from dvbench.server.local import LocalServer
 from tests import benchmark_test
 from tests import resume_trainer
@@ -144,6 +146,20 @@ class ResumeAfterKillTest(absltest.TestCase):
                   [(f.code, f.message) for f in report.findings])
     self.assertEqual(report.verdict, verify.INVALID)
 
+  def test_a_discarded_step_whose_probes_went_unanswered_is_named(self):
+    # The prover saw step 6's probed rows, never answered them and resumed, replacing it.
+    def unanswered(records):
+      return [r for r in records if not (r["type"] == "check" and r["step"] == 6)]
+    self.assertTrue(any(r["type"] == "check" and r["step"] == 6 and r["kind"] == "probe"
+                        for r in testing.records_of(self.folder)))
+    report = verify.verify(_rewrite(self.folder, unanswered), replay="none")
+    self.assertIn("a resume discarded step 6 after self drew its data probes, unanswered: the "
+                  "prover saw which rows would be opened and replaced the step (a retried "
+                  "probe).", report.notes)
+    self.assertNotIn("missing_probe", [f.code for f in report.findings])
+    answered = verify.verify(self.folder, replay="none")
+    self.assertFalse([n for n in answered.notes if "retried probe" in n])
+
   def test_a_resume_from_another_state_is_invalid(self):
     def other_state(records):
       return [{**r, "state": bytes(32)} if r["type"] == "resume" else r for r in records]
@@ -240,10 +256,32 @@ class LiveResumeAfterKillTest(absltest.TestCase):
         lambda: cls.client.proof_status(cls.proof_id)["state"] == "crashed" and
         cls.client.proof_status(cls.proof_id), timeout=60, every=0.2)
     cls.records_before = cls.client.proof_status(cls.proof_id)["records"]
+    cls.forged = cls.resume_past_a_committed_state()
     cls.altered = _finish(cls.trainer(root / "altered", "--resume", "--alter"))
     cls.records_after_altered = cls.client.proof_status(cls.proof_id)["records"]
     cls.resumed = _finish(cls.trainer(root / "resumed", "--resume"))
     cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
+
+  @classmethod
+  def resume_past_a_committed_state(cls):
+    """Reopens the crashed proof and sends a ``resume`` record that goes back to step 2's
+    state, which would discard the segment of steps 3..5 and the checks the server chose
+    for it: the server's answer."""
+    path = f"/api/v1/proofs/{cls.proof_id}"
+    cls.client.http.request("POST", f"{path}/resume")
+    folder = pathlib.Path(tempfile.mkdtemp()) / "stored"
+    folder.mkdir()
+    (folder / transcript.RECORDS_FILE).write_bytes(
+        cls.client.http.request("GET", f"{path}/transcript").content)
+    stored = transcript.read_transcript(folder).records
+    step2 = [p.record for p in stored if p.record["type"] == "step"][2]
+    record = transcript.encode_record({"type": "resume", "step": 7, "after": 2,
+                                       "state": step2["post_state"],
+                                       "prev": stored[-1].record_id})
+    return httpx.post(f"{cls.server.url}{path}/stream", content=transport.encode(
+        {"kind": "records", "records": [record], "client_id": "f" * 32, "seq": 0}),
+        headers={"content-type": "application/cbor",
+                 "authorization": f"Bearer {cls.env['DVBENCH_TOKEN']}"})
 
   @classmethod
   def trainer(cls, folder, *flags, stdin=None):
@@ -260,6 +298,17 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertEqual(self.crashed_state["steps"], 7)
     self.assertIn(f"resume it from the checkpoint of its last committed state with "
                   f"experiment.proof(resume='{self.proof_id}')", self.crashed_state["failure"])
+
+  def test_attack_a_resume_past_a_committed_state_is_refused(self):
+    self.assertEqual(self.forged.status_code, 409, self.forged.text)
+    self.assertIn("resumes the run from step 2's state; it must go on from the committed "
+                  "post-state of the last step that stored one (step 5)", self.forged.text)
+
+  def test_only_the_owner_resumes_a_proof(self):
+    mallory = dvbench.Client(self.server.url, self.server.token("mallory"))
+    response = mallory.http.request("POST", f"/api/v1/proofs/{self.proof_id}/resume",
+                                    ok=(403,))
+    self.assertIn("token of 'mallory' cannot write to proof", response.text)
 
   def test_an_altered_restored_state_is_refused_and_nothing_is_sent(self):
     code, _, err = self.altered

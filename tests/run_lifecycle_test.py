@@ -164,13 +164,13 @@ class CrashedProofTest(absltest.TestCase):
     self.assertEqual(status["state"], "crashed", repr(status))
     self.assertEqual(status["failure"], (
         "nothing arrived for 4 s after 3 steps: the run stopped before proof.finish(), so it "
-        "is never verified as it is; a proof DVBench challenges cannot be resumed yet: start a "
-        "new proof from your last checkpoint."))
+        "is never verified as it is; resume it from the checkpoint of its last committed "
+        f"state with experiment.proof(resume='{crashing_id}')."))
     self.assertTrue(status["label"].startswith("crashed: nothing arrived"), status)
     page = pages_test.chromium_dom(self, f"{self.server.url}/proofs/{crashing_id}")
     self.assertEqual([badge[2] for badge in page.find("span", class_="crashed")], ["crashed"])
-    self.assertIn("cannot be resumed yet: start a new proof from your last checkpoint",
-                  page.find("span", id="label")[0][2])
+    self.assertIn(f"resume it from the checkpoint of its last committed state with "
+                  f"experiment.proof(resume='{crashing_id}')", page.find("span", id="label")[0][2])
     # The dead run's proof that never ran a step is gone, not left receiving.
     testing.wait_until(lambda: httpx.get(
         f"{self.server.url}/api/v1/proofs/{empty_id}").status_code == 404, timeout=30)

@@ -101,12 +101,17 @@ def require_answers(ctx: Verification, decisions: Decisions) -> None:
   if not decisions.known:
     return
   model = ctx.model
+  dropped_probes = []  # discarded steps whose drawn probes were never answered
   for step, decision in zip(model.steps, decisions.by_step):
-    if model.discarded(step.index):
-      continue  # a resume discarded it: its segment never committed an end to check
     program = model.program_of(step)
+    probed = program is not None and any(probe_count(l, decision.probe_ratio)
+                                         for l in program.batch)
+    if model.discarded(step.index):  # its segment never committed an end to check
+      if probed and (step.index, "probe") not in model.checks:
+        dropped_probes.append(step.index)
+      continue
     wanted = [kind for kind in ("update", "state") if decisions.challenged(step.index, kind)]
-    if program is not None and any(probe_count(l, decision.probe_ratio) for l in program.batch):
+    if probed:
       wanted.append("probe")
     for kind in wanted:
       if (step.index, kind) not in model.checks:
@@ -114,4 +119,10 @@ def require_answers(ctx: Verification, decisions: Decisions) -> None:
                         f"step {step.index}", f"step {step.index} was challenged for "
                         f"{'data probes' if kind == 'probe' else f'a {kind} check'} "
                         "but has no check record answering it.")
+  if dropped_probes:
+    ctx.report.notes.append(
+        f"a resume discarded step{'s' if len(dropped_probes) > 1 else ''} "
+        f"{', '.join(map(str, dropped_probes))} after {ctx.challenger.kind} drew "
+        f"{'their' if len(dropped_probes) > 1 else 'its'} data probes, unanswered: the "
+        "prover saw which rows would be opened and replaced the step (a retried probe).")
 
