@@ -18,6 +18,7 @@ from unittest import mock
 
 import httpx
 import jax.numpy as jnp
+import orbax.checkpoint as orbax
 from absl.testing import absltest
 from flax import serialization
 
@@ -228,7 +229,7 @@ class ResumeAfterKillTest(absltest.TestCase):
 
 class LiveResumeAfterKillTest(absltest.TestCase):
   """A DVBench proof whose trainer is killed mid-segment becomes ``crashed``; resumed with
-  ``experiment.proof(resume=ID)`` from its checkpoint it ends ``verified`` and ranks."""
+  ``experiment.proof(resume=ID)`` from its Orbax checkpoint it ends ``verified`` and ranks."""
 
   EXPERIMENT = "your-name/resumed-live"
 
@@ -288,7 +289,8 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     extra = ("--proof-id", cls.proof_id) if "--resume" in flags else ()
     return subprocess.Popen(
         [sys.executable, "-m", "tests.resume_trainer", str(folder), str(cls.checkpoint),
-         "--server", cls.server.url, "--experiment", cls.EXPERIMENT, *flags, *extra],
+         "--server", cls.server.url, "--experiment", cls.EXPERIMENT, "--orbax", *flags,
+         *extra],
         stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cls.env)
 
   def test_the_killed_run_is_crashed_and_says_how_to_resume(self):
@@ -338,7 +340,8 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertEqual({c.name: c.status for c in report.claims},
                      {c.name: verify.HOLDS for c in report.claims})
     self.assertIn("dvbench", report.claim("challenges").detail)
-    params = serialization.msgpack_restore(self.checkpoint.read_bytes())["params"]
+    params = orbax.StandardCheckpointer().restore(
+        self.checkpoint / str(resume_trainer.ITERATIONS - 1))["params"]
     owner = dvbench.Client(self.server.url, self.server.token("alice"))
     owner.benchmark("alice/resumed").register(
         metric="accuracy", evaluate=benchmark_test.correct, params=params,

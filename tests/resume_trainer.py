@@ -1,7 +1,7 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
-[--server URL --experiment OWNER/NAME [--proof-id ID]]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
+[--server URL --experiment OWNER/NAME [--proof-id ID]] [--orbax]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
 ``proof.init``) with ``flax.serialization``
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
 waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
@@ -9,7 +9,8 @@ there); ``--resume`` restores the checkpoint and continues the transcript; ``--a
 changes one leaf of the restored state first. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
-lines.
+lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
+instead (restoring the newest).
 """
 
 import argparse
@@ -36,6 +37,29 @@ def batch_for(iteration: int) -> np.ndarray:
   return np.roll(testing.TUTORIAL_BATCH, iteration, axis=0)
 
 
+def _flax_serialization(path: pathlib.Path):
+  """(save, restore) of the state as one ``flax.serialization`` file at ``path``."""
+  def save(iteration, state):
+    del iteration
+    transcript.write_atomically(path, serialization.to_bytes(state))
+  return save, lambda state: serialization.from_bytes(state, path.read_bytes())
+
+
+def _orbax(path: pathlib.Path):
+  """(save, restore) of the state with Orbax, one checkpoint per iteration under ``path``."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  checkpointer = ocp.StandardCheckpointer()
+
+  def save(iteration, state):
+    checkpointer.save(path.absolute() / str(iteration), state)
+    checkpointer.wait_until_finished()
+
+  def restore(state):
+    newest = max(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    return checkpointer.restore(path.absolute() / str(newest), state)
+  return save, restore
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("folder", type=pathlib.Path)
@@ -46,7 +70,9 @@ def main() -> None:
   parser.add_argument("--server")
   parser.add_argument("--experiment")
   parser.add_argument("--proof-id")
+  parser.add_argument("--orbax", action="store_true")
   args = parser.parse_args()
+  save, restore = (_orbax if args.orbax else _flax_serialization)(args.checkpoint)
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
                                                                state_check_probability=1.0),
                            output_dir=args.folder, segment_length=SEGMENT)
@@ -62,7 +88,7 @@ def main() -> None:
   state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
                                              tx=optax.adam(1e-2))
   if args.resume:
-    state = serialization.from_bytes(state, args.checkpoint.read_bytes())
+    state = restore(state)
     if args.alter:
       params = state.params
       bias = params["Dense_0"]["bias"]
@@ -72,7 +98,7 @@ def main() -> None:
     state = step(state, jnp.asarray(batch_for(iteration)))
     if (iteration + 1) % SEGMENT == 0:  # the state a segment ends with, once committed
       proof.wait_for_commitments()
-      transcript.write_atomically(args.checkpoint, serialization.to_bytes(state))
+      save(iteration, state)
       print(f"checkpoint {iteration}", flush=True)
     if iteration == args.stop_at:
       proof.wait_for_commitments()
