@@ -42,7 +42,7 @@ import numpy as np
 
 from dvbench import scoring
 from dvbench import transport
-from dvbench.measurement import load_checkpoint, tree_layouts
+from dvbench.measurement import load_checkpoint, params_digest, tree_layouts
 from zkdv import digest
 from zkdv import errors as zkdv_errors
 from zkdv import merkle
@@ -104,6 +104,21 @@ class TrainingSet:
             for d in sorted(set(row_digests)) if d in self._index]
 
 
+def _start_pins(init_program, base_checkpoint, min_probe_ratio) -> dict:
+  """The definition's start and probe pins that are set (an unset one is left out, so a
+  definition registered before them reads the same)."""
+  pins = {}
+  if init_program is not None:
+    pins["init_program"] = bytes.fromhex(init_program)
+  if base_checkpoint is not None:
+    pins["base_checkpoint"] = (bytes.fromhex(base_checkpoint) if isinstance(
+        base_checkpoint, str) and len(base_checkpoint) == 64 else params_digest(
+            load_checkpoint(base_checkpoint)))
+  if min_probe_ratio is not None:
+    pins["min_probe_ratio"] = float(min_probe_ratio)
+  return pins
+
+
 class Benchmark:
   """The benchmark ``owner/name`` on a server (``client.benchmark(name)``)."""
 
@@ -146,7 +161,8 @@ class Benchmark:
                         audit: str = "min-probability",
                         min_update_check_probability: float = 0.1, allowed_programs=None,
                         training_set: TrainingSet | None = None,
-                        publish_rows: bool = False) -> dict:
+                        publish_rows: bool = False, init_program: str | None = None,
+                        base_checkpoint=None, min_probe_ratio: float | None = None) -> dict:
     """Registers a serialized ``jax.export`` program taking the flat leaves of ``params``
     and of a batch of ``batch_rows`` rows (``export_evaluation``); the server checks it.
 
@@ -158,6 +174,13 @@ class Benchmark:
         supports in its 400 for another.
       allowed_programs: hex ids of the training programs a proof may use (None: any).
       training_set: a ``TrainingSet`` (its root and size) that probed rows must be in.
+      init_program: the hex program id of the attested init a proof must start with
+        (its ``init`` record's, ``proof.init``/``proof.init_from``; None: any).
+      base_checkpoint: the checkpoint a fine-tuning run must start from
+        (``proof.init_from``): its hex params digest, or the params (pytree, msgpack bytes
+        or path). None: only starts from the key are accepted.
+      min_probe_ratio: the least share of each batch's rows the server's challenges must
+        open (the proof's probe ratio; None: the server's minimum).
     """
     if aggregate not in AGGREGATES:
       raise ValueError(f"aggregate is one of {list(AGGREGATES)}, got {aggregate!r}.")
@@ -176,6 +199,7 @@ class Benchmark:
         "training_set": None if training_set is None else {
             "root": training_set.root, "size": training_set.size},
         "public_rows": bool(publish_rows),
+        **_start_pins(init_program, base_checkpoint, min_probe_ratio),
     }
     return self.client.http.request("PUT", self.path,
                                     content=cbor2.dumps(definition, canonical=True)).json()

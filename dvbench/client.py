@@ -285,7 +285,8 @@ class Client:
     to wait for the server's verdict first. E.g. ``alice/run proof 3f..: verified steps —
     start unattested, 10 steps, 4 checks (4 replayed); http://127.0.0.1:8000/proofs/3f..``"""
     status = self.wait_for_verdict(proof_id, wait)
-    state = claims.Standing(status["state"], tuple(status.get("shortfalls") or ())).label
+    state = claims.Standing(status["state"], tuple(status.get("shortfalls") or ()),
+                            status.get("base_checkpoint")).label
     if status.get("failure") and status["state"] not in (*claims.REPLAYED_STATES,
                                                          claims.UNCHALLENGED):
       state = f"{state} ({status['failure']})"

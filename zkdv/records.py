@@ -120,7 +120,10 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
     "init": {"program_id": Field(DIGEST, REQUIRED), "input_layout": Field(LAYOUTS, REQUIRED),
              "input_blobs": Field(DIGESTS, REQUIRED), "output_layout": Field(LAYOUTS, REQUIRED),
              "outputs": Field(DIGESTS, REQUIRED), "platforms": Field(NAMES, REQUIRED),
-             "function": Field(Text(MAX_TEXT))},
+             "function": Field(Text(MAX_TEXT)),
+             # a start from a base checkpoint: its params are the first inputs, keypaths
+             # relative to it, and their params digest is declared (zkdv.jax.start)
+             "base_layout": Field(LAYOUTS), "base_checkpoint": Field(DIGEST)},
     "program": {"program_id": Field(DIGEST, REQUIRED), "number": Field(INDEX, REQUIRED),
                 "blob": Field(DIGEST, REQUIRED), "mode": Field(Text(20, MODES), REQUIRED),
                 "state_layout": Field(LAYOUTS, REQUIRED),

@@ -21,6 +21,10 @@ SELF_AUDITED = "self-audited (detects faults, not a dishonest prover)"
 # replay: every segment replayed, chained from the attested start (docs/protocol.md).
 FULL_REPLAY = "full_replay"
 REPLAYED_STATES = claims_lib.REPLAYED_STATES  # their server-chosen update checks replayed
+# What a start that holds came from, stored beside the claims: the init program's hex id and,
+# for a start from a base checkpoint (proof.init_from), its declared params digest.
+INIT_PROGRAM, BASE_CHECKPOINT = "init_program", "base_checkpoint"
+STORED_FACTS = (FULL_REPLAY, INIT_PROGRAM, BASE_CHECKPOINT)
 
 
 def _counts(rows: list[dict], checks: list[dict]) -> dict:
@@ -51,7 +55,8 @@ def progress(job: dict | None, now: float | None = None) -> str:
 
 
 def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
-          job: dict | None = None, full_replay: bool = False, shortfalls: tuple = ()) -> str:
+          job: dict | None = None, full_replay: bool = False,
+          standing: claims_lib.Standing | None = None) -> str:
   """E.g. 'verified steps — start unattested: 3 server-chosen update checks replayed at
   p = 0.1; one faked segment escapes with probability 0.9'."""
   if state == "unverifiable":  # the verification failed: no verdict, the failure says why
@@ -62,11 +67,13 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
     return f"{state}: {progress(job)}"
   if chooser == "self":
     return SELF_AUDITED if state == "self-audited" else f"{state}; {SELF_AUDITED}"
+  standing = standing or claims_lib.Standing(state)
   if state == claims_lib.VERIFIED_ALL and full_replay:
-    return (f"verified (full replay): every one of {counts['steps']} steps re-executed by the "
-            f"server's workers from the attested start ({counts['update_replayed']} segments)")
+    return (f"{standing.label} (full replay): every one of {counts['steps']} steps re-executed "
+            f"by the server's workers from the attested start ({counts['update_replayed']} "
+            "segments)")
   if state in REPLAYED_STATES:
-    return (f"{claims_lib.Standing(state, shortfalls).label}: {counts['update_replayed']} "
+    return (f"{standing.label}: {counts['update_replayed']} "
             f"server-chosen update checks replayed at p = {p:g}; one faked segment escapes "
             f"with probability {challenge.escape_probability(p):.3g}")
   if state == "unchallenged":
@@ -78,6 +85,22 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
 def is_full_replay(claims: dict | None) -> bool:
   """Whether the stored claims (``Store.proof_claims``) show a full replay."""
   return bool(claims) and claims["claims"].get(FULL_REPLAY) == "holds"
+
+
+def start_facts(report: dict, claims: dict) -> dict:
+  """``{INIT_PROGRAM, BASE_CHECKPOINT}`` of a verifier's report whose start claim holds
+  (``claims``: ``worker.server_claims``); {} otherwise."""
+  if claims.get("start") != "holds":
+    return {}
+  facts = next(c.get("facts") or {} for c in report["claims"] if c["name"] == "start")
+  return {k: facts[k] for k in (INIT_PROGRAM, BASE_CHECKPOINT) if facts.get(k)}
+
+
+def stored_standing(state: str, claims: dict | None) -> claims_lib.Standing:
+  """The standing of a proof in ``state`` from its stored claims: what keeps it from
+  verified, and the base checkpoint it started from."""
+  return claims_lib.Standing(state, shortfalls_of(state, claims),
+                             (claims or {}).get("claims", {}).get(BASE_CHECKPOINT))
 
 
 def shortfalls_of(state: str, claims: dict | None) -> tuple:
@@ -99,11 +122,13 @@ def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
   p = policy["update_check_probability"] if policy else 0.0
   counts = _counts(rows, checks)
   full = chooser == "dvbench" and proof["state"] == "verified" and is_full_replay(claims)
-  short = shortfalls_of(proof["state"], claims)
-  text = label(proof["state"], chooser, p, counts, proof["failure"], job, full, short)
+  standing = stored_standing(proof["state"], claims)
+  short = standing.shortfalls
+  text = label(proof["state"], chooser, p, counts, proof["failure"], job, full, standing)
   summary = {"challenger": chooser, "policy": policy, "update_check_probability": p,
              "escape_probability_one_faked_step": 0.0 if full else challenge.escape_probability(p),
              "full_replay": full, "server_challenges": counts, "shortfalls": list(short),
+             "base_checkpoint": standing.base,
              "ranked_state": proof["state"] == claims_lib.VERIFIED_ALL, "label": text}
   if attempts is not None and chooser == "dvbench":
     described = attempts_lib.describe(attempts, 1.0 if full else p)

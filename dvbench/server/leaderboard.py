@@ -16,6 +16,7 @@ import math
 
 from dvbench.server import attempts as attempts_lib
 from dvbench.server import labels
+from dvbench.server import pins
 from dvbench.server.decoding import decode
 
 
@@ -70,14 +71,16 @@ def _strictness(store, proof_id: str) -> dict:
   """Whether the proof passed ``zkdv verify --strict`` on the server, and what it lacks."""
   shown = store.proof_claims(proof_id) or {"claims": {}, "strict": False}
   unmet = [f"{name}: {status}" for name, status in shown["claims"].items()
-           if status != "holds" and name != labels.FULL_REPLAY]
+           if status != "holds" and name not in labels.STORED_FACTS]
   return {"strict": shown["strict"], "unmet_claims": unmet or (
       [] if shown["strict"] else ["replays: not exact"])}
 
 
-def _unranked_because(entry: dict, audit_level: str) -> list[str]:
-  """Why a leaderboard entry is not ranked; empty when it is."""
+def _unranked_because(entry: dict, audit_level: str, broken: list[str]) -> list[str]:
+  """Why a leaderboard entry is not ranked (``broken``: the start and probe pins it breaks,
+  ``pins.check``); empty when it is."""
   reasons = [] if entry["state"] == "scored" else [f"not scored ({entry['state']})"]
+  reasons += [f"a pin does not hold: {text}" for text in broken]
   if entry["copy_of"] is not None:
     reasons.append(copy_reason(entry["checkpoint"], entry["copy_of"]))
   if audit_level == "full-replay" and not entry["full_replay"]:
@@ -93,10 +96,11 @@ def _unranked_because(entry: dict, audit_level: str) -> list[str]:
   return reasons
 
 
-def _pins(entry: dict, audit_level: str) -> dict:
-  """Per pin of the benchmark's recipe: "holds", "not pinned", or what breaks it."""
+def _pins(entry: dict, audit_level: str, start_pins: dict) -> dict:
+  """Per pin of the benchmark's recipe: "holds", "not pinned", or what breaks it
+  (``start_pins``: those of the start and the probe ratio, ``pins.check``)."""
   outside = entry["outside_training_set"]
-  return {"audit": f"{audit_level}: " + (
+  return {**start_pins, "audit": f"{audit_level}: " + (
               "holds" if audit_level != "full-replay" or entry["full_replay"] else
               "not fully replayed"),
           "training_programs": "holds" if entry["program_pinned"] else "not pinned",
@@ -118,8 +122,10 @@ def rank(entries: list[dict], higher_is_better: bool) -> None:
 def leaderboard_entries(store, bench: dict, definition: dict, sort: str = "rank") -> list[dict]:
   """Every submission with its audit; ranked: scored, not a copy, its proof passed
   ``--strict`` (every claim holds: server challenges, exact replays, attested start, a program
-  that reads the batch, probes), no probed example is in the evaluation set and, where the
-  benchmark pins a training set, every probed row is a proven member of it."""
+  that reads the batch, probes), no probed example is in the evaluation set, where the
+  benchmark pins a training set every probed row is a proven member of it, and its start and
+  probe ratio meet the benchmark's pins (``pins``). ``base_of`` names the proof whose final
+  params a fine-tuned entry's base checkpoint is."""
   dirty = store.benchmark_contamination(bench["id"])
   pinned_rows = definition["training_set"] is not None
   outside = store.training_outside(bench["id"]) if pinned_rows else {}
@@ -134,8 +140,12 @@ def leaderboard_entries(store, bench: dict, definition: dict, sort: str = "rank"
              "contamination": dirty.get(s["proof_id"], 0),
              "training_set_pinned": pinned_rows,
              "outside_training_set": outside.get(s["proof_id"], 0) if pinned_rows else None}
-    entry["pins"] = _pins(entry, definition["audit"])
-    entry["unranked_because"] = _unranked_because(entry, definition["audit"])
+    start = pins.start_of(store, s["proof_id"])
+    entry.update(init_program=start["init_program"], base_checkpoint=start["base_checkpoint"],
+                 base_of=start["base_of"])
+    start_pins, broken = pins.check(definition, start)
+    entry["pins"] = _pins(entry, definition["audit"], start_pins)
+    entry["unranked_because"] = _unranked_because(entry, definition["audit"], broken)
     entry["ranked"] = not entry["unranked_because"]
     entries.append(entry)
   rank(entries, bench["higher_is_better"])

@@ -15,6 +15,7 @@ import json
 from dvbench.server import charts
 from dvbench.server import page_runs
 from dvbench.server.page_frame import Url, e, experiment_link, page
+from dvbench.server import pins as pins_lib
 from dvbench.server.labels import SELF_AUDITED
 from dvbench.server.store_listing import ProofFilter
 
@@ -272,11 +273,33 @@ def _entry(url: Url, r: dict) -> str:
           f"<td class='num'>{r['checks_replayed']}</td>"
           f"<td class='num'>{r['update_check_probability']:g}</td>"
           f"<td class='num'>{_escape_cell(r['escape_probability'], r['attempts'])}</td>"
-          f"<td>{'attested' if r['start_attested'] else 'unattested'}</td>"
+          f"<td>{_start_cell(url, r)}</td>"
           f"<td>{'pinned' if r['program_pinned'] else 'not pinned'}{programs}</td><td>{dirty}</td>"
           f"<td>{training}</td>{_attempts_cell(r['attempts'])}"
           f"<td><a href='{e(url('proof_page', proof_id=r['proof_id']))}'><code>"
           f"{e(r['proof_id'][:12])}…</code></a></td></tr>")
+
+
+def _start_cell(url: Url, r: dict) -> str:
+  """Where an entry's run started: from the key, a base checkpoint (and whose final params
+  it is), or unattested."""
+  if not r["start_attested"]:
+    return "unattested"
+  if r["base_checkpoint"] is None:
+    return "attested"
+  first = r["base_of"]
+  of = "" if first is None else (
+      f"<br><span class=muted>the final params of <a href='"
+      f"{e(url('proof_page', proof_id=first['id']))}'>{e(first['experiment'])}</a></span>")
+  return (f"<span title='declared by the prover, not trained here'>base checkpoint "
+          f"<code>{e(r['base_checkpoint'][:12])}…</code></span>{of}")
+
+
+def _pin_row(name: str, value) -> str:
+  """A definition row for one start or probe pin (``pins.FIELDS``)."""
+  shown = "not pinned" if value is None else (
+      f"{value:g}" if isinstance(value, float) else f"<code>{e(value)}</code>")
+  return f"<tr><th>{e(name.replace('_', ' '))}</th><td>{shown}</td></tr>"
 
 
 def _escape_cell(per_attempt: float, attempts: dict | None) -> str:
@@ -324,14 +347,16 @@ def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> s
 <tr><th>training programs</th><td>{'pinned: ' + ', '.join(e(p[:16]) + '…' for p in pins)
  if pins is not None else 'not pinned (any)'}</td></tr>
 <tr><th>training set</th><td>{_training_set(bench['training_set'])}</td></tr>
+{''.join(_pin_row(name, bench[name]) for name in pins_lib.FIELDS)}
 <tr><th>left open by the recipe</th><td id="left-open">{'<br>'.join(
     e(text) for text in bench['left_open']) or 'nothing'}</td></tr></table>
 <p>Ranked: scored by the server, not a copy (one entry per proof and per checkpoint: a
 checkpoint equal to the final params of a proof that closed earlier is that proof's), the proof
 passes <code>zkdv verify --strict</code> (server challenges, exact replays, an attested start, a
 program whose update reads the batch, probes), no probed training example is in the evaluation
-set and, where a training set is registered, every probed row is proven (Merkle) to be in it.
-Equal values share a rank. Any other entry is shown with what it lacks and not ranked.</p>
+set, where a training set is registered every probed row is proven (Merkle) to be in it, and
+the start and probe ratio meet the pins above (a start from a base checkpoint only where the
+benchmark pins that checkpoint). Equal values share a rank. Any other entry is shown with what it lacks and not ranked.</p>
 {_bars([r for r in entries if r['ranked']])}
 <table class="leaderboard" data-benchmark="{e(bench['name'])}"><tr>{heads}</tr>
 {''.join(_entry(url, r) for r in entries)}</table>""")

@@ -26,7 +26,6 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from dvbench.server import attempts as attempts_lib
 from dvbench.server import labels
 from zkdv import receipt
-from zkdv.verify import claims as claims_lib
 
 
 def fields(proof: dict, challenger: dict, records: list[bytes], server_key: bytes,
@@ -56,8 +55,7 @@ def issue(store, signing_key: ed25519.Ed25519PrivateKey, proof_id: str, verdict:
     return None
   proof = store.proof(proof_id)
   if standing is None:
-    standing = claims_lib.Standing(proof["state"], labels.shortfalls_of(
-        proof["state"], store.proof_claims(proof_id)))
+    standing = labels.stored_standing(proof["state"], store.proof_claims(proof_id))
   policy = json.loads(challenger["policy"])
   counted = attempts_lib.describe(attempts_lib.owner_attempts(
       store, proof["experiment"].split("/")[0]), policy["update_check_probability"])

@@ -29,6 +29,7 @@ from dvbench.server import labels
 from dvbench.server import leaderboard
 from dvbench.server import sandbox
 from dvbench import scoring
+from dvbench.server import pins
 from dvbench.server import worker
 from dvbench.server.paging import next_link, page_params, paged
 from dvbench.server.decoding import decode
@@ -42,7 +43,7 @@ _DEFINITION = {"type", "metric", "higher_is_better", "aggregate", "batch_rows", 
                "params_layout", "data_layout", "data_blobs", "min_update_check_probability",
                "allowed_programs", "public_rows"}
 # absent from definitions registered before them
-_DEFINITION_ADDED = {"audit", "training_set", "reference_params"}
+_DEFINITION_ADDED = {"audit", "training_set", "reference_params", *pins.FIELDS}
 _SUBMISSION = {"type", "proof_id", "params_layout", "params_blobs", "training_proofs"}
 # The audit levels a benchmark may require; each names the check of a submitted proof in
 # ``BenchmarkRoutes``. "full-replay": the server's workers re-executed every step of the
@@ -151,7 +152,8 @@ def parse_definition(body: bytes) -> dict:
           "params_layout": params_layout, "reference_params": reference,
           "data_layout": data_layouts,
           "data_blobs": _digests(record["data_blobs"], "data_blobs"),
-          "allowed_programs": None if allowed is None else _digests(allowed, "allowed_programs")}
+          "allowed_programs": None if allowed is None else _digests(allowed, "allowed_programs"),
+          **pins.parse(record)}
 
 
 def _training_set(value) -> dict | None:
@@ -396,6 +398,10 @@ class BenchmarkRoutes:
                      "full-replay": self._check_full_replay}
     audit_checks[definition["audit"]](bench, proof)
     self._check_programs(bench, proof)
+    broken = pins.check(definition, pins.start_of(self.store, proof["id"]))[1]
+    if broken:
+      raise HTTPException(409, f"proof {proof['id']} does not meet the pins of "
+                          f"'{bench['full_name']}': {'; '.join(broken)}.")
 
   def _check_min_probability(self, bench: dict, proof: dict) -> None:
     challenger = self.store.challenger(proof["id"])
@@ -512,7 +518,7 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
   """What a benchmark's recipe does not pin, and what that lets a run do unseen."""
   eval_bytes = sum(l.nbytes for l in definition["data_layout"])
   budget = config.MAX_PROGRAM_CONSTANT_BYTES
-  open_ = ["the init: any attested start (an init program of the prover's, proof.init)"]
+  open_ = pins.left_open(definition)
   if allowed_programs is None:
     open_.append(
         f"the training program: any, and a program may embed up to {budget} bytes of "
@@ -536,6 +542,8 @@ def public_benchmark(row: dict) -> dict:
           "min_update_check_probability": row["min_update_check_probability"],
           "allowed_programs": None if row["allowed_programs"] is None else json.loads(
               row["allowed_programs"]),
+          **{k: definition[k].hex() if isinstance(definition[k], bytes) else definition[k]
+             for k in pins.FIELDS},
           "public_rows": row["public_rows"], "created_at": row["created_at"],
           "left_open": left_open(definition, row["allowed_programs"])}
 

@@ -194,7 +194,7 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
   standing = claims_lib.standing_of(
       report["verdict"], [f["code"] for f in report["findings"]], claims,
       [c for c in report["checks"] if c["kind"] == "update" and c["challenged"]],
-      challenger["kind"] == "self")
+      challenger["kind"] == "self", claims_lib.start_base(report.get("claims", [])))
   if standing.state in (claims_lib.INVALID, claims_lib.NOT_VERIFIED):
     failure = "; ".join(f"{f['code']} at {f['where']}: {f['message']}"
                         for f in report["findings"][:3])
@@ -205,6 +205,7 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
   if any(c["name"] == "replays" and c["status"] == "holds" and c.get("facts", {}).get(
       "full_replay") is True for c in report.get("claims", [])):
     claims[labels.FULL_REPLAY] = "holds"  # every step re-executed from the attested start
+  claims.update(labels.start_facts(report, claims))
   return Verdict(standing.state, report["verdict"], None, rows, claims, standing.ranked,
                  standing)
 

@@ -85,6 +85,11 @@ def _saved_seed(path: pathlib.Path, fields: dict) -> bytes:
   return seed
 
 
+def _identity(base):
+  """The init function of ``proof.init_from(base)``: the base params themselves."""
+  return base
+
+
 class ZKDV:
   """A verifiable training run: ``start``, ``jit``/``attest``, ``finish``.
 
@@ -460,10 +465,28 @@ class ZKDV:
 
       params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4)))["params"]
     """
+    return self._attest_start(init_fn, args, kwargs)
+
+  def init_from(self, base, init_fn=None, /, *args, **kwargs):
+    """The start of a fine-tuning run: ``init_fn(base, *args, **kwargs)`` (``base``
+    itself when ``init_fn`` is None), run as an exported program whose input ``base``
+    is a params pytree, the base checkpoint. The record declares its params digest
+    (the digest ``final_params`` and measurements use), so readers see a start from
+    that checkpoint, never a start from scratch. A verifier checks the opened base
+    against the declared digest, replays the program on it bit for bit, and checks
+    that the base matters (replayed with other base values, the params change).
+    PRNG keys among ``args`` become the start key, as in ``proof.init``::
+
+      params = proof.init_from(pretrained)
+      state = TrainState.create(proof=proof, apply_fn=model.apply, params=params, tx=tx)
+    """
+    return self._attest_start(_identity if init_fn is None else init_fn, args, kwargs, base)
+
+  def _attest_start(self, init_fn, args: tuple, kwargs: dict, base=None):
     self.ensure_started()
     if self.resume_from is not None and self._committer.init_recorded:
       # attested before the crash: the same outputs, from the same start key
-      return start_lib.run_init(init_fn, args, kwargs, self._key_seed).outputs
+      return start_lib.run_init(init_fn, args, kwargs, self._key_seed, base).outputs
     if self.steps:
       raise errors.ProofStateError(
           f"{self!r} already recorded {self.steps} steps; proof.init() attests the "
@@ -471,7 +494,7 @@ class ZKDV:
     if self._committer.init_recorded or self._pending_init is not None:
       raise errors.ProofStateError(f"{self!r} already has an attested start; "
                                    "proof.init() runs once per proof.")
-    self._pending_init = start_lib.run_init(init_fn, args, kwargs, self._key_seed)
+    self._pending_init = start_lib.run_init(init_fn, args, kwargs, self._key_seed, base)
     return self._pending_init.outputs
 
   def extend_init(self, part, build):

@@ -17,9 +17,15 @@ params=params, ...)`` with params that ``proof.init`` returned extends the init
 program by ``TrainState.create`` itself (``extend_init``), so the optimizer state,
 the step and every added field are outputs of the same program.
 
-The ``init`` record holds the program, the opened inputs (the key and the
-example arguments) and the digests of the outputs; it is written before the
-first step. At the first step the committer writes a ``start`` check with the
+Fine-tuning starts from a base checkpoint instead: ``proof.init_from(pretrained)``
+exports ``init_fn(base, *args)`` (the identity by default) with the base params as
+inputs whose values matter, and the record declares the base's params digest
+(``base_checkpoint``, the digest ``final_params`` and measurements use), so a
+reader can match it against the final params of another proof.
+
+The ``init`` record holds the program, the opened inputs (the base params, the
+key and the example arguments) and the digests of the outputs; it is written
+before the first step. At the first step the committer writes a ``start`` check with the
 pre-state's piece digests; a verifier replays the init program (with the
 recorded inputs, with other example values, with another key) and checks that
 every leaf of the first pre-state is one of its outputs (``zkdv.verify.start``).
@@ -64,6 +70,7 @@ class InitProgram:
   init_fn: object = None  # what was exported, and its arguments (for ``extend_init``)
   args: tuple = ()
   kwargs: dict = dataclasses.field(default_factory=dict)
+  base: object = None  # the base checkpoint's params (its first argument), or None
 
 
 def _with_start_key(tree, seed: bytes):
@@ -72,14 +79,38 @@ def _with_start_key(tree, seed: bytes):
                       if arrays.is_key(x) else x, tree)
 
 
-def run_init(init_fn, args: tuple, kwargs: dict, key_seed: bytes) -> InitProgram:
-  """Exports ``init_fn(*args, **kwargs)`` (its PRNG keys replaced by the start key),
-  runs the exported program, digests its outputs."""
+def base_fields(base) -> dict:
+  """The init record's ``base_layout`` (keypaths relative to the base) and
+  ``base_checkpoint`` (its params digest, ``zkdv.digest.params_digest``'s rule) of
+  a params pytree.
+
+  Example: ``base_fields({"w": np.zeros(2, np.float32)})["base_checkpoint"]`` equals the
+  ``final_params`` of a proof whose final ``state.params`` are that pytree.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(base)[0]
+  if not flat:
+    raise ValueError("a base checkpoint needs at least one params array.")
+  if any(arrays.is_key(x) for _, x in flat):
+    raise ValueError("a base checkpoint holds params arrays, not PRNG keys: pass keys "
+                     "as arguments of the init function (they become the start key).")
+  values = [arrays.as_array(x) for _, x in flat]
+  layouts = [arrays.layout_of(jax.tree_util.keystr(p), x) for (p, _), x in zip(flat, values)]
+  checkpoint = digest.state_digest_from_leaves(
+      layouts, [digest.leaf_digest(arrays.host_view(x)) for x in values])
+  return {"base_layout": [l.to_record() for l in layouts], "base_checkpoint": checkpoint}
+
+
+def run_init(init_fn, args: tuple, kwargs: dict, key_seed: bytes, base=None) -> InitProgram:
+  """Exports ``init_fn(*args, **kwargs)`` (its PRNG keys replaced by the start key), or
+  ``init_fn(base, *args, **kwargs)`` from a base checkpoint, runs the exported program,
+  digests its outputs."""
+  based = base_fields(base) if base is not None else {}
   args, kwargs = _with_start_key((args, kwargs), key_seed)
-  leaves, in_tree = jax.tree.flatten((args, kwargs))
+  full_args = args if base is None else (base, *args)
+  leaves, in_tree = jax.tree.flatten((full_args, kwargs))
   leaves = [arrays.as_array(x) for x in leaves]
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-      (args, kwargs))[0]]
+      (full_args, kwargs))[0]]
 
   def structured_init(*flat):
     a, kw = jax.tree.unflatten(in_tree, flat)
@@ -119,10 +150,11 @@ def run_init(init_fn, args: tuple, kwargs: dict, key_seed: bytes) -> InitProgram
       "output_layout": [l.to_record() for l in out_layouts],
       "outputs": out_digests,
       "platforms": list(exported.platforms),
+      **based,
   }
   return InitProgram(blob, record, input_bytes,
                      jax.tree.unflatten(jax.tree.structure(out_shape), list(outs)),
-                     init_fn, args, kwargs)
+                     init_fn, args, kwargs, base)
 
 
 def extend_init(init: InitProgram, part, build, key_seed: bytes) -> InitProgram | None:
@@ -144,4 +176,4 @@ def extend_init(init: InitProgram, part, build, key_seed: bytes) -> InitProgram 
     return build(jax.tree.unflatten(tree, [outputs[n] for n in picked]))
 
   extended.__qualname__ = f"{getattr(first, '__qualname__', 'init')} + start state"
-  return run_init(extended, init.args, init.kwargs, key_seed)
+  return run_init(extended, init.args, init.kwargs, key_seed, init.base)

@@ -138,9 +138,15 @@ def _start(ctx: Verification) -> Claim:
     return Claim("start", DOES_NOT_HOLD, "unattested: nothing shows where the initial "
                  "state came from", {"start": "unattested"})
   facts = {"start": "attested", "init_program": init.program_id.hex()}
+  if init.base_checkpoint is not None:
+    facts.update(start="base", base_checkpoint=init.base_checkpoint.hex())
   if not any(c.kind == "start" and c.status == "verified" for c in ctx.report.checks):
     return Claim("start", COULD_NOT_VERIFY, f"the init program {init.program_id.hex()[:16]} "
                  "could not be replayed here (see the findings)", facts)
+  if init.base_checkpoint is not None:
+    return Claim("start", HOLDS, f"base checkpoint {init.base_checkpoint.hex()} (declared by "
+                 f"the prover, not trained here): step 0's state is the output of the init "
+                 f"program {init.program_id.hex()[:16]} on it, replayed bit for bit", facts)
   return Claim("start", HOLDS, f"attested: step 0's params are outputs of the init program "
                f"{init.program_id.hex()[:16]}, replayed bit for bit from its recorded inputs",
                facts)
@@ -236,22 +242,27 @@ class Standing:
   """A proof's state and every claim that keeps it from ``verified``.
 
   Example: ``Standing("verified steps", ("start unattested",)).label`` is
-  ``"verified steps — start unattested"``.
+  ``"verified steps — start unattested"``; a start from a base checkpoint (hex
+  ``base``) that holds is named: ``"verified from base checkpoint 1f2e…"``.
   """
 
   state: str
   shortfalls: tuple = ()
+  base: str | None = None  # the declared base checkpoint of a start that holds
 
   @property
   def label(self) -> str:
-    return f"{self.state} — {', '.join(self.shortfalls)}" if self.shortfalls else self.state
+    state = self.state if self.base is None else (
+        f"{self.state} from base checkpoint {self.base[:16]}…")
+    return f"{state} — {', '.join(self.shortfalls)}" if self.shortfalls else state
 
   @property
   def ranked(self) -> bool:
     return self.state == VERIFIED_ALL
 
   def to_json(self) -> dict:
-    return {"state": self.state, "shortfalls": list(self.shortfalls), "label": self.label}
+    return {"state": self.state, "shortfalls": list(self.shortfalls), "label": self.label,
+            "base_checkpoint": self.base}
 
 
 def shortfalls(claims: dict) -> tuple:
@@ -265,13 +276,15 @@ def shortfalls(claims: dict) -> tuple:
 
 
 def standing_of(verdict: str, finding_codes, claims: dict, update_checks: list[dict],
-                self_challenged: bool) -> Standing:
+                self_challenged: bool, base: str | None = None) -> Standing:
   """The state a verification earns, from plain data (a report's JSON works).
 
   ``update_checks``: the challenged update checks, each ``{"mode", "status"}``. Invalid
   stays invalid; a proof in which the challenger drew no update check is unchallenged (not
   invalid); one replayed within a tolerance is ``within tolerance``; one whose replays hold
   but another claim does not is ``verified steps`` naming each; ``verified`` needs all.
+  ``base``: the hex base checkpoint the start claim names (``start_base``), which the
+  label then shows: a start from a declared checkpoint is verified, never from scratch.
   """
   if verdict == INVALID:
     return Standing(INVALID)
@@ -280,15 +293,31 @@ def standing_of(verdict: str, finding_codes, claims: dict, update_checks: list[d
   if unexplained:
     return Standing(NOT_VERIFIED)
   said = shortfalls(claims)
+  base = base if claims.get("start") == HOLDS else None
   if self_challenged:
-    return Standing(SELF_AUDITED, tuple(s for s in said if s != SHORTFALLS["challenges"][0]))
+    return Standing(SELF_AUDITED, tuple(s for s in said if s != SHORTFALLS["challenges"][0]),
+                    base)
   if drawn == 0:
-    return Standing(UNCHALLENGED)
+    return Standing(UNCHALLENGED, (), base)
   if claims.get("replays") == COULD_NOT_VERIFY:
-    return Standing(NOT_VERIFIED, said + ("replays unconfirmed",))
+    return Standing(NOT_VERIFIED, said + ("replays unconfirmed",), base)
   if any(c["mode"] != "exact" for c in update_checks):
-    return Standing(WITHIN_TOLERANCE, said)
-  return Standing(VERIFIED_STEPS, said) if said else Standing(VERIFIED_ALL)
+    return Standing(WITHIN_TOLERANCE, said, base)
+  return Standing(VERIFIED_STEPS if said else VERIFIED_ALL, said, base)
+
+
+def start_base(claims: list) -> str | None:
+  """The hex base checkpoint a report's start claim names (its JSON or its ``Claim``s);
+  None for a start from the key or none.
+
+  Example: ``start_base(report["claims"])`` is ``"1f2e…"`` after ``proof.init_from``.
+  """
+  for claim in claims:
+    name, facts = (claim["name"], claim.get("facts") or {}) if isinstance(claim, dict) else (
+        claim.name, claim.facts or {})
+    if name == "start":
+      return facts.get("base_checkpoint")
+  return None
 
 
 def standing(report) -> Standing:
@@ -300,4 +329,4 @@ def standing(report) -> Standing:
                      {c.name: c.status for c in report.claims},
                      [{"mode": c.mode, "status": c.status} for c in report.checks
                       if c.kind == "update" and c.challenged],
-                     report.challenger_kind == "self")
+                     report.challenger_kind == "self", start_base(report.claims))

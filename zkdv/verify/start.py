@@ -11,6 +11,12 @@ two more replays show that the inputs carry nothing: with other example values
 the outputs are bit for bit the same, with another key every params leaf that
 is not one value repeated (a zero bias, a unit scale) changes.
 
+A start from a base checkpoint (``proof.init_from``) opens the base params as
+the first inputs: their params digest must be the declared ``base_checkpoint``,
+replayed with other base values some params leaf must change (the base is
+read), and every params leaf that is not one value repeated must change with
+the key or with the base.
+
 Example::
 
   require_start(ctx)
@@ -105,24 +111,58 @@ def _init_outputs(ctx: Verification, inputs, where: str):
   return outs
 
 
+def _base_declared(ctx: Verification, where: str) -> bool:
+  """Whether the base params the init program reads are the declared base checkpoint (no
+  base: True); a finding names both digests when they are not."""
+  init = ctx.model.init
+  if init.base_checkpoint is None:
+    return True
+  read = digest.state_digest_from_leaves(init.base_layout,
+                                         init.input_blobs[:len(init.base_layout)])
+  if read != init.base_checkpoint:
+    ctx.report.fail("start", where, f"the base params the init program reads have params "
+                    f"digest {read.hex()}, not the declared base checkpoint "
+                    f"{init.base_checkpoint.hex()}: a start is from the checkpoint it names.")
+    return False
+  return True
+
+
+def _input_kind(n: int, layout, base_leaves: int) -> str:
+  """"key", "base" (a base checkpoint's params: the first inputs) or "examples"."""
+  return "key" if layout.key_impl is not None else "base" if n < base_leaves else "examples"
+
+
 def _other_inputs(ctx: Verification, inputs, what: str):
-  """``inputs`` with the example values (``what`` "examples") or the key (``what`` "key")
-  replaced by others, drawn from the init program's id."""
+  """``inputs`` with the example values (``what`` "examples"), the key ("key") or the base
+  params ("base") replaced by others, drawn from the init program's id."""
   seed = blake3.blake3(b"zkdv init replay " + ctx.model.init.program_id).digest()
+  base = len(ctx.model.init.base_layout)
   other = []
   for n, (array, layout) in enumerate(inputs):
-    if layout.key_impl is not None and what == "key":
+    if _input_kind(n, layout, base) == what == "key":
       array = np.frombuffer(keys.key_data(seed, n, array.nbytes), array.dtype).reshape(
           array.shape)
-    elif layout.key_impl is None and what == "examples":
-      array = sensitivity.perturbed_batch([layout], [array], seed)[0]
+    elif _input_kind(n, layout, base) == what:
+      array = sensitivity.perturbed_batch([layout], [array], seed, draw=n)[0]
     other.append((array, layout))
   return other
 
 
+def _replayed_with_other(ctx: Verification, inputs, outs, what: str, where: str):
+  """The init program's outputs with other ``what`` inputs (``outs`` when it has none)."""
+  base = len(ctx.model.init.base_layout)
+  if not any(_input_kind(n, l, base) == what for n, (_, l) in enumerate(inputs)):
+    return outs
+  return ctx.programs.run(ctx.model.init, _other_inputs(ctx, inputs, what), where)
+
+
 def _inputs_carry_nothing(ctx: Verification, inputs, outs, matched, program, where) -> bool:
-  """Replays with other example values (same outputs) and another key (params change)."""
-  examples = [l.path for _, l in inputs if l.key_impl is None]
+  """Replays with other example values (same outputs), another key and, from a base
+  checkpoint, other base params: every params leaf that is not one value repeated changes
+  with the key or the base, and a base changes some params leaf."""
+  base = len(ctx.model.init.base_layout)
+  examples = [l.path for n, (_, l) in enumerate(inputs)
+              if _input_kind(n, l, base) == "examples"]
   if examples:
     again = ctx.programs.run(ctx.model.init, _other_inputs(ctx, inputs, "examples"), where)
     if again is None:
@@ -134,18 +174,28 @@ def _inputs_carry_nothing(ctx: Verification, inputs, outs, matched, program, whe
                       "do): a start must come from the key, not from arrays the prover "
                       "passes in.")
       return False
-  varied = [i for i in program.params_leaves if np.unique(outs[matched[i]]).size > 1]
+  params = [matched[i] for i in program.params_leaves]
+  from_base = _replayed_with_other(ctx, inputs, outs, "base", where) if base else outs
+  if from_base is None:
+    return False
+  if base and all(sensitivity.same_bytes(outs[o], from_base[o]) for o in params):
+    ctx.report.fail("start", where, "the init program ignores its base checkpoint: no params "
+                    "leaf of step 0 changes when the base params do, so the start does not "
+                    "come from the declared base.")
+    return False
+  varied = [i for i in program.params_leaves if np.unique(outs[matched[i]]).size > 1
+            and sensitivity.same_bytes(outs[matched[i]], from_base[matched[i]])]
   if not varied:
     return True
-  other = (ctx.programs.run(ctx.model.init, _other_inputs(ctx, inputs, "key"), where)
-           if any(l.key_impl is not None for _, l in inputs) else outs)
+  other = _replayed_with_other(ctx, inputs, outs, "key", where)
   if other is None:
     return False
   for i in varied:
     if sensitivity.same_bytes(outs[matched[i]], other[matched[i]]):
       ctx.report.fail("start", where, f"params leaf {program.state[i].path} of step 0 does "
-                      "not change with the init program's key: it is not initialized from "
-                      "the key.")
+                      "not change with the init program's key"
+                      f"{' or its base checkpoint' if base else ''}: it is not initialized "
+                      f"from the key{' or the base' if base else ''}.")
       return False
   return True
 
@@ -160,7 +210,8 @@ def start_check(ctx: Verification, check, step, program, where: str) -> CheckOut
     ctx.report.fail("start", where, "pre_state_pieces do not make up step 0's pre-state.")
     return outcome
   inputs = _opened_inputs(ctx, where)
-  outs = None if inputs is None else _init_outputs(ctx, inputs, where)
+  outs = None if inputs is None or not _base_declared(ctx, where) else _init_outputs(
+      ctx, inputs, where)
   if outs is None:
     return outcome
   matched = {}

@@ -70,6 +70,10 @@ class Init:
   number: str = "init"
   collectives: str | None = None
   compiler_options: dict | None = None
+  # A start from a base checkpoint: the layouts of its params (the first inputs, keypaths
+  # relative to the base) and their declared params digest; () and None otherwise.
+  base_layout: tuple = ()
+  base_checkpoint: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,12 +359,29 @@ def _read_init(model, parsed, where, report) -> None:
     if len(rec["input_blobs"]) != len(inputs) or len(rec["outputs"]) != len(
         rec["output_layout"]) or not all(isinstance(d, bytes) for d in rec["outputs"]):
       raise ValueError("input blobs or outputs do not match their layouts")
+    base = _base_layout(rec, inputs)
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     report.fail("schema", where, f"init record is malformed: {e!r}.")
     return
   model.init = Init(rec["program_id"], inputs, tuple(rec["input_blobs"]),
                     tuple(rec["outputs"]), tuple(map(str, rec["platforms"])),
-                    _program_blob(model.folder, rec["program_id"], where, report), where)
+                    _program_blob(model.folder, rec["program_id"], where, report), where,
+                    base_layout=base, base_checkpoint=rec.get("base_checkpoint"))
+
+
+def _base_layout(rec: dict, inputs: tuple) -> tuple:
+  """The base checkpoint's leaf layouts, each that of the init input it is; ValueError
+  unless ``base_layout`` and ``base_checkpoint`` come together and match the inputs."""
+  if ("base_layout" in rec) != ("base_checkpoint" in rec):
+    raise ValueError("base_layout and base_checkpoint come together")
+  base = _layouts(rec.get("base_layout", []))
+  if "base_layout" in rec and not base or len(base) > len(inputs):
+    raise ValueError("base_layout names 1 to as many leaves as the inputs")
+  for leaf, given in zip(base, inputs):
+    if (leaf.dtype, leaf.shape) != (given.dtype, given.shape) or leaf.key_impl or leaf.pieces \
+        or given.key_impl:
+      raise ValueError(f"base leaf {leaf.path} is not the init input {given.path}")
+  return base
 
 
 def _read_step(model, parsed, where, report) -> None:
