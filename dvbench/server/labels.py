@@ -129,6 +129,7 @@ def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
              "escape_probability_one_faked_step": 0.0 if full else challenge.escape_probability(p),
              "full_replay": full, "server_challenges": counts, "shortfalls": list(short),
              "base_checkpoint": standing.base,
+             "init_program": (claims or {}).get("claims", {}).get(INIT_PROGRAM),
              "ranked_state": proof["state"] == claims_lib.VERIFIED_ALL, "label": text}
   if attempts is not None and chooser == "dvbench":
     described = attempts_lib.describe(attempts, 1.0 if full else p)
