@@ -226,7 +226,11 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertEqual((entry["proof_id"], entry["rank"], entry["copy_of"]),
                      (self.honest_proof, 1, None))
     self.assertEqual(entry["pins"], {"audit": "min-probability: holds",
-                                     "training_programs": "not pinned", "training_set": "holds"})
+                                     "training_programs": "not pinned", "training_set": "holds",
+                                     "init_program": "not pinned",
+                                     "base_checkpoint": "not pinned",
+                                     "probe_ratio": "not pinned (the proof probed 0.5 of each "
+                                                    "batch's rows)"})
 
   def checkpoint_of(self, proof_id: str) -> str:
     return httpx.get(f"{self.server.url}/api/v1/proofs/{proof_id}").json()["final_params"]
@@ -291,15 +295,17 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertNotIn(blake3.blake3(np.int32(1).tobytes()).hexdigest(), listed)
 
   def test_the_recipe_says_what_it_leaves_open(self):
-    init = "the init: any attested start (an init program of the prover's, proof.init)"
-    self.assertEqual(self.bench.info()["left_open"], [init])  # programs and rows pinned
+    start = ["the init: any attested start from the key (an init program of the prover's, "
+             "proof.init); starts from a base checkpoint are not accepted",
+             "the probe ratio: any above the server's minimum"]
+    self.assertEqual(self.bench.info()["left_open"], start)  # programs and rows pinned
     loose = self.submitter.benchmark("alice/any-program").info()["left_open"]
     self.assertEqual(loose, [
-        init, "the training program: any, and a program may embed up to 65536 bytes of "
+        *start, "the training program: any, and a program may embed up to 65536 bytes of "
         f"constants (410× the evaluation set's {EVAL_ROWS.nbytes} bytes), unseen by probes",
         "the training set: probed rows are compared with the evaluation set only"])
     page = httpx.get(f"{self.server.url}/benchmarks/alice/any-program").text
-    self.assertIn(html.escape(loose[1], quote=True), page)
+    self.assertIn(html.escape(loose[2], quote=True), page)
 
   def test_only_the_owner_writes_a_benchmark_and_names_are_namespaced(self):
     with self.refused(403, "token of 'mallory' cannot write benchmark 'alice/tiny-accuracy'"):

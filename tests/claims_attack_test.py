@@ -113,7 +113,7 @@ class ServerStateTest(absltest.TestCase):
     self.assertFalse(status["ranked_state"])
     self.assertEqual(self.receipt_fields("unattested")["standing"],
                      {"state": "verified steps", "shortfalls": ["start unattested"],
-                      "label": "verified steps — start unattested"})
+                      "label": "verified steps — start unattested", "base_checkpoint": None})
     page = httpx.get(f"{self.server.url}/proofs/{self.proofs['unattested']}").text
     self.assertIn("verified steps — start unattested", page)
     code, report = testing.zkdv_verify(self.download("unattested"), "--strict", "--server-key",

@@ -131,6 +131,16 @@ class FineTuneTest(absltest.TestCase):
     self.assertIn("the init program ignores its base checkpoint: no params leaf of step 0 "
                   "changes when the base params do", start["detail"])
 
+  def test_attack_a_base_digest_without_its_layout(self):
+    declared = start_lib.base_fields(self.base)
+    with mock.patch.object(start_lib, "base_fields", lambda base: {
+        "base_checkpoint": declared["base_checkpoint"]}):
+      path = self.fine_tune("half-declared")
+    start = claim(strict(path)[1], "start")
+    self.assertEqual(start["status"], verify.DOES_NOT_HOLD)
+    self.assertIn("the init record's base checkpoint: base_layout and base_checkpoint come "
+                  "together", start["detail"])
+
   def test_a_base_holds_params_not_keys(self):
     with self.assertRaisesRegex(ValueError, "a base checkpoint holds params arrays, not PRNG "
                                 "keys"):

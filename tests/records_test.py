@@ -64,7 +64,8 @@ def honest_records() -> tuple:
   layout = {"path": "[0]", "dtype": "uint32", "shape": [2]}
   init = {"type": "init", "program_id": digest, "input_layout": [layout],
           "input_blobs": [digest], "output_layout": [layout], "outputs": [digest],
-          "platforms": ["cpu"], "function": "init"}
+          "platforms": ["cpu"], "function": "init",
+          "base_layout": [{**layout, "path": "['w']"}], "base_checkpoint": digest}
   start = {"type": "check", "step": 0, "kind": "start", "pre_state_pieces": [[digest]]}
   step0 = next(n for n, r in enumerate(recs) if r["type"] == "step")
   recs = [recs[0], init, *recs[1:step0 + 1], start, *recs[step0 + 1:]]

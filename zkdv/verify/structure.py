@@ -359,29 +359,32 @@ def _read_init(model, parsed, where, report) -> None:
     if len(rec["input_blobs"]) != len(inputs) or len(rec["outputs"]) != len(
         rec["output_layout"]) or not all(isinstance(d, bytes) for d in rec["outputs"]):
       raise ValueError("input blobs or outputs do not match their layouts")
-    base = _base_layout(rec, inputs)
+    base = _layouts(rec.get("base_layout", []))
   except (KeyError, TypeError, ValueError, AttributeError) as e:
     report.fail("schema", where, f"init record is malformed: {e!r}.")
     return
+  problem = _base_problem(rec, base, inputs)
+  if problem:  # the start does not hold; nothing else reads a base that is not one
+    report.fail("start", where, f"the init record's base checkpoint: {problem}.")
+    base, rec = (), {k: v for k, v in rec.items() if k != "base_checkpoint"}
   model.init = Init(rec["program_id"], inputs, tuple(rec["input_blobs"]),
                     tuple(rec["outputs"]), tuple(map(str, rec["platforms"])),
                     _program_blob(model.folder, rec["program_id"], where, report), where,
                     base_layout=base, base_checkpoint=rec.get("base_checkpoint"))
 
 
-def _base_layout(rec: dict, inputs: tuple) -> tuple:
-  """The base checkpoint's leaf layouts, each that of the init input it is; ValueError
-  unless ``base_layout`` and ``base_checkpoint`` come together and match the inputs."""
+def _base_problem(rec: dict, base: tuple, inputs: tuple) -> str | None:
+  """What is wrong with a start from a base checkpoint: ``base_layout`` and
+  ``base_checkpoint`` come together, and each base leaf is the init input at its position."""
   if ("base_layout" in rec) != ("base_checkpoint" in rec):
-    raise ValueError("base_layout and base_checkpoint come together")
-  base = _layouts(rec.get("base_layout", []))
-  if "base_layout" in rec and not base or len(base) > len(inputs):
-    raise ValueError("base_layout names 1 to as many leaves as the inputs")
+    return "base_layout and base_checkpoint come together"
+  if "base_layout" in rec and not 0 < len(base) <= len(inputs):
+    return "base_layout names 1 to as many leaves as the init program has inputs"
   for leaf, given in zip(base, inputs):
-    if (leaf.dtype, leaf.shape) != (given.dtype, given.shape) or leaf.key_impl or leaf.pieces \
-        or given.key_impl:
-      raise ValueError(f"base leaf {leaf.path} is not the init input {given.path}")
-  return base
+    if ((leaf.dtype, leaf.shape) != (given.dtype, given.shape) or leaf.key_impl
+        or leaf.pieces or given.key_impl):
+      return f"base leaf {leaf.path} is not the init input {given.path}"
+  return None
 
 
 def _read_step(model, parsed, where, report) -> None:
