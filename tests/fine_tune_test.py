@@ -83,6 +83,8 @@ class FineTuneTest(absltest.TestCase):
     self.assertEqual(report["standing"]["label"],
                      f"self-audited from base checkpoint {base[:16]}…")
     self.assertEqual(status, 1)  # self-challenged: --strict needs a server's challenges
+    inspected = zkdv_here("inspect", path).stdout
+    self.assertIn(f"from base checkpoint {base} (declared)", inspected)
 
   def test_a_new_head_from_the_key_on_a_base_is_verified(self):
     path = self.fine_tune("new-head", None, with_new_head, jax.random.key(0), EXAMPLE)

@@ -90,6 +90,8 @@ def _init_program(init: structure.Init) -> dict:
       "program_id": init.program_id.hex(), "platforms": list(init.platforms),
       "inputs": [_leaf(l) for l in init.inputs],
       "outputs": len(init.outputs),
+      # declared by the prover; the verifier checks it against the opened base inputs
+      "base_checkpoint": None if init.base_checkpoint is None else init.base_checkpoint.hex(),
       "operations": summary.op_counts if summary else None,
       "custom_calls": list(summary.custom_calls) if summary else None,
       "constant_bytes": summary.constant_bytes if summary else None,
@@ -145,7 +147,9 @@ def human(summary: dict) -> str:
   init = summary.get("init_program")
   if init is not None:
     lines += [f"init program {init['program_id'][:16]} ({'/'.join(init['platforms'])}), "
-              f"{init['outputs']} outputs",
+              f"{init['outputs']} outputs" + (
+                  "" if init["base_checkpoint"] is None else
+                  f", from base checkpoint {init['base_checkpoint']} (declared)"),
               "  inputs: " + ", ".join(f"{i['path']} {i['dtype']}{i['shape']}"
                                        for i in init["inputs"]),
               *_program_lines(init)]
