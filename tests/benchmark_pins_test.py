@@ -7,6 +7,10 @@ not meet a pin is refused naming it; the leaderboard shows per entry which pins 
 """
 
 import html
+import pathlib
+import subprocess
+import sys
+import tempfile
 
 import httpx
 import jax
@@ -15,6 +19,7 @@ from flax import serialization
 
 import dvbench
 from tests.benchmark_test import EVAL_ROWS, correct
+from tests import testing
 from tests.dvbench_test import DVBenchTestCase
 from tests.measurement_test import _model, train
 from zkdv import receipt
@@ -78,6 +83,15 @@ class BenchmarkPinsTest(DVBenchTestCase):
     self.assertIn(f"verified from base checkpoint {base[:16]}…", page)
     self.assertIn(f": verified from base checkpoint {base[:16]}…, 2 steps",
                   self.mallory.summary(self.tuned_proof))
+    # Downloaded, the proof passes zkdv verify --strict with the start its base.
+    folder = pathlib.Path(tempfile.mkdtemp()) / "tuned"
+    subprocess.run([sys.executable, "-m", "dvbench.cli", "download", self.tuned_proof,
+                    str(folder), "--url", self.server.url], check=True, capture_output=True,
+                   cwd=pathlib.Path(__file__).resolve().parent.parent)
+    code, report = testing.zkdv_verify(folder, "--strict", "--server-key",
+                                       fields["server_key"].hex())
+    self.assertEqual((code, report["standing"]["label"]),
+                     (0, f"verified from base checkpoint {base[:16]}…"), str(report))
 
   def test_attack_a_fine_tune_of_another_owners_entry_needs_a_base_pin(self):
     name = self.register("alice/from-scratch")
