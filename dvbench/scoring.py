@@ -28,8 +28,19 @@ def shard_ranges(rows: int, batch_rows: int, max_shard_rows: int) -> list[tuple[
 
 
 def aggregate(name: str, outputs: np.ndarray) -> float:
-  """The benchmark's aggregate of every row's output; ValueError unless finite."""
-  value = float(AGGREGATES[name](np.asarray(outputs, np.float64)))
+  """The benchmark's aggregate of every row's output; ValueError naming the rows whose
+  output is NaN or infinite (such an entry is not scored: no value of it favours a model).
+
+  Example: ``aggregate("mean", np.array([1.0, np.nan]))`` raises "... on row 1 (nan) ...".
+  """
+  outputs = np.asarray(outputs, np.float64)
+  bad = np.flatnonzero(~np.isfinite(outputs))
+  if bad.size:
+    shown = ", ".join(f"{i} ({outputs[i]})" for i in bad[:8])
+    raise ValueError(f"the evaluation program's output is not finite on {bad.size} of "
+                     f"{outputs.size} rows: row{'s' if bad.size > 1 else ''} {shown}"
+                     f"{' …' if bad.size > 8 else ''}; the entry is not scored.")
+  value = float(AGGREGATES[name](outputs))
   if not np.isfinite(value):
     raise ValueError(f"the {name} of the outputs is {value}.")
   return value

@@ -395,6 +395,22 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     with self.refused(400, f"the evaluation program: {message}"):
       self.register(self.owner, name, evaluate=evaluate)
 
+  def test_a_non_finite_score_fails_the_entry_naming_its_rows(self):
+    # The program passes registration (finite on the owner's params and on perturbed
+    # models) but is NaN on rows 2 and 5 of one model: the honest checkpoint.
+    magic = serialization.msgpack_restore(self.honest.read_bytes())["Dense_0"]["bias"][0]
+    def nan_for_one_model(params, batch):
+      hit = (params["Dense_0"]["bias"][0] == magic) & (jnp.arange(batch.shape[0]) % 3 == 2)
+      return jnp.where(hit, jnp.nan, correct(params, batch))
+    bench = self.register(self.owner, "alice/nan-for-one-model", evaluate=nan_for_one_model)
+    entry = self.submitter.benchmark("alice/nan-for-one-model")
+    scored = entry.wait(entry.submit(self.honest_proof, self.honest)["id"])
+    self.assertEqual((scored["state"], scored["value"]), ("failed", None), scored)
+    self.assertEqual(scored["failure"], "shard 0 (rows 0-7): the evaluation program: its "
+                     "outputs on rows [2, 5] of this checkpoint are not finite (nan or inf); "
+                     "the entry fails rather than favour a model.")
+    self.assertEqual([e["rank"] for e in bench.leaderboard()], [None])
+
   def test_registration_says_which_checks_it_ran(self):
     bench = self.owner.benchmark("alice/checked")
     registered = bench.register(metric="accuracy", evaluate=correct, params=self.params,

@@ -33,6 +33,23 @@ class StablehloTest(absltest.TestCase):
     self.assertEqual(summary.refused, ())
     self.assertIn("stablehlo.while", summary.op_counts)
 
+  def test_a_call_whose_operands_share_an_input_maps_it_once(self):
+    # jnp.where and jnp.remainder are private functions of the module, called with two
+    # operands derived from the same input: their masks combine as a set. Summed, they
+    # carried into the next input's bit: a program read as not reading what it reads
+    # (here the params, 0), or as reading an input it never touches.
+    def f(a, b, unused):
+      del unused
+      hit = (a[0] == 0.25) & (jnp.arange(8) % 3 == 2)
+      reads_a = jnp.where(hit, jnp.nan, a[1] * jnp.ones(8))
+      twice = jnp.where(a[0] > 0, a[1], a[0])  # one input, twice, through one call
+      return reads_a, twice, b + 0
+    exported = jax.export.export(jax.jit(f, keep_unused=True))(
+        jnp.ones(2), jnp.ones(8), jnp.ones(8))
+    summary = stablehlo.analyze(exported)
+    self.assertEqual([[summary.depends_on(o, [i]) for i in range(3)] for o in range(3)],
+                     [[True, False, False], [True, False, False], [False, True, False]])
+
   def test_constants_over_the_budget_are_refused(self):
     weights = np.arange(config.MAX_PROGRAM_CONSTANT_BYTES // 4 + 1, dtype=np.float32)
     small = weights[:16]

@@ -81,12 +81,20 @@ class ScoreShardsTest(parameterized.TestCase):
     self.assertEqual((submission["state"], submission["value"], submission["failure"]),
                      ("failed", None, "shard 1 (rows 3-4): the evaluation program: ..."))
 
-  def test_a_non_finite_aggregate_fails_the_submission(self, backend):
+  def test_a_non_finite_output_fails_the_submission_naming_its_rows(self, backend):
     store, jobs = self.submit(backend, [(0, 5)])
-    self.assertTrue(self.complete(store, jobs[0], [1.0, np.inf, 0.0, 0.0, 0.0]))
+    self.assertTrue(self.complete(store, jobs[0], [1.0, np.inf, 0.0, np.nan, 0.0]))
+    submission = store.submission(SUBMISSION)
+    self.assertEqual((submission["state"], submission["value"], submission["failure"]), (
+        "failed", None, "the evaluation program's output is not finite on 2 of 5 rows: rows "
+        "1 (inf), 3 (nan); the entry is not scored."))
+
+  def test_a_non_finite_aggregate_of_finite_outputs_fails_the_submission(self, backend):
+    store, jobs = self.submit(backend, [(0, 5)], aggregate="sum")
+    self.assertTrue(self.complete(store, jobs[0], [1e308, 1e308, 0.0, 0.0, 0.0]))
     submission = store.submission(SUBMISSION)
     self.assertEqual((submission["state"], submission["failure"]),
-                     ("failed", "the mean of the outputs is inf."))
+                     ("failed", "the sum of the outputs is inf."))
 
   def test_probed_rows_outside_the_training_set_are_counted_per_proof(self, backend):
     store = db.Store.open(_fresh_url(backend))

@@ -18,6 +18,8 @@ Example::
 
 import collections
 import dataclasses
+import functools
+import operator
 import re
 
 import jax
@@ -228,7 +230,8 @@ class _Dataflow:
       callee = self._functions.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
       if callee is None:
         raise UnsafeProgramError("a call names a function the module does not define.")
-      return [sum(m for i, m in enumerate(operands) if mask >> i & 1)
+      return [functools.reduce(operator.or_, (m for i, m in enumerate(operands)
+                                              if mask >> i & 1), 0)
               for mask in self.results(callee)]
     mask = 0
     for m in operands:
