@@ -40,6 +40,7 @@ import cbor2
 import jax
 import numpy as np
 
+from dvbench import contamination
 from dvbench import scoring
 from dvbench import transport
 from dvbench.measurement import load_checkpoint, params_digest, tree_layouts
@@ -49,6 +50,7 @@ from zkdv import merkle
 from zkdv import transcript
 from zkdv.jax import arrays
 from zkdv.jax import replay
+from zkdv.jax import stablehlo
 
 AGGREGATES = tuple(scoring.AGGREGATES)
 SUBMISSION_SETTLED = ("scored", "failed")
@@ -364,6 +366,7 @@ def score_rows(job: dict, folder: pathlib.Path) -> np.ndarray:
   params = [arrays.from_host(_read(folder, b, l), l)
             for b, l in zip(job["params_blobs"], params_layouts, strict=True)]
   data = [_read(folder, b, l) for b, l in zip(job["data_blobs"], data_layouts, strict=True)]
+  scan_training_programs(folder, job.get("scan_programs") or [], data)
   batch_rows, count = job["batch_rows"], data_layouts[0].shape[0]
   first, end = job["first_row"], job["first_row"] + job["rows"]
   outputs = []
@@ -377,6 +380,30 @@ def score_rows(job: dict, folder: pathlib.Path) -> np.ndarray:
     raise ProgramError(f"its outputs on rows {bad[:16].tolist()} of this checkpoint are not "
                        "finite (nan or inf); the entry fails rather than favour a model.")
   return outputs.astype(scoring.OUTPUT_DTYPE)
+
+
+class EmbeddedRowsError(Exception):
+  """A training program of the entry's proof holds evaluation rows as constants."""
+
+
+def scan_training_programs(folder: pathlib.Path, programs: list[bytes], data: list) -> None:
+  """Raises EmbeddedRowsError when a training program (its blob in ``folder/blobs``) embeds
+  rows of the evaluation set ``data`` as constants (``contamination.rows_in_constants``):
+  a step that trains on them unseen by any probe."""
+  leaves = [np.ascontiguousarray(d).reshape(len(d), -1).view(np.uint8) for d in data]
+  for program_id in programs:
+    blob = (folder / transcript.BLOBS_DIR / program_id.hex()).read_bytes()
+    try:
+      constants = stablehlo.constant_arrays(jax.export.deserialize(bytearray(blob)))
+    except stablehlo.UnsafeProgramError as e:
+      raise EmbeddedRowsError(f"training program {program_id.hex()[:16]}… cannot be scanned "
+                              f"for evaluation rows: {e}") from None
+    found = contamination.rows_in_constants(constants, leaves)
+    if found:
+      raise EmbeddedRowsError(
+          f"training program {program_id.hex()[:16]}… embeds evaluation rows "
+          f"{found[:16]} as constants: the proof's steps read them, unseen by any probe; "
+          "the entry is refused.")
 
 
 def check_job(folder: pathlib.Path, job: dict) -> list[str]:
@@ -406,6 +433,8 @@ def main(argv=None) -> int:
     print(json.dumps({"failure": None, "checks": checks}))
   except ProgramError as e:
     print(json.dumps({"failure": f"the evaluation program: {e}"}))
+  except EmbeddedRowsError as e:
+    print(json.dumps({"failure": str(e)}))
   except Exception as e:  # an unusable program or checkpoint fails the entry, never the worker
     if zkdv_errors.out_of_memory(e):
       raise  # a fault of this machine: the worker retries (no report)

@@ -15,6 +15,7 @@ Only numpy and BLAKE3 here: the server's web process uses it. Example::
 
   digests = evaluation_digests([tokens_rows, label_rows])  # {digest: example index}
   probed_examples(probe_check_record)                      # {example digest, ...}
+  rows_in_constants([program_constant], leaves)            # [example index, ...]
 """
 
 import blake3
@@ -81,3 +82,28 @@ def probed_examples(record: dict) -> set[str]:
   order = sorted(leaves)
   return {example_digest([opened[leaf] for leaf in order])
           for opened in by_row.values() if set(opened) == leaves}
+
+
+def rows_in_constants(constants: list[np.ndarray], leaves: list[np.ndarray]) -> list[int]:
+  """The evaluation examples one of whose identifying rows (``identifying``; every row of
+  a single leaf) a program constant holds byte for byte, at any element boundary of the
+  constant: rows baked into a training program. ``leaves`` as ``evaluation_digests``.
+
+  Example: a step closing over ``eval_tokens`` has a constant holding its rows: found.
+  """
+  found = set()
+  for leaf in leaves:
+    width = leaf.shape[1]
+    if width == 0 or not (len(leaves) == 1 or identifying(leaf)):
+      continue
+    wanted = {row_digest(r.tobytes()): i for i, r in enumerate(leaf)}
+    head = min(8, width)  # a cheap look at a row's first bytes before its digest
+    prefixes = {r[:head].tobytes() for r in leaf}
+    for constant in constants:
+      data, step = np.ascontiguousarray(constant).tobytes(), max(constant.dtype.itemsize, 1)
+      for start in range(0, len(data) - width + 1, step):
+        if data[start:start + head] in prefixes:
+          index = wanted.get(row_digest(data[start:start + width]))
+          if index is not None:
+            found.add(index)
+  return sorted(found)

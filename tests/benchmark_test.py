@@ -99,12 +99,19 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
          "params = STOLEN\nstate = zkdv.jax.contrib.TrainState.create("),
         ("optax.adam(1e-2)", "optax.adam(0.0)")),
         names={"TOKEN": cls.server.token("mallory"), "STOLEN": stolen})
+    # Attack: the step trains on the evaluation rows too, closed over as a constant (160
+    # bytes, well within the constants budget): no probe opens them.
+    cls.baked, cls.baked_proof = train(url, "your-name/baked-eval", 2, edits=((
+        "    tokens = batch[:, :4]\n",
+        "    batch = jnp.concatenate([batch, BAKED])\n    tokens = batch[:, :4]\n"),),
+        names={"BAKED": jnp.asarray(EVAL_ROWS)})
     cls.split, cls.split_proof = train(url, "your-name/split-labels", 2, edits=SPLIT_BATCH)
     cls.split_dirty, cls.split_dirty_proof = train(url, "your-name/split-on-eval-set", 2,
                                                    batch=EVAL_ROWS[:4], edits=SPLIT_BATCH)
     for proof_id, state in ((cls.honest_proof, "verified"), (cls.dirty_proof, "verified"),
                             (cls.loose_proof, "verified steps"),  # its start is unattested
                             (cls.longer_proof, "verified"), (cls.split_proof, "verified"),
+                            (cls.baked_proof, "verified"),
                             (cls.split_dirty_proof, "verified")):
       assert cls.submitter.wait_for_verdict(proof_id, 120)["state"] == state
     assert cls.mallory.wait_for_verdict(cls.copy_proof, 120)["state"] in (
@@ -259,6 +266,20 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     page = httpx.get(f"{self.server.url}/benchmarks/{bench.name}").text
     self.assertIn(f"title='{html.escape(board[0]['attempts']['summary'], quote=True)}'>"
                   f"{board[0]['attempts']['slots']}</td>", page)
+
+  def test_attack_evaluation_rows_baked_into_the_training_program_are_found(self):
+    entry = self.submitter.benchmark("alice/any-program")  # training programs not pinned
+    baked = entry.wait(entry.submit(self.baked_proof, self.baked)["id"])
+    self.assertEqual((baked["state"], baked["value"]), ("failed", None), baked)
+    self.assertRegex(baked["failure"], r"^shard 0 \(rows 0-7\): training program [0-9a-f]{16}… "
+                     r"embeds evaluation rows \[0, 1, 2, 3, 4, 5, 6, 7\] as constants: the "
+                     r"proof's steps read them, unseen by any probe; the entry is refused\.$")
+    honest = entry.wait(entry.submit(self.honest_proof, self.honest)["id"])
+    self.assertEqual(honest["state"], "scored", honest)  # its program holds no evaluation row
+    board = {e["experiment"]: e for e in entry.leaderboard()}
+    self.assertIsNone(board["your-name/baked-eval"]["rank"])
+    self.assertIn("embeds evaluation rows", httpx.get(
+        f"{self.server.url}/benchmarks/alice/any-program").text)
 
   def test_contamination_by_whole_example_labels_never_count_alone(self):
     # A new user's classification benchmark: fresh evaluation tokens, a separate int32 label
@@ -547,7 +568,7 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     loose = self.submitter.benchmark("alice/any-program")
     entry = loose.wait(loose.submit(self.loose_proof, self.loose)["id"])
     self.assertEqual(entry["state"], "scored", str(entry))
-    (row,) = loose.leaderboard()
+    row = next(e for e in loose.leaderboard() if e["experiment"] == "your-name/loose")
     self.assertEqual((row["program_pinned"], row["update_check_probability"],
                       row["outside_training_set"]), (False, 0.9, None))
     self.assertAlmostEqual(row["escape_probability"], 0.1)

@@ -23,6 +23,7 @@ import operator
 import re
 
 import jax
+import numpy as np
 
 from zkdv import errors
 from zkdv.jax._compat import ir, mlir  # JAX's MLIR bindings: private, kept in _compat
@@ -167,6 +168,28 @@ def _constant_bytes(op) -> int:
         elements *= n
     total += (elements * _element_bits(shaped.element_type) + 7) // 8
   return total
+
+
+def constant_arrays(exported: jax.export.Exported) -> list:
+  """The values of the dense constants ``exported``'s module embeds (numpy arrays; a splat
+  is one element), e.g. to scan them for evaluation rows. Raises UnsafeProgramError for
+  a constant whose bytes cannot be read.
+  """
+  found = []
+  with mlir.make_ir_context():
+    module = ir.Module.parse(exported.mlir_module())
+    for op in _walk(module.operation):
+      attributes = op.attributes
+      for name in attributes:
+        attr = attributes[name] if isinstance(name, str) else name.attr
+        if not isinstance(attr, (ir.DenseElementsAttr, ir.DenseResourceElementsAttr)):
+          continue
+        try:
+          found.append(np.array(attr))
+        except (TypeError, ValueError, RuntimeError) as e:
+          raise UnsafeProgramError(f"a constant of type {attr.type} cannot be read "
+                                   f"({type(e).__name__}).") from None
+  return found
 
 
 def _screen(op, calls: list, refused: list) -> None:
