@@ -344,10 +344,14 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
       ("direction_of_first_submission", {"metric": "accuracy", "higher_is_better": False}),
   )
   def test_attack_refused_a_submitter_supplies_nothing_the_server_computes(self, extra):
+    before = self.entry.leaderboard()
     response = self.raw_submit(self.submitter, self.honest_record(**extra))
     self.assertEqual(response.status_code, 400)
-    self.assertIn("the server runs the benchmark's program on its rows, so a submitter sends "
-                  "no outputs, values, programs or rows", response.json()["error"])
+    # Each attack is refused for the very fields it supplies, named.
+    self.assertIn(f"not {sorted(extra)}: the server runs the benchmark's program on its rows, "
+                  "so a submitter sends no outputs, values, programs or rows",
+                  response.json()["error"])
+    self.assertEqual(self.entry.leaderboard(), before)  # nothing stored
 
   def test_attack_refused_measuring_another_owners_checkpoint(self):
     # Refused at the blob upload, or at the submission once its owner uploaded the blobs.
