@@ -22,7 +22,7 @@ class StepJob:
 
   Attributes:
     index: the step's index in the transcript.
-    program: the ``step.Program`` that ran.
+    program: the ``update_program.Program`` that ran.
     post: the post-state leaves the executable returned.
     post_started: their digests as started by the digest backend when the step
       ends a segment (else None: nothing is hashed).
