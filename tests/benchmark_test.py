@@ -365,17 +365,27 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
       ("direction_of_first_submission", {"metric": "accuracy", "higher_is_better": False}),
   )
   def test_attack_refused_a_submitter_supplies_nothing_the_server_computes(self, extra):
+    before = self.entry.leaderboard()
     response = self.raw_submit(self.submitter, self.honest_record(**extra))
     self.assertEqual(response.status_code, 400)
-    self.assertIn("the server runs the benchmark's program on its rows, so a submitter sends "
-                  "no outputs, values, programs or rows", response.json()["error"])
+    # Each attack is refused for the very fields it supplies, named.
+    self.assertIn(f"not {sorted(extra)}: the server runs the benchmark's program on its rows, "
+                  "so a submitter sends no outputs, values, programs or rows",
+                  response.json()["error"])
+    self.assertEqual(self.entry.leaderboard(), before)  # nothing stored
 
   def test_attack_refused_measuring_another_owners_checkpoint(self):
-    # Refused at the blob upload, or at the submission once its owner uploaded the blobs.
-    with self.refused(403, "token of 'mallory' cannot (write to|submit the checkpoint of) "
-                      "proof"):
+    # Refused at the blob upload: a blob of another owner's proof is its owner's to write.
+    forged = b"the checkpoint mallory would have scored"
+    with self.refused(403, f"token of 'mallory' cannot write to proof {self.honest_proof}"):
+      self.mallory.http.put_blob(self.honest_proof, blake3.blake3(forged).hexdigest(),
+                                 lambda: forged)
+    # Refused at the submission once its owner uploaded the blobs (the client sends none).
+    record = self.honest_record()
+    with self.refused(403, "token of 'mallory' cannot submit the checkpoint of proof "
+                      f"{self.honest_proof}"):
       self.mallory.benchmark("alice/tiny-accuracy").submit(self.honest_proof, self.honest)
-    response = self.raw_submit(self.mallory, self.honest_record())  # blobs its owner uploaded
+    response = self.raw_submit(self.mallory, record)
     self.assertEqual(response.status_code, 403)
     self.assertIn("a checkpoint is submitted by the owner of the proof", response.json()["error"])
 

@@ -26,7 +26,7 @@ from tests import testing
 from zkdv import keys
 from zkdv import receipt
 from zkdv import transcript
-from zkdv.jax import committer as committer_lib
+from zkdv.jax import openings as openings_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -164,18 +164,18 @@ class IndependentVerificationTest(absltest.TestCase):
     self.assertIn("is not the proof's key of step", findings)
 
   def test_a_check_answered_with_other_openings_is_invalid_naming_it(self):
-    honest = committer_lib.Committer._update_check  # pylint: disable=protected-access
+    honest = openings_lib.Openings.update
 
-    def forged(committer, segment):
+    def forged(openings, segment, jobs, replay):
       # The prover answers with a start state it did not commit (e.g. the weights it
       # wished it had trained from); its own replay of them is what it reports.
-      kept = committer._kept[segment.first]  # pylint: disable=protected-access
-      opened = [None if a is None else np.array(a, copy=True) for a in kept.job.opened]
-      opened[kept.job.program.state_indices[-1]] += 1
-      kept.job = dataclasses.replace(kept.job, opened=opened)
-      return honest(committer, segment)
+      first = jobs[0]
+      opened = [None if a is None else np.array(a, copy=True) for a in first.opened]
+      opened[first.program.state_indices[-1]] += 1
+      jobs = [dataclasses.replace(first, opened=opened), *jobs[1:]]
+      return honest(openings, segment, jobs, replay)
 
-    with mock.patch.object(committer_lib.Committer, "_update_check", forged):
+    with mock.patch.object(openings_lib.Openings, "update", forged):
       proof = _train(self.client.experiment("alice/forged-openings"), steps=6, update_p=1.0,
                      finish_raises=zkdv.errors.ReplayError)
     status = self.client.wait_for_verdict(proof.proof_id, 180)

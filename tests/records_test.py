@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from dvbench.server import custody
 from tests.verify_test import good_transcript, records_of
 from zkdv import fields
+from zkdv import programs
 from zkdv import records
 from zkdv import transcript
 from zkdv.verify import structure
@@ -193,6 +194,77 @@ class ServerAndVerifierAgreeTest(parameterized.TestCase):
         if refused:
           self.assertEqual(server, verifier)
           self.assertIn(f"record {n} (step).note: a string of 0-8 characters", server)
+
+
+def _layout(record: dict, field: str, n: int, **changes) -> None:
+  record[field] = [dict(l) for l in record[field]]
+  record[field][n].update(changes)
+
+
+# (rule, field named, edit of the honest program or init record): one bad record per rule
+# of zkdv.programs (and of an init's layouts).
+PROGRAM_RULE_BREAKS = (
+    ("a layout of an unknown dtype", "state_layout[0]",
+     lambda r: _layout(r, "state_layout", 0, dtype="float33")),
+    ("a layout without a path", "batch_layout[0]",
+     lambda r: r.update(batch_layout=[{"dtype": "float32", "shape": [5, 3]}])),
+    ("a layout of 2**40 elements", "state_layout[0].shape",
+     lambda r: _layout(r, "state_layout", 0, shape=[1 << 20, 1 << 20])),
+    ("row groups only in batches", "state_layout",
+     lambda r: _layout(r, "state_layout", 0, row_group=3)),
+    ("batch row groups", "batch_layout[0]",
+     lambda r: _layout(r, "batch_layout", 0, row_group=5)),
+    ("post-state laid out as the state", "post_state_layout",
+     lambda r: r.update(post_state_layout=[{**r["state_layout"][0], "shape": [4]},
+                                           r["state_layout"][1]])),
+    ("inputs match the layouts", "inputs",
+     lambda r: r.update(inputs=["state", "batch", "batch"])),
+    ("params are state leaves", "params_leaves", lambda r: r.update(params_leaves=[0, 2])),
+    ("an output per state leaf", "post_state_outputs",
+     lambda r: r.update(post_state_outputs=[0])),
+    ("distinct metric outputs", "metric_outputs",
+     lambda r: r.update(metric_outputs=[["loss", 2], ["loss", 3]])),
+    ("a metric output that is a post-state output", "metric_outputs",
+     lambda r: r.update(metric_outputs=[["loss", 1]])),
+    ("a metric name zkdv.metrics refuses", "metric_outputs",
+     lambda r: r.update(metric_outputs=[["no spaces", 2]])),
+    ("init: a blob per input leaf", "input_blobs", lambda r: r.update(input_blobs=[])),
+    ("init: a digest per output leaf", "outputs",
+     lambda r: r.update(outputs=[*r["outputs"], r["outputs"][0]])),
+    ("init: a layout of an unknown dtype", "input_layout[0]",
+     lambda r: _layout(r, "input_layout", 0, dtype="uint33")),
+    ("init: a base checkpoint layout of an unknown dtype", "base_layout[0]",
+     lambda r: r.update(base_layout=[{**r["input_layout"][0], "dtype": "uint33"}],
+                        base_checkpoint=r["outputs"][0])),
+)
+
+
+class ProgramRulesTest(parameterized.TestCase):
+  """The rules across a program's fields (``zkdv.programs``) are the server's and the
+  verifier's alike: a program record breaking one is refused by both, naming its field."""
+
+  def test_honest_program_and_init_records_are_taken_by_both(self):
+    recs = [dict(r) for r in honest_records()]
+    for n in (position_of("program"), position_of("init")):
+      self.assertIsNone(server_judges(chained(recs)[n].record, n))
+      self.assertIsNone(verifier_judges(recs, n))
+
+  def test_every_rule_is_broken_below(self):
+    broken = {rule for rule, _, _ in PROGRAM_RULE_BREAKS}
+    self.assertLessEqual(set(programs.PROGRAM_RULES), broken)
+
+  @parameterized.named_parameters(
+      (rule.replace(" ", "_").replace(":", "").replace("*", ""), rule, field, edit)
+      for rule, field, edit in PROGRAM_RULE_BREAKS)
+  def test_a_program_breaking_a_rule_is_refused_by_both(self, rule, field, edit):
+    n = position_of("init" if rule.startswith("init") else "program")
+    recs = [dict(r) for r in honest_records()]
+    edit(recs[n])
+    server = server_judges(chained(recs)[n].record, n)
+    verifier = verifier_judges(recs, n)
+    self.assertIsNotNone(server, rule)
+    self.assertEqual(server, verifier)
+    self.assertIn(f"record {n} ({recs[n]['type']}).{field}: ", server)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,19 @@ class TrainStateTest(chex.TestCase):
     chex.assert_trees_all_equal(jax.tree.leaves(bare.opt_state), jax.tree.leaves(boxed.opt_state))
     self.assertEqual(int(bare.step), 2)
 
+  def test_a_sequence_of_params_is_created_by_flax_as_the_same_params_in_a_dict(self):
+    params = (np.arange(3, dtype=np.float32), np.ones((2, 2), np.float32))
+    with self.assertRaises(ValueError):  # Flax's own create cannot ask a tuple of arrays
+      flax_train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
+    ours = TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
+    theirs = flax_train_state.TrainState.create(
+        apply_fn=None, params={"a": params[0], "b": params[1]}, tx=optax.adam(0.1))
+    self.assertIs(ours.params, params)
+    self.assertEqual(int(ours.step), 0)
+    for a, b in zip(jax.tree.leaves(ours.opt_state), jax.tree.leaves(theirs.opt_state)):
+      self.assertEqual((np.asarray(a).dtype, np.asarray(a).tobytes()),
+                       (np.asarray(b).dtype, np.asarray(b).tobytes()))
+
   def test_overwrite_with_gradient_convention(self):
     params = {"params": {"w": jnp.ones(3)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(())}}
     grads = {"params": {"w": jnp.ones(3)}, OVERWRITE_WITH_GRADIENT: {"scale": jnp.asarray(7.0)}}

@@ -343,7 +343,7 @@ class VerifierTest(VerifierTestCase):
       program["post_state_layout"][0]["shape"] = [7]
       return records
     report = self.assert_fails(rechained(edit), "schema")
-    self.assertIn("post_state_layout does not match state_layout", report.dumps())
+    self.assertIn("(program).post_state_layout: the leaves of state_layout", report.dumps())
 
   def test_replaced_revealed_seed(self):
     def edit(records):

@@ -4,8 +4,9 @@ The server checks every record it ingests (``dvbench.server.custody``) and the v
 every record it reads (``zkdv.verify.structure``) with ``check_record``: a field is
 added, typed or bounded here and nowhere else (docs/protocol.md describes each). A
 record must carry its kind's required fields, each listed field must match its spec,
-and a field its kind does not list is refused (``UnknownField``). A refusal names the
-field, e.g. ``record 1 (step).index: an integer in [0, 2**40), got -1.``
+and a field its kind does not list is refused (``UnknownField``); the rules across a
+program's (or init's) fields follow (``zkdv.programs``). A refusal names the field, e.g.
+``record 1 (step).index: an integer in [0, 2**40), got -1.``
 
 Example::
 
@@ -19,6 +20,7 @@ import re
 from zkdv import challenge
 from zkdv import errors
 from zkdv import metrics
+from zkdv import programs
 from zkdv import transcript
 from zkdv.fields import (MAX_TEXT, Bytes, Either, Field, Int, Invalid, ListOf, Map,
                          Optional, Row, Spec, Text, UnknownField, check_fields, describe)
@@ -98,7 +100,7 @@ INDEX = Int()
 DIGEST = Bytes()
 DIGESTS = ListOf(DIGEST)
 PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
-LAYOUTS = ListOf(Map())  # each checked by zkdv.digest.LeafLayout.from_record
+LAYOUTS = ListOf(Map())  # each parsed by zkdv.programs.parse_layouts
 NAME = Text(400)
 NAMES = ListOf(NAME, 4096)
 RECORD_TYPE = Field(Text(20, ("root", "init", "program", "step", "check", "resume", "final")),
@@ -138,7 +140,7 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
                 "compiler_options": Field(Map()), "nr_devices": Field(Int(1, 1 << 24)),
                 "collectives": Field(Text(20, COLLECTIVES)),
                 "processes": Field(Int(1, 1 << 20)), "post_state_layout": Field(LAYOUTS),
-                # [metric name, output index]; names and indices are checked when read
+                # [metric name, output index]; names and indices: zkdv.programs
                 "metric_outputs": Field(ListOf(Row((Text(metrics.MAX_NAME_LENGTH), INDEX)),
                                                metrics.MAX_METRICS))},
     # The states are committed where a segment starts (pre_state) and ends (post_state).
@@ -176,6 +178,8 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
     "start": {"pre_state_pieces": Field(PIECES, REQUIRED)},
 }
 
+# The rules across a record's fields, applied once each field matches (``zkdv.programs``).
+ACROSS_FIELDS = {"program": programs.check_program, "init": programs.check_init}
 
 RUN_FIELDS = ("run_name", "tags", "run_config")
 
@@ -241,5 +245,13 @@ def check_record(record, where: str) -> str:
   where = f"{where} ({kind})"
   if kind == "check":
     check_fields(record, RECORD_FIELDS["check"], where)
-  check_fields(record, fields_of(record), where, strict=True)
+  unknown = None
+  try:
+    check_fields(record, fields_of(record), where, strict=True)
+  except UnknownField as e:  # every listed field matched: the rules across them apply
+    unknown = e
+  if kind in ACROSS_FIELDS:
+    ACROSS_FIELDS[kind](record, where)
+  if unknown is not None:
+    raise unknown
   return kind

@@ -326,7 +326,7 @@ def _training_set(pin: dict | None) -> str:
 
 
 def benchmark(url: Url, bench: dict, entries: list[dict], sort: str, sorts) -> str:
-  """A benchmark's definition and its leaderboard (``routes_benchmarks.leaderboard_entries``);
+  """A benchmark's definition and its leaderboard (``leaderboard.leaderboard_entries``);
   the headers of the columns in ``sorts`` link to the page sorted by them."""
   owner, name = bench["name"].split("/")
   here = url("benchmark_page", owner=owner, name=name)

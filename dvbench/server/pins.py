@@ -1,6 +1,6 @@
 """A benchmark's pins on where a run starts and how much of its data is probed.
 
-Beside the training programs, the training set and the audit level (``routes_benchmarks``),
+Beside the training programs, the training set and the audit level (``routes_submissions``),
 a benchmark may pin:
 
 - ``init_program``: the program id of the attested init a proof must start with

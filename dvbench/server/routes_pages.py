@@ -22,6 +22,8 @@ from dvbench.server import page
 from dvbench.server import leaderboard
 from dvbench.server import page_runs
 from dvbench.server import routes_benchmarks
+from dvbench.server.benchmark_requests import parse_definition
+from dvbench.server.routes_registration import public_benchmark
 from dvbench.server import run_view
 from dvbench.server.db import PROOF_STATES
 from dvbench.server.service import HEX_ID, Service, check_name
@@ -160,8 +162,8 @@ class PageRoutes:
       if bench is None:
         raise HTTPException(404, f"unknown benchmark '{full}'.")
       entries = leaderboard.leaderboard_entries(
-          self.store, bench, routes_benchmarks.parse_definition(bench["definition"]), sort)
-      return page.benchmark(_url(request), routes_benchmarks.public_benchmark(bench), entries,
+          self.store, bench, parse_definition(bench["definition"]), sort)
+      return page.benchmark(_url(request), public_benchmark(bench), entries,
                             sort, routes_benchmarks.SORTS)
     return HTMLResponse(await run_in_threadpool(gather))
 

@@ -27,7 +27,7 @@ from zkdv import config as config_lib
 from zkdv import overlap as overlap_lib
 from zkdv.jax import _compat
 from zkdv.jax import arrays
-from zkdv.jax.committer import StepJob
+from zkdv.jax.commit_jobs import StepJob
 
 logger = logging.getLogger("zkdv")
 
@@ -165,7 +165,8 @@ class Dispatcher:
       return 1
     if self._config.segment_length is not None:
       return min(self._config.segment_length, bound)
-    hash_seconds, batch_seconds = self._committer.hash_seconds, self._committer.batch_seconds
+    gathering = self._committer.gathering
+    hash_seconds, batch_seconds = gathering.hash_seconds, gathering.batch_seconds
     if hash_seconds is None or not batch_seconds or len(self._step_times) < 2:
       return 1
     return adaptive_segment_length(statistics.median(self._step_times), hash_seconds,
@@ -202,8 +203,8 @@ class Dispatcher:
     self._ended = job.ends
     job.rows_started = digests.start_rows(batch, program.batch_layouts)
     if any(program.donated[i] for i in program.batch_indices):
-      job.batch_hashed = self._committer.hash_batch(program, index, job.rows_started,
-                                                    decision, copy=True)
+      job.batch_hashed = self._committer.gathering.hash_batch(program, job.rows_started,
+                                                              decision, copy=True)
       job.rows_started = None
     # Openings are whole leaves: the start state and every batch of a segment. A
     # zero-copy host view keeps its input alive (JAX does not donate a buffer a view
@@ -217,7 +218,7 @@ class Dispatcher:
       kept = set(program.batch_indices) | (set(program.state_indices) if job.starts else set())
       job.opened = [arrays.host_view(x) if i in kept else None for i, x in enumerate(leaves)]
       # A checked segment that goes on past this step writes its start while it runs and
-      # replays from these arrays (``Committer._write_start``): one generation kept.
+      # replays from these arrays (``Openings.start_blobs``): one generation kept.
       if job.starts and not job.ends and decision is not None and opens and all(
           _compat.on_one_cpu(arrays.unwrap_key(leaves[i])) for i in program.state_indices):
         job.start_arrays = [leaves[i] for i in program.state_indices]  # viewed in place

@@ -19,13 +19,10 @@ import blake3
 from zkdv import config
 from zkdv import digest
 from zkdv import errors
-from zkdv import metrics
+from zkdv import programs
 from zkdv import records
 from zkdv import transcript as transcript_lib
 from zkdv.verify.report import UNVERIFIABLE, Report
-
-MAX_LEAF_ELEMENTS = 1 << 40  # a layout larger than this is malformed, not allocated
-
 
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -259,12 +256,14 @@ def _read_program(model, parsed, where, report) -> None:
   rec = parsed.record
   if rec["blob"] != rec["program_id"]:
     report.fail("program_id", where, "program blob and program id differ.")
-  try:
-    program = _parse_program(rec, _program_blob(model.folder, rec["program_id"], where, report),
-                             where)
-  except (KeyError, TypeError, ValueError, AttributeError) as e:
-    report.fail("schema", where, f"program layout is malformed: {e!r}.")
-    return
+  layouts = programs.check_program(rec, where)  # zkdv.records applied its rules already
+  program = Program(rec["number"], rec["program_id"], rec["mode"], layouts.state,
+                    layouts.post, layouts.batch, tuple(rec["inputs"]),
+                    tuple(rec["post_state_outputs"]), tuple(rec.get("params_leaves", [])),
+                    tuple(rec["platforms"]), rec.get("collectives"),
+                    rec.get("compiler_options"),
+                    _program_blob(model.folder, rec["program_id"], where, report), where,
+                    layouts.metric_outputs)
   if program.number != len(model.programs):
     report.fail("program_id", where,
                 f"program number {program.number}, expected {len(model.programs)}.")
@@ -292,77 +291,12 @@ def _program_blob(folder, pid: bytes, where, report) -> bytes | None:
   return data
 
 
-def _layouts(records) -> tuple:
-  layouts = tuple(digest.LeafLayout.from_record(l) for l in records)
-  for l in layouts:
-    digest.numpy_dtype(l.dtype)
-    if not all(isinstance(n, int) and 0 <= n < MAX_LEAF_ELEMENTS for n in l.shape):
-      raise ValueError(f"shape {l.shape} of {l.path}")
-    elements = 1
-    for n in l.shape:
-      elements *= n
-    if elements >= MAX_LEAF_ELEMENTS:
-      raise ValueError(f"{l.path} has more than 2**40 elements")
-  return layouts
-
-
-def _parse_program(rec: dict, blob: bytes | None, where: str) -> Program:
-  state, batch = _layouts(rec["state_layout"]), _layouts(rec["batch_layout"])
-  # The post-state is laid out as the program places its outputs (by default as its inputs).
-  post = _layouts(rec.get("post_state_layout", rec["state_layout"]))
-  grouped = [l.path for l in (*state, *post) if l.row_group != 1]
-  if grouped:
-    raise ValueError(f"row_group is a field of batch layouts only: {grouped[:4]}")
-  for l in batch:
-    digest.check_row_group(l, isinstance(rec.get("processes"), int) and rec["processes"] > 1)
-  # A leaf may leave in another dtype (as jax.jit returns it); its path and shape stay.
-  if [(l.path, l.shape, l.key_impl) for l in post] != [
-      (l.path, l.shape, l.key_impl) for l in state]:
-    raise ValueError("post_state_layout does not match state_layout")
-  if sorted(rec["inputs"]) != sorted(["state"] * len(state) + ["batch"] * len(batch)):
-    raise ValueError("inputs do not match the layouts")
-  params = rec.get("params_leaves", [])
-  if not all(isinstance(i, int) and 0 <= i < len(state) for i in params):
-    raise ValueError("params_leaves out of range")
-  outputs = rec["post_state_outputs"]
-  if len(outputs) != len(state) or not all(isinstance(i, int) and i >= 0 for i in outputs):
-    raise ValueError("post_state_outputs do not match the state layout")
-  return Program(rec["number"], rec["program_id"], rec["mode"], state, post, batch,
-                 tuple(rec["inputs"]), tuple(outputs), tuple(params),
-                 tuple(rec["platforms"]), rec.get("collectives"),
-                 rec.get("compiler_options"), blob, where,
-                 _metric_outputs(rec.get("metric_outputs", []), outputs))
-
-
-def _metric_outputs(pairs, post_outputs) -> dict:
-  """name -> output index of a program's ``metric_outputs``, checked."""
-  if not isinstance(pairs, list) or len(pairs) > metrics.MAX_METRICS:
-    raise ValueError(f"metric_outputs is not a list of at most {metrics.MAX_METRICS} pairs")
-  named = {}
-  for pair in pairs:
-    if not (isinstance(pair, list) and len(pair) == 2 and metrics.valid_name(pair[0])
-            and isinstance(pair[1], int) and not isinstance(pair[1], bool) and pair[1] >= 0):
-      raise ValueError(f"metric output {str(pair)[:60]} is not [name, output index]")
-    if pair[0] in named or pair[1] in named.values() or pair[1] in post_outputs:
-      raise ValueError(f"metric output {pair[0]!r} repeats a name or an output")
-    named[pair[0]] = pair[1]
-  return named
-
-
 def _read_init(model, parsed, where, report) -> None:
   rec = parsed.record
   if model.init is not None or model.programs or model.steps:
     report.fail("schema", where, "an init record comes once, before any program or step.")
     return
-  try:
-    inputs = _layouts(rec["input_layout"])
-    if len(rec["input_blobs"]) != len(inputs) or len(rec["outputs"]) != len(
-        rec["output_layout"]) or not all(isinstance(d, bytes) for d in rec["outputs"]):
-      raise ValueError("input blobs or outputs do not match their layouts")
-    base = _layouts(rec.get("base_layout", []))
-  except (KeyError, TypeError, ValueError, AttributeError) as e:
-    report.fail("schema", where, f"init record is malformed: {e!r}.")
-    return
+  inputs, base = programs.check_init(rec, where)  # zkdv.records applied its rules already
   problem = _base_problem(rec, base, inputs)
   if problem:  # the start does not hold; nothing else reads a base that is not one
     report.fail("start", where, f"the init record's base checkpoint: {problem}.")

@@ -17,14 +17,15 @@ _BOX = "params"  # the key params that are not a mapping are boxed under
 def _boxed(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """``tx`` for params boxed as ``{_BOX: params}``, with ``tx``'s own state.
 
-  Flax's ``apply_gradients`` asks ``OVERWRITE_WITH_GRADIENT in grads``, which
-  a bare array cannot answer; boxed, Flax's body runs on it unchanged.
+  Flax's ``create`` and ``apply_gradients`` ask ``OVERWRITE_WITH_GRADIENT in
+  params``, which a bare array or a sequence cannot answer; boxed, Flax's body
+  runs on them unchanged.
   """
   def update(updates, state, params=None):
     updates, state = tx.update(updates[_BOX], state,
                                None if params is None else params[_BOX])
     return {_BOX: updates}, state
-  return optax.GradientTransformation(tx.init, update)
+  return optax.GradientTransformation(lambda params: tx.init(params[_BOX]), update)
 
 
 class TrainState(train_state.TrainState):
@@ -87,11 +88,11 @@ class TrainState(train_state.TrainState):
     def build(params, **fields):
       fields = {"proof": proof, "attest_apply_fn": attest_apply_fn,
                 "zkdv_overlap": zkdv_overlap, **kwargs, **fields}
+      flax_create = super(TrainState, cls).create
       if isinstance(params, Mapping):  # Flax's own create (FP8 params included)
-        return super(TrainState, cls).create(apply_fn=apply_fn, params=params, tx=tx,
-                                             **fields)
-      return cls(step=0, apply_fn=apply_fn, params=params, tx=tx,  # a bare array
-                 opt_state=tx.init(params), **fields)
+        return flax_create(apply_fn=apply_fn, params=params, tx=tx, **fields)
+      boxed = flax_create(apply_fn=apply_fn, params={_BOX: params}, tx=_boxed(tx), **fields)
+      return boxed.replace(params=params, tx=tx)  # a bare array or a sequence
 
     extend = getattr(proof, "extend_init", None)
     dynamic = {k: v for k, v in kwargs.items() if jax.tree.leaves(v)}

@@ -1,0 +1,92 @@
+"""What steps and segments keep until their decisions are answered.
+
+A step keeps its batch trees and opened views until its decision is
+answered (its probes); a segment keeps its start and end until the decision
+of its deciding step (``challenge.deciding_step``) is: a self-chosen one's
+first step, known when it is dispatched, or a server's last step, which
+arrives late (``answer_late``). Once a segment and all its steps are answered
+what they kept is dropped.
+
+Example::
+
+  answers = Answers(openings)
+  answers.keep(job, trees)
+  answers.open_segment(segment)
+  answers.answer_late(decision)     # writes the probes and the segment's checks
+"""
+
+from zkdv import challenge
+from zkdv import errors
+from zkdv.jax.commit_jobs import Kept, Segment, StepJob
+from zkdv.jax.openings import Openings
+
+
+class Answers:
+  """Kept steps and segments, and the check records that answer their decisions.
+
+  Args:
+    openings: writes the check records.
+    replay: the prover replays each update check's segment itself (the server
+      does not replay every segment); read at each answer.
+  """
+
+  def __init__(self, openings: Openings, replay: bool = True):
+    self.openings = openings
+    self.replay = replay
+    self.segments: dict[int, Segment] = {}  # first step -> segment
+    self._kept: dict[int, Kept] = {}
+
+  @property
+  def pending_steps(self) -> int:
+    return sum(not kept.answered for kept in self._kept.values())
+
+  def keep(self, job: StepJob, trees) -> None:
+    """Keeps what answering the step's decision needs: its batch trees and views."""
+    self._kept[job.index] = Kept(job, trees)
+
+  def open_segment(self, segment: Segment) -> None:
+    self.segments[segment.first] = segment
+
+  def answer_late(self, decision: challenge.Decision) -> None:
+    """Answers a server's decision that arrived after its step was written."""
+    kept = self._kept.get(decision.step)
+    if kept is None or kept.answered:
+      raise errors.CommitmentError(
+          f"a challenge arrived for step {decision.step}, which is not awaiting one.")
+    segment = self._segment_ending(decision.step)
+    decides = segment is not None and challenge.deciding_step(
+        "dvbench", segment.first, segment.last) == decision.step
+    self.answer(decision, decision if decides else None)
+
+  def answer(self, decision: challenge.Decision, segment_decision) -> None:
+    """Writes the check records that answer ``decision``: the probes of its step and,
+    when the step ends a segment, the segment's update and state checks as
+    ``segment_decision`` chose them."""
+    kept = self._kept[decision.step]
+    segment = self._segment_ending(decision.step) if segment_decision is not None else None
+    if segment is not None:
+      if segment_decision.update:
+        jobs = [self._kept[i].job for i in range(segment.first, segment.last + 1)]
+        self.openings.update(segment, jobs, self.replay)
+      if segment_decision.state:
+        self.openings.state(segment.last, segment.end_views)
+      segment.answered = True
+    self.openings.probe(kept.job, decision, kept.trees)
+    kept.answered = True
+    self.release()
+
+  def release(self) -> None:
+    """Drops what no unanswered decision or segment needs any more."""
+    for first in [f for f, s in self.segments.items() if s.answered]:
+      segment = self.segments[first]
+      if all(self._kept.get(i, Kept(None, None, True)).answered
+             for i in range(segment.first, segment.last + 1)):
+        for i in range(segment.first, segment.last + 1):
+          self._kept.pop(i, None)
+        del self.segments[first]
+
+  def _segment_ending(self, step: int) -> Segment | None:
+    for segment in self.segments.values():
+      if segment.last == step and segment.end is not None and not segment.answered:
+        return segment
+    return None
