@@ -15,11 +15,19 @@ Example::
 """
 
 import dataclasses
+import logging
+import pathlib
 from collections.abc import Callable
 
 from zkdv import challenge
+from zkdv import challengers
 from zkdv import errors
+from zkdv import keys
+from zkdv import transcript
 from zkdv.digest import LeafLayout
+from zkdv.jax import processes
+
+logger = logging.getLogger("zkdv")
 
 SEED_FILE = "challenger-seed"  # a self-challenged run's seed, kept until final reveals it
 
@@ -140,3 +148,66 @@ def _require_answers(steps: list, programs: dict, answered: set,
           f"step {index} was challenged for a {missing[0]} check before the crash and the "
           "transcript has no answer; its openings were lost with the process, so this "
           "proof can never be verified. Start a new proof.")
+
+
+def saved_seed(path: pathlib.Path, fields: dict) -> bytes:
+  """The seed a self-challenged run kept beside its transcript, checked against the root."""
+  try:
+    seed = (path / SEED_FILE).read_bytes()
+  except FileNotFoundError:
+    raise errors.ProofStateError(
+        f"{path / SEED_FILE} is missing: the challenges of this transcript "
+        "cannot be continued. Start a new proof.") from None
+  if challenge.key_commitment(seed) != fields.get("seed_commitment"):
+    raise errors.ProofStateError(f"{path / SEED_FILE} does not match the root's "
+                                 "seed commitment. Start a new proof.")
+  return seed
+
+
+class ResumingRun:
+  """Starting a ``ZKDV`` run that continues an unfinished transcript (a mixin)."""
+
+  def _start_resumed(self) -> "ResumingRun":
+    """Continues the unfinished transcript in ``resume_from`` (``zkdv.jax.resume``): the
+    policy and challenges are the root's, step indices go on, and the first step checks
+    that the restored state is the last committed one."""
+    group = processes.ProcessGroup.current()
+    if group.multi:
+      raise errors.ProofStateError("resuming needs a single-process run.")
+    path = self.resume_from
+    writer, contents = transcript.TranscriptWriter.reopen(path)
+    try:
+      records = [p.record for p in contents.records]
+      check_unfinished(records)
+      root = records[0]
+      fields = root.get("challenger", {})
+      if root.get("name") != self.name:
+        raise errors.ProofStateError(
+            f"{path} holds proof {root.get('name')!r}; ZKDV({self.name!r}, resume=...) "
+            "continues a transcript of the same name.")
+      self._challenger, challenge_of = self._resumed_challenger(path, fields)
+      point = read_point(records, challenge_of)
+    except BaseException:
+      writer.close()
+      raise
+    self._writer = writer
+    self._key_seed = keys.key_seed(fields, writer.transcript_id)
+    self._open(path, group)
+    self._committer.continue_from(point)
+    self._dispatcher.steps = point.steps
+    self._dispatcher.restored = point
+    logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s)",
+                self.name, point.steps, point.after, path)
+    return self
+
+  def _resumed_challenger(self, path: pathlib.Path, fields: dict):
+    """(the challenger of a resumed transcript, step -> its challenge): a self-challenged
+    run's, from the seed kept beside its transcript (DVBench proofs override it)."""
+    if fields.get("kind") != "self":
+      raise errors.ProofStateError(
+          f"{path} holds a proof challenged by {fields.get('kind')!r}; "
+          f"ZKDV({self.name!r}, resume=...) continues a self-challenged transcript (resume "
+          "a DVBench proof with experiment.proof(resume=PROOF_ID)).")
+    seed = saved_seed(path, fields)
+    challenger = challengers.SelfChallenger(challenge.Policy.from_record(fields["policy"]), seed)
+    return challenger, lambda step: challenge.step_challenge_self(seed, step)
