@@ -44,9 +44,9 @@ from dvbench import contamination
 from dvbench import scoring
 from dvbench import transport
 from dvbench.measurement import load_checkpoint, params_digest, tree_layouts
+from zkdv import data as data_lib
 from zkdv import digest
 from zkdv import errors as zkdv_errors
-from zkdv import merkle
 from zkdv import transcript
 from zkdv.jax import arrays
 from zkdv.jax import replay
@@ -71,9 +71,9 @@ def export_evaluation(evaluate, params, rows, batch_rows: int) -> bytes:
   return bytes(jax.export.export(jax.jit(flat_evaluate))(*specs).serialize())
 
 
-class TrainingSet:
-  """The Merkle tree (RFC 9162 over BLAKE3, ``zkdv.merkle``) of a training set's rows:
-  every row of every leaf, leaf after leaf, hashed as a probe hashes a batch row.
+class TrainingSet(data_lib.DatasetTree):
+  """The Merkle tree of a training set's rows (``zkdv.data.DatasetTree``: every row of
+  every leaf, leaf after leaf, hashed as a probe hashes a batch row), as a benchmark pins it.
 
   Example::
 
@@ -83,18 +83,12 @@ class TrainingSet:
   """
 
   def __init__(self, rows):
-    rows_bytes = []
-    for value in tree_layouts(rows)[1]:
-      if not np.shape(value):
-        raise ValueError("training set leaves share a leading (row) axis; got a scalar.")
-      rows_bytes += [r.tobytes() for r in digest.byte_view(value).reshape(len(value), -1)]
-    if not rows_bytes:
-      raise ValueError("a training set has at least one row.")
-    self._levels = merkle.tree_levels([merkle.leaf_hash(r) for r in rows_bytes])
+    layouts, values = tree_layouts(rows)
+    super().__init__(values, [l.path for l in layouts])
     self._index = {}
-    for i, r in enumerate(rows_bytes):
-      self._index.setdefault(blake3.blake3(r).digest(), i)
-    self.root, self.size = self._levels[-1][0], len(rows_bytes)
+    for leaf, value in enumerate(self.leaves):
+      for i, r in enumerate(digest.byte_view(value).reshape(self.rows, -1)):
+        self._index.setdefault(blake3.blake3(r.tobytes()).digest(), self.position(leaf, i))
 
   def __repr__(self):
     return f"TrainingSet(root={self.root.hex()[:16]}…, size={self.size})"
@@ -102,7 +96,7 @@ class TrainingSet:
   def membership_proofs(self, row_digests) -> list[list]:
     """``[row digest, index, audit path]`` for each digest (BLAKE3 of a row's bytes) that
     is a row of this set; others are left out (a leaderboard shows them as outside)."""
-    return [[d, self._index[d], merkle.inclusion_proof(self._levels, self._index[d])]
+    return [[d, self._index[d], self.inclusion_proof(self._index[d])]
             for d in sorted(set(row_digests)) if d in self._index]
 
 

@@ -132,3 +132,7 @@ class ResumeStateError(ZKDVError, ValueError):
 
 class UnanswerableChallengeError(ZKDVError, RuntimeError):
   """A resumed run cannot answer a check chosen before the crash (its openings are lost)."""
+
+
+class DataOrderError(ZKDVError, ValueError):
+  """A step's batch is not the one ``proof.batches`` drew for it (``zkdv.jax.sampler``)."""

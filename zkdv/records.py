@@ -18,6 +18,7 @@ Example::
 import re
 
 from zkdv import challenge
+from zkdv import data
 from zkdv import errors
 from zkdv import metrics
 from zkdv import programs
@@ -103,8 +104,8 @@ PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
 LAYOUTS = ListOf(Map())  # each parsed by zkdv.programs.parse_layouts
 NAME = Text(400)
 NAMES = ListOf(NAME, 4096)
-RECORD_TYPE = Field(Text(20, ("root", "init", "program", "step", "check", "resume", "final")),
-                    REQUIRED)
+RECORD_TYPE = Field(Text(20, ("root", "init", "data", "program", "step", "check", "resume",
+                             "final")), REQUIRED)
 PREV = Field(DIGEST, REQUIRED)  # every record but the root chains to the one before
 
 RECORD_FIELDS: dict[str, dict[str, Field]] = {
@@ -126,6 +127,12 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              # a start from a base checkpoint: its params are the first inputs, keypaths
              # relative to it, and their params digest is declared (zkdv.jax.start)
              "base_layout": Field(LAYOUTS), "base_checkpoint": Field(DIGEST)},
+    # The dataset whose rows the steps draw in the order the proof's slot seeds
+    # (``zkdv.data``); checked further where it is read (``zkdv.verify.order``).
+    "data": {"root": Field(DIGEST, REQUIRED), "rows": Field(Int(1, 1 << 40), REQUIRED),
+             "order": Field(Text(20, (data.ORDER,)), REQUIRED),
+             "layout": Field(ListOf(Map(), 4096), REQUIRED),
+             "batch_size": Field(Int(1, 1 << 24), REQUIRED)},
     "program": {"program_id": Field(DIGEST, REQUIRED), "number": Field(INDEX, REQUIRED),
                 "blob": Field(DIGEST, REQUIRED), "mode": Field(Text(20, MODES), REQUIRED),
                 "state_layout": Field(LAYOUTS, REQUIRED),
@@ -149,7 +156,9 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              "post_state": Field(DIGEST), "metrics": Field(StepMetrics()),
              # the post-state's piece digests, per leaf: a resumed run names the leaf
              # its restored state differs in (``zkdv.jax.resume``)
-             "post_state_leaves": Field(PIECES)},
+             "post_state_leaves": Field(PIECES),
+             # the dataset rows this step's batch holds, as zkdv.data packs them
+             "data_rows": Field(Bytes(None, data.INDEX_BYTES << 24))},
     "check": {"step": Field(INDEX, REQUIRED),
               "kind": Field(Text(20, CHECK_KINDS), REQUIRED)},  # and its kind's fields
     # A run continued after a crash: steps go on at ``step`` from the committed post-state
@@ -168,13 +177,17 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
                "pre_state_blobs": Field(DIGESTS, REQUIRED),
                "batch_blobs": Field(ListOf(DIGESTS), REQUIRED),  # per step of the segment
                "pre_state_pieces": Field(PIECES), "post_state_blobs": Field(DIGESTS),
-               "result": Field(Map())},
+               "result": Field(Map()),
+               # per step of the segment, per dataset leaf, per row: its dataset audit path
+               "data_paths": Field(ListOf(ListOf(ListOf(ListOf(DIGEST, 64)))))},
     "state": {"post_state_blobs": Field(DIGESTS, REQUIRED)},
     # [leaf, Merkle row, its blob digest (a group of rows: one per row), inclusion proof]
     "probe": {"batch_roots": Field(DIGESTS, REQUIRED),
               "probes": Field(ListOf(Row((INDEX, INDEX, Either(DIGEST, DIGESTS,
                                                                "a digest or a list of them"),
-                                          ListOf(DIGEST, 64)))), REQUIRED)},
+                                          ListOf(DIGEST, 64)))), REQUIRED),
+              # per probe, per data row it opens: its audit path in the dataset tree
+              "data_paths": Field(ListOf(ListOf(ListOf(DIGEST, 64))))},
     "start": {"pre_state_pieces": Field(PIECES, REQUIRED)},
 }
 

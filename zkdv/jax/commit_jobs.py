@@ -52,6 +52,7 @@ class StepJob:
     previous_continues: the previous step's post-state is this step's
       pre-state (the same arrays).
     metrics: (name, output) of the step's outputs beside the post-state.
+    data: the ``zkdv.jax.sampler.SampledBatch`` the step consumed, or None.
     start_arrays: the start state's arrays when the step starts a segment whose update
       check is decided already (self-chosen) and ``opened`` views them in place: the
       start is written at once and the check's replay consumes these arrays.
@@ -75,6 +76,7 @@ class StepJob:
   previous_continues: bool = True
   metrics: list = dataclasses.field(default_factory=list)
   start_arrays: list | None = None
+  data: object = None
 
 
 @dataclasses.dataclass

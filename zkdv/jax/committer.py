@@ -194,6 +194,9 @@ class Committer:
                                            [digest.tree_root(t) for t in gathered.trees[0]])}
     if job.starts:
       record["pre_state"] = self._open.start_digest
+    if job.data is not None:
+      job.data.check(job.index, program.batch_layouts, gathered.trees[0])
+      record["data_rows"] = job.data.record_field()
     step_metrics = _step_metrics(job.metrics)
     if step_metrics:
       record["metrics"] = step_metrics

@@ -76,8 +76,9 @@ class Dispatcher:
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
     self._said_window_short = False
 
-  def run(self, program, leaves: list) -> list:
-    """Dispatches one step of ``program`` and queues its commitment and checks."""
+  def run(self, program, leaves: list, data=None) -> list:
+    """Dispatches one step of ``program`` and queues its commitment and checks; ``data``:
+    the ``zkdv.jax.sampler.SampledBatch`` the step consumes, if any."""
     committer, multi = self._committer, self._group.multi
     if not multi:  # across processes, failures wait for finish(): see ProcessGroup.agree_on_outcome
       committer.pipeline.raise_if_failed()
@@ -94,6 +95,7 @@ class Dispatcher:
       self.steps += 1
     decision = self._challenger.decision_now(index)
     job = self._prepare(program, index, leaves, decision)
+    job.data = data
     if any(program.donated) and self._viewing is not None:
       with self._waiting():
         self._viewing.views_ready.wait()  # no donation of a post-state being hashed

@@ -40,6 +40,7 @@ from zkdv.jax import closing
 from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
 from zkdv.jax import resume as resume_lib
+from zkdv.jax import sampler
 from zkdv.jax import start as start_lib
 from zkdv.jax.committer import Committer
 from zkdv.jax.dispatch import Dispatcher
@@ -123,6 +124,7 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     self._dispatcher: Dispatcher | None = None
     self._key_seed: bytes | None = None  # the seed of the proof's keys (zkdv.keys)
     self._pending_init: start_lib.InitProgram | None = None  # written before step 0
+    self._data_order: sampler.DataOrder | None = None  # set by proof.batches
 
   def __repr__(self):
     return f"ZKDV({self.name!r})"
@@ -332,6 +334,27 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     """
     return self.key(self.steps, impl)
 
+  def batches(self, dataset, batch_size: int, *, epochs: int = 1):
+    """Batches of ``dataset`` (a pytree of arrays sharing a leading axis) in an order the
+    prover cannot choose: seeded by the proof's slot, as ``proof.key``. Each step takes the
+    next batch unchanged; its record commits the batch's row indices and a verifier checks
+    them and every probed row against the dataset's Merkle root (``zkdv.jax.sampler``)::
+
+      for batch in proof.batches({"x": x, "y": y}, batch_size=32, epochs=2):
+        state = train_step(state, batch)
+    """
+    return sampler.batches(self, dataset, batch_size, epochs)
+
+  def grain_batches(self, source, batch_size: int, *, epochs: int = 1, read_options=None):
+    """``batches`` of a Grain data source (``grain.sources.RandomAccessDataSource``), read by
+    Grain in the same seeded order (the optional ``grain`` extra)."""
+    return sampler.grain_batches(self, source, batch_size, epochs, read_options)
+
+  def submit_record(self, record: dict) -> None:
+    """Queues a record (written in order with the steps) where this process writes."""
+    if self._writer is not None:
+      self._committer.pipeline.submit(lambda job: self._writer.append(record, durable=True))
+
   def _write_pending_init(self) -> None:
     if self._pending_init is not None:
       self._committer.submit_init(self._pending_init)
@@ -375,4 +398,11 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
   def run_step(self, program, leaves: list) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks."""
     self._write_pending_init()
-    return self._dispatcher.run(program, leaves)
+    index = self.steps
+    data = None if self._data_order is None else self._data_order.take(index)
+    try:
+      return self._dispatcher.run(program, leaves, data)
+    except BaseException:
+      if data is not None and self._dispatcher.steps == index:
+        self._data_order.give_back(data)  # not recorded: the batch is stepped on again
+      raise

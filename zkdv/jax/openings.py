@@ -98,6 +98,8 @@ class Openings:
     }
     if result is not None:
       record["result"] = result
+    if not replay and all(job.data is not None for job in jobs):  # full replay: every row
+      record["data_paths"] = [job.data.batch_paths(job.program.batch_layouts) for job in jobs]
     if any(l.pieces for l in program.state_layouts):  # name the piece a bad opening breaks
       record["pre_state_pieces"] = segment.start_pieces
     if not program.exact:  # the verifier compares within tolerance: open post
@@ -159,7 +161,8 @@ class Openings:
       return
     self.writer.append({"type": "check", "step": job.index, "kind": "probe",
                         "batch_roots": [digest.tree_root(t) for t in tree_levels],
-                        "probes": probes})
+                        "probes": probes, **({} if job.data is None else {
+                            "data_paths": job.data.probe_paths(layouts, probes)})})
     self.checks["probe"] += 1
 
   def _put_row(self, layout, data):

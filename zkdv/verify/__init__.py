@@ -36,6 +36,7 @@ from zkdv.verify import blobs
 from zkdv.verify import claims
 from zkdv.verify import decisions
 from zkdv.verify import final
+from zkdv.verify import order
 from zkdv.verify import policy
 from zkdv.verify import receipt
 from zkdv.verify import schedule
@@ -127,6 +128,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
   ctx.keys = receipt.challenge_key(ctx, server_key=server_key, challenge_key=challenge_key)
   ctx.decisions = decisions.derive(ctx)
   final.continuity(ctx)
+  order.check_order(ctx)
   final.check_final(ctx)
   ctx.programs = ProgramLoader(report)
   for program in ctx.model.programs.values():

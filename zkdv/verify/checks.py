@@ -17,6 +17,7 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
 from zkdv import transcript
+from zkdv.verify import order
 from zkdv.verify import probes
 from zkdv.verify import sensitivity
 from zkdv.verify import start
@@ -125,7 +126,14 @@ def _open_batches(ctx, check, segment, program, where):
                     f"segment of {len(steps)} steps.")
     return None
   batches = []
-  for s, blobs in zip(steps, batch_blobs):
+  data_paths = fields.get("data_paths")
+  if data_paths is not None and (not isinstance(data_paths, list)
+                                 or len(data_paths) != len(steps)):
+    ctx.report.fail("data_row", where, f"the check carries data_paths for {len(data_paths)} "
+                    f"steps of a segment of {len(steps)}." if isinstance(data_paths, list)
+                    else "malformed data_paths.")
+    return None
+  for n, (s, blobs) in enumerate(zip(steps, batch_blobs)):
     batch = open_blobs(ctx, blobs, program.batch, where, f"batch of step {s.index}",
                        check_name=False)
     if batch is None:
@@ -136,6 +144,9 @@ def _open_batches(ctx, check, segment, program, where):
       return None
     if not start.keys_derived(ctx, s.index, program.batch, batch, where):
       return None
+    # a row not in the dataset is a finding of its own; the update is replayed all the same
+    order.opened_rows_in_dataset(ctx, s, program, batch,
+                                 None if data_paths is None else data_paths[n], where)
     batches.append(batch)
   return batches
 

@@ -23,6 +23,7 @@ Example::
 import dataclasses
 
 from zkdv import challenge
+from zkdv.verify import order
 from zkdv.verify.context import Verification
 from zkdv.verify.programs import parameter_count
 from zkdv.verify.report import (COULD_NOT_VERIFY, DOES_NOT_HOLD, HOLDS, INVALID, Claim)
@@ -44,7 +45,8 @@ CLAIM_CODES = {
         "too_few_checks", "unsafe_program"},
     "start": _ANY | {"start"},
     "program": _ANY | {"program_id", "missing_blob", "unsafe_program"},
-    "data": _ANY | _KEYS | {"probe", "missing_probe", "batch_key", "unprobed"},
+    "data": _ANY | _KEYS | {"probe", "missing_probe", "batch_key", "unprobed",
+                            *order.ORDER_CODES},
 }
 
 
@@ -190,16 +192,30 @@ def _program(ctx: Verification) -> Claim:
 
 
 def _data(ctx: Verification) -> Claim:
+  """"data order: server-seeded" (or self-seeded) where a declared dataset's seeded order
+  was checked at every step, "data: probed" where rows were only probed, else unknown."""
   ratio = ctx.challenger.policy.probe_ratio
-  facts = {"probe_ratio": ratio, "rows": ctx.report.probed_rows}
+  declared = ctx.model.data
+  facts = {"probe_ratio": ratio, "rows": ctx.report.probed_rows,
+           "order": None if declared is None else order.seeded_by(ctx),
+           "dataset": None if declared is None else declared.root.hex(),
+           "dataset_rows": ctx.report.dataset_rows}
+  said = (f"data: probed, {ctx.report.probed_rows} challenger-chosen batch rows opened with "
+          f"Merkle proofs (ratio {ratio:g})")
+  if declared is not None:
+    said = (f"data order: {facts['order']}, every step's rows are its batch of the order "
+            f"seeded by the proof's slot over dataset {declared.root.hex()[:16]}… "
+            f"({declared.rows} rows, batches of {declared.batch_size}); "
+            f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
+            f"(probe ratio {ratio:g})")
   if ratio == 0:
-    return Claim("data", DOES_NOT_HOLD, "no batch rows were probed (probe_ratio 0)", facts)
+    return Claim("data", DOES_NOT_HOLD, ("data: unknown, no batch rows were probed "
+                                         "(probe_ratio 0)" if declared is None else
+                                         f"{said}; no row was probed"), facts)
   if not ctx.decisions.known:
-    return Claim("data", COULD_NOT_VERIFY, f"{ctx.report.probed_rows} rows opened; whether "
-                 f"the challenger chose them could not be verified ({ctx.decisions.unknown})",
-                 facts)
-  return Claim("data", HOLDS, f"{ctx.report.probed_rows} challenger-chosen batch rows opened "
-               f"with Merkle proofs (ratio {ratio:g})", facts)
+    return Claim("data", COULD_NOT_VERIFY, f"{said}; whether the challenger chose the probed "
+                 f"rows could not be verified ({ctx.decisions.unknown})", facts)
+  return Claim("data", HOLDS, said, facts)
 
 
 BUILDERS = {"chain": _chain, "challenges": _challenges, "replays": _replays,

@@ -38,3 +38,4 @@ class Verification:
   # (last step, program number, end digest, device state) of the last verified segment
   # replay, which the next segment continues from when it starts there
   replayed_end: tuple | None = None
+  data_order: object = None  # zkdv.data.Order of a transcript that declares its dataset

@@ -16,6 +16,7 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import merkle
 from zkdv import transcript
+from zkdv.verify import order
 from zkdv.verify.context import Verification
 from zkdv.verify.decisions import probe_count
 from zkdv.verify.report import UNVERIFIABLE, CheckOutcome
@@ -97,6 +98,7 @@ def probe_check(ctx: Verification, check, step, program, where: str) -> CheckOut
   if not _rows_chosen(ctx, step, layouts, opened, where):
     return outcome
   if all([_row_proven(ctx, e, layouts[e[0]], roots[e[0]], where) for e in entries]):
-    outcome.status = "verified"
     ctx.report.probed_rows += sum(layouts[e[0]].row_group for e in entries)  # data rows
+    if order.probed_rows_in_dataset(ctx, step, program, entries, fields, where):
+      outcome.status = "verified"
   return outcome

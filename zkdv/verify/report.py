@@ -93,6 +93,7 @@ class Report:
   checks: list[CheckOutcome] = dataclasses.field(default_factory=list)
   discontinuities: list[int] = dataclasses.field(default_factory=list)
   probed_rows: int = 0
+  dataset_rows: int = 0  # opened rows proven the declared dataset's at their index
   findings: list[Finding] = dataclasses.field(default_factory=list)
   claims: list[Claim] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)
@@ -144,6 +145,7 @@ class Report:
         "records": self.records, "steps": self.steps, "segments": self.segments, "finished": self.finished,
         "checks": [dataclasses.asdict(c) for c in self.checks],
         "discontinuities": self.discontinuities, "probed_rows": self.probed_rows,
+        "dataset_rows": self.dataset_rows,
         "receipt": self.receipt, "notes": self.notes,
         "findings": [f.to_json() for f in self.findings],
         "fault": self.fault,

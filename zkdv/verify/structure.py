@@ -22,6 +22,7 @@ from zkdv import errors
 from zkdv import programs
 from zkdv import records
 from zkdv import transcript as transcript_lib
+from zkdv.verify import order
 from zkdv.verify.report import UNVERIFIABLE, Report
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Step:
   record_id: bytes
   where: str
   metrics: dict = dataclasses.field(default_factory=dict)  # name -> committed value
+  data_rows: bytes | None = None  # the dataset rows it drew (zkdv.data), as committed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,7 @@ class Transcript:
   last_record_id: bytes | None = None
   root: dict | None = None
   init: Init | None = None
+  data: object = None  # zkdv.data.Declaration of a data record
   programs: dict = dataclasses.field(default_factory=dict)  # number -> Program
   steps: list = dataclasses.field(default_factory=list)
   checks: dict = dataclasses.field(default_factory=dict)  # (step, kind) -> Check
@@ -342,7 +345,8 @@ def _read_step(model, parsed, where, report) -> None:
     report.fail("schema", where, f"step {expected}: post_state_leaves do not make up its "
                 "post_state.")
   model.steps.append(Step(expected, rec["program"], rec.get("pre_state"), rec["batch"],
-                          rec.get("post_state"), parsed.record_id, where, step_metrics))
+                          rec.get("post_state"), parsed.record_id, where, step_metrics,
+                          rec.get("data_rows")))
 
 
 def pieces_make(layouts, pieces, state: bytes) -> bool:
@@ -399,5 +403,6 @@ def _read_final(model, parsed, where, report) -> None:
   model.final = parsed.record
 
 
-_READERS = {"root": _read_root, "init": _read_init, "program": _read_program, "step": _read_step,
+_READERS = {"root": _read_root, "init": _read_init, "data": order.read_data,
+            "program": _read_program, "step": _read_step,
             "check": _read_check, "resume": _read_resume, "final": _read_final}

@@ -1,0 +1,209 @@
+"""Batches in an order the prover cannot choose: ``proof.batches`` and ``proof.grain_batches``.
+
+The order comes from the proof's key seed (``zkdv.keys``, as ``proof.key(t)``) and the
+dataset's Merkle root (``zkdv.data``). ``proof.batches`` writes a ``data`` record declaring
+the dataset (before the first step), and each step takes the oldest batch drawn and not yet
+stepped on: its record commits that batch's row indices (``data_rows``), its probes carry
+each opened row's audit path in the dataset tree, and the commit thread checks that the
+batch the step hashed holds exactly those dataset rows (``DataOrderError`` naming the step,
+leaf and row otherwise). Pass each batch to the step unchanged: transform it inside the step.
+
+Example::
+
+  for batch in proof.batches({"x": x, "y": y}, batch_size=32, epochs=2):
+    state = train_step(state, batch)
+"""
+
+import threading
+
+import jax
+import numpy as np
+
+from zkdv import data as data_lib
+from zkdv import digest
+from zkdv import errors
+
+_FIX = ("Pass each batch proof.batches yields to the next step unchanged, in order, one "
+        "step per batch (transform it inside the step).")
+
+
+class SampledBatch:
+  """A drawn batch: its number in the order and its dataset rows."""
+
+  def __init__(self, order: "DataOrder", number: int, rows: np.ndarray):
+    self.order, self.number, self.rows = order, number, rows
+
+  def record_field(self) -> bytes:
+    """The step record's ``data_rows``."""
+    return data_lib.pack_rows(self.rows)
+
+  def _data_leaves(self, layouts) -> list[int | None]:
+    """Per batch leaf, the dataset leaf it holds (None for a PRNG key leaf); raises
+    DataOrderError when the batch's leaves are not the dataset's, batch_size rows each."""
+    data_leaf, tree, found = [], self.order.tree, 0
+    for layout in layouts:
+      if layout.key_impl is not None:
+        data_leaf.append(None)
+        continue
+      want = tree.layouts[found] if found < len(tree.layouts) else None
+      if want is None or layout.dtype != want.dtype or tuple(layout.shape) != (
+          len(self.rows), *want.shape[1:]):
+        raise errors.DataOrderError(
+            f"batch leaf {layout.path} ({layout.dtype}{list(layout.shape)}) is not dataset leaf "
+            f"{found} as proof.batches yields it ({'none left' if want is None else want.dtype + str([len(self.rows), *want.shape[1:]])}): "
+            f"the step's non-key batch leaves are the dataset's, in order. {_FIX}")
+      data_leaf.append(found)
+      found += 1
+    if found != len(tree.layouts):
+      raise errors.DataOrderError(f"the step's batch holds {found} of the dataset's "
+                                  f"{len(tree.layouts)} leaves. {_FIX}")
+    return data_leaf
+
+  def check(self, step: int, layouts, row_levels) -> None:
+    """Raises DataOrderError unless each batch leaf's Merkle leaves (``row_levels[leaf]
+    [0]``, as the step committed them) are the dataset rows this batch drew."""
+    for leaf, held in enumerate(self._data_leaves(layouts)):
+      if held is None:
+        continue
+      layout, source = layouts[leaf], self.order.tree.leaves[held]
+      expected = digest.row_leaf_hashes(layout, source[self.rows])
+      got = row_levels[leaf][0]
+      for group, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+          first = group * layout.row_group
+          rows = self.rows[first:first + layout.row_group].tolist()
+          raise errors.DataOrderError(
+              f"step {step}: row {first} of batch leaf {layout.path} is not dataset row "
+              f"{rows[0]}{f' (rows {first}..{first + len(rows) - 1}: {rows})' if len(rows) > 1 else ''} "
+              f"of batch {self.number} that proof.batches drew for it. {_FIX}")
+
+  def batch_paths(self, layouts) -> list:
+    """Per dataset leaf, per row of the batch, its dataset audit path (a full replay's
+    update check proves every row)."""
+    self._data_leaves(layouts)
+    tree = self.order.tree
+    return [[tree.path(leaf, int(i)) for i in self.rows] for leaf in range(len(tree.leaves))]
+
+  def probe_paths(self, layouts, probes: list) -> list:
+    """Per probe ``[leaf, row, ...]``, per data row it opens, its dataset audit path."""
+    data_leaf, tree = self._data_leaves(layouts), self.order.tree
+    paths = []
+    for leaf, row, *_ in probes:
+      group = layouts[leaf].row_group
+      paths.append([tree.path(data_leaf[leaf], int(self.rows[row * group + j]))
+                    for j in range(group)])
+    return paths
+
+
+class DataOrder:
+  """A proof's seeded order over one dataset: what was drawn and not yet stepped on."""
+
+  def __init__(self, proof, tree: data_lib.DatasetTree, declaration: data_lib.Declaration):
+    self.tree, self.declaration = tree, declaration
+    self.order = data_lib.Order(proof._key_seed, declaration)  # pylint: disable=protected-access
+    self.drawn = 0  # batches drawn so far
+    self._pending: list[SampledBatch] = []
+    self._lock = threading.Lock()
+
+  def matches(self, tree: data_lib.DatasetTree, batch_size: int) -> bool:
+    return tree.root == self.tree.root and batch_size == self.declaration.batch_size
+
+  def draw(self) -> SampledBatch:
+    """The next batch of the order, queued for the next step not yet given one."""
+    with self._lock:
+      batch = SampledBatch(self, self.drawn, self.order.batch(self.drawn))
+      self.drawn += 1
+      self._pending.append(batch)
+    return batch
+
+  def take(self, step: int) -> SampledBatch:
+    """The batch step ``step`` consumes: the oldest drawn and not yet stepped on."""
+    with self._lock:
+      if not self._pending:
+        raise errors.DataOrderError(
+            f"step {step} has no batch from proof.batches: every step of a proof that "
+            f"draws its data consumes the next batch ({self.drawn} drawn, each stepped on "
+            f"already). {_FIX}")
+      return self._pending.pop(0)
+
+  def give_back(self, batch: SampledBatch) -> None:
+    """Returns a batch whose step raised before it was recorded (it is stepped on again)."""
+    with self._lock:
+      self._pending.insert(0, batch)
+
+
+def _order_for(proof, leaves: list, paths: list, batch_size: int) -> DataOrder:
+  """The proof's data order over ``leaves``, declared (its ``data`` record queued) on first
+  use; a later call must name the same dataset and batch size, and continues the order."""
+  proof.ensure_started()
+  tree = data_lib.DatasetTree(leaves, paths)
+  declaration = tree.declaration(batch_size)
+  order = proof._data_order  # pylint: disable=protected-access
+  if order is not None:
+    if not order.matches(tree, batch_size):
+      raise errors.DataOrderError(
+          f"this proof draws batches of {order.declaration.batch_size} rows from the dataset "
+          f"{order.tree.root.hex()[:16]}…; a proof draws from one dataset, one batch size.")
+    return order
+  if proof.steps or proof.resume_from is not None or proof._group.multi:  # pylint: disable=protected-access
+    raise errors.DataOrderError(
+        "proof.batches declares the dataset before the first step of a new single-process "
+        f"proof ({proof.steps} steps recorded"
+        f"{', resumed' if proof.resume_from is not None else ''}): call it before training.")
+  order = DataOrder(proof, tree, declaration)
+  proof._data_order = order  # pylint: disable=protected-access
+  proof.submit_record(declaration.to_record())
+  return order
+
+
+def batches(proof, dataset, batch_size: int, epochs: int = 1):
+  """Batches of ``dataset`` (a pytree of arrays sharing a leading axis) in the proof's
+  seeded order: ``epochs`` epochs of ``rows // batch_size`` batches, each a pytree like
+  ``dataset`` of NumPy arrays with ``batch_size`` rows. See the module docstring."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(dataset)
+  leaves = [np.asarray(x) for _, x in flat]
+  order = _order_for(proof, leaves, [jax.tree_util.keystr(p) for p, _ in flat], batch_size)
+  _check_epochs(epochs)
+  for _ in range(epochs * order.declaration.batches_per_epoch):
+    batch = order.draw()
+    yield jax.tree.unflatten(treedef, [x[batch.rows] for x in leaves])
+
+
+def _check_epochs(epochs) -> None:
+  if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+    raise ValueError(f"epochs must be an int >= 1, got {epochs!r}.")
+
+
+class _Ordered:
+  """A Grain data source reading ``source`` in a data order, from batch ``first`` on."""
+
+  def __init__(self, source, order: DataOrder, first: int, count: int):
+    self._source, self._order, self._first, self._count = source, order, first, count
+
+  def __len__(self):
+    return self._count * self._order.declaration.batch_size
+
+  def __getitem__(self, i):
+    n, offset = divmod(int(i), self._order.declaration.batch_size)
+    return self._source[int(self._order.order.batch(self._first + n)[offset])]
+
+
+def grain_batches(proof, source, batch_size: int, epochs: int = 1, read_options=None):
+  """Batches of a Grain data source (``grain.sources.RandomAccessDataSource``: ``len`` and
+  ``source[i]``, records that are pytrees of arrays) in the proof's seeded order, read by
+  Grain (``MapDataset.batch``; ``read_options``: Grain's threads and prefetch). The dataset
+  tree reads every record once, here."""
+  import grain  # pylint: disable=import-outside-toplevel  # the optional "grain" extra
+
+  _check_epochs(epochs)
+  records = [source[i] for i in range(len(source))]
+  flat, _ = jax.tree_util.tree_flatten_with_path(records[0])
+  leaves = [np.stack(column) for column in zip(*(jax.tree.leaves(r) for r in records))]
+  del records
+  order = _order_for(proof, leaves, [jax.tree_util.keystr(p) for p, _ in flat], batch_size)
+  count = epochs * order.declaration.batches_per_epoch
+  dataset = grain.MapDataset.source(_Ordered(source, order, order.drawn, count)).batch(
+      batch_size, drop_remainder=True).to_iter_dataset(read_options)
+  for batch in dataset:
+    order.draw()
+    yield batch
