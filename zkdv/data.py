@@ -33,6 +33,7 @@ from zkdv import merkle
 ORDER = "shuffled"  # the one order a data record declares: seeded permutations per epoch
 _CONTEXT = b"zkdv data order v1"
 INDEX_BYTES = 8  # a step's row indices are committed as little-endian uint64
+MAX_BATCH_ROWS = 1 << 16  # rows a batch of a data order holds at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +137,11 @@ class DatasetTree:
     return f"DatasetTree(root={self.root.hex()[:16]}…, rows={self.rows}, leaves={len(self.leaves)})"
 
   def declaration(self, batch_size: int) -> Declaration:
+    most = min(self.rows, MAX_BATCH_ROWS)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not (
-        1 <= batch_size <= self.rows):
-      raise ValueError(f"batch_size must be an int in [1, {self.rows}] (the dataset's rows), "
-                       f"got {batch_size!r}.")
+        1 <= batch_size <= most):
+      raise ValueError(f"batch_size must be an int in [1, {most}] (the dataset's rows, at "
+                       f"most {MAX_BATCH_ROWS}), got {batch_size!r}.")
     return Declaration(self.root, self.rows, self.layouts, batch_size)
 
   def position(self, leaf: int, index: int) -> int:

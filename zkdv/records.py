@@ -132,7 +132,7 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
     "data": {"root": Field(DIGEST, REQUIRED), "rows": Field(Int(1, 1 << 40), REQUIRED),
              "order": Field(Text(20, (data.ORDER,)), REQUIRED),
              "layout": Field(ListOf(Map(), 4096), REQUIRED),
-             "batch_size": Field(Int(1, 1 << 24), REQUIRED)},
+             "batch_size": Field(Int(1, data.MAX_BATCH_ROWS + 1), REQUIRED)},
     "program": {"program_id": Field(DIGEST, REQUIRED), "number": Field(INDEX, REQUIRED),
                 "blob": Field(DIGEST, REQUIRED), "mode": Field(Text(20, MODES), REQUIRED),
                 "state_layout": Field(LAYOUTS, REQUIRED),
@@ -158,7 +158,7 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              # its restored state differs in (``zkdv.jax.resume``)
              "post_state_leaves": Field(PIECES),
              # the dataset rows this step's batch holds, as zkdv.data packs them
-             "data_rows": Field(Bytes(None, data.INDEX_BYTES << 24))},
+             "data_rows": Field(Bytes(None, data.INDEX_BYTES * data.MAX_BATCH_ROWS))},
     "check": {"step": Field(INDEX, REQUIRED),
               "kind": Field(Text(20, CHECK_KINDS), REQUIRED)},  # and its kind's fields
     # A run continued after a crash: steps go on at ``step`` from the committed post-state

@@ -194,7 +194,7 @@ def _program(ctx: Verification) -> Claim:
 def _data(ctx: Verification) -> Claim:
   """"data order: server-seeded" (or self-seeded) where a declared dataset's seeded order
   was checked at every step, "data: probed" where rows were only probed, else unknown."""
-  ratio = ctx.challenger.policy.probe_ratio
+  ratio, full = ctx.challenger.policy.probe_ratio, ctx.challenger.policy.full_replay
   declared = ctx.model.data
   facts = {"probe_ratio": ratio, "rows": ctx.report.probed_rows,
            "order": None if declared is None else order.seeded_by(ctx),
@@ -207,8 +207,8 @@ def _data(ctx: Verification) -> Claim:
             f"seeded by the proof's slot over dataset {declared.root.hex()[:16]}… "
             f"({declared.rows} rows, batches of {declared.batch_size}); "
             f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
-            f"(probe ratio {ratio:g})")
-  if ratio == 0:
+            f"(probe ratio {ratio:g}{', every row under full replay' if full else ''})")
+  if ratio == 0 and not (declared is not None and full):
     return Claim("data", DOES_NOT_HOLD, ("data: unknown, no batch rows were probed "
                                          "(probe_ratio 0)" if declared is None else
                                          f"{said}; no row was probed"), facts)

@@ -1,0 +1,229 @@
+"""The verifiable data order: ``proof.batches`` draws batches in the order the proof's slot
+seeds, each step commits its rows, and the verifier checks the order at every step and every
+opened row against the dataset's Merkle root at its index.
+
+Attacks are provers that skip their own refusal (``SampledBatch.check``) and commit the rows
+they choose: a swapped row, two batches reordered, a batch repeated. Each is invalid, naming
+the step and the row, with every row probed and under full replay (no probes at all).
+"""
+
+import contextlib
+import pathlib
+import tempfile
+from unittest import mock
+
+import blake3
+import jax
+import numpy as np
+import optax
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import zkdv
+from dvbench.benchmark import TrainingSet
+from tests import testing
+from zkdv import challenge
+from zkdv import data as data_lib
+from zkdv import errors
+from zkdv import verify
+from zkdv.jax import sampler
+
+ROWS, WIDTH, BATCH = 64, 4096, 16  # float32 rows of 16 KiB: one row per Merkle leaf of x
+STEPS = ROWS // BATCH
+_rng = np.random.default_rng(0)
+DATA = {"x": _rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
+        "y": _rng.integers(0, 2, ROWS).astype(np.int32)}
+
+
+def _state(proof):
+  model = testing.TinyClassifier()
+  params = model.init(jax.random.key(0), np.ones((1, WIDTH), np.float32))["params"]
+  return zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                             tx=optax.sgd(1e-2))
+
+
+def _step(state, batch):
+  def loss(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+def _proof(name: str, full_replay: bool = False) -> zkdv.jax.ZKDV:
+  policy = zkdv.SamplingPolicy(update_check_probability=1.0, full_replay=full_replay)
+  return zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(
+      sampling_policy=policy, segment_length=2,
+      output_dir=pathlib.Path(tempfile.mkdtemp(prefix="zkdv-order-")) / name))
+
+
+def _rows(batch) -> np.ndarray:
+  return np.asarray(batch)
+
+
+@contextlib.contextmanager
+def _attacker(committed: list):
+  """A prover that does not refuse its own batches and commits ``committed[t]`` at step t."""
+  def take(order, step):
+    order._pending.pop(0)  # pylint: disable=protected-access
+    return sampler.SampledBatch(order, step, np.asarray(committed[step]))
+  with mock.patch.object(sampler.SampledBatch, "check", lambda *a: None), \
+       mock.patch.object(sampler.DataOrder, "take", take):
+    yield
+
+
+def train(name: str, attack=None, full_replay: bool = False, probe_ratio: float = 1.0,
+          seed: bytes | None = None) -> pathlib.Path:
+  """A run over DATA, one epoch; ``attack(order_rows) -> (used, committed)`` per step."""
+  proof = _proof(name, full_replay)
+  with mock.patch.object(challenge, "new_key", return_value=seed or bytes(32)):
+    proof.start(probe_ratio=probe_ratio)
+  state, step = _state(proof), proof.jit(_step)
+  drawn = list(proof.batches(DATA, batch_size=BATCH))
+  order = [proof._data_order.order.batch(n) for n in range(STEPS)]  # pylint: disable=protected-access
+  if attack is None:
+    for batch in drawn:
+      state = step(state, batch)
+  else:
+    used, committed = attack(order)
+    with _attacker(committed):
+      for rows in used:
+        state = step(state, {"x": DATA["x"][rows], "y": DATA["y"][rows]})
+  return proof.finish()
+
+
+def _swapped(order):
+  """Row 3 of batch 1 replaced by a row of batch 2."""
+  used = [o.copy() for o in order]
+  used[1][3] = order[2][0]
+  return used
+
+
+ATTACKS = {
+    # the data differ from the rows the step commits (its own, honest indices)
+    "swap_row_data": (lambda order: (_swapped(order), order), "data_row", 1,
+                      "step 1: row 3 of batch leaf"),
+    # the step commits the row it swapped in
+    "swap_row_index": (lambda order: (_swapped(order), _swapped(order)), "data_order", 1,
+                       "step 1: row 3 of its batch is dataset row"),
+    "reorder_batches": (lambda order: ([order[0], order[2], order[1], order[3]],) * 2,
+                        "data_order", 1, "it is batch 2 of the order: the next one, out of order"),
+    "repeat_batch": (lambda order: ([order[0], order[1], order[1], order[3]],) * 2,
+                     "data_order", 2, "it is batch 1 of the order: the batch before, repeated"),
+}
+
+
+def _finding(report, code):
+  return next((f for f in report.findings if f.code == code), None)
+
+
+class DataOrderTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.honest = train("honest")
+    cls.report = verify.verify(cls.honest)
+
+  def test_an_honest_run_verifies_with_the_data_order_claim(self):
+    report = self.report
+    self.assertEqual(report.verdict, "verified", [f.message for f in report.findings])
+    claim = report.claim("data")
+    self.assertEqual(claim.status, "holds")
+    self.assertStartsWith(claim.detail, "data order: self-seeded")
+    self.assertEqual(claim.facts["dataset"], TrainingSet(DATA).root.hex())  # a benchmark's pin
+    # every row of every leaf probed: x one row per Merkle leaf, y one group of 16
+    self.assertEqual(claim.facts["dataset_rows"], STEPS * BATCH * 2)
+
+  def test_each_step_commits_its_batch_of_the_seeded_order(self):
+    steps = testing.records_of(self.honest, "step")
+    (declared,) = testing.records_of(self.honest, "data")
+    self.assertEqual(declared["root"], TrainingSet(DATA).root)
+    committed = [data_lib.unpack_rows(s["data_rows"]) for s in steps]
+    self.assertEqual(sorted(np.concatenate(committed).tolist()), list(range(ROWS)))
+    self.assertNotEqual(np.concatenate(committed).tolist(), list(range(ROWS)))  # shuffled
+    root = testing.records_of(self.honest, "root")[0]
+    from zkdv import keys  # pylint: disable=import-outside-toplevel
+    from zkdv import transcript  # pylint: disable=import-outside-toplevel
+    tid = transcript.read_transcript(self.honest).records[0].record_id
+    order = data_lib.Order(keys.key_seed(root["challenger"], tid),
+                           data_lib.Declaration.from_record(declared))
+    for t, rows in enumerate(committed):
+      np.testing.assert_array_equal(rows, order.batch(t))
+
+  @parameterized.product(attack=sorted(ATTACKS), full_replay=[False, True])
+  def test_a_deviating_run_is_invalid_naming_the_step_and_row(self, attack, full_replay):
+    make, code, step, says = ATTACKS[attack]
+    path = train(f"{attack}-{full_replay}", make, full_replay=full_replay,
+                 probe_ratio=0.0 if full_replay else 1.0)
+    report = verify.verify(path)
+    self.assertEqual(report.verdict, "invalid")
+    finding = _finding(report, code)
+    self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
+    self.assertIn(says, finding.message)
+    self.assertIn(f"step {step}", finding.message)
+    self.assertEqual(report.claim("data").status, "does not hold")
+
+  def test_the_prover_refuses_a_batch_it_did_not_draw(self):
+    proof = _proof("refuses")
+    proof.start(probe_ratio=1.0)
+    state, step = _state(proof), proof.jit(_step)
+    batches = proof.batches(DATA, batch_size=BATCH)
+    first, second = next(batches), next(batches)
+    state = step(state, second)  # takes the first batch drawn: its rows differ
+    with self.assertRaisesRegex(errors.DataOrderError,
+                                r"step 0: row 0 of batch leaf \[0\]\[1\]\[.x.\] "
+                                r"is not dataset row \d+ of batch 0"):
+      step(state, first)
+      proof.finish()
+
+  def test_a_step_without_a_new_batch_is_refused(self):
+    proof = _proof("no-batch")
+    proof.start(probe_ratio=1.0)
+    state, step = _state(proof), proof.jit(_step)
+    batch = next(proof.batches(DATA, batch_size=BATCH))
+    state = step(state, batch)
+    with self.assertRaisesRegex(errors.DataOrderError, "step 1 has no batch from proof.batches"):
+      step(state, batch)
+    proof.finish()  # the refused step was not recorded: the run stays valid
+    self.assertEqual(verify.verify(proof.path).verdict, "verified")
+
+
+def _swap_caught(seed: bytes, ratio: float, layout) -> bool:
+  """Whether the probes of step 1 (the real decision functions) open row 3 of leaf x."""
+  policy = challenge.Policy(1.0, 0.0, ratio, 16, 2)
+  decision = challenge.decide(1, challenge.step_challenge_self(seed, 1), policy)
+  return 3 in decision.leaf_probe_rows(0, layout)
+
+
+class DetectionRateTest(absltest.TestCase):
+  """At probe ratio r a swapped row of R Merkle rows is opened with probability
+  ceil(r R) / R; over 4000 fixed challenges the real decisions match it, and the verifier
+  catches exactly the runs whose decisions open the row."""
+
+  RATIO = 0.25
+
+  def test_detection_rate_matches_theory(self):
+    from zkdv import digest  # pylint: disable=import-outside-toplevel
+    layout = digest.LeafLayout("['x']", "float32", (BATCH, WIDTH))
+    self.assertEqual(layout.rows, BATCH)
+    seeds = [blake3.blake3(b"seed %d" % i).digest() for i in range(4000)]
+    caught = [_swap_caught(s, self.RATIO, layout) for s in seeds]
+    expected = int(np.ceil(self.RATIO * BATCH)) / BATCH
+    spread = np.sqrt(expected * (1 - expected) / len(seeds))
+    self.assertLess(abs(np.mean(caught) - expected), 4 * spread,
+                    f"rate {np.mean(caught)}, theory {expected}")
+    # the verifier agrees with the decision on a run of each kind
+    for seed in (seeds[caught.index(True)], seeds[caught.index(False)]):
+      path = train(f"rate-{seed.hex()[:8]}", ATTACKS["swap_row_data"][0],
+                   probe_ratio=self.RATIO, seed=seed)
+      report = verify.verify(path)
+      found = _finding(report, "data_row")
+      if _swap_caught(seed, self.RATIO, layout):
+        self.assertIsNotNone(found)
+        self.assertIn("step 1: row 3 of batch leaf [0][1]['x']", found.message)
+      else:
+        self.assertIsNone(found, found and found.message)
+
+
+if __name__ == "__main__":
+  absltest.main()
