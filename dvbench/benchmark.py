@@ -158,7 +158,8 @@ class Benchmark:
                         min_update_check_probability: float = 0.1, allowed_programs=None,
                         training_set: TrainingSet | None = None,
                         publish_rows: bool = False, init_program: str | None = None,
-                        base_checkpoint=None, min_probe_ratio: float | None = None) -> dict:
+                        base_checkpoint=None, min_probe_ratio: float | None = None,
+                        data_order: str | None = None) -> dict:
     """Registers a serialized ``jax.export`` program taking the flat leaves of ``params``
     and of a batch of ``batch_rows`` rows (``export_evaluation``); the server checks it.
 
@@ -177,6 +178,9 @@ class Benchmark:
         or path). None: only starts from the key are accepted.
       min_probe_ratio: the least share of each batch's rows the server's challenges must
         open (the proof's probe ratio; None: the server's minimum).
+      data_order: ``"server-seeded"``: a proof draws its batches from ``training_set`` with
+        ``proof.batches``, each step its batch of the order its server slot seeds, every
+        step checked; None: any order.
     """
     if aggregate not in AGGREGATES:
       raise ValueError(f"aggregate is one of {list(AGGREGATES)}, got {aggregate!r}.")
@@ -196,6 +200,7 @@ class Benchmark:
             "root": training_set.root, "size": training_set.size},
         "public_rows": bool(publish_rows),
         **_start_pins(init_program, base_checkpoint, min_probe_ratio),
+        **({} if data_order is None else {"data_order": data_order}),
     }
     return self.client.http.request("PUT", self.path,
                                     content=cbor2.dumps(definition, canonical=True)).json()

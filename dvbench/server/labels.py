@@ -20,11 +20,14 @@ SELF_AUDITED = "self-audited (detects faults, not a dishonest prover)"
 # The audit level a worker stores beside the claims when the verifier reported a full
 # replay: every segment replayed, chained from the attested start (docs/protocol.md).
 FULL_REPLAY = "full_replay"
+# What a worker stores beside the claims when the verifier checked a declared dataset's
+# seeded order at every step: "<server-seeded or self-seeded> <dataset root, hex>".
+DATA_ORDER = "data_order"
 REPLAYED_STATES = claims_lib.REPLAYED_STATES  # their server-chosen update checks replayed
 # What a start that holds came from, stored beside the claims: the init program's hex id and,
 # for a start from a base checkpoint (proof.init_from), its declared params digest.
 INIT_PROGRAM, BASE_CHECKPOINT = "init_program", "base_checkpoint"
-STORED_FACTS = (FULL_REPLAY, INIT_PROGRAM, BASE_CHECKPOINT)
+STORED_FACTS = (FULL_REPLAY, INIT_PROGRAM, BASE_CHECKPOINT, DATA_ORDER)
 
 
 def _counts(rows: list[dict], checks: list[dict]) -> dict:
@@ -96,6 +99,27 @@ def start_facts(report: dict, claims: dict) -> dict:
   return {k: facts[k] for k in (INIT_PROGRAM, BASE_CHECKPOINT) if facts.get(k)}
 
 
+def data_facts(report: dict, claims: dict) -> dict:
+  """``{DATA_ORDER: "<seeded> <dataset root>"}`` of a verifier's report whose data claim
+  holds with a checked data order (``zkdv.verify.order``); {} otherwise."""
+  if claims.get("data") != "holds":
+    return {}
+  facts = next(c.get("facts") or {} for c in report["claims"] if c["name"] == "data")
+  return {DATA_ORDER: f"{facts['order']} {facts['dataset']}"} if facts.get("order") else {}
+
+
+def data_standing(claims: dict | None) -> dict:
+  """What a proof shows of its data, from its stored claims: ``{"data": "order
+  server-seeded" | "order self-seeded" | "probed" | "unknown", "dataset": root hex or None}``.
+  """
+  stored = (claims or {}).get("claims", {})
+  order = stored.get(DATA_ORDER)
+  if isinstance(order, str) and " " in order:
+    seeded, root = order.split(" ", 1)
+    return {"data": f"order {seeded}", "dataset": root}
+  return {"data": "probed" if stored.get("data") == "holds" else "unknown", "dataset": None}
+
+
 def stored_standing(state: str, claims: dict | None) -> claims_lib.Standing:
   """The standing of a proof in ``state`` from its stored claims: what keeps it from
   verified, and the base checkpoint it started from."""
@@ -130,7 +154,8 @@ def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
              "full_replay": full, "server_challenges": counts, "shortfalls": list(short),
              "base_checkpoint": standing.base,
              "init_program": (claims or {}).get("claims", {}).get(INIT_PROGRAM),
-             "ranked_state": proof["state"] == claims_lib.VERIFIED_ALL, "label": text}
+             "ranked_state": proof["state"] == claims_lib.VERIFIED_ALL, "label": text,
+             **data_standing(claims)}
   if attempts is not None and chooser == "dvbench":
     described = attempts_lib.describe(attempts, 1.0 if full else p)
     summary["attempts"] = described

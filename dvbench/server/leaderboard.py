@@ -64,7 +64,8 @@ def audit(store, proof_id: str) -> dict:
           "start_attested": any(c["kind"] == "start" and c["status"] == "verified"
                                 for c in checks),
           "attempts": summary.get("attempts"),
-          "proof_state": proof["state"], "steps": proof["steps"], **_strictness(store, proof_id)}
+          "proof_state": proof["state"], "steps": proof["steps"],
+          **labels.data_standing(store.proof_claims(proof_id)), **_strictness(store, proof_id)}
 
 
 def _strictness(store, proof_id: str) -> dict:

@@ -258,7 +258,8 @@ def _entry(url: Url, r: dict) -> str:
   outside = r["outside_training_set"]
   training = ("not pinned" if outside is None else "probed rows in it" if not outside else
               f"<span class='state invalid' title='probed rows not proven members of the "
-              f"registered training set'>outside: {outside}</span>")
+              f"registered training set'>outside: {outside}</span>") + (
+      f"<br><span class='data-order'>data: {e(r['data'])}</span>")
   unranked = "" if r["ranked"] else (
       "<br><span class=muted>unranked: " + e("; ".join(r["unranked_because"])) + "</span>")
   state = _badge(r["state"]) + (
@@ -266,7 +267,8 @@ def _entry(url: Url, r: dict) -> str:
   challenger = "DVBench" if r["challenger"] == "dvbench" else e(r["challenger"])
   return (f"<tr data-experiment='{e(r['experiment'])}' data-state='{e(r['state'])}' "
           f"data-ranked='{str(r['ranked']).lower()}' data-strict='{str(r['strict']).lower()}' "
-          f"data-contamination='{r['contamination']}' data-outside='{outside}'>"
+          f"data-contamination='{r['contamination']}' data-outside='{outside}' "
+          f"data-data='{e(r['data'])}'>"
           f"<td class='num'>{r['rank'] or ''}</td><td class='name'>"
           f"{experiment_link(url, r['experiment'])}</td>"
           f"<td class='num'>{value}</td><td>{state}</td><td>{challenger}</td>"
@@ -492,6 +494,8 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>steps</th><td>{p['steps']}</td></tr><tr><th>records</th><td>{p['records']}</td></tr>
 <tr><th>final params</th><td><code>{e(p['final_params'] or '—')}</code></td></tr>
 <tr><th>distinct batch rows opened as probes</th><td>{probed_rows}</td></tr>
+<tr><th>data</th><td id="data">{e(summary['data'])}{'' if summary['dataset'] is None else
+ f" over dataset <code>{e(summary['dataset'][:16])}…</code>"}</td></tr>
 <tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified
  of {len(checks)}</td></tr>
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>

@@ -10,7 +10,10 @@ a benchmark may pin:
   starts from a base checkpoint is accepted only by a benchmark that pins that very
   checkpoint: without the pin, a declared base could be any model, another owner's entry
   among them;
-- ``min_probe_ratio``: the least share of each batch's rows the server's challenges open.
+- ``min_probe_ratio``: the least share of each batch's rows the server's challenges open;
+- ``data_order``: ``"server-seeded"``, every step's rows its batch of the order the proof's
+  slot seeds over the pinned training set (``proof.batches``, ``zkdv.data``), as the
+  server's verification showed it (needs ``training_set``).
 
 A pin holds on what the server's own verification showed (the start claim holds, and its
 stored facts name the init program and the base) and on the proof's challenge policy, which
@@ -30,7 +33,8 @@ from starlette.exceptions import HTTPException
 
 from dvbench.server import labels
 
-FIELDS = ("init_program", "base_checkpoint", "min_probe_ratio")
+FIELDS = ("init_program", "base_checkpoint", "min_probe_ratio", "data_order")
+DATA_ORDERS = ("server-seeded",)
 NOT_PINNED = "not pinned"
 
 
@@ -45,23 +49,33 @@ def parse(record: dict) -> dict:
   ratio = record.get("min_probe_ratio")
   if ratio is not None and not (isinstance(ratio, float) and 0 < ratio <= 1):
     raise HTTPException(400, "min_probe_ratio: null or a float in (0, 1].")
+  order = record.get("data_order")
+  if order is not None and order not in DATA_ORDERS:
+    raise HTTPException(400, f"data_order: null or one of {list(DATA_ORDERS)}, got "
+                        f"{str(order)[:40]!r}.")
+  if order is not None and record.get("training_set") is None:
+    raise HTTPException(400, "data_order: a data order is one over the pinned training set: "
+                        "register training_set too.")
   return {"init_program": _digest(record.get("init_program"), "init_program"),
           "base_checkpoint": _digest(record.get("base_checkpoint"), "base_checkpoint"),
-          "min_probe_ratio": ratio}
+          "min_probe_ratio": ratio, "data_order": order}
 
 
 def start_of(store, proof_id: str) -> dict:
   """What the server's verification showed of a proof's start, and its probe ratio:
-  ``{"attested", "init_program", "base_checkpoint", "probe_ratio", "base_of"}``, the hex
-  ids None where absent; ``base_of``: the proof (``{"id", "experiment"}``) that ended first
-  with the base checkpoint as its final params, if any."""
-  shown = (store.proof_claims(proof_id) or {"claims": {}})["claims"]
+  ``{"attested", "init_program", "base_checkpoint", "probe_ratio", "base_of", "data",
+  "dataset"}``, the hex ids None where absent; ``base_of``: the proof (``{"id",
+  "experiment"}``) that ended first with the base checkpoint as its final params, if any;
+  ``data`` and ``dataset``: ``labels.data_standing``."""
+  stored = store.proof_claims(proof_id)
+  shown = (stored or {"claims": {}})["claims"]
   challenger = store.challenger(proof_id)
   base = shown.get(labels.BASE_CHECKPOINT)
   return {"attested": shown.get("start") == "holds",
           "init_program": shown.get(labels.INIT_PROGRAM), "base_checkpoint": base,
           "probe_ratio": json.loads(challenger["policy"])["probe_ratio"] if challenger else 0.0,
-          "base_of": store.first_with_final_params(base) if base else None}
+          "base_of": store.first_with_final_params(base) if base else None,
+          **labels.data_standing(stored)}
 
 
 def _short(hex_id: str) -> str:
@@ -108,6 +122,19 @@ def _probe_ratio(pin: float | None, start: dict) -> str:
   return "holds"
 
 
+def _data_order(pin: str | None, training_set: dict | None, start: dict) -> str:
+  if pin is None:
+    return f"{NOT_PINNED} (data: {start['data']})"
+  root = training_set["root"].hex()
+  if start["data"] == f"order {pin}" and start["dataset"] == root:
+    return "holds"
+  if start["dataset"] is not None and start["dataset"] != root:
+    return (f"data {start['data']} over dataset {_short(start['dataset'])}, not the pinned "
+            f"training set {_short(root)}")
+  return (f"data {start['data']}: the batches were not drawn with proof.batches from the "
+          f"pinned training set {_short(root)} in a {pin} order")
+
+
 def check(pins: dict, start: dict) -> tuple[dict, list[str]]:
   """(what each pin says of the proof, the pins it breaks, each named).
 
@@ -116,7 +143,8 @@ def check(pins: dict, start: dict) -> tuple[dict, list[str]]:
   """
   said = {"init_program": _init_program(pins["init_program"], start),
           "base_checkpoint": _base_checkpoint(pins["base_checkpoint"], start),
-          "probe_ratio": _probe_ratio(pins["min_probe_ratio"], start)}
+          "probe_ratio": _probe_ratio(pins["min_probe_ratio"], start),
+          "data_order": _data_order(pins["data_order"], pins.get("training_set"), start)}
   broken = [f"{name}: {text}" for name, text in zip(FIELDS, said.values())
             if text != "holds" and not text.startswith(NOT_PINNED)]
   return said, broken

@@ -206,6 +206,9 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
         f"constants, {budget / eval_bytes:.3g} of the evaluation set's {eval_bytes} bytes")
   if definition["training_set"] is None:
     open_.append("the training set: probed rows are compared with the evaluation set only")
+  elif definition["data_order"] is None:
+    open_.append("the data order: a run may choose which training rows it draws and when "
+                 "(probed rows are members of the set, at no index)")
   return open_
 
 
