@@ -364,5 +364,28 @@ class LiveResumeAfterKillTest(absltest.TestCase):
               output_dir=tempfile.mkdtemp() + "/t")).start()
 
 
+class ResumedDataOrderTest(absltest.TestCase):
+  """A run drawing ``proof.batches``, killed mid-segment and resumed: the resumed run goes
+  on with the batch after its restored state's, and verifies with its data order."""
+
+  def test_a_resumed_run_goes_on_with_the_seeded_order(self):
+    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-resume-data-"))
+    folder, checkpoint = root / "run", root / "ckpt"
+    crashed = _trainer(folder, checkpoint, "--data", "--stop-at", "7", stdin=subprocess.PIPE)
+    for line in crashed.stdout:
+      if line.strip() == "ready":
+        break
+    os.kill(crashed.pid, signal.SIGKILL)
+    crashed.wait(timeout=60)
+    code, _, err = _finish(_trainer(folder, checkpoint, "--data", "--resume"))
+    self.assertEqual(code, 0, err[-2000:])
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, "verified", [f.message for f in report.findings])
+    self.assertStartsWith(report.claim("data").detail, "data order: self-seeded")
+    rows = [r["data_rows"] for r in testing.records_of(folder, "step")]
+    self.assertEqual(rows[7], rows[6])  # step 6 was discarded: step 7 draws its batch again
+    self.assertLen(set(rows[:7]), 7)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -6,7 +6,8 @@
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
 waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
 there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
-changes one leaf of the restored state first. With ``--server`` the proof is DVBench's,
+changes one leaf of the restored state first; ``--data`` draws the batches with
+``proof.batches`` from ``DATASET``. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
 lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
@@ -30,6 +31,8 @@ from zkdv import transcript
 
 ITERATIONS = 12
 SEGMENT = 3
+# With --data: 16 rows of the tutorial's kind, drawn in the proof's seeded order.
+DATASET = np.concatenate([np.roll(testing.TUTORIAL_BATCH, n, axis=1) for n in range(4)])
 
 
 def batch_for(iteration: int) -> np.ndarray:
@@ -71,6 +74,7 @@ def main() -> None:
   parser.add_argument("--experiment")
   parser.add_argument("--proof-id")
   parser.add_argument("--orbax", action="store_true")
+  parser.add_argument("--data", action="store_true", help="draw batches with proof.batches")
   args = parser.parse_args()
   save, restore = (_orbax if args.orbax else _flax_serialization)(args.checkpoint)
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
@@ -94,8 +98,9 @@ def main() -> None:
       bias = params["Dense_0"]["bias"]
       state = state.replace(params={"Dense_0": {**params["Dense_0"], "bias": bias + 1}})
   step = proof.jit(testing.classifier_step, donate_argnums=(0,))
+  drawn = proof.batches(DATASET, batch_size=4, epochs=ITERATIONS // 4) if args.data else None
   for iteration in range(int(state.step), ITERATIONS):
-    state = step(state, jnp.asarray(batch_for(iteration)))
+    state = step(state, next(drawn) if drawn else jnp.asarray(batch_for(iteration)))
     if (iteration + 1) % SEGMENT == 0:  # the state a segment ends with, once committed
       proof.wait_for_commitments()
       save(iteration, state)

@@ -22,6 +22,7 @@ import numpy as np
 from zkdv import data as data_lib
 from zkdv import digest
 from zkdv import errors
+from zkdv import transcript
 
 _FIX = ("Pass each batch proof.batches yields to the next step unchanged, in order, one "
         "step per batch (transform it inside the step).")
@@ -139,21 +140,43 @@ def _order_for(proof, leaves: list, paths: list, batch_size: int) -> DataOrder:
   tree = data_lib.DatasetTree(leaves, paths)
   declaration = tree.declaration(batch_size)
   order = proof._data_order  # pylint: disable=protected-access
-  if order is not None:
-    if not order.matches(tree, batch_size):
+  declared, trained = (order.declaration, None) if order is not None else _resumed(proof)
+  if declared is not None:
+    if declared != declaration:
       raise errors.DataOrderError(
-          f"this proof draws batches of {order.declaration.batch_size} rows from the dataset "
-          f"{order.tree.root.hex()[:16]}…; a proof draws from one dataset, one batch size.")
+          f"this proof draws batches of {declared.batch_size} rows from the dataset "
+          f"{declared.root.hex()[:16]}…; a proof draws from one dataset, one batch size "
+          f"(got {batch_size} rows of {tree.root.hex()[:16]}…).")
+    if order is None:  # a resumed run goes on with the batch after its restored state's
+      order = proof._data_order = DataOrder(proof, tree, declaration)  # pylint: disable=protected-access
+      order.drawn = trained
     return order
-  if proof.steps or proof.resume_from is not None or proof._group.multi:  # pylint: disable=protected-access
+  if proof.steps or proof._group.multi:  # pylint: disable=protected-access
     raise errors.DataOrderError(
-        "proof.batches declares the dataset before the first step of a new single-process "
-        f"proof ({proof.steps} steps recorded"
-        f"{', resumed' if proof.resume_from is not None else ''}): call it before training.")
+        "proof.batches declares the dataset before the first step of a single-process "
+        f"proof ({proof.steps} steps recorded): call it before training.")
   order = DataOrder(proof, tree, declaration)
   proof._data_order = order  # pylint: disable=protected-access
   proof.submit_record(declaration.to_record())
   return order
+
+
+def _resumed(proof) -> tuple:
+  """(the dataset a resumed proof's transcript declared, the batches its restored state
+  trained on), or (None, None). A step a resume discards trained no batch that counts:
+  batch ``n`` is the one after the ``n`` steps the state went through
+  (``zkdv.verify.order.check_order``)."""
+  if proof.resume_from is None:
+    return None, None
+  restored = proof._dispatcher.restored  # pylint: disable=protected-access
+  if restored is None:
+    raise errors.DataOrderError("a resumed proof calls proof.batches before its first step.")
+  records = [p.record for p in transcript.read_transcript(proof.path).records]
+  declared = next((r for r in records if r.get("type") == "data"), None)
+  if declared is None:
+    return None, None
+  discarded = sum(r["step"] - r["after"] - 1 for r in records if r.get("type") == "resume")
+  return data_lib.Declaration.from_record(declared), restored.after + 1 - discarded
 
 
 def batches(proof, dataset, batch_size: int, epochs: int = 1):

@@ -3,7 +3,7 @@ row is the declared dataset's row at its index (``zkdv.data``).
 
 A ``data`` record (before any step) declares the dataset's Merkle root, rows, leaf layouts
 and batch size. Then every step commits ``data_rows``, which must be batch ``t`` of the
-order the proof's key seed gives (``check_order``: every step, cheap), and every row a probe
+order the proof's key seed gives (``t`` less the steps a resume discarded before it) (``check_order``: every step, cheap), and every row a probe
 opens, or an update check opens under full replay, must prove itself in the dataset tree
 at the index its step committed (``probed_rows_in_dataset``, ``opened_rows_in_dataset``).
 
@@ -70,24 +70,26 @@ def check_order(ctx: Verification) -> None:
       report.fail("data_order", stray.where, f"step {stray.index} commits data_rows, but no "
                   "data record declares the dataset they index.")
     return
-  order = _order(ctx)
+  order, discarded = _order(ctx), 0
   for step in model.steps:
+    number = step.index - discarded  # a step a resume discarded trained no batch that counts
+    discarded += model.discarded(step.index)
     got = _committed_rows(step, declared)
     if got is None:
       report.fail("data_order", step.where, f"step {step.index} commits no rows of the "
                   f"declared dataset (data_rows: {declared.batch_size} indices): every step "
                   "of a transcript that declares one draws the next batch of its order.")
       continue
-    want = order.batch(step.index)
+    want = order.batch(number)
     if np.array_equal(got, want):
       continue
     row = int(np.flatnonzero(got != want)[0])
     known = next((f" (it is batch {n} of the order: {what})" for n, what in (
-        (step.index - 1, "the batch before, repeated"), (step.index + 1, "the next one, "
-                                                         "out of order"))
+        (number - 1, "the batch before, repeated"), (number + 1, "the next one, "
+                                                     "out of order"))
                   if n >= 0 and np.array_equal(got, order.batch(n))), "")
     report.fail("data_order", step.where, f"step {step.index}: row {row} of its batch is "
-                f"dataset row {got[row]}, but batch {step.index} of the {seeded_by(ctx)} "
+                f"dataset row {got[row]}, but batch {number} of the {seeded_by(ctx)} "
                 f"order holds row {want[row]} there{known}.")
 
 
