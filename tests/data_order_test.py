@@ -21,6 +21,7 @@ from absl.testing import parameterized
 
 import zkdv
 from dvbench.benchmark import TrainingSet
+from tests import resume_test
 from tests import testing
 from zkdv import challenge
 from zkdv import data as data_lib
@@ -112,6 +113,16 @@ ATTACKS = {
 }
 
 
+class _Records:
+  """DATA as a Grain data source: ``len`` and records ``{"x": row, "y": label}``."""
+
+  def __len__(self):
+    return ROWS
+
+  def __getitem__(self, i):
+    return {"x": DATA["x"][i], "y": DATA["y"][i]}
+
+
 def _finding(report, code):
   return next((f for f in report.findings if f.code == code), None)
 
@@ -162,6 +173,41 @@ class DataOrderTest(parameterized.TestCase):
     self.assertIn(says, finding.message)
     self.assertIn(f"step {step}", finding.message)
     self.assertEqual(report.claim("data").status, "does not hold")
+
+  @parameterized.named_parameters(
+      ("no_data_record", lambda rs: [r for r in rs if r["type"] != "data"], "data_order",
+       "step 0 commits data_rows, but no data record declares the dataset"),
+      ("probes_without_paths", lambda rs: [
+          {k: v for k, v in r.items() if k != "data_paths"} for r in rs], "data_row",
+       "the probes of step 0 carry no dataset audit path per probe"),
+      ("another_dataset", lambda rs: [{**r, "root": bytes(32)} if r["type"] == "data" else r
+                                      for r in rs], "data_order",
+       "step 0: row 0 of its batch is dataset row"),
+      ("a_step_without_rows", lambda rs: [
+          {k: v for k, v in r.items() if not (k == "data_rows" and r["index"] == 2)}
+          for r in rs], "data_order", "step 2 commits no rows of the declared dataset"))
+  def test_an_edited_transcript_is_invalid_naming_what(self, edit, code, says):
+    report = verify.verify(resume_test._rewrite(self.honest, edit))  # pylint: disable=protected-access
+    self.assertEqual(report.verdict, "invalid")
+    finding = _finding(report, code)
+    self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
+    self.assertIn(says, finding.message)
+
+  def test_a_grain_source_is_read_in_the_same_seeded_order(self):
+    proof = _proof("grain")
+    with mock.patch.object(challenge, "new_key", return_value=bytes(32)):
+      proof.start(probe_ratio=1.0)  # the honest run's seed, another root: another order
+    state, step = _state(proof), proof.jit(_step)
+    for batch in proof.grain_batches(_Records(), batch_size=BATCH):
+      self.assertEqual(set(batch), {"x", "y"})
+      state = step(state, batch)
+    report = verify.verify(proof.finish())
+    self.assertEqual(report.verdict, "verified", [f.message for f in report.findings])
+    self.assertStartsWith(report.claim("data").detail, "data order: self-seeded")
+    self.assertEqual(report.claim("data").facts["dataset"], TrainingSet(DATA).root.hex())
+    committed = [data_lib.unpack_rows(s["data_rows"]) for s in testing.records_of(
+        proof.path, "step")]
+    self.assertEqual(sorted(np.concatenate(committed).tolist()), list(range(ROWS)))
 
   def test_the_prover_refuses_a_batch_it_did_not_draw(self):
     proof = _proof("refuses")

@@ -34,6 +34,9 @@ ORDER = "shuffled"  # the one order a data record declares: seeded permutations 
 _CONTEXT = b"zkdv data order v1"
 INDEX_BYTES = 8  # a step's row indices are committed as little-endian uint64
 MAX_BATCH_ROWS = 1 << 16  # rows a batch of a data order holds at most
+# Rows a dataset with a data order holds at most: a verifier derives each epoch's whole
+# permutation (8 bytes a row), so a declared size is bounded before anything is allocated.
+MAX_DATASET_ROWS = 1 << 26  # 67M rows: an epoch's order is 512 MiB (and as much to sort)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +126,8 @@ class DatasetTree:
     if rows == 0 or any(x.shape[0] != rows for x in leaves):
       raise ValueError(f"a dataset's leaves share a non-empty leading axis; got "
                        f"{[x.shape for x in leaves]}.")
+    if rows > MAX_DATASET_ROWS:
+      raise ValueError(f"a dataset holds at most {MAX_DATASET_ROWS} rows; got {rows}.")
     self.leaves, self.rows = leaves, rows
     paths = paths or [f"[{n}]" for n in range(len(leaves))]
     self.layouts = tuple(digest.LeafLayout(p, x.dtype.name, tuple(x.shape))
