@@ -99,7 +99,8 @@ def _commit_costs(dataset, batch: int, steps: int) -> dict:
   costs["check"] = (time.perf_counter() - started) / steps
   for ratio in (0.01, 1.0):
     decision = challenge.Decision(0, bytes(32), False, False, ratio)
-    probes = [[leaf, row] for leaf, l in enumerate(layouts) for row in decision.leaf_probe_rows(leaf, l)]
+    probes = [[leaf, row] for leaf, l in enumerate(layouts)
+              for row in decision.leaf_probe_rows(leaf, l)]
     started = time.perf_counter()
     for s in sampled:
       s.probe_paths(layouts, probes)

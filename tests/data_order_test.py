@@ -80,7 +80,8 @@ def train(name: str, attack=None, full_replay: bool = False, probe_ratio: float 
     proof.start(probe_ratio=probe_ratio)
   state, step = _state(proof), proof.jit(_step)
   drawn = list(proof.batches(DATA, batch_size=BATCH))
-  order = [proof._data_order.order.batch(n) for n in range(STEPS)]  # pylint: disable=protected-access
+  drawn_order = proof._data_order.order  # pylint: disable=protected-access
+  order = [drawn_order.batch(n) for n in range(STEPS)]
   if attack is None:
     for batch in drawn:
       state = step(state, batch)
@@ -187,7 +188,8 @@ class DataOrderTest(parameterized.TestCase):
           {k: v for k, v in r.items() if not (k == "data_rows" and r["index"] == 2)}
           for r in rs], "data_order", "step 2 commits no rows of the declared dataset"))
   def test_an_edited_transcript_is_invalid_naming_what(self, edit, code, says):
-    report = verify.verify(resume_test._rewrite(self.honest, edit))  # pylint: disable=protected-access
+    edited = resume_test._rewrite(self.honest, edit)  # pylint: disable=protected-access
+    report = verify.verify(edited)
     self.assertEqual(report.verdict, "invalid")
     finding = _finding(report, code)
     self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])

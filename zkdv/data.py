@@ -75,6 +75,30 @@ class Declaration:
     return cls(record["root"], rows, layouts, size)
 
 
+def batch_leaves(layouts, declaration: Declaration) -> list:
+  """Per batch leaf (a ``digest.LeafLayout``), the dataset leaf it holds, or None for a PRNG
+  key leaf: the non-key batch leaves are the dataset's, in order, ``batch_size`` rows each.
+  Raises ValueError naming the first that is not."""
+  mapping, wanted = [], declaration.layouts
+  for layout in layouts:
+    if layout.key_impl is not None:
+      mapping.append(None)
+      continue
+    n = len(mapping) - mapping.count(None)
+    want = wanted[n] if n < len(wanted) else None
+    shape = None if want is None else (declaration.batch_size, *want.shape[1:])
+    if want is None or layout.dtype != want.dtype or tuple(layout.shape) != shape:
+      expected = ("the dataset has no more leaves" if want is None
+                  else f"{want.dtype}{list(shape)}")
+      raise ValueError(f"batch leaf {layout.path} ({layout.dtype}{list(layout.shape)}) is not "
+                       f"dataset leaf {n} with {declaration.batch_size} rows ({expected})")
+    mapping.append(n)
+  held = len(mapping) - mapping.count(None)
+  if held != len(wanted):
+    raise ValueError(f"the batch holds {held} of the dataset's {len(wanted)} leaves")
+  return mapping
+
+
 def epoch_order(seed: bytes, root: bytes, rows: int, epoch: int) -> np.ndarray:
   """Epoch ``epoch``'s permutation of ``rows`` rows (int64), from the proof's key seed."""
   key = blake3.blake3(_CONTEXT + root + int(epoch).to_bytes(8, "little"), key=seed).digest()
@@ -139,7 +163,8 @@ class DatasetTree:
     self.root, self.size = self._levels[-1][0], len(hashes)
 
   def __repr__(self):
-    return f"DatasetTree(root={self.root.hex()[:16]}…, rows={self.rows}, leaves={len(self.leaves)})"
+    return (f"DatasetTree(root={self.root.hex()[:16]}…, rows={self.rows}, "
+            f"leaves={len(self.leaves)})")
 
   def declaration(self, batch_size: int) -> Declaration:
     most = min(self.rows, MAX_BATCH_ROWS)

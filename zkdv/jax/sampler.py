@@ -38,27 +38,13 @@ class SampledBatch:
     """The step record's ``data_rows``."""
     return data_lib.pack_rows(self.rows)
 
-  def _data_leaves(self, layouts) -> list[int | None]:
-    """Per batch leaf, the dataset leaf it holds (None for a PRNG key leaf); raises
-    DataOrderError when the batch's leaves are not the dataset's, batch_size rows each."""
-    data_leaf, tree, found = [], self.order.tree, 0
-    for layout in layouts:
-      if layout.key_impl is not None:
-        data_leaf.append(None)
-        continue
-      want = tree.layouts[found] if found < len(tree.layouts) else None
-      if want is None or layout.dtype != want.dtype or tuple(layout.shape) != (
-          len(self.rows), *want.shape[1:]):
-        raise errors.DataOrderError(
-            f"batch leaf {layout.path} ({layout.dtype}{list(layout.shape)}) is not dataset leaf "
-            f"{found} as proof.batches yields it ({'none left' if want is None else want.dtype + str([len(self.rows), *want.shape[1:]])}): "
-            f"the step's non-key batch leaves are the dataset's, in order. {_FIX}")
-      data_leaf.append(found)
-      found += 1
-    if found != len(tree.layouts):
-      raise errors.DataOrderError(f"the step's batch holds {found} of the dataset's "
-                                  f"{len(tree.layouts)} leaves. {_FIX}")
-    return data_leaf
+  def _data_leaves(self, layouts) -> list:
+    """Per batch leaf, the dataset leaf it holds (``zkdv.data.batch_leaves``)."""
+    try:
+      return data_lib.batch_leaves(layouts, self.order.declaration)
+    except ValueError as e:
+      raise errors.DataOrderError(f"{e}: the step's non-key batch leaves are the dataset's, "
+                                  f"in order, as proof.batches yields them. {_FIX}") from None
 
   def check(self, step: int, layouts, row_levels) -> None:
     """Raises DataOrderError unless each batch leaf's Merkle leaves (``row_levels[leaf]
@@ -73,10 +59,11 @@ class SampledBatch:
         if a != b:
           first = group * layout.row_group
           rows = self.rows[first:first + layout.row_group].tolist()
+          group_rows = f" (rows {first}..{first + len(rows) - 1}: {rows})" if len(rows) > 1 else ""
           raise errors.DataOrderError(
               f"step {step}: row {first} of batch leaf {layout.path} is not dataset row "
-              f"{rows[0]}{f' (rows {first}..{first + len(rows) - 1}: {rows})' if len(rows) > 1 else ''} "
-              f"of batch {self.number} that proof.batches drew for it. {_FIX}")
+              f"{rows[0]}{group_rows} of batch {self.number} that proof.batches drew for it. "
+              f"{_FIX}")
 
   def batch_paths(self, layouts) -> list:
     """Per dataset leaf, per row of the batch, its dataset audit path (a full replay's
@@ -148,8 +135,9 @@ def _order_for(proof, leaves: list, paths: list, batch_size: int) -> DataOrder:
           f"{declared.root.hex()[:16]}…; a proof draws from one dataset, one batch size "
           f"(got {batch_size} rows of {tree.root.hex()[:16]}…).")
     if order is None:  # a resumed run goes on with the batch after its restored state's
-      order = proof._data_order = DataOrder(proof, tree, declaration)  # pylint: disable=protected-access
+      order = DataOrder(proof, tree, declaration)
       order.drawn = trained
+      proof._data_order = order  # pylint: disable=protected-access
     return order
   if proof.steps or proof._group.multi:  # pylint: disable=protected-access
     raise errors.DataOrderError(

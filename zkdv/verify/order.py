@@ -2,10 +2,11 @@
 row is the declared dataset's row at its index (``zkdv.data``).
 
 A ``data`` record (before any step) declares the dataset's Merkle root, rows, leaf layouts
-and batch size. Then every step commits ``data_rows``, which must be batch ``t`` of the
-order the proof's key seed gives (``t`` less the steps a resume discarded before it) (``check_order``: every step, cheap), and every row a probe
-opens, or an update check opens under full replay, must prove itself in the dataset tree
-at the index its step committed (``probed_rows_in_dataset``, ``opened_rows_in_dataset``).
+and batch size. Then every step ``t`` commits ``data_rows``, which must be batch ``t`` (less
+the steps a resume discarded before it) of the order the proof's key seed gives
+(``check_order``: every step, cheap), and every row a probe opens, or an update check opens
+under full replay, must prove itself in the dataset tree at the index its step committed
+(``probed_rows_in_dataset``, ``opened_rows_in_dataset``).
 
 Example::
 
@@ -94,27 +95,13 @@ def check_order(ctx: Verification) -> None:
 
 
 def _data_leaves(ctx: Verification, program, where: str) -> list | None:
-  """Per batch leaf, the dataset leaf it holds (None: a PRNG key); None with a finding when
-  the program's non-key batch leaves are not the dataset's, a batch of rows each."""
-  declared, mapping, n = ctx.model.data, [], 0
-  for layout in program.batch:
-    if layout.key_impl is not None:
-      mapping.append(None)
-      continue
-    want = declared.layouts[n] if n < len(declared.layouts) else None
-    if want is None or layout.dtype != want.dtype or tuple(layout.shape) != (
-        declared.batch_size, *want.shape[1:]):
-      ctx.report.fail("data_order", where, f"batch leaf {layout.path} of program "
-                      f"{program.number} is not leaf {n} of the declared dataset with "
-                      f"{declared.batch_size} rows.")
-      return None
-    mapping.append(n)
-    n += 1
-  if n != len(declared.layouts):
-    ctx.report.fail("data_order", where, f"program {program.number}'s batch holds {n} of the "
-                    f"declared dataset's {len(declared.layouts)} leaves.")
+  """Per batch leaf, the dataset leaf it holds (``zkdv.data.batch_leaves``); None with a
+  finding when the program's batch is not the declared dataset's."""
+  try:
+    return data.batch_leaves(program.batch, ctx.model.data)
+  except ValueError as e:
+    ctx.report.fail("data_order", where, f"program {program.number}: {e}.")
     return None
-  return mapping
 
 
 def _row_in_dataset(ctx: Verification, step, layout, held, row: int, index, row_bytes,
