@@ -237,7 +237,8 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
                                      "init_program": "not pinned",
                                      "base_checkpoint": "not pinned",
                                      "probe_ratio": "not pinned (the proof probed 0.5 of each "
-                                                    "batch's rows)"})
+                                                    "batch's rows)",
+                                     "data_order": "not pinned (data: probed)"})
 
   def checkpoint_of(self, proof_id: str) -> str:
     return httpx.get(f"{self.server.url}/api/v1/proofs/{proof_id}").json()["final_params"]
@@ -319,7 +320,9 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     start = ["the init: any attested start from the key (an init program of the prover's, "
              "proof.init); starts from a base checkpoint are not accepted",
              "the probe ratio: any above the server's minimum"]
-    self.assertEqual(self.bench.info()["left_open"], start)  # programs and rows pinned
+    self.assertEqual(self.bench.info()["left_open"], [  # programs and rows pinned, not order
+        *start, "the data order: a run may choose which training rows it draws and when "
+        "(probed rows are members of the set, at no index)"])
     loose = self.submitter.benchmark("alice/any-program").info()["left_open"]
     self.assertEqual(loose, [
         *start, "the training program: any, and a program may embed up to 65536 bytes of "

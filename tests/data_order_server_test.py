@@ -12,6 +12,7 @@ import optax
 import dvbench
 import zkdv
 from dvbench.benchmark import TrainingSet
+from tests import data_order_test
 from tests.benchmark_test import correct
 from tests.dvbench_test import DVBenchTestCase
 from tests.measurement_test import _model
@@ -33,9 +34,10 @@ def _step(state, batch):
   return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
 
-def train(client, experiment: str, seeded: bool):
+def train(client, experiment: str, seeded: bool, reorder: bool = False):
   """One epoch over TRAIN in batches of 4, every step checked and every row probed, from an
-  attested start; ``seeded``: drawn with ``proof.batches``, else in the rows' own order."""
+  attested start; ``seeded``: drawn with ``proof.batches``, else in the rows' own order;
+  ``reorder``: drawn, then batches 1 and 2 trained (and committed) the other way round."""
   proof = client.experiment(experiment).proof(config=zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0)))
   proof.start(probe_ratio=1.0)
@@ -46,8 +48,16 @@ def train(client, experiment: str, seeded: bool):
   step = proof.jit(_step)
   batches = (proof.batches(TRAIN, batch_size=4) if seeded
              else [TRAIN[i:i + 4] for i in range(0, 16, 4)])
-  for batch in batches:
-    state = step(state, batch)
+  if reorder:
+    list(batches)
+    order = proof._data_order.order  # pylint: disable=protected-access
+    rows = [order.batch(n) for n in (0, 2, 1, 3)]
+    with data_order_test._attacker(rows):  # pylint: disable=protected-access
+      for r in rows:
+        state = step(state, TRAIN[r])
+  else:
+    for batch in batches:
+      state = step(state, batch)
   proof.finish()
   return jax.device_get(state.params), proof.proof_id
 
@@ -68,6 +78,7 @@ class ServerSeededOrderTest(DVBenchTestCase):
     cls.bench = cls.client.benchmark(BENCH)
     cls.seeded, cls.seeded_proof = train(cls.client, "your-name/seeded", True)
     cls.own, cls.own_proof = train(cls.client, "your-name/own-order", False)
+    _, cls.reordered_proof = train(cls.client, "your-name/reordered", True, reorder=True)
     for proof_id in (cls.seeded_proof, cls.own_proof):
       assert cls.client.wait_for_verdict(proof_id, 120)["state"] == "verified", proof_id
     for proof_id, params in ((cls.seeded_proof, cls.seeded), (cls.own_proof, cls.own)):
@@ -99,6 +110,13 @@ class ServerSeededOrderTest(DVBenchTestCase):
     self.assertIn("data: order server-seeded", page)
     self.assertIn("unranked: " + reason.replace("…", "…"), page)
     self.assertIn("server-seeded", self.bench.info()["data_order"])
+
+  def test_reordered_batches_make_the_proof_invalid_naming_the_step(self):
+    verdict = self.client.wait_for_verdict(self.reordered_proof, 120)
+    self.assertEqual(verdict["state"], "invalid")
+    self.assertIn("data_order at record", verdict["failure"])
+    self.assertIn("step 1: row 0 of its batch is dataset row", verdict["failure"])
+    self.assertIn("server-seeded order", verdict["failure"])
 
   def test_a_data_order_needs_a_training_set(self):
     owner = dvbench.Client(self.server.url, token=self.server.token("alice"))

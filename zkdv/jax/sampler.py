@@ -59,7 +59,8 @@ class SampledBatch:
         if a != b:
           first = group * layout.row_group
           rows = self.rows[first:first + layout.row_group].tolist()
-          group_rows = f" (rows {first}..{first + len(rows) - 1}: {rows})" if len(rows) > 1 else ""
+          group_rows = (f" (rows {first}..{first + len(rows) - 1}: {rows})"
+                        if len(rows) > 1 else "")
           raise errors.DataOrderError(
               f"step {step}: row {first} of batch leaf {layout.path} is not dataset row "
               f"{rows[0]}{group_rows} of batch {self.number} that proof.batches drew for it. "
@@ -92,9 +93,6 @@ class DataOrder:
     self.drawn = 0  # batches drawn so far
     self._pending: list[SampledBatch] = []
     self._lock = threading.Lock()
-
-  def matches(self, tree: data_lib.DatasetTree, batch_size: int) -> bool:
-    return tree.root == self.tree.root and batch_size == self.declaration.batch_size
 
   def draw(self) -> SampledBatch:
     """The next batch of the order, queued for the next step not yet given one."""
