@@ -1,7 +1,7 @@
 """A benchmark that pins its data order, on a real ``dvbench serve``: a run that draws its
 batches with ``proof.batches`` from the registered training set verifies with "data order:
-server-seeded" and ranks; a run on the same rows in an order of its own is unranked, the
-pin named on the board, in JSON and on the page."""
+server-seeded" and ranks; a run on the same rows in an order of its own is refused, naming
+the pin (``dvbench.server.pins``); reordered batches make a proof invalid naming the step."""
 
 import httpx
 import jax
@@ -81,9 +81,8 @@ class ServerSeededOrderTest(DVBenchTestCase):
     _, cls.reordered_proof = train(cls.client, "your-name/reordered", True, reorder=True)
     for proof_id in (cls.seeded_proof, cls.own_proof):
       assert cls.client.wait_for_verdict(proof_id, 120)["state"] == "verified", proof_id
-    for proof_id, params in ((cls.seeded_proof, cls.seeded), (cls.own_proof, cls.own)):
-      entry = cls.bench.submit(proof_id, params, training_set=cls.training_set)
-      assert cls.bench.wait(entry["id"])["state"] == "scored", entry
+    entry = cls.bench.submit(cls.seeded_proof, cls.seeded, training_set=cls.training_set)
+    assert cls.bench.wait(entry["id"])["state"] == "scored", entry
 
   def test_the_proof_shows_its_data_order(self):
     seeded = self.client.proof_status(self.seeded_proof)
@@ -96,20 +95,21 @@ class ServerSeededOrderTest(DVBenchTestCase):
                   f"{self.training_set.root.hex()[:16]}", page)
 
   def test_only_the_server_seeded_run_ranks(self):
-    board = {e["experiment"]: e for e in self.bench.leaderboard()}
-    seeded, own = board["your-name/seeded"], board["your-name/own-order"]
+    (seeded,) = self.bench.leaderboard()
+    self.assertEqual(seeded["experiment"], "your-name/seeded")
     self.assertEqual(seeded["unranked_because"], [])
     self.assertEqual((seeded["rank"], seeded["pins"]["data_order"]), (1, "holds"))
-    self.assertFalse(own["ranked"])
-    self.assertEqual(own["outside_training_set"], 0)  # its rows are members, at no index
-    reason = ("the benchmark pins its data order: data probed: the batches were not drawn "
-              "with proof.batches from the pinned training set "
-              f"{self.training_set.root.hex()[:16]}… in a server-seeded order")
-    self.assertEqual(own["unranked_because"], [reason])
     page = httpx.get(f"{self.server.url}/benchmarks/{BENCH}").text
     self.assertIn("data: order server-seeded", page)
-    self.assertIn("unranked: " + reason.replace("…", "…"), page)
-    self.assertIn("server-seeded", self.bench.info()["data_order"])
+    self.assertIn("<th>data order</th><td><code>server-seeded</code>", page)
+    self.assertEqual(self.bench.info()["data_order"], "server-seeded")
+
+  def test_a_run_in_its_own_order_is_refused_naming_the_pin(self):
+    with self.assertRaisesRegex(
+        dvbench.errors.ApiError, "409.*does not meet the pins of 'alice/ordered-accuracy': "
+        "data_order: data probed: the batches were not drawn with proof.batches from the "
+        f"pinned training set {self.training_set.root.hex()[:16]}… in a server-seeded order"):
+      self.bench.submit(self.own_proof, self.own, training_set=self.training_set)
 
   def test_reordered_batches_make_the_proof_invalid_naming_the_step(self):
     verdict = self.client.wait_for_verdict(self.reordered_proof, 120)

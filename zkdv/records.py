@@ -129,7 +129,8 @@ RECORD_FIELDS: dict[str, dict[str, Field]] = {
              "base_layout": Field(LAYOUTS), "base_checkpoint": Field(DIGEST)},
     # The dataset whose rows the steps draw in the order the proof's slot seeds
     # (``zkdv.data``); checked further where it is read (``zkdv.verify.order``).
-    "data": {"root": Field(DIGEST, REQUIRED), "rows": Field(Int(1, data.MAX_DATASET_ROWS + 1), REQUIRED),
+    "data": {"root": Field(DIGEST, REQUIRED),
+             "rows": Field(Int(1, data.MAX_DATASET_ROWS + 1), REQUIRED),
              "order": Field(Text(20, (data.ORDER,)), REQUIRED),
              "layout": Field(ListOf(Map(), 4096), REQUIRED),
              "batch_size": Field(Int(1, data.MAX_BATCH_ROWS + 1), REQUIRED)},
