@@ -26,6 +26,7 @@ from tests import testing
 from zkdv import challenge
 from zkdv import data as data_lib
 from zkdv import errors
+from zkdv import inspect as inspect_lib
 from zkdv import verify
 from zkdv.jax import sampler
 
@@ -161,6 +162,9 @@ class DataOrderTest(parameterized.TestCase):
                            data_lib.Declaration.from_record(declared))
     for t, rows in enumerate(committed):
       np.testing.assert_array_equal(rows, order.batch(t))
+    shown = inspect_lib.inspect_transcript(self.honest)["data"]
+    self.assertEqual((shown["root"], shown["rows"], shown["batch_size"]),
+                     (TrainingSet(DATA).root.hex(), ROWS, BATCH))
 
   @parameterized.product(attack=sorted(ATTACKS), full_replay=[False, True])
   def test_a_deviating_run_is_invalid_naming_the_step_and_row(self, attack, full_replay):
@@ -222,6 +226,17 @@ class DataOrderTest(parameterized.TestCase):
                                 r"step 0: row 0 of batch leaf \[0\]\[1\]\[.x.\] "
                                 r"is not dataset row \d+ of batch 0"):
       step(state, first)
+      proof.finish()
+
+  def test_a_batch_that_is_not_the_datasets_leaves_is_refused(self):
+    proof = _proof("other-leaves")
+    proof.start(probe_ratio=1.0)
+    state, step = _state(proof), proof.jit(_step)
+    batch = next(proof.batches(DATA, batch_size=BATCH))
+    with self.assertRaisesRegex(errors.DataOrderError, r"batch leaf \[0\]\[1\]\['x'\] "
+                                r"\(float16\[16, 4096\]\) is not dataset leaf 0 with 16 rows "
+                                r"\(float32\[16, 4096\]\)"):
+      step(state, {**batch, "x": batch["x"].astype(np.float16)})
       proof.finish()
 
   def test_a_step_without_a_new_batch_is_refused(self):

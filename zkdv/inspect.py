@@ -116,6 +116,10 @@ def inspect_transcript(path: str | os.PathLike) -> dict:
       "attested_start": model.init is not None,
       "init_program": None if model.init is None else _init_program(model.init),
       "programs": [_program(p) for p in model.programs.values()],
+      "data": None if model.data is None else {
+          "root": model.data.root.hex(), "rows": model.data.rows,
+          "batch_size": model.data.batch_size,
+          "leaves": [_leaf(l) for l in model.data.layouts]},
       "steps": len(model.steps), "checks": kinds,
       "final": None if model.final is None else {
           k: model.final.get(k) for k in ("steps", "status", "discontinuities")},
@@ -144,6 +148,12 @@ def human(summary: dict) -> str:
            f"records, {summary['steps']} steps, challenger {summary['challenger']}, "
            f"start {'attested' if summary['attested_start'] else 'unattested'})",
            f"checks: {summary['checks'] or 'none'}"]
+  data = summary.get("data")
+  if data is not None:
+    lines.append(f"data: a seeded order over dataset {data['root'][:16]} ({data['rows']:,} rows "
+                 f"of " + ", ".join(f"{l['path']} {l['dtype']}{l['shape'][1:]}"
+                                    for l in data["leaves"])
+                 + f"), batches of {data['batch_size']} (declared; zkdv verify checks it)")
   init = summary.get("init_program")
   if init is not None:
     lines += [f"init program {init['program_id'][:16]} ({'/'.join(init['platforms'])}), "
