@@ -48,12 +48,16 @@ class SampledBatch:
 
   def check(self, step: int, layouts, row_levels) -> None:
     """Raises DataOrderError unless each batch leaf's Merkle leaves (``row_levels[leaf]
-    [0]``, as the step committed them) are the dataset rows this batch drew."""
+    [0]``, as the step committed them) are the dataset rows this batch drew. A leaf of one
+    row per Merkle leaf compares with the dataset tree's own leaves (nothing is hashed);
+    groups of rows are hashed from the dataset's rows."""
+    tree = self.order.tree
     for leaf, held in enumerate(self._data_leaves(layouts)):
       if held is None:
         continue
-      layout, source = layouts[leaf], self.order.tree.leaves[held]
-      expected = digest.row_leaf_hashes(layout, source[self.rows])
+      layout = layouts[leaf]
+      expected = ([tree.leaf_hash(held, int(i)) for i in self.rows] if layout.row_group == 1
+                  else digest.row_leaf_hashes(layout, tree.leaves[held][self.rows]))
       got = row_levels[leaf][0]
       for group, (a, b) in enumerate(zip(expected, got)):
         if a != b:
