@@ -30,6 +30,7 @@ from tests import benchmark_test
 from tests import resume_trainer
 from tests import testing
 from zkdv import errors
+from zkdv import receipt
 from zkdv import transcript
 from zkdv import verify
 
@@ -351,6 +352,33 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertEqual(entry["state"], "scored", entry)
     board, = bench.leaderboard()
     self.assertEqual((board["rank"], board["proof_id"]), (1, self.proof_id), board)
+
+  def test_attack_a_discarded_step_whose_probes_went_unanswered_is_missing(self):
+    # The prover saw the rows the server drew for step 6, left them unanswered and resumed.
+    folder = pathlib.Path(tempfile.mkdtemp()) / "downloaded"
+    cli = subprocess.run(
+        [sys.executable, "-m", "dvbench.cli", "download", self.proof_id, str(folder),
+         "--url", self.server.url], capture_output=True, text=True, timeout=120, check=False)
+    self.assertEqual(cli.returncode, 0, cli.stderr)
+    def unanswered(records):
+      return [r for r in records if not (r["type"] == "check" and r["step"] == 6)]
+    stored = unanswered(testing.records_of(folder))
+    challenges = {row["step"]: bytes.fromhex(row["challenge"]) for row in
+                  self.client.http.listing(f"/api/v1/proofs/{self.proof_id}/challenges")}
+    at_resume = stored[:[r["type"] for r in stored].index("resume")]
+    with self.assertRaisesRegex(errors.UnanswerableChallengeError,
+                                r"^step 6 was challenged for a probe check before the crash"):
+      zkdv.jax.resume.read_point(at_resume, challenges.__getitem__)
+    server_key = bytes.fromhex(self.client.http.request("GET", "/api/v1/server-key")
+                               .json()["server_key"])
+    key = receipt.open_receipt((folder / receipt.RECEIPT_FILE).read_bytes(),
+                               server_key)["challenge_key"]
+    report = verify.verify(_rewrite(folder, unanswered), challenge_key=key, replay="none")
+    self.assertIn(("missing_probe", "step 6 was challenged for data probes but has no check "
+                   "record answering it after a resume discarded the step: the prover saw "
+                   "which rows would be opened and replaced the step (a retried probe)."),
+                  [(f.code, f.message) for f in report.findings])
+    self.assertEqual(report.verdict, verify.INVALID)
 
   def test_a_finished_proof_or_another_experiments_is_not_resumed(self):
     with self.assertRaisesRegex(dvbench.errors.ApiError, "409.*belongs to experiment"):

@@ -205,6 +205,19 @@ def required_checks(step_decision: Decision,
           "probe": step_decision.probe_ratio > 0}
 
 
+def discarded_checks(challenger_kind: str, step_decision: Decision) -> dict[str, bool]:
+  """kind -> whether a step that a ``resume`` discarded must still answer it: only its
+  probes, and only when a server drew them live as it stored the step (the prover saw the
+  rows to be opened, so discarding the step instead would retry the probe). A discarded
+  step ends no segment, so it has no update or state check; a self-chosen challenge is the
+  prover's own from the start, so discarding its step hides nothing.
+
+  Example: ``discarded_checks("self", d)["probe"] is False``.
+  """
+  return {"update": False, "state": False,
+          "probe": challenger_kind == "dvbench" and step_decision.probe_ratio > 0}
+
+
 def probe_rows(challenge: bytes, leaf: int, rows: int, ratio: float) -> list[int]:
   """The ``ceil(ratio * rows)`` distinct rows of batch leaf ``leaf`` opened as probes."""
   if ratio <= 0 or rows <= 0:

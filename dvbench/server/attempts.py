@@ -18,6 +18,7 @@ import time
 import sqlalchemy as sa
 from dvbench.server.refusals import Refusal
 from dvbench.server.schema import challenges, experiments, owners, proofs, slots
+from dvbench.server.store_custody import unanswered
 from zkdv import challenge
 
 DEFAULT_MAX_SLOTS_PER_HOUR = 120
@@ -38,10 +39,8 @@ def _unanswered(conn, proof_ids: list[str]) -> set[str]:
   """The proofs among ``proof_ids`` holding a challenge they never answered."""
   if not proof_ids:
     return set()
-  open_ = sa.or_(*(challenges.c[f"needs_{k}"] & ~challenges.c[f"answered_{k}"]
-                   for k in challenge.ANSWER_KINDS))
   return {r[0] for r in conn.execute(sa.select(challenges.c.proof_id).distinct().where(
-      challenges.c.proof_id.in_(proof_ids) & open_))}
+      challenges.c.proof_id.in_(proof_ids) & unanswered()))}
 
 
 def owner_attempts(store, owner: str) -> dict:

@@ -50,6 +50,22 @@ def parse_record(raw, n: int) -> dict:
   return record
 
 
+_UNKNOWN = object()  # a value not read from the store yet
+_CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
+
+
+def unanswered_failure(rows: list[dict]) -> str | None:
+  """Names the first of the unanswered challenge rows ``rows``, if any, e.g. 'step 3 was
+  challenged for probes and never answered.'"""
+  missing = [(r["step"], k) for r in rows for k in _CHECK_NAMES
+             if r[f"needs_{k}"] and not r[f"answered_{k}"]]
+  if not missing:
+    return None
+  step, kind = missing[0]
+  more = f" ({len(missing) - 1} more challenges unanswered)" if len(missing) > 1 else ""
+  return f"step {step} was challenged for {_CHECK_NAMES[kind]} and never answered{more}."
+
+
 @dataclasses.dataclass(frozen=True)
 class ProofChallenger:
   """Who chooses a proof's checks: ``kind``, the effective policy, the server key K."""
@@ -96,6 +112,7 @@ class Ingest:
     self.probes: set[str] = set()
     self.examples: set[str] = set()  # whole examples probed (dvbench.contamination)
     self._open_segment: int | None = None  # stored steps after the last post_state
+    self._committed = _UNKNOWN  # _last_committed(), kept up to date as records are taken
     self._rules = {"root": self._refuse_root, "step": self._check_step,
                    "check": self._check_answer, "resume": self._check_resume,
                    "final": self._check_final}
@@ -126,6 +143,8 @@ class Ingest:
       ends_segment = isinstance(record.get("post_state"), bytes)
       first = record["index"] - self._open_segment  # counted by _check_step
       self._open_segment = 0 if ends_segment else self._open_segment + 1
+      if ends_segment:
+        self._committed = record["index"]
       self._derive(record["index"], rid, first, ends_segment)
     self.stored += 1
     self.refs |= transport.blob_refs(record)
@@ -175,21 +194,36 @@ class Ingest:
   def _check_resume(self, record: dict, n: int) -> None:
     """A run resumed after a crash (``zkdv.jax.resume``): it goes on from the last
     committed post-state, discarding only the steps of the open segment after it (their
-    segment was never decided: a server decides a segment at its last step)."""
+    segment was never decided: a server decides a segment at its last step), and only once
+    every challenge derived so far is answered: the probes of a discarded step were drawn
+    when it was stored, so the prover saw them and may not replace the step instead."""
     step, after = record["step"], record["after"]
     if step != self.head.steps:
       raise HTTPException(409, f"record {n} resumes the run at step {step}, but "
                           f"{self.head.steps} steps are stored: step indices go on.")
-    if self._open_segment is None:
-      self._open_segment = self.store.open_segment_steps(
-          self.conn, self.proof_id, self.challenger.policy.segment_length)
-    last_committed = step - self._open_segment - 1
-    stored = self._step_record(after)
-    if after != last_committed or stored is None or stored.get("post_state") != record["state"]:
+    last = self._last_committed()
+    if last is None:
+      raise HTTPException(409, f"record {n} resumes the run, but no stored step committed a "
+                          "post-state yet: there is nothing to resume from.")
+    stored = self._step_record(after) if after == last else None
+    if stored is None or stored.get("post_state") != record["state"]:
       raise HTTPException(409, f"record {n} resumes the run from step {after}'s state; it "
                           "must go on from the committed post-state of the last step that "
-                          f"stored one (step {last_committed}).")
+                          f"stored one (step {last}).")
+    failure = unanswered_failure(self.store.unanswered_challenges(self.conn, self.proof_id))
+    if failure is not None:
+      raise HTTPException(409, f"record {n} resumes the run, but {failure} A run resumes only "
+                          "once every challenge so far is answered, the data probes of the "
+                          "steps a resume discards included (the prover has seen those "
+                          "rows); answer them first, or start a new proof.")
     self._open_segment = 0
+
+  def _last_committed(self) -> int | None:
+    """The step whose committed post-state a resume goes on from (``None``: none yet)."""
+    if self._committed is _UNKNOWN:
+      self._committed = self.store.last_committed_step(
+          self.conn, self.proof_id, self.challenger.policy.segment_length)
+    return self._committed
 
   def _step_record(self, index: int) -> dict | None:
     """Step ``index``'s record, from this request's records or the stored ones."""

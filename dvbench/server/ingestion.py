@@ -25,14 +25,13 @@ from starlette.exceptions import HTTPException
 from dvbench import transport
 from dvbench.server import receipts
 from dvbench.server import validation
-from dvbench.server.custody import Ingest, ProofChallenger, parse_record
+from dvbench.server.custody import Ingest, ProofChallenger, parse_record, unanswered_failure
 from dvbench.server.decoding import decode
 from dvbench.server.db import Store
 from dvbench.server.store_custody import RecordTooLarge
 from zkdv.transcript import record_id
 from zkdv.verify import claims
 
-_CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 # One transaction of a large envelope: records are decoded and checked SLICE_RECORDS (or
 # SLICE_BYTES) at a time, before the transaction, which stores them for SLICE_SECONDS at
 # most; then it commits and the next writer, of any proof, gets its turn.
@@ -48,17 +47,6 @@ def parse_envelope(body: bytes) -> dict:
     return validation.check_envelope(decode(body, "the envelope"))
   except validation.Invalid as e:
     raise HTTPException(400, str(e)) from None
-
-
-def unanswered_failure(rows: list[dict]) -> str | None:
-  """Names the first derived challenge without an answering check record, if any."""
-  missing = [(r["step"], k) for r in rows for k in _CHECK_NAMES
-             if r[f"needs_{k}"] and not r[f"answered_{k}"]]
-  if not missing:
-    return None
-  step, kind = missing[0]
-  more = f" ({len(missing) - 1} more challenges unanswered)" if len(missing) > 1 else ""
-  return f"step {step} was challenged for {_CHECK_NAMES[kind]} and never answered{more}."
 
 
 class Ingestion:
@@ -112,7 +100,7 @@ class Ingestion:
     if head.last_kind != "final":
       raise HTTPException(409, "cannot close: the last stored record is a "
                           f"{head.last_kind} record; a proof closes after its final record.")
-    failure = unanswered_failure(self.store.challenges_of(conn, proof_id))
+    failure = unanswered_failure(self.store.unanswered_challenges(conn, proof_id))
     if failure is not None:
       self.store.set_proof_state(proof_id, "invalid", failure, conn=conn)
       receipts.issue(self.store, self.signing_key, proof_id, "invalid", 0, conn,

@@ -14,6 +14,13 @@ import sqlalchemy as sa
 
 from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, proof_blobs,
                                    proofs, receipts, records, slots, streams)
+from zkdv import challenge
+
+
+def unanswered():
+  """The clause of a challenge row that needs a check no record answered yet."""
+  return sa.or_(*(challenges.c[f"needs_{k}"] & ~challenges.c[f"answered_{k}"]
+                  for k in challenge.ANSWER_KINDS))
 
 
 class RecordTooLarge(ValueError):
@@ -153,6 +160,22 @@ class CustodyQueries:
       count += 1
     return count
 
+  def last_committed_step(self, conn, proof_id: str, limit: int) -> int | None:
+    """The index of the last step whose committed post-state a run goes on from: the last
+    stored step carrying a ``post_state``, or the ``after`` of a ``resume`` stored after it
+    (the steps since carry none); None when no step committed one. Reads at most ``limit``
+    + 1 step and resume records (a segment holds at most ``limit`` steps)."""
+    rows = conn.execute(sa.select(records.c.kind, records.c.data).where(
+        (records.c.proof_id == proof_id) & records.c.kind.in_(("step", "resume")))
+                        .order_by(records.c.position.desc()).limit(limit + 1)).all()
+    for kind, data in rows:  # stored records were decoded and checked at ingestion
+      record = cbor2.loads(data)
+      if kind == "resume":
+        return record["after"]
+      if isinstance(record.get("post_state"), bytes):
+        return record["index"]
+    return None
+
   def step_record(self, conn, proof_id: str, index: int) -> dict | None:
     """The stored record of step ``index``, decoded; None when it is not stored."""
     data = conn.execute(sa.select(records.c.data).where(
@@ -228,6 +251,11 @@ class CustodyQueries:
     if steps is not None:
       query = query.where(challenges.c.step.in_(sorted(steps)))
     return [dict(r) for r in conn.execute(query.order_by(challenges.c.step)).mappings()]
+
+  def unanswered_challenges(self, conn, proof_id: str) -> list[dict]:
+    """The proof's derived challenges that need a check no record answered yet."""
+    return [dict(r) for r in conn.execute(sa.select(challenges).where(
+        (challenges.c.proof_id == proof_id) & unanswered()).order_by(challenges.c.step)).mappings()]
 
   def challenge_rows(self, proof_id: str) -> list[dict]:
     with self.engine.connect() as conn:

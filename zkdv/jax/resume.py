@@ -112,8 +112,11 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   program = programs[last["program"]]
   fields = root["challenger"]
   policy = challenge.Policy.from_record(fields["policy"])
-  _require_answers(steps[:last["index"] + 1], programs, answered, challenge_of,
-                   fields["kind"], policy)
+  discarded = set(range(last["index"] + 1, len(steps)))
+  for r in records:
+    if r.get("type") == "resume":
+      discarded |= set(range(r["after"] + 1, r["step"]))
+  _require_answers(steps, discarded, programs, answered, challenge_of, fields["kind"], policy)
   params = set(program.get("params_leaves", []))
   layouts = [LeafLayout.from_record(l)
              for l in program.get("post_state_layout", program["state_layout"])]
@@ -123,21 +126,25 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
                      any(r.get("type") == "init" for r in records))
 
 
-def _require_answers(steps: list, programs: dict, answered: set,
+def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
                      challenge_of: Callable[[int], bytes], kind: str,
                      policy: challenge.Policy) -> None:
-  """Raises UnanswerableChallengeError for the first kept step whose chosen check has no
-  record (``zkdv.challenge.required_checks``, as the verifier requires them)."""
+  """Raises UnanswerableChallengeError for the first step whose chosen check has no record
+  (``zkdv.challenge.required_checks``, and ``discarded_checks`` for the ``discarded``
+  steps, as the server and the verifier require them)."""
   first = None
   for s in steps:
     index = s["index"]
     first = index if "pre_state" in s else first
     decision = challenge.decide(index, challenge_of(index), policy)
-    segment = None
-    if "post_state" in s:
-      deciding = challenge.deciding_step(kind, first, index)
-      segment = challenge.decide(deciding, challenge_of(deciding), policy)
-    required = challenge.required_checks(decision, segment)
+    if index in discarded:
+      required = challenge.discarded_checks(kind, decision)
+    else:
+      segment = None
+      if "post_state" in s:
+        deciding = challenge.deciding_step(kind, first, index)
+        segment = challenge.decide(deciding, challenge_of(deciding), policy)
+      required = challenge.required_checks(decision, segment)
     batch = [LeafLayout.from_record(l) for l in programs[s["program"]]["batch_layout"]]
     required["probe"] = required["probe"] and any(
         decision.leaf_probe_rows(i, l) for i, l in enumerate(batch))

@@ -97,32 +97,36 @@ def derive(ctx: Verification) -> Decisions:
 
 
 def require_answers(ctx: Verification, decisions: Decisions) -> None:
-  """A finding for every decided check that has no check record."""
+  """A finding for every decided check that has no check record (``discarded_checks`` for
+  the steps a resume discarded: the probes a server drew for them)."""
   if not decisions.known:
     return
-  model = ctx.model
-  dropped_probes = []  # discarded steps whose drawn probes were never answered
+  model, kind = ctx.model, ctx.challenger.kind
+  dropped_probes = []  # discarded self-challenged steps whose probes were never answered
   for step, decision in zip(model.steps, decisions.by_step):
     program = model.program_of(step)
     probed = program is not None and any(probe_count(l, decision.probe_ratio)
                                          for l in program.batch)
-    if model.discarded(step.index):  # its segment never committed an end to check
-      if probed and (step.index, "probe") not in model.checks:
-        dropped_probes.append(step.index)
-      continue
-    wanted = [kind for kind in ("update", "state") if decisions.challenged(step.index, kind)]
-    if probed:
+    discarded = model.discarded(step.index)  # its segment never committed an end to check
+    required = (challenge.discarded_checks(kind, decision) if discarded
+                else challenge.required_checks(decision, decisions.by_segment.get(step.index)))
+    if discarded and probed and not required["probe"] and (
+        step.index, "probe") not in model.checks:
+      dropped_probes.append(step.index)
+    wanted = [k for k in ("update", "state") if required[k]]
+    if probed and required["probe"]:
       wanted.append("probe")
-    for kind in wanted:
-      if (step.index, kind) not in model.checks:
-        ctx.report.fail("missing_probe" if kind == "probe" else "missing_check",
+    for check in wanted:
+      if (step.index, check) not in model.checks:
+        retried = (" after a resume discarded the step: the prover saw which rows would be "
+                   "opened and replaced the step (a retried probe)") if discarded else ""
+        ctx.report.fail("missing_probe" if check == "probe" else "missing_check",
                         f"step {step.index}", f"step {step.index} was challenged for "
-                        f"{'data probes' if kind == 'probe' else f'a {kind} check'} "
-                        "but has no check record answering it.")
+                        f"{'data probes' if check == 'probe' else f'a {check} check'} "
+                        f"but has no check record answering it{retried}.")
   if dropped_probes:
     ctx.report.notes.append(
         f"a resume discarded step{'s' if len(dropped_probes) > 1 else ''} "
-        f"{', '.join(map(str, dropped_probes))} after {ctx.challenger.kind} drew "
+        f"{', '.join(map(str, dropped_probes))} after {kind} drew "
         f"{'their' if len(dropped_probes) > 1 else 'its'} data probes, unanswered: the "
         "prover saw which rows would be opened and replaced the step (a retried probe).")
-

@@ -1,0 +1,94 @@
+"""A dishonest prover's ``resume`` records against a real `dvbench serve` process.
+
+A pure-Python prover (``tests.fake_prover``) reopens its proof with
+``POST /api/v1/proofs/{id}/resume`` and streams ``resume`` records by hand: the server takes
+one only from the last committed post-state and once every challenge so far is answered,
+and takes an honest second resume after a second crash.
+"""
+
+from absl.testing import absltest
+
+from dvbench.server.local import LocalServer
+from tests.fake_prover import FakeProver
+
+SEGMENT = 3
+
+
+class ResumeAttackTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0).start()
+    cls.addClassCleanup(cls.server.stop)
+    cls.token = cls.server.token("alice")
+
+  def prover(self) -> FakeProver:
+    """A started proof of segments of ``SEGMENT`` steps whose every step is probed."""
+    prover = FakeProver(self.server.url, self.token, "alice/resumed", SEGMENT)
+    root = prover.root(prover.slot())
+    root["challenger"]["policy"]["probe_ratio"] = 0.5
+    response = prover.post_root(root)
+    self.assertEqual(response.status_code, 201, response.text)
+    return prover
+
+  def resume(self, prover: FakeProver, after: int, state: bytes):
+    """Reopens the proof and sends a resume record going on from step ``after``'s
+    ``state``; the prover's next step then starts a segment from that state."""
+    self.assertEqual(prover.http.post(f"/api/v1/proofs/{prover.proof_id}/resume")
+                     .status_code, 200)
+    response = prover.send(prover.chain({"type": "resume", "step": prover.steps,
+                                         "after": after, "state": state}))
+    if response.status_code == 200:
+      prover.segment_first, prover.state = None, state
+    return response
+
+  def test_attack_a_resume_that_discards_a_step_with_unanswered_probes_is_refused(self):
+    # Step 3 is stored, the server draws its probed rows; the prover does not like them,
+    # leaves them unanswered and resumes from step 2, to send step 3's batch again as step 4.
+    prover = self.prover()
+    prover.run(SEGMENT)
+    committed = prover.state
+    drawn = prover.decisions(prover.step())
+    self.assertEqual([(d.step, d.probe_ratio) for d in drawn], [(3, 0.5)])
+    response = self.resume(prover, 2, committed)
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("record 0 resumes the run, but step 3 was challenged for probes and never "
+                  "answered. A run resumes only once every challenge so far is answered, the "
+                  "data probes of the steps a resume discards included", response.text)
+    prover.answer(drawn[0])  # answered, the same resume is taken
+    self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
+
+  def test_attack_a_resume_before_a_committed_check_is_answered_is_refused(self):
+    prover = self.prover()
+    for _ in range(SEGMENT):
+      prover.step()  # challenged, never answered
+    response = self.resume(prover, 2, prover.state)
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("record 0 resumes the run, but step 0 was challenged for probes and never "
+                  "answered (2 more challenges unanswered).", response.text)
+
+  def test_a_run_that_crashes_again_before_it_commits_resumes_again(self):
+    # Crashed mid-segment (step 3), resumed from step 2, crashed again after step 4: the
+    # last committed state is still step 2's.
+    prover = self.prover()
+    prover.run(SEGMENT)
+    committed = prover.state
+    for _ in range(2):
+      for decision in prover.decisions(prover.step()):
+        prover.answer(decision)
+      response = self.resume(prover, 2, committed)
+      self.assertEqual(response.status_code, 200, response.text)
+    self.assertEqual(sorted(prover.run(SEGMENT).segments.items()), [(5, 5), (7, 6)])
+    self.assertEqual(prover.finish().json()["state"], "closed")
+
+  def test_attack_a_resume_with_nothing_committed_is_refused(self):
+    prover = self.prover()
+    response = self.resume(prover, 0, bytes(32))
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("record 0 resumes the run, but no stored step committed a post-state yet: "
+                  "there is nothing to resume from.", response.text)
+
+
+if __name__ == "__main__":
+  absltest.main()
