@@ -365,7 +365,7 @@ def score_rows(job: dict, folder: pathlib.Path) -> np.ndarray:
   params = [arrays.from_host(_read(folder, b, l), l)
             for b, l in zip(job["params_blobs"], params_layouts, strict=True)]
   data = [_read(folder, b, l) for b, l in zip(job["data_blobs"], data_layouts, strict=True)]
-  scan_training_programs(folder, job.get("scan_programs") or [], data)
+  scan_programs(folder, job.get("scan_programs") or [], data)
   batch_rows, count = job["batch_rows"], data_layouts[0].shape[0]
   first, end = job["first_row"], job["first_row"] + job["rows"]
   outputs = []
@@ -382,27 +382,29 @@ def score_rows(job: dict, folder: pathlib.Path) -> np.ndarray:
 
 
 class EmbeddedRowsError(Exception):
-  """A training program of the entry's proof holds evaluation rows as constants."""
+  """A program of the entry's proof holds evaluation rows as constants."""
 
 
-def scan_training_programs(folder: pathlib.Path, programs: list[bytes], data: list) -> None:
-  """Raises EmbeddedRowsError when a training program (its blob in ``folder/blobs``) embeds
-  rows of the evaluation set ``data`` as constants (``contamination.rows_in_constants``):
-  a step that trains on them unseen by any probe."""
+def scan_programs(folder: pathlib.Path, programs: list, data: list) -> None:
+  """Raises EmbeddedRowsError when a program of the proof (``[what, id]``, its blob in
+  ``folder/blobs``: its training programs and its init program) embeds rows of the
+  evaluation set ``data`` as constants (``contamination.rows_in_constants``, also in each
+  dtype of ``data`` a constant converts to exactly): rows read unseen by any probe."""
   leaves = [np.ascontiguousarray(d).reshape(len(d), -1).view(np.uint8) for d in data]
-  for program_id in programs:
+  for what, program_id in programs:
     blob = (folder / transcript.BLOBS_DIR / program_id.hex()).read_bytes()
     try:
       constants = stablehlo.constant_arrays(jax.export.deserialize(bytearray(blob)))
     except stablehlo.UnsafeProgramError as e:
-      raise EmbeddedRowsError(f"training program {program_id.hex()[:16]}… cannot be scanned "
-                              f"for evaluation rows: {e}") from None
+      raise EmbeddedRowsError(f"{what} {program_id.hex()[:16]}… cannot be scanned for "
+                              f"evaluation rows: {e}") from None
+    constants = contamination.in_dtypes(constants, [d.dtype for d in data])
     found = contamination.rows_in_constants(constants, leaves)
     if found:
       raise EmbeddedRowsError(
-          f"training program {program_id.hex()[:16]}… embeds evaluation rows "
-          f"{found[:16]} as constants: the proof's steps read them, unseen by any probe; "
-          "the entry is refused.")
+          f"{what} {program_id.hex()[:16]}… embeds evaluation rows {found[:16]} as "
+          "constants: the proof's steps read them, unseen by any probe; the entry is "
+          "refused.")
 
 
 def check_job(folder: pathlib.Path, job: dict) -> list[str]:

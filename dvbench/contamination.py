@@ -15,7 +15,7 @@ Only numpy and BLAKE3 here: the server's web process uses it. Example::
 
   digests = evaluation_digests([tokens_rows, label_rows])  # {digest: example index}
   probed_examples(probe_check_record)                      # {example digest, ...}
-  rows_in_constants([program_constant], leaves)            # [example index, ...]
+  rows_in_constants(in_dtypes(constants, dtypes), leaves)  # [example index, ...]
 """
 
 import blake3
@@ -84,10 +84,37 @@ def probed_examples(record: dict) -> set[str]:
           for opened in by_row.values() if set(opened) == leaves}
 
 
+def _one_element_repeated(row: bytes) -> bool:
+  """Whether ``row`` is one element of up to 8 bytes repeated: all ones, all zeros, the
+  bytes every filled constant holds (``jnp.ones``), which identify no example."""
+  return any(len(row) % size == 0 and row == row[:size] * (len(row) // size)
+             for size in (1, 2, 4, 8))
+
+
+def in_dtypes(constants: list[np.ndarray], dtypes: list) -> list[np.ndarray]:
+  """``constants``, and each also as every one of ``dtypes`` it converts to exactly (the
+  same numbers in another dtype: int32 tokens baked as float32), for ``rows_in_constants``.
+
+  Example: ``in_dtypes([np.float32([1, 2])], [np.int32])`` adds ``np.int32([1, 2])``.
+  """
+  found = list(constants)
+  for constant in constants:
+    for dtype in dict.fromkeys(np.dtype(d) for d in dtypes):
+      if constant.dtype == dtype or not {constant.dtype.kind, dtype.kind} <= set("biuf"):
+        continue
+      with np.errstate(all="ignore"):
+        cast = constant.astype(dtype)
+        if np.array_equal(cast.astype(constant.dtype), constant):
+          found.append(cast)
+  return found
+
+
 def rows_in_constants(constants: list[np.ndarray], leaves: list[np.ndarray]) -> list[int]:
   """The evaluation examples one of whose identifying rows (``identifying``; every row of
   a single leaf) a program constant holds byte for byte, at any element boundary of the
-  constant: rows baked into a training program. ``leaves`` as ``evaluation_digests``.
+  constant: rows baked into a training program. A row that is one element repeated (all
+  ones) is what honest constants hold and is never looked for. ``leaves`` as
+  ``evaluation_digests``.
 
   Example: a step closing over ``eval_tokens`` has a constant holding its rows: found.
   """
@@ -96,9 +123,12 @@ def rows_in_constants(constants: list[np.ndarray], leaves: list[np.ndarray]) -> 
     width = leaf.shape[1]
     if width == 0 or not (len(leaves) == 1 or identifying(leaf)):
       continue
-    wanted = {row_digest(r.tobytes()): i for i, r in enumerate(leaf)}
+    wanted = {row_digest(r.tobytes()): i for i, r in enumerate(leaf)
+              if not _one_element_repeated(r.tobytes())}
+    if not wanted:
+      continue
     head = min(8, width)  # a cheap look at a row's first bytes before its digest
-    prefixes = {r[:head].tobytes() for r in leaf}
+    prefixes = {r[:head].tobytes() for r in leaf if not _one_element_repeated(r.tobytes())}
     for constant in constants:
       data, step = np.ascontiguousarray(constant).tobytes(), max(constant.dtype.itemsize, 1)
       for start in range(0, len(data) - width + 1, step):

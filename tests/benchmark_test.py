@@ -105,13 +105,19 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
         "    tokens = batch[:, :4]\n",
         "    batch = jnp.concatenate([batch, BAKED])\n    tokens = batch[:, :4]\n"),),
         names={"BAKED": jnp.asarray(EVAL_ROWS)})
+    # Attack: the init program closes over the evaluation rows (an attested start's
+    # program may compute anything from them); the steps are honest.
+    cls.baked_init, cls.baked_init_proof = train(url, "your-name/baked-init", 2, edits=((
+        "params = proof.init(model.init, ", "params = proof.init(READING_ROWS(model.init), "),),
+        names={"READING_ROWS": lambda init: lambda *args: jax.tree.map(
+            lambda p: p + 0 * jnp.sum(jnp.asarray(EVAL_ROWS)).astype(p.dtype), init(*args))})
     cls.split, cls.split_proof = train(url, "your-name/split-labels", 2, edits=SPLIT_BATCH)
     cls.split_dirty, cls.split_dirty_proof = train(url, "your-name/split-on-eval-set", 2,
                                                    batch=EVAL_ROWS[:4], edits=SPLIT_BATCH)
     for proof_id, state in ((cls.honest_proof, "verified"), (cls.dirty_proof, "verified"),
                             (cls.loose_proof, "verified steps"),  # its start is unattested
                             (cls.longer_proof, "verified"), (cls.split_proof, "verified"),
-                            (cls.baked_proof, "verified"),
+                            (cls.baked_proof, "verified"), (cls.baked_init_proof, "verified"),
                             (cls.split_dirty_proof, "verified")):
       assert cls.submitter.wait_for_verdict(proof_id, 120)["state"] == state
     assert cls.mallory.wait_for_verdict(cls.copy_proof, 120)["state"] in (
@@ -270,13 +276,20 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
 
   def test_attack_evaluation_rows_baked_into_the_training_program_are_found(self):
     entry = self.submitter.benchmark("alice/any-program")  # training programs not pinned
+    # Row 5 is all ones, as the honest init program's float constants are once converted:
+    # a row of one element repeated is never looked for (the honest entry is scored).
     baked = entry.wait(entry.submit(self.baked_proof, self.baked)["id"])
     self.assertEqual((baked["state"], baked["value"]), ("failed", None), baked)
     self.assertRegex(baked["failure"], r"^shard 0 \(rows 0-7\): training program [0-9a-f]{16}… "
-                     r"embeds evaluation rows \[0, 1, 2, 3, 4, 5, 6, 7\] as constants: the "
+                     r"embeds evaluation rows \[0, 1, 2, 3, 4, 6, 7\] as constants: the "
                      r"proof's steps read them, unseen by any probe; the entry is refused\.$")
+    baked_init = entry.wait(entry.submit(self.baked_init_proof, self.baked_init)["id"])
+    self.assertEqual((baked_init["state"], baked_init["value"]), ("failed", None), baked_init)
+    self.assertRegex(baked_init["failure"], r"^shard 0 \(rows 0-7\): init program "
+                     r"[0-9a-f]{16}… embeds evaluation rows \[0, 1, 2, 3, 4, 6, 7\] as "
+                     r"constants")
     honest = entry.wait(entry.submit(self.honest_proof, self.honest)["id"])
-    self.assertEqual(honest["state"], "scored", honest)  # its program holds no evaluation row
+    self.assertEqual(honest["state"], "scored", str(honest))  # no evaluation row in its programs
     board = {e["experiment"]: e for e in entry.leaderboard()}
     self.assertIsNone(board["your-name/baked-eval"]["rank"])
     self.assertIn("embeds evaluation rows", httpx.get(

@@ -1,7 +1,9 @@
 """zkdv inspect: what each program computes, derived from its module."""
 
+import dataclasses
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -11,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 
+from dvbench import benchmark
 from dvbench import contamination
 from tests.verify_test import precomputed_step, write_transcript
 from zkdv import config
 from zkdv import inspect
 from zkdv.jax import stablehlo
+from zkdv.jax._compat import ir, mlir
 
 
 class StablehloTest(absltest.TestCase):
@@ -61,13 +65,52 @@ class StablehloTest(absltest.TestCase):
                         for c in constants))
     leaves = [rows.reshape(8, -1).view(np.uint8)]
     self.assertEqual(contamination.rows_in_constants(constants, leaves), [2, 5])
-    # Another dtype of the same numbers is other bytes: not found (a limit the docs state).
+    # Another dtype of the same numbers is other bytes: found as the dtype of the rows ...
+    as_float = [np.asarray(baked, np.float32)]
+    self.assertEqual(contamination.rows_in_constants(as_float, leaves), [])
     self.assertEqual(contamination.rows_in_constants(
-        [np.asarray(baked, np.float32)], leaves), [])
+        contamination.in_dtypes(as_float, [np.uint32]), leaves), [2, 5])
+    # ... when they convert exactly: other numbers are not those rows (a limit docs state).
+    self.assertEqual(contamination.rows_in_constants(
+        contamination.in_dtypes([as_float[0] + 0.5], [np.uint32]), leaves), [])
     # A label leaf alone identifies nothing: label values in a constant are not rows.
     tokens, labels = rows[:, :4].reshape(8, -1).view(np.uint8), np.int32([0, 1] * 4)
     self.assertEqual(contamination.rows_in_constants(
         [labels], [tokens, labels.reshape(8, -1).view(np.uint8)]), [])
+
+  def test_attack_evaluation_rows_as_another_dtype_or_a_dense_resource_are_found(self):
+    rows = np.arange(64, dtype=np.int32).reshape(4, 16) * 5 + 1
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / "blobs").mkdir()
+
+    def scan(exported):
+      blob = jax.export.serialize(exported)
+      program_id = bytes(range(32))
+      (folder / "blobs" / program_id.hex()).write_bytes(blob)
+      benchmark.scan_programs(folder, [["init program", program_id]], [rows])
+
+    # The rows baked as float32 and converted back inside the step.
+    as_float = jnp.asarray(rows, jnp.float32)
+    exported = jax.export.export(jax.jit(lambda x: x + as_float.astype(jnp.int32)[1:3]))(
+        jnp.ones((2, 16), jnp.int32))
+    with self.assertRaisesRegex(benchmark.EmbeddedRowsError, r"^init program 0001020304050607… "
+                                r"embeds evaluation rows \[0, 1, 2, 3\] as constants"):
+      scan(exported)
+    # The rows as a dense_resource constant: a constant the MLIR bindings do not hand over
+    # as dense elements, so neither the budget nor the scan read it.
+    text = exported.mlir_module()
+    dense = re.search(r"dense<[^>]*> : tensor<4x16xf32>", text).group(0)
+    text = text.replace(dense, "dense_resource<rows> : tensor<4x16xf32>") + (
+        '{-#\n dialect_resources: { builtin: { rows: "0x04000000%s" } }\n#-}\n'
+        % np.asarray(as_float).tobytes().hex())
+    with mlir.make_ir_context():
+      module = mlir.module_to_bytecode(ir.Module.parse(text))
+    hostile = dataclasses.replace(exported, mlir_module_serialized=module)
+    self.assertEqual(stablehlo.analyze(hostile).constant_bytes, rows.size * 4)
+    with self.assertRaisesRegex(benchmark.EmbeddedRowsError, r"^init program 0001020304050607… "
+                                r"cannot be scanned for evaluation rows: a dense_resource "
+                                r"constant of type tensor<4x16xf32> cannot be read"):
+      scan(hostile)
 
   def test_constants_over_the_budget_are_refused(self):
     weights = np.arange(config.MAX_PROGRAM_CONSTANT_BYTES // 4 + 1, dtype=np.float32)

@@ -31,6 +31,14 @@ def training_programs(store, proof_id: str) -> list[str]:
           for r in store.records_of_kind(proof_id, "program")]
 
 
+def scanned_programs(store, proof_id: str) -> list[tuple[str, str]]:
+  """``(what, hex id)`` of every program a proof ran, its training programs and its init
+  program: the programs scoring scans for evaluation rows baked in as constants."""
+  inits = [("init program", decode(r, "a stored init record")["program_id"].hex())
+           for r in store.records_of_kind(proof_id, "init")]
+  return [("training program", p) for p in training_programs(store, proof_id)] + inits
+
+
 def copy_of(store, proof: dict) -> dict | None:
   """The proof that ended first with ``proof``'s final params, when it is another one:
   ``{"id", "experiment"}``; None when ``proof`` is the first (or has no final params)."""

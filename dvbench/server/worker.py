@@ -251,12 +251,12 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
                                     "data_blobs")}
   job.update(mode="score", params_blobs=record["params_blobs"], first_row=shard["first_row"],
              rows=shard["rows"])
-  if shard["first_row"] == 0:  # one shard scans the proof's training programs' constants
-    job["scan_programs"] = [bytes.fromhex(p) for p in
-                            leaderboard.training_programs(store, record["proof_id"])]
+  if shard["first_row"] == 0:  # one shard scans the constants of the proof's programs
+    job["scan_programs"] = [[what, bytes.fromhex(p)] for what, p in
+                            leaderboard.scanned_programs(store, record["proof_id"])]
   folder = child_folder(work, blobs, sorted({d.hex() for d in [
       job["program"], *job["data_blobs"], *job["params_blobs"],
-      *job.get("scan_programs", [])]}))
+      *(p for _, p in job.get("scan_programs", []))]}))
   (folder / "job.cbor").write_bytes(cbor2.dumps(job))
   result, failure = run_confined([sys.executable, "-m", "dvbench.benchmark", str(folder)],
                                  work, limits, limits.time_limit)

@@ -150,17 +150,29 @@ def _element_bits(element_type) -> int:
   return 64  # an element type of unknown width counts as the widest scalar
 
 
+def _constant_attributes(op):
+  """The element attributes ``op`` carries: each ``ir.DenseElementsAttr``, and each
+  ``dense_resource`` one as ``ir.DenseResourceElementsAttr`` (the bindings hand it over as
+  a plain ``ir.Attribute``: an ``isinstance`` test alone would pass over its bytes)."""
+  attributes = op.attributes
+  for name in attributes:  # names (recent MLIR bindings) or NamedAttributes
+    attr = attributes[name] if isinstance(name, str) else name.attr
+    if isinstance(attr, (ir.DenseElementsAttr, ir.DenseResourceElementsAttr)):
+      yield attr
+      continue
+    try:
+      yield ir.DenseResourceElementsAttr(attr)
+    except ValueError:
+      pass
+
+
 def _constant_bytes(op) -> int:
   """Bytes of the dense element attributes ``op`` carries (a splat: one element).
 
   Example: ``stablehlo.constant dense<1.0> : tensor<1000xf32>`` is 4 bytes.
   """
   total = 0
-  attributes = op.attributes
-  for name in attributes:  # names (recent MLIR bindings) or NamedAttributes
-    attr = attributes[name] if isinstance(name, str) else name.attr
-    if not isinstance(attr, (ir.DenseElementsAttr, ir.DenseResourceElementsAttr)):
-      continue
+  for attr in _constant_attributes(op):
     shaped = ir.ShapedType(attr.type)
     elements = 1
     if not (isinstance(attr, ir.DenseElementsAttr) and attr.is_splat):
@@ -173,17 +185,16 @@ def _constant_bytes(op) -> int:
 def constant_arrays(exported: jax.export.Exported) -> list:
   """The values of the dense constants ``exported``'s module embeds (numpy arrays; a splat
   is one element), e.g. to scan them for evaluation rows. Raises UnsafeProgramError for
-  a constant whose bytes cannot be read.
+  a constant whose bytes cannot be read (a ``dense_resource`` one among them).
   """
   found = []
   with mlir.make_ir_context():
     module = ir.Module.parse(exported.mlir_module())
     for op in _walk(module.operation):
-      attributes = op.attributes
-      for name in attributes:
-        attr = attributes[name] if isinstance(name, str) else name.attr
-        if not isinstance(attr, (ir.DenseElementsAttr, ir.DenseResourceElementsAttr)):
-          continue
+      for attr in _constant_attributes(op):
+        if isinstance(attr, ir.DenseResourceElementsAttr):
+          raise UnsafeProgramError(f"a dense_resource constant of type {attr.type} cannot "
+                                   "be read (XLA compiles dense constants only).")
         try:
           found.append(np.array(attr))
         except (TypeError, ValueError, RuntimeError) as e:
