@@ -84,7 +84,7 @@ class StablehloTest(absltest.TestCase):
     (folder / "blobs").mkdir()
 
     def scan(exported):
-      blob = jax.export.serialize(exported)
+      blob = exported.serialize()
       program_id = bytes(range(32))
       (folder / "blobs" / program_id.hex()).write_bytes(blob)
       benchmark.scan_programs(folder, [["init program", program_id]], [rows])
