@@ -1,4 +1,5 @@
-"""A dishonest prover's ``resume`` records against a real `dvbench serve` process.
+"""A dishonest prover's ``resume`` records against a real `dvbench serve` process, on
+SQLite and PostgreSQL.
 
 A pure-Python prover (``tests.fake_prover``) reopens its proof with
 ``POST /api/v1/proofs/{id}/resume`` and streams ``resume`` records by hand: the server takes
@@ -9,17 +10,21 @@ and takes an honest second resume after a second crash.
 from absl.testing import absltest
 
 from dvbench.server.local import LocalServer
+from tests import postgres
 from tests.fake_prover import FakeProver
 
 SEGMENT = 3
 
 
 class ResumeAttackTest(absltest.TestCase):
+  """One server per class; ``database_url`` None is SQLite."""
+
+  database_url: str | None = None
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=0).start()
+    cls.server = LocalServer(workers=0, database_url=cls.database_url).start()
     cls.addClassCleanup(cls.server.stop)
     cls.token = cls.server.token("alice")
 
@@ -88,6 +93,10 @@ class ResumeAttackTest(absltest.TestCase):
     self.assertEqual(response.status_code, 409, response.text)
     self.assertIn("record 0 resumes the run, but no stored step committed a post-state yet: "
                   "there is nothing to resume from.", response.text)
+
+
+class PostgresResumeAttackTest(postgres.OnPostgres, ResumeAttackTest):
+  """The same attacks with the server's store on PostgreSQL."""
 
 
 if __name__ == "__main__":
