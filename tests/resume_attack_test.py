@@ -87,6 +87,15 @@ class ResumeAttackTest(absltest.TestCase):
     self.assertEqual(sorted(prover.run(SEGMENT).segments.items()), [(5, 5), (7, 6)])
     self.assertEqual(prover.finish().json()["state"], "closed")
 
+  def test_attack_a_resume_that_skips_step_indices_is_refused(self):
+    prover = self.prover()
+    prover.run(SEGMENT)
+    prover.steps += 2  # would leave steps 3 and 4 unsent
+    response = self.resume(prover, 2, prover.state)
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("record 0 resumes the run at step 5, but 3 steps are stored: step indices "
+                  "go on.", response.text)
+
   def test_attack_a_resume_with_nothing_committed_is_refused(self):
     prover = self.prover()
     response = self.resume(prover, 0, bytes(32))
