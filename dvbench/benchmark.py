@@ -388,8 +388,9 @@ class EmbeddedRowsError(Exception):
 def scan_programs(folder: pathlib.Path, programs: list, data: list) -> None:
   """Raises EmbeddedRowsError when a program of the proof (``[what, id]``, its blob in
   ``folder/blobs``: its training programs and its init program) embeds rows of the
-  evaluation set ``data`` as constants (``contamination.rows_in_constants``, also in each
-  dtype of ``data`` a constant converts to exactly): rows read unseen by any probe."""
+  evaluation set ``data`` as constants (``contamination.rows_in_constants``, also along
+  each axis of a constant and in each dtype of ``data`` it converts to exactly): rows read
+  unseen by any probe."""
   leaves = [np.ascontiguousarray(d).reshape(len(d), -1).view(np.uint8) for d in data]
   for what, program_id in programs:
     blob = (folder / transcript.BLOBS_DIR / program_id.hex()).read_bytes()
@@ -398,7 +399,8 @@ def scan_programs(folder: pathlib.Path, programs: list, data: list) -> None:
     except stablehlo.UnsafeProgramError as e:
       raise EmbeddedRowsError(f"{what} {program_id.hex()[:16]}… cannot be scanned for "
                               f"evaluation rows: {e}") from None
-    constants = contamination.in_dtypes(constants, [d.dtype for d in data])
+    constants = contamination.in_dtypes(contamination.on_each_axis(constants),
+                                        [d.dtype for d in data])
     found = contamination.rows_in_constants(constants, leaves)
     if found:
       raise EmbeddedRowsError(

@@ -15,7 +15,7 @@ Only numpy and BLAKE3 here: the server's web process uses it. Example::
 
   digests = evaluation_digests([tokens_rows, label_rows])  # {digest: example index}
   probed_examples(probe_check_record)                      # {example digest, ...}
-  rows_in_constants(in_dtypes(constants, dtypes), leaves)  # [example index, ...]
+  rows_in_constants(in_dtypes(on_each_axis(constants), dtypes), leaves)  # [example, ...]
 """
 
 import blake3
@@ -89,6 +89,17 @@ def _one_element_repeated(row: bytes) -> bool:
   bytes every filled constant holds (``jnp.ones``), which identify no example."""
   return any(len(row) % size == 0 and row == row[:size] * (len(row) // size)
              for size in (1, 2, 4, 8))
+
+
+def on_each_axis(constants: list[np.ndarray]) -> list[np.ndarray]:
+  """``constants``, and each of more than one axis also with each other axis moved first (its
+  rows along that axis made contiguous: evaluation rows baked transposed), for
+  ``rows_in_constants``.
+
+  Example: ``on_each_axis([rows.T])`` holds ``rows.T`` and ``rows``.
+  """
+  return list(constants) + [np.ascontiguousarray(np.moveaxis(c, axis, 0))
+                            for c in constants for axis in range(1, c.ndim)]
 
 
 def in_dtypes(constants: list[np.ndarray], dtypes: list) -> list[np.ndarray]:

@@ -78,7 +78,7 @@ class StablehloTest(absltest.TestCase):
     self.assertEqual(contamination.rows_in_constants(
         [labels], [tokens, labels.reshape(8, -1).view(np.uint8)]), [])
 
-  def test_attack_evaluation_rows_as_another_dtype_or_a_dense_resource_are_found(self):
+  def test_attack_evaluation_rows_in_another_dtype_transposed_or_dense_resource(self):
     rows = np.arange(64, dtype=np.int32).reshape(4, 16) * 5 + 1
     folder = pathlib.Path(tempfile.mkdtemp())
     (folder / "blobs").mkdir()
@@ -96,6 +96,12 @@ class StablehloTest(absltest.TestCase):
     with self.assertRaisesRegex(benchmark.EmbeddedRowsError, r"^init program 0001020304050607… "
                                 r"embeds evaluation rows \[0, 1, 2, 3\] as constants"):
       scan(exported)
+    # The rows baked transposed (column-major) and transposed back inside the step.
+    columns = jnp.asarray(rows.T)
+    with self.assertRaisesRegex(benchmark.EmbeddedRowsError, r"embeds evaluation rows "
+                                r"\[0, 1, 2, 3\] as constants"):
+      scan(jax.export.export(jax.jit(lambda x: x + columns.T[1:3]))(
+          jnp.ones((2, 16), jnp.int32)))
     # The rows as a dense_resource constant: a constant the MLIR bindings do not hand over
     # as dense elements, so neither the budget nor the scan read it.
     text = exported.mlir_module()
