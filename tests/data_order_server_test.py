@@ -126,6 +126,12 @@ class ServerSeededOrderTest(DVBenchTestCase):
       owner.benchmark("alice/no-set").register(metric="accuracy", evaluate=correct,
                                                params=params, rows=EVAL,
                                                data_order="server-seeded")
+    # Under full replay every row is a member of the pinned set only through the order.
+    with self.assertRaisesRegex(dvbench.errors.ApiError, "400.*a full-replay benchmark with a "
+                                "training set pins data_order='server-seeded'"):
+      owner.benchmark("alice/full-no-order").register(
+          metric="accuracy", evaluate=correct, params=params, rows=EVAL, audit="full-replay",
+          training_set=self.training_set)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,12 @@ def parse(record: dict) -> dict:
   if order is not None and record.get("training_set") is None:
     raise HTTPException(400, "data_order: a data order is one over the pinned training set: "
                         "register training_set too.")
+  if (record.get("audit") == "full-replay" and record.get("training_set") is not None
+      and order is None):
+    raise HTTPException(400, "data_order: a full-replay benchmark with a training set pins "
+                        "data_order='server-seeded': then every replayed row is checked "
+                        "against the set at its index (without it, only probed rows are "
+                        "proven members).")
   return {"init_program": _digest(record.get("init_program"), "init_program"),
           "base_checkpoint": _digest(record.get("base_checkpoint"), "base_checkpoint"),
           "min_probe_ratio": ratio, "data_order": order}
