@@ -31,9 +31,7 @@ class BenchmarkPinsTest(DVBenchTestCase):
   def setUpClass(cls):
     super().setUpClass()
     url = cls.server.url
-    cls.submitter = dvbench.Client(url)  # your-name
-    cls.owner = dvbench.Client(url, token=cls.server.token("alice"))
-    cls.mallory = dvbench.Client(url, token=cls.server.token("mallory"))
+    cls.benchmark_clients()
     cls.honest, cls.honest_proof = train(url, "your-name/honest", 2)
     base = serialization.msgpack_restore(cls.honest.read_bytes())
     # Another owner fine-tunes the honest run's published final params.

@@ -79,9 +79,7 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     url = cls.server.url
-    cls.submitter = dvbench.Client(url)  # your-name
-    cls.owner = dvbench.Client(url, token=cls.server.token("alice"))
-    cls.mallory = dvbench.Client(url, token=cls.server.token("mallory"))
+    cls.benchmark_clients()
     cls.honest, cls.honest_proof = train(url, "your-name/honest", 3)
     cls.dirty, cls.dirty_proof = train(url, "your-name/on-eval-set", 3, batch=EVAL_ROWS[:4])
     # Checked at p = 0.9, from initial weights no init program attests.

@@ -9,7 +9,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from unittest import mock
 
 import cbor2
@@ -66,6 +65,15 @@ class DVBenchTestCase(absltest.TestCase):
     cls.env.stop()
     cls.server.stop()
     super().tearDownClass()
+
+  @classmethod
+  def benchmark_clients(cls) -> None:
+    """Clients of the server: ``submitter`` (your-name), ``owner`` (alice, who registers
+    benchmarks) and ``mallory``."""
+    url = cls.server.url
+    cls.submitter = dvbench.Client(url)  # your-name, through DVBENCH_TOKEN
+    cls.owner = dvbench.Client(url, token=cls.server.token("alice"))
+    cls.mallory = dvbench.Client(url, token=cls.server.token("mallory"))
 
   def store(self) -> Store:
     return Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")

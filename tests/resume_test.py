@@ -48,6 +48,19 @@ def _finish(process) -> tuple[int, str, str]:
   return process.returncode, out, err
 
 
+def _kill_when_ready(process) -> tuple[int, list[str]]:
+  """Reads the trainer's lines until it says ``ready`` (it then waits on stdin), kills it
+  with SIGKILL; (its return code, the lines)."""
+  lines = []
+  for line in process.stdout:
+    lines.append(line.strip())
+    if line.strip() == "ready":
+      break
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait(timeout=60)
+  return process.returncode, lines
+
+
 def _rewrite(folder: pathlib.Path, edit) -> pathlib.Path:
   """A copy of the transcript in ``folder`` whose records ``edit(records)`` returns,
   chained and encoded as a prover would write them."""
@@ -70,15 +83,9 @@ class ResumeAfterKillTest(absltest.TestCase):
     root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-resume-"))
     cls.reference, cls.folder, cls.checkpoint = root / "reference", root / "run", root / "ckpt"
     reference = _trainer(cls.reference, root / "reference-ckpt")
-    crashed = _trainer(cls.folder, cls.checkpoint, "--stop-at", "7", stdin=subprocess.PIPE)
-    lines = []
-    for line in crashed.stdout:  # mid-segment: step 6 written, step 7 held
-      lines.append(line.strip())
-      if line.strip() == "ready":
-        break
-    os.kill(crashed.pid, signal.SIGKILL)
-    crashed.wait(timeout=60)
-    cls.killed = (crashed.returncode, lines)
+    # Killed mid-segment: step 6 written, step 7 held.
+    cls.killed = _kill_when_ready(
+        _trainer(cls.folder, cls.checkpoint, "--stop-at", "7", stdin=subprocess.PIPE))
     cls.crashed, cls.checkpoint5 = root / "crashed", root / "ckpt-5"
     shutil.copytree(cls.folder, cls.crashed)
     shutil.copy(cls.checkpoint, cls.checkpoint5)
@@ -244,16 +251,10 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     cls.client = dvbench.Client(cls.server.url, cls.env["DVBENCH_TOKEN"])
     root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-resume-"))
     cls.checkpoint = root / "ckpt"
-    crashed = cls.trainer(root / "first", "--stop-at", "7", stdin=subprocess.PIPE)
-    lines = []
-    for line in crashed.stdout:  # step 5 committed, step 6 stored in the open segment, 7 held
-      lines.append(line.strip())
-      if line.strip() == "ready":
-        break
-    os.kill(crashed.pid, signal.SIGKILL)
-    crashed.wait(timeout=60)
-    cls.killed = (crashed.returncode, lines)
-    cls.proof_id = lines[-2].removeprefix("proof ")
+    # Step 5 committed, step 6 stored in the open segment, step 7 held.
+    cls.killed = _kill_when_ready(
+        cls.trainer(root / "first", "--stop-at", "7", stdin=subprocess.PIPE))
+    cls.proof_id = cls.killed[1][-2].removeprefix("proof ")
     cls.crashed_state = testing.wait_until(
         lambda: cls.client.proof_status(cls.proof_id)["state"] == "crashed" and
         cls.client.proof_status(cls.proof_id), timeout=60, every=0.2)
