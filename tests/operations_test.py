@@ -279,6 +279,36 @@ class QueueTest(parameterized.TestCase):
 # -- a server without workers: abandoned proofs, the cap over HTTP, headers -------------
 
 
+class LiveQueueTest(absltest.TestCase):
+  """The queue's fairness in a running server with two workers (the rule: QueueTest)."""
+
+  def test_another_owners_proof_does_not_wait_behind_an_owners_queue(self):
+    # Three closed proofs wait while the server has no worker: mallory's two, then alice's.
+    data = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-queue-"))
+    idle = LocalServer(workers=0, data=data).start()
+    self.addCleanup(idle.stop)
+    proofs = []
+    for owner, experiment in (("mallory", "mallory/a"), ("mallory", "mallory/b"),
+                              ("alice", "alice/c")):
+      prover = FakeProver(idle.url, idle.token(owner), experiment).start()
+      prover.run(steps=2)
+      self.assertEqual(prover.finish().status_code, 200)
+      proofs.append(prover.proof_id)
+    idle.stop()
+    # Restarted with two workers: each claims from the same queue at once.
+    served = LocalServer(workers=2, data=data).start()
+    self.addCleanup(served.stop)
+    store = Store.open(f"sqlite:///{data / 'dvbench.db'}")
+    self.addCleanup(store.engine.dispose)
+    def settled():
+      rows = [store.job("proof", p) for p in proofs]
+      return all(r is not None and r["state"] in ("done", "failed") for r in rows) and rows
+    rows = testing.wait_until(settled, timeout=120, every=0.2)
+    order = [p for _, p in sorted((r["started_at"], p) for r, p in zip(rows, proofs))]
+    # First come, first served would run mallory's second proof before alice's only one.
+    self.assertEqual(order, [proofs[0], proofs[2], proofs[1]])
+
+
 class IdleServerTest(absltest.TestCase):
   """A server on SQLite whose queue nobody drains."""
 
