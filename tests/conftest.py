@@ -11,6 +11,9 @@ process they start (servers, verifiers, training scripts): most tests compile th
 train steps and replays again. The cache starts empty for each run of the suite; a cached
 executable is the one XLA would compile, so what the tests show is unchanged.
 
+The longest test files are collected first (``_LONGEST_FIRST``, from ``--durations`` on two
+cores), so pytest-xdist's two workers do not end with one of them alone on a long class.
+
 The run prints a line as each test file finishes (``tests/cli_test.py: 19 passed (3 of 40
 files, 1:02)``), also under pytest-xdist, whose ``-q`` output is otherwise dots alone.
 
@@ -77,6 +80,20 @@ class FileProgress:
         self.terminal.write("\n")  # after the dots of a -q run
       self.terminal.write_line(f"{path}: {said} ({self.done} of {self.files} files, "
                                f"{minutes}:{seconds:02d})")
+
+
+# Test files whose classes take longest (their servers, trained proofs and subprocesses),
+# longest first; the others follow in their usual order.
+_LONGEST_FIRST = ("benchmark_test", "multiprocess_test", "sharding_test", "run_lifecycle_test",
+                  "resume_test", "live_challenges_test", "server_challenge_test",
+                  "data_order_server_test", "claims_attack_test", "programs_test",
+                  "optimizer_matrix_test", "dvbench_test", "operations_test", "pages_test")
+
+
+def pytest_collection_modifyitems(items):
+  """Puts the longest test files first (a stable sort: each file's tests keep their order)."""
+  rank = {f"tests/{name}.py": i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 def pytest_sessionstart(session):
