@@ -22,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.parse
 
 EXIT_NO_DATA = 66  # the --data folder is missing (or holds no database): pass --create
 EXIT_NO_SERVER_EXTRA = 69  # a server command without the server's packages installed
@@ -327,28 +326,10 @@ def server_key(args) -> int:
   return 0
 
 
-def _get(http, path: str):
-  response = http.get(path)
-  if response.status_code != 200:
-    raise SystemExit(f"dvbench download: GET {path} answered HTTP {response.status_code}: "
-                     f"{response.text[:300]}")
-  return response
-
-
-def _listing(http, path: str):
-  """Every item of a paged JSON listing, page by page."""
-  after = None
-  while True:
-    response = _get(http, path + ("" if after is None else f"?after={urllib.parse.quote(after)}"))
-    yield from response.json()
-    after = response.headers.get("x-next-after")
-    if after is None:
-      return
-
-
 def download(args) -> int:
   """Writes DIR/records.cborl, DIR/blobs/* (hash checked) and DIR/receipt.cbor."""
-  import httpx  # pylint: disable=g-import-not-at-top
+  from dvbench.client import Http  # pylint: disable=g-import-not-at-top
+  from dvbench.errors import DVBenchError  # pylint: disable=g-import-not-at-top
   from dvbench.server.blobs import BlobStore, hexdigest  # pylint: disable=g-import-not-at-top
   from zkdv.receipt import RECEIPT_FILE  # pylint: disable=g-import-not-at-top
   from zkdv.transcript import BLOBS_DIR, RECORDS_FILE, write_atomically  # pylint: disable=g-import-not-at-top
@@ -358,16 +339,22 @@ def download(args) -> int:
   folder, proof = pathlib.Path(args.dir), f"/api/v1/proofs/{args.proof_id}"
   (folder / BLOBS_DIR).mkdir(parents=True, exist_ok=True)
   blobs = 0
-  with httpx.Client(base_url=url.rstrip("/"), timeout=120) as http:
-    records = _get(http, f"{proof}/transcript").content
+  http = Http(url, None, timeout=120)
+  try:
+    records = http.request("GET", f"{proof}/transcript").content
     write_atomically(folder / RECORDS_FILE, records)
-    for digest in _listing(http, f"{proof}/blobs"):
-      data = _get(http, f"{proof}/blobs/{digest}").content if BlobStore.valid_name(digest) else b""
+    for digest in http.listing(f"{proof}/blobs"):
+      data = (http.request("GET", f"{proof}/blobs/{digest}").content
+              if BlobStore.valid_name(digest) else b"")
       if hexdigest(data) != digest:
         raise SystemExit(f"dvbench download: blob {digest[:80]!r} is not named by its hash.")
       write_atomically(folder / BLOBS_DIR / digest, data)
       blobs += 1
-    receipt = http.get(f"{proof}/receipt")
+    receipt = http.request("GET", f"{proof}/receipt", ok=(200, 404))
+  except DVBenchError as e:
+    raise SystemExit(f"dvbench download: {e}") from None
+  finally:
+    http.close()
   wrote = f"dvbench download: wrote proof {args.proof_id} to {folder}: {len(records)} bytes " \
           f"of records, {blobs} blobs"
   if receipt.status_code != 200:

@@ -65,7 +65,11 @@ def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
   data = http.request("GET", f"{path}/transcript").content
   challenges = {}
   for row in http.listing(f"{path}/challenges"):
-    challenges[row["step"]] = bytes.fromhex(row["challenge"])
+    try:
+      challenges[row["step"]] = bytes.fromhex(row["challenge"])
+    except (KeyError, TypeError, ValueError):
+      raise errors.ApiError(502, f"the server sent a malformed challenge {row!r:.100}; is it "
+                            "a DVBench server of this version?") from None
   folder = pathlib.Path(folder)
   (folder / transcript.BLOBS_DIR).mkdir(parents=True, exist_ok=True)
   transcript.write_atomically(folder / transcript.RECORDS_FILE, data)

@@ -17,7 +17,7 @@ from dvbench import scoring
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
                                    probe_examples, probes, proofs, records, score_shards,
                                    submissions, training_members)
-from dvbench.server.store_custody import add_held_blob, has_held_blob
+from dvbench.server.store_custody import add_held_blob, add_proof_digests, has_held_blob
 
 # "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
 # aggregated every row's output; "failed": a shard or the aggregate failed (why is shown).
@@ -88,11 +88,7 @@ class BenchmarkQueries:
 
   def add_probe_examples(self, conn, proof_id: str, digests: set[str]) -> None:
     """Stores the whole examples a proof's probes opened (``probed_examples``)."""
-    known = {r[0] for r in conn.execute(sa.select(probe_examples.c.digest).where(
-        probe_examples.c.proof_id == proof_id))}
-    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
-    if new:
-      conn.execute(probe_examples.insert(), new)
+    add_proof_digests(conn, probe_examples, proof_id, digests)
 
   def training_outside(self, benchmark_id: int) -> dict[str, int]:
     """Per proof: distinct probed rows not proven members of the benchmark's training set."""

@@ -23,6 +23,16 @@ def unanswered():
                   for k in challenge.ANSWER_KINDS))
 
 
+def add_proof_digests(conn, table, proof_id: str, digests: set[str]) -> None:
+  """Adds to ``table`` (``proof_id``, ``digest`` rows) the ``digests`` it does not hold for
+  the proof yet, e.g. the blobs its records name or the rows its probes opened."""
+  known = {r[0] for r in conn.execute(sa.select(table.c.digest).where(
+      table.c.proof_id == proof_id))}
+  new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
+  if new:
+    conn.execute(table.insert(), new)
+
+
 class RecordTooLarge(ValueError):
   """A chunked record larger than the server takes."""
 
@@ -197,11 +207,7 @@ class CustodyQueries:
         records=head.records, steps=head.steps, updated_at=time.time()))
 
   def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
-    known = {r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
-        blob_refs.c.proof_id == proof_id))}
-    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
-    if new:
-      conn.execute(blob_refs.insert(), new)
+    add_proof_digests(conn, blob_refs, proof_id, digests)
 
   # -- slots and challengers -----------------------------------------------------------
 

@@ -15,6 +15,7 @@ from dvbench import scoring
 from dvbench.server.schema import (checks, chunks, experiments, jobs, measurement_samples,
                                    measurements, owners, probes, proof_claims, proofs, records,
                                    score_shards, submissions)
+from dvbench.server.store_custody import add_proof_digests
 
 # The state of a proof or measurement whose verification itself failed (its worker died, ran
 # out of memory, or the verifier faulted) and was given up: "could not verify: <cause>".
@@ -322,11 +323,7 @@ class JobQueries:
       return [dict(r) for r in conn.execute(query).mappings()]
 
   def add_probes(self, conn, proof_id: str, digests: set[str]) -> None:
-    known = {r[0] for r in conn.execute(sa.select(probes.c.digest).where(
-        probes.c.proof_id == proof_id))}
-    new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
-    if new:
-      conn.execute(probes.insert(), new)
+    add_proof_digests(conn, probes, proof_id, digests)
 
   def probe_counts(self) -> dict[str, int]:
     with self.engine.connect() as conn:
