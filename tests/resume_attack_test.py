@@ -10,6 +10,7 @@ and takes an honest second resume after a second crash.
 from absl.testing import absltest
 
 from dvbench.server.local import LocalServer
+from zkdv import challenge
 from tests import postgres
 from tests.fake_prover import FakeProver
 
@@ -66,12 +67,18 @@ class ResumeAttackTest(absltest.TestCase):
 
   def test_attack_a_resume_before_a_committed_check_is_answered_is_refused(self):
     prover = self.prover()
+    drawn = []
     for _ in range(SEGMENT):
-      prover.step()  # challenged, never answered
+      drawn += prover.decisions(prover.step())  # challenged, never answered
+    self.assertEqual((drawn[0].step, drawn[0].probe_ratio > 0), (0, True))
+    last = drawn[-1]  # the server decides the segment by its last step's challenge
+    self.assertEqual(last.step, SEGMENT - 1)
+    unanswered = sum(sum(challenge.required_checks(d, last if d is last else None).values())
+                     for d in drawn)
     response = self.resume(prover, 2, prover.state)
     self.assertEqual(response.status_code, 409, response.text)
     self.assertIn("record 0 resumes the run, but step 0 was challenged for probes and never "
-                  "answered (2 more challenges unanswered).", response.text)
+                  f"answered ({unanswered - 1} more challenges unanswered).", response.text)
 
   def test_a_run_that_crashes_again_before_it_commits_resumes_again(self):
     # Crashed mid-segment (step 3), resumed from step 2, crashed again after step 4: the
