@@ -212,7 +212,6 @@ def _redacted(url: str) -> str:
 
 def worker(args) -> int:
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
-  from dvbench.server import receipts  # pylint: disable=g-import-not-at-top
   from dvbench.server import worker as worker_lib  # pylint: disable=g-import-not-at-top
   if args.parent_pid is not None:
     sandbox.die_with_parent(args.parent_pid)
@@ -222,11 +221,7 @@ def worker(args) -> int:
   store, blobs = _store_and_blobs(args)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  if args.signer_fd is not None:  # started by dvbench serve, which signs
-    signer = receipts.RemoteSigner(args.signer_fd)
-  else:
-    signer = receipts.LocalSigner(store, _signing_key(args))
-  done = worker_lib.run(store, blobs, signer,
+  done = worker_lib.run(store, blobs,  # never reads the key: the server signs receipts
                         worker_id=args.worker_id or worker_lib.default_worker_id(),
                         lease_seconds=args.lease_seconds, limits=limits,
                         max_attempts=args.max_attempts, once=args.once, stop=stop,
@@ -460,7 +455,6 @@ def main(argv=None) -> int:
                  help="the most running jobs one owner may hold while another owner's job "
                  "waits (serve passes half its --workers, rounded up)")
   w.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
-  w.add_argument("--signer-fd", type=int, default=None, help=argparse.SUPPRESS)
   w.set_defaults(run=worker)
 
   t = sub.add_parser("token", help="manage API tokens")

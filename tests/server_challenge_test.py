@@ -19,6 +19,7 @@ from absl.testing import absltest
 from dvbench.server import worker
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
+from tests import testing
 from tests.fake_prover import FakeProver, digest
 from zkdv import challenge
 from zkdv import errors
@@ -28,12 +29,6 @@ from zkdv.transcript import BLOBS_DIR, RECORDS_FILE, encode_record, record_id
 from zkdv.verify import claims
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _verifier_takes_challenge_keys() -> bool:
-  result = subprocess.run([sys.executable, "-m", "zkdv.cli", "verify", "--help"], cwd=REPO,
-                          capture_output=True, text=True, check=False)
-  return "--challenge-key-file" in result.stdout
 
 
 class ServerChallengeTestCase(absltest.TestCase):
@@ -405,35 +400,35 @@ class ReceiptTest(ServerChallengeTestCase):
 class ReplayTest(ServerChallengeTestCase):
   """Closed proofs go to a worker running `zkdv verify --challenge-key-file`."""
 
-  workers = 1
+  def test_a_worker_without_the_key_replays_with_k_and_the_server_signs(self):
+    """A worker the operator runs on its own (`dvbench worker`) never reads the signing key:
+    it runs here while the key file is gone, and the receipt is signed by the server's key.
 
-  def test_a_closed_proof_is_replayed_with_k_and_gets_a_signed_receipt(self):
-    """Hand-written openings cannot replay (nor can its steps name a real program).
-
-    Replaying openings that do not match a real program needs a JAX transcript;
-    here the worker path is pinned: verifier run with K, state, signed receipt.
+    Hand-written openings cannot replay (nor can its steps name a real program), so the
+    proof is invalid; the path pinned is the worker's: verifier run with K, the state,
+    the receipt signed by the server process.
     """
-    if not _verifier_takes_challenge_keys():
-      self.skipTest("zkdv verify has no --challenge-key-file yet")
     prover = self.prover("alice/replay").start()
     prover.run(steps=6)
     self.assertEqual(prover.finish().json()["state"], "closed")
-    status = self._settled(prover.proof_id)
+    key_file = self.server.data / "server_key.pem"
+    hidden = key_file.with_name("server_key.pem.away")
+    key_file.rename(hidden)
+    try:
+      subprocess.run([sys.executable, "-m", "dvbench.cli", "worker", "--once", "--data",
+                      str(self.server.data)], cwd=REPO, check=True, capture_output=True,
+                     timeout=300)
+      self.assertFalse(key_file.exists(), "the worker wrote a key of its own")
+    finally:
+      hidden.rename(key_file)
+    status = testing.wait_until(lambda: (s := self.proof(prover.proof_id))["state"] not in (
+        "closed", "verifying") and s, timeout=120, every=0.1)
     self.assertEqual(status["state"], "invalid", status)
     self.assertTrue(status["failure"].startswith("invalid: "), status["failure"])
     fields = receipt.open_receipt(self.get(f"/api/v1/proofs/{prover.proof_id}/receipt").content,
                                   self.get("/api/v1/server-key").json()["server_key"])
     self.assertEqual((fields["verdict"], fields["records"]), ("invalid", len(prover.records)))
-
-  def _settled(self, proof_id: str) -> dict:
-    import time  # pylint: disable=g-import-not-at-top
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-      status = self.proof(proof_id)
-      if status["state"] not in ("closed", "verifying"):
-        return status
-      time.sleep(0.2)
-    raise AssertionError(f"proof {proof_id} was not settled in 120 s")
+    self.assertEqual(fields["standing"]["state"], "invalid")
 
 
 class PagesTest(ServerChallengeTestCase):

@@ -12,8 +12,12 @@ import sqlalchemy as sa
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
 from dvbench.server import db
+from dvbench.server import receipts
 from zkdv import challenge
+from zkdv import receipt
 from tests import postgres
 
 
@@ -129,6 +133,28 @@ class StoreTest(parameterized.TestCase):
                                                "max_rel_error": 0.0, "max_ulp_error": 0}]))
     self.assertEqual(store.proof(proof)["state"], "verified")
     self.assertLen(store.proof_checks(proof), 1)
+
+  def test_a_server_challenged_verdict_is_public_only_with_its_signed_receipt(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    exp = store.experiment("alice/run", create_for="alice")
+    policy = json.dumps(challenge.Policy().to_record())
+    store.create_slot("cd" * 32, exp["id"], b"k" * 32, policy)
+    proof = store.create_proof(exp["id"], "ab" * 32, "alice/run", b"root", {
+        "kind": "dvbench", "nonce": "cd" * 32, "policy": policy})["id"]
+    with store.engine.begin() as conn:
+      store.enqueue_job(conn, "proof", proof)
+    job = store.claim_job("w1", lease_seconds=30)
+    self.assertTrue(store.complete_proof_job(job["id"], "w1", proof, "invalid", "invalid: x", [],
+                                             receipt=("invalid", 2)))
+    # The worker's verdict waits: no state, no receipt, until the server signs.
+    self.assertEqual((store.proof(proof)["state"], store.receipt(proof)), ("verifying", None))
+    key = ed25519.Ed25519PrivateKey.generate()
+    self.assertEqual(receipts.publish_pending(store, key), [proof])
+    self.assertEqual(store.proof(proof)["state"], "invalid")
+    fields = receipt.open_receipt(store.receipt(proof), receipt.public_key_bytes(key).hex())
+    self.assertEqual((fields["verdict"], fields["checks"], fields["challenge_key"],
+                      fields["standing"]["state"]), ("invalid", 2, b"k" * 32, "invalid"))
+    self.assertEqual(receipts.publish_pending(store, key), [])  # published once
 
 
 if __name__ == "__main__":

@@ -4,21 +4,19 @@ A receipt publishes the proof's challenge key K, so it is issued only once no
 more records are taken: at close when a challenge went unanswered, or after
 the workers' replay. Self-challenged proofs get none (the server chose nothing).
 
-Workers started by ``dvbench serve`` never hold the signing key: each asks the server
-process over a socket pair (``RemoteSigner`` in the worker, ``serve_signing`` on a
-thread of the server). A worker run on its own (``dvbench worker``) signs with the key in
-its ``--data`` folder (``LocalSigner``).
+No worker ever holds the signing key, whether ``dvbench serve`` started it or it runs on
+its own (``dvbench worker``): a worker stores its verdict on a server-challenged proof as
+pending (``Store.complete_proof_job(..., receipt=...)``), and the server process publishes
+it together with the receipt it signs (``publish_pending``, on the supervisor's beat).
 
 Example::
 
   issue(store, signing_key, proof_id, verdict="verified", checks=3)
-  RemoteSigner(fd).issue(proof_id, "verified", 3)  # in a worker of dvbench serve
+  publish_pending(store, signing_key)  # in the server: ["<proof id>", ...]
 """
 
 import json
 import logging
-import re
-import socket
 import time
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -69,63 +67,24 @@ def issue(store, signing_key: ed25519.Ed25519PrivateKey, proof_id: str, verdict:
 
 
 logger = logging.getLogger("dvbench.receipts")
-_PROOF_ID = re.compile(r"[0-9a-f]{64}")
-_REPLY_SECONDS = 120.0
 
 
-class LocalSigner:
-  """Signs in this process, e.g. ``LocalSigner(store, key).issue(proof_id, "verified", 3)``."""
+def publish_pending(store, signing_key: ed25519.Ed25519PrivateKey) -> list[str]:
+  """In the server process: publishes the verdicts workers left in ``pending_verdicts``,
+  each in one transaction with the receipt it signs; returns the proof ids published.
 
-  def __init__(self, store, signing_key: ed25519.Ed25519PrivateKey):
-    self.store, self.signing_key = store, signing_key
-
-  def issue(self, proof_id: str, verdict: str, checks: int) -> None:
-    issue(self.store, self.signing_key, proof_id, verdict, checks)
-
-
-class RemoteSigner:
-  """Asks the server process at the other end of the socket ``fd`` to sign; raises when it
-  does not answer ``{"ok": true}`` (the job is then released and tried again)."""
-
-  def __init__(self, fd: int):
-    os_socket = socket.socket(fileno=fd)
-    os_socket.set_inheritable(False)  # never passed on to a verifier child
-    os_socket.settimeout(_REPLY_SECONDS)
-    self._file = os_socket.makefile("rwb")
-
-  def issue(self, proof_id: str, verdict: str, checks: int) -> None:
-    request = {"proof_id": proof_id, "verdict": verdict, "checks": checks}
-    self._file.write(json.dumps(request).encode() + b"\n")
-    self._file.flush()
-    line = self._file.readline()
-    reply = json.loads(line) if line else {"error": "the server closed the channel"}
-    if reply.get("ok") is not True:
-      raise RuntimeError(f"the server did not sign the receipt of {proof_id}: "
-                         f"{reply.get('error')}")
-
-
-def _signed(store, signing_key, request) -> dict:
-  proof_id, verdict, checks = (request.get(k) for k in ("proof_id", "verdict", "checks"))
-  if not (isinstance(proof_id, str) and _PROOF_ID.fullmatch(proof_id)
-          and isinstance(verdict, str) and 0 < len(verdict) <= 20
-          and isinstance(checks, int) and checks >= 0):
-    return {"error": "a request is {proof_id: 64 hex digits, verdict, checks >= 0}"}
-  issue(store, signing_key, proof_id, verdict, checks)
-  return {"ok": True}
-
-
-def serve_signing(connection: socket.socket, store, signing_key, who: str) -> None:
-  """In the server: signs the receipts worker ``who`` asks for, one JSON line each, until
-  it closes its end (it exits)."""
-  with connection, connection.makefile("rwb") as f:
-    for line in f:
-      try:
-        reply = _signed(store, signing_key, json.loads(line))
-      except Exception as e:  # pylint: disable=broad-except  # e.g. the database is down
-        logger.exception("signing a receipt for worker %s failed", who)
-        reply = {"error": type(e).__name__}
-      try:
-        f.write(json.dumps(reply).encode() + b"\n")
-        f.flush()
-      except OSError:
-        return
+  The receipt carries the stored state and claims (``issue``): a worker chose neither
+  the key nor what is signed.
+  """
+  published = []
+  for row in store.pending_verdicts():
+    proof_id = row["proof_id"]
+    with store.engine.begin() as conn:
+      if not store.take_pending_verdict(proof_id, conn):
+        continue
+      store.set_proof_state(proof_id, row["state"], row["failure"], conn=conn)
+      standing = labels.stored_standing(row["state"], store.proof_claims(proof_id))
+      issue(store, signing_key, proof_id, row["verdict"], row["checks"], conn, standing)
+    logger.info("proof %s is %s; its receipt is signed", proof_id, row["state"])
+    published.append(proof_id)
+  return published

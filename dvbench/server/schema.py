@@ -301,3 +301,16 @@ probe_examples = sa.Table(  # whole examples probes opened (dvbench.contaminatio
     sa.Column("digest", sa.String(64), primary_key=True))
 
 MIGRATION_8_TABLES = (probe_examples,)
+
+# -- migration 9: verdicts the server process publishes with their receipts -------------
+
+pending_verdicts = sa.Table(  # a worker's verdict on a server-challenged proof, not yet signed
+    "pending_verdicts", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("failure", sa.Text),
+    sa.Column("verdict", sa.String(20), nullable=False),  # the verifier's, for the receipt
+    sa.Column("checks", sa.Integer, nullable=False),  # the checks it replayed
+    sa.Column("created_at", sa.Float, nullable=False))
+
+MIGRATION_9_TABLES = (pending_verdicts,)

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 
 from dvbench import scoring
 from dvbench.server.schema import (checks, chunks, experiments, jobs, measurement_samples,
-                                   measurements, owners, probes, proof_claims, proofs, records,
-                                   score_shards, submissions)
+                                   measurements, owners, pending_verdicts, probes, proof_claims,
+                                   proofs, records, score_shards, submissions)
 from dvbench.server.store_custody import add_proof_digests
 
 # The state of a proof or measurement whose verification itself failed (its worker died, ran
@@ -231,8 +231,14 @@ class JobQueries:
 
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
                          failure: str | None, check_rows: list[dict],
-                         claims: dict | None = None, strict: bool = False) -> bool:
-    """Stores the verdict and the claims; False (nothing written) when the lease was lost."""
+                         claims: dict | None = None, strict: bool = False,
+                         receipt: tuple[str, int] | None = None) -> bool:
+    """Stores the verdict and the claims; False (nothing written) when the lease was lost.
+
+    With ``receipt`` (the verifier's verdict and the checks it replayed, for a
+    server-challenged proof) the state waits in ``pending_verdicts``: the server process
+    publishes it together with the receipt it signs (``receipts.publish_pending``), so no
+    worker needs the signing key and no verdict is public without its receipt."""
     with self.engine.begin() as conn:
       if not self._finish_job(conn, job_id, worker):
         return False
@@ -244,8 +250,26 @@ class JobQueries:
       if claims is not None:
         conn.execute(proof_claims.insert().values(proof_id=proof_id, claims=json.dumps(claims),
                                                   strict=strict))
-      self.set_proof_state(proof_id, state, failure, conn=conn)
+      if receipt is None:
+        self.set_proof_state(proof_id, state, failure, conn=conn)
+        return True
+      conn.execute(pending_verdicts.delete().where(pending_verdicts.c.proof_id == proof_id))
+      conn.execute(pending_verdicts.insert().values(
+          proof_id=proof_id, state=state, failure=failure, verdict=receipt[0],
+          checks=receipt[1], created_at=time.time()))
     return True
+
+  def pending_verdicts(self, limit: int = 16) -> list[dict]:
+    """The oldest verdicts waiting for the server to sign their receipts."""
+    with self.engine.connect() as conn:
+      return [dict(r) for r in conn.execute(sa.select(pending_verdicts).order_by(
+          pending_verdicts.c.created_at).limit(limit)).mappings()]
+
+  def take_pending_verdict(self, proof_id: str, conn) -> bool:
+    """Removes ``proof_id``'s pending verdict inside ``conn``'s transaction; False when
+    another process took it first."""
+    return conn.execute(pending_verdicts.delete().where(
+        pending_verdicts.c.proof_id == proof_id)).rowcount == 1
 
   def proof_claims(self, proof_id: str) -> dict | None:
     """``{"claims": {claim: status}, "strict": bool}`` of the server's verification."""

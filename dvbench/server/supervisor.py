@@ -11,8 +11,9 @@ takes it now rather than when the lease expires; the cause is kept on the job, w
 given up after ``max_attempts`` (``store_jobs``). Ingestion processes that died idle are
 replaced on the same beat (``IngestProcesses.replace_dead``).
 
-Workers never read the server's signing key: each asks this process to sign receipts over
-a socket pair (``receipts.serve_signing``, a thread per worker).
+Workers never read the server's signing key: they leave their verdicts on server-challenged
+proofs pending, and this thread publishes each with the receipt it signs, on every beat
+(``receipts.publish_pending``), whether ``dvbench serve`` or the operator started the worker.
 
 Example::
 
@@ -28,7 +29,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -104,7 +104,7 @@ class Supervisor:
                poll_seconds: float = 0.2,
                ingest_processes=None,  # an IngestProcesses to keep running
                env: dict[str, str] | None = None,  # the workers' (None: this process's)
-               signing_key=None):  # signs the receipts workers ask for (receipts.py)
+               signing_key=None):  # signs the receipts of pending verdicts (receipts.py)
     self.command, self.store, self.ingest_processes = command, store, ingest_processes
     self.env, self.signing_key = env, signing_key
     self.abandon_after, self.poll_seconds = abandon_after, poll_seconds
@@ -135,15 +135,7 @@ class Supervisor:
     self._generation += 1
     slot.worker_id = f"{os.uname().nodename}-{os.getpid()}-w{slot.index}-{self._generation}"
     command = [*self.command, "--worker-id", slot.worker_id, "--parent-pid", str(os.getpid())]
-    if self.signing_key is None:
-      slot.process = subprocess.Popen(command, env=self.env)
-    else:  # the worker asks this process to sign; it never reads the key
-      ours, theirs = socket.socketpair()
-      with theirs:
-        slot.process = subprocess.Popen([*command, "--signer-fd", str(theirs.fileno())],
-                                        env=self.env, pass_fds=[theirs.fileno()])
-      threading.Thread(target=receipts.serve_signing, daemon=True, name="dvbench-signer",
-                       args=(ours, self.store, self.signing_key, slot.worker_id)).start()
+    slot.process = subprocess.Popen(command, env=self.env)
     slot.restarts.started()
 
   def _reap(self, slot: _Slot) -> None:
@@ -201,6 +193,8 @@ class Supervisor:
             self._spawn(slot)
         if self.ingest_processes is not None:
           self.ingest_processes.replace_dead()
+        if self.signing_key is not None:
+          receipts.publish_pending(self.store, self.signing_key)
         last = self._housekeeping(last)
       except Exception:  # pylint: disable=broad-except  # e.g. the database is unreachable
         logger.exception("housekeeping failed; retrying")

@@ -10,8 +10,9 @@ untrusted: ``zkdv verify`` runs in a child process confined by
 unprivileged, no network or unix sockets, writes only in its scratch folder,
 dies with the worker), never in the web process, on a private folder holding
 the proof's records and only the blobs uploaded for that proof. A
-server-challenged proof is verified with its challenge key K, then gets a
-receipt, signed by the server process at the worker's request. A benchmark submission is scored the same way, shard by shard
+server-challenged proof is verified with its challenge key K; its verdict is
+published with a receipt that the server process signs (``receipts.publish_pending``):
+no worker reads the signing key. A benchmark submission is scored the same way, shard by shard
 (a range of rows per job): the owner's screened program runs on the shard's
 rows in a confined child; the server aggregates once every shard is in.
 
@@ -27,7 +28,7 @@ worker's log.
 
 Example::
 
-  run(store, blobs, receipts.LocalSigner(store, signing_key), worker_id="w1", once=True)
+  run(store, blobs, worker_id="w1", once=True)
 """
 
 import contextlib
@@ -283,17 +284,18 @@ def _read_own_file(path: pathlib.Path) -> bytes | None:
     return f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
-def _process(store, blobs, signer, job, worker_id, work, limits) -> tuple[bool, str]:
+def _process(store, blobs, job, worker_id, work, limits) -> tuple[bool, str]:
   """(whether the verdict was kept, the subject's state) of one job."""
   if job["kind"] == "proof":
     verdict = verify_proof(store, blobs, job["subject"], work, limits)
-    kept = store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
+    challenger = store.challenger(job["subject"])
+    receipt = None  # a server-challenged proof's verdict waits for the server's signature
+    if challenger is not None and challenger["kind"] == "dvbench":
+      receipt = (verdict.verifier_verdict,
+                 sum(r["status"] != "not replayed" for r in verdict.rows))
+    return store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
                                     verdict.failure, verdict.rows, verdict.claims,
-                                    verdict.strict)
-    if kept:
-      replayed = sum(r["status"] != "not replayed" for r in verdict.rows)
-      signer.issue(job["subject"], verdict.verifier_verdict, replayed)
-    return kept, verdict.state
+                                    verdict.strict, receipt), verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
     return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
@@ -346,13 +348,13 @@ class WorkFolder:
     os.close(self._lock)
 
 
-def run(store: Store, blobs: BlobStore, signer, *,
+def run(store: Store, blobs: BlobStore, *,
         worker_id: str, lease_seconds: float = 60.0, poll_seconds: float = 0.5,
         limits: Limits | None = None, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         once: bool = False, stop: threading.Event | None = None,
         owner_share: int | None = None) -> int:
-  """Processes jobs until ``stop`` is set (or one job, with ``once``); ``signer`` signs
-  receipts (``receipts.RemoteSigner`` under ``dvbench serve``: the key stays there);
+  """Processes jobs until ``stop`` is set (or one job, with ``once``); the server process
+  signs the receipts of the verdicts it stores (``receipts.publish_pending``);
   ``owner_share``: the most running jobs one owner may hold while another owner's job
   waits (``store_jobs.owner_share``)."""
   data = blobs.folder.parent.resolve()
@@ -379,7 +381,7 @@ def run(store: Store, blobs: BlobStore, signer, *,
                        args=(store, job["id"], worker_id, lease_seconds, alive)).start()
       try:
         with work.job() as folder:
-          kept, state = _process(store, blobs, signer, job, worker_id, folder, limits)
+          kept, state = _process(store, blobs, job, worker_id, folder, limits)
         if kept:
           logger.info("%s %s is %s", job["kind"], job["subject"], state)
       except VerifierFault as e:  # retried; given up as could not verify, never invalid
