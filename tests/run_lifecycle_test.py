@@ -12,6 +12,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from unittest import mock
 
 import httpx
 import jax.numpy as jnp
@@ -223,6 +224,9 @@ class LostServerTest(absltest.TestCase):
     return said
 
   def test_a_lost_server_is_said_within_10_s_and_the_run_goes_on_when_it_returns(self):
+    self.assertLessEqual(dvbench.client.SAY_AFTER_SECONDS, 10.0)  # what users are promised
+    # The run below waits for the message twice: said after 1 s here instead.
+    self.enter_context(mock.patch.object(dvbench.client, "SAY_AFTER_SECONDS", 1.0))
     server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "1.0"))
     server.start()
     self.addCleanup(server.stop)
@@ -239,7 +243,7 @@ class LostServerTest(absltest.TestCase):
     lost_at = time.monotonic()
     started.start()
     self.assertTrue(at_start.event.wait(20), "nothing was said")
-    self.assertLess(time.monotonic() - lost_at, 12)
+    self.assertLess(time.monotonic() - lost_at, 5)
     server.start()
     started.join(60)
     self.assertFalse(started.is_alive())
@@ -258,7 +262,7 @@ class LostServerTest(absltest.TestCase):
     lost_at = time.monotonic()
     state = step(state, jnp.asarray(testing.TUTORIAL_BATCH))
     self.assertTrue(mid_run.event.wait(20), "nothing was said")
-    self.assertLess(time.monotonic() - lost_at, 12)
+    self.assertLess(time.monotonic() - lost_at, 5)
     server.start()
     proof.finish()
     self.assertTrue(back.event.is_set())

@@ -13,8 +13,8 @@ Example::
 """
 
 import re
+import sys
 
-import ml_dtypes
 from starlette.exceptions import HTTPException
 
 from dvbench import scoring
@@ -72,7 +72,7 @@ def _known_dtype(name: str) -> bool:
   except (TypeError, ValueError):
     return False
   return dtype.itemsize > 0 and (dtype.kind in "biuf" or isinstance(
-      getattr(ml_dtypes, name, None), type))
+      getattr(sys.modules.get("ml_dtypes"), name, None), type))  # numpy_dtype imported it
 
 
 def _layouts(value, what: str) -> list[digest.LeafLayout]:
