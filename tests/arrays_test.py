@@ -66,5 +66,36 @@ class HostViewTest(parameterized.TestCase):
       arrays.host_view(x)
 
 
+
+class KeptForOpeningTest(absltest.TestCase):
+  """A leaf still being computed is kept without waiting: the training thread goes on."""
+
+  def test_a_pending_donated_leaf_is_copied_behind_its_computation_without_waiting(self):
+    @jax.jit
+    def slow(x):  # about a second of CPU: still running when the next lines run
+      for _ in range(16):
+        x = jnp.tanh(x @ x) / 2000
+      return x
+
+    ready = jnp.arange(6, dtype=jnp.float32)
+    start = jnp.full((2000, 2000), 0.5, jnp.float32)
+    expected = np.asarray(slow(start))
+    pending = slow(start)
+    self.assertFalse(pending.is_ready())
+    kept = arrays.kept_for_opening([pending, ready, pending], [True, True, False])
+    self.assertFalse(pending.is_ready())  # returned while the computation still runs
+    self.assertIsInstance(kept[0], jax.Array)  # a copy: the step may donate the leaf
+    self.assertIsNot(kept[0], pending)
+    self.assertIs(kept[2], pending)  # not donated: the array itself
+    self.assertIsInstance(kept[1], np.ndarray)  # ready: viewed at once
+    jax.jit(lambda x: x + 1, donate_argnums=0)(pending)  # the step donates it
+    self.assertTrue(pending.is_deleted())
+    views = arrays.opened_views(kept[:2] + [None])
+    self.assertEqual(views[0].dtype, np.float32)
+    self.assertEqual(views[0].tobytes(), expected.tobytes())
+    self.assertEqual(views[1].tobytes(), np.arange(6, dtype=np.float32).tobytes())
+    self.assertIsNone(views[2])
+
+
 if __name__ == "__main__":
   absltest.main()

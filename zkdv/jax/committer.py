@@ -170,6 +170,8 @@ class Committer:
     (``job.checked`` then holds the whole post-state and replayed outputs).
     """
     program = job.program
+    if job.opened is not None:
+      job.opened = arrays.opened_views(job.opened)
     end_views = None
     segment_decision = job.segment_decision
     if job.ends and job.checked is None and (

@@ -218,7 +218,14 @@ class Dispatcher:
         job.opened = [arrays.gather(x) for x in leaves]
     elif opens or decision is None:
       kept = set(program.batch_indices) | (set(program.state_indices) if job.starts else set())
-      job.opened = [arrays.host_view(x) if i in kept else None for i, x in enumerate(leaves)]
+      if decision is None:  # likely never opened: kept without waiting for the last step
+        job.opened = [None] * len(leaves)
+        indices = sorted(kept)
+        for i, x in zip(indices, arrays.kept_for_opening(
+            [leaves[i] for i in indices], [program.donated[i] for i in indices])):
+          job.opened[i] = x
+      else:
+        job.opened = [arrays.host_view(x) if i in kept else None for i, x in enumerate(leaves)]
       # A checked segment that goes on past this step writes its start while it runs and
       # replays from these arrays (``Openings.start_blobs``): one generation kept.
       if job.starts and not job.ends and decision is not None and opens and all(
