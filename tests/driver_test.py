@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import tempfile
+import threading
 from unittest import mock
 
 import jax
@@ -259,6 +260,27 @@ class LifecycleTest(parameterized.TestCase):
     testing.assert_bitwise_equal(state.params, reference.params)
     self.assertEqual(proof.failed_checks, [])
 
+  def test_a_segment_end_does_not_wait_for_the_commit_threads_queue(self):
+    # Every step ends a segment and donates the state the last one ended with; the commit
+    # thread is held busy: the steps go on (their post-states are kept by host views, so
+    # the donation copies), and every update check replays them bit for bit.
+    proof = testing.new_proof("busy", update_p=1.0, segment_length=1)
+    proof.start(rolling_window=8)
+    state = testing.classifier_state(proof, zkdv_overlap=zkdv.overlap.ALWAYS)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    state = train_step(state, BATCH)
+    proof.wait_for_commitments()
+    release = threading.Event()
+    busy = proof._committer.pipeline.submit(lambda job: release.wait(30))  # pylint: disable=protected-access
+    for _ in range(4):
+      state = train_step(state, BATCH)
+    self.assertFalse(busy.done.is_set())  # the four steps ran while the commit thread waited
+    release.set()
+    proof.finish()
+    _assert_verified(self, proof, 5)
+    self.assertEqual(proof.failed_checks, [])
+    self.assertEqual(proof.checks["update"], 5)
+
   def test_background_failure_surfaces_at_the_next_step_and_finish(self):
     proof = testing.new_proof("failure", update_p=0.0)
     proof.start()
@@ -267,9 +289,10 @@ class LifecycleTest(parameterized.TestCase):
     state = train_step(state, BATCH)
     proof.wait_for_commitments()
     proof._writer._file.close()  # pylint: disable=protected-access  # the disk goes away
+    state = train_step(state, BATCH)  # its commitment fails on the commit thread
+    proof._committer.pipeline.drain()  # pylint: disable=protected-access
     with self.assertRaises(errors.CommitmentError):
-      for _ in range(5):
-        state = train_step(state, BATCH)
+      train_step(state, BATCH)
     with self.assertRaises(errors.ZKDVError):
       proof.finish()
 

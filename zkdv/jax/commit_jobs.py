@@ -12,6 +12,7 @@ Example::
 """
 
 import dataclasses
+import threading
 
 from zkdv import challenge
 
@@ -78,6 +79,24 @@ class StepJob:
   metrics: list = dataclasses.field(default_factory=list)
   start_arrays: list | None = None
   data: object = None
+  _post_views: list | None = None
+  _post_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+  def post_views(self, digests) -> list | None:
+    """The post-state's host views (``digests.materialize``), taken once by whichever
+    thread asks first: the commit thread to hash them, or the training thread before
+    the next step donates the state (views alive, JAX copies instead of donating, so
+    the step need not wait for the commit thread's queue). None once released.
+    """
+    with self._post_lock:
+      if self._post_views is None and self.post_started is not None:
+        self._post_views = digests.materialize(self.post_started)
+      return self._post_views
+
+  def release_post_views(self) -> None:
+    """Drops the post-state's views once hashed: the next step may donate it."""
+    with self._post_lock:
+      self.post_started = self._post_views = None
 
 
 @dataclasses.dataclass

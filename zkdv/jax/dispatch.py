@@ -72,7 +72,7 @@ class Dispatcher:
     self._step_times: list[float] = []
     self._last_dispatch: float | None = None
     self._waited = 0.0  # since the last dispatch, on the window, hashes and checks
-    self._viewing = None  # the last step's commitment job, if it views its post-state
+    self._viewing = None  # (pipeline job, step) of the last step, if it views its post-state
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
     self._said_window_short = False
 
@@ -97,8 +97,13 @@ class Dispatcher:
     job = self._prepare(program, index, leaves, decision)
     job.data = data
     if any(program.donated) and self._viewing is not None:
+      viewing, step = self._viewing
       with self._waiting():
-        self._viewing.views_ready.wait()  # no donation of a post-state being hashed
+        if (self._digests.name == "host" and not self._config.cross_check_replicas
+            and step.previous_end_started is None):
+          step.post_views(self._digests)  # views held: donation copies (waits for the step)
+        else:
+          viewing.views_ready.wait()  # no donation of a post-state being hashed
     outs = program.executable(*leaves)
     post = [outs[i] for i in program.post_indices]
     if program.post_layouts is None:  # as the first run of this program placed it
@@ -116,7 +121,8 @@ class Dispatcher:
     # Only a step that ends a segment views its post-state (this step's input) on the
     # commit thread; a commit thread busy with other work (a check's openings) need not
     # hold training back until the window is full.
-    self._viewing = submitted if job.ends or job.previous_end_started is not None else None
+    self._viewing = ((submitted, job) if job.ends or job.previous_end_started is not None
+                     else None)
     self._last_post_leaves, self._last_program = post, program
     overlap = program.overlap or overlap_lib.UNCHECKED
     checked = job.segment_decision is not None and job.segment_decision.any_check

@@ -93,11 +93,12 @@ class Gathering:
     if job.ends:
       # The host views live only for the hash: a view held longer would keep the next step
       # from donating the post-state (one more generation of memory).
-      materialized = self.digests.materialize(job.post_started)  # waits for the step
+      materialized = job.post_views(self.digests)  # waits for the step
       hashed_at = time.perf_counter()
       local = self.digests.state_digests(materialized)
       self.hash_seconds = time.perf_counter() - hashed_at
-      job.post_started = materialized = None
+      job.release_post_views()
+      materialized = None
       self.committed_here["pieces"] += sum(d is not None for leaf in local for d in leaf)
     replicas = (self.digests.replica_digests(job.post, program.post_layouts)
                 if self.config.cross_check_replicas and job.ends else [])
