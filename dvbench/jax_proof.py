@@ -106,6 +106,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
       minimum = challenge.Policy.from_record(slot["policy"])
       # The window starts at the caller's and may grow to the server's while its answers
       # take longer than that many steps (Dispatcher._size_window): the root says so.
+      if self.config.segment_length is None and policy.segment_length > 1:
+        # An adaptive segment may be as long as the window the server allows lets it be
+        # (the window grows to it), not only the caller's first window.
+        policy = dataclasses.replace(policy, segment_length=max(
+            policy.segment_length, zkdv.config.adaptive_segment_bound(minimum.rolling_window)))
       effective = dataclasses.replace(policy.at_least(minimum),
                                       rolling_window=minimum.rolling_window)
       fields = {"kind": "dvbench", "server_key": bytes.fromhex(slot["server_key"]),

@@ -17,6 +17,16 @@ MAX_SEGMENT_LENGTH = 64
 # k) and spread a check's fixed cost (keeping, writing and hashing its start state) over
 # more steps; they cost memory (a checked segment's batches) that the rolling window bounds.
 COMMITMENT_BUDGET = 0.02
+
+
+def adaptive_segment_bound(window: int) -> int:
+  """The longest adaptive segment when the rolling window may grow to ``window``: half
+  of it (a server decides a segment after its last step is stored, so its steps must fit
+  in the window with room to spare), at most ``MAX_SEGMENT_LENGTH``.
+
+  Example: ``adaptive_segment_bound(64) == 32``; ``adaptive_segment_bound(4) == 2``.
+  """
+  return max(1, min(MAX_SEGMENT_LENGTH, window // 2))
 # The most bytes of constants an init or update program may embed (its StableHLO's dense
 # constants, a splat counted as one element). Far below one parameter set, so a program
 # cannot carry a model in its constants: a step that returns weights baked into it, or an

@@ -163,7 +163,9 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
         the batches ZKDV keeps for a server's late challenges). An adaptive
         segment is at most this long, so an undecided segment's batches stay
         within the window too. A server's challenger widens the window, up to
-        its policy's, when its decisions take longer than that many steps.
+        its policy's, when its decisions take longer than that many steps; a
+        DVBench proof's adaptive segments may grow to half that largest window
+        (``zkdv.config.adaptive_segment_bound``).
       probe_ratio: the fraction of each batch's rows opened as data probes.
     """
     if self._group is not None:
