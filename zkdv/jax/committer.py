@@ -135,12 +135,14 @@ class Committer:
     self.pipeline.submit(lambda job: self._close(started, last_post))
 
   def answer(self, decision: challenge.Decision) -> None:
-    """Queues the answer to a decision that arrived after its step was dispatched.
+    """Queues the answer to a decision that arrived after its step was dispatched, and
+    gives the step's window slot back: the answer is written on the commit thread behind
+    at most a window of newer steps' commitments, so training need not wait for them.
 
-    Called from any thread; the answer is written on the commit thread.
+    Called from any thread.
     """
-    self.pipeline.submit(lambda pipeline_job: self.answers.answer_late(decision),
-                         holds_slot=True)
+    self.pipeline.submit(lambda pipeline_job: self.answers.answer_late(decision))
+    self.pipeline.release()
 
   @property
   def pending_steps(self) -> int:

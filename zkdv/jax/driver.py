@@ -159,8 +159,9 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
 
     Args:
       rolling_window: at most this many steps may be in flight whose records
-        are not yet written or whose challenges are not yet answered (bounds
-        the batches ZKDV keeps for a server's late challenges). An adaptive
+        are not yet written or whose challenges are not yet decided (bounds
+        the batches ZKDV keeps for a server's late challenges; a decided
+        step's answer is written behind at most a window of newer steps). An adaptive
         segment is at most this long, so an undecided segment's batches stay
         within the window too. A server's challenger widens the window, up to
         its policy's, when its decisions take longer than that many steps; a

@@ -49,6 +49,7 @@ class CommitPipeline:
     self.window = window
     self._on_error = on_error
     self.in_flight = 0  # steps reserved whose records are not yet written
+    self._counting = threading.Lock()  # in_flight changes on several threads
     self._slots = threading.Semaphore(window)
     self._queue: queue.Queue[Job | None] = queue.Queue()
     self._error: BaseException | None = None
@@ -67,7 +68,14 @@ class CommitPipeline:
     while not self._slots.acquire(timeout=1.0):
       if waiting is not None:
         waiting(time.monotonic() - started)
-    self.in_flight += 1
+    with self._counting:
+      self.in_flight += 1
+
+  def release(self) -> None:
+    """Gives back a slot that ``reserve`` took for a job that holds none."""
+    with self._counting:
+      self.in_flight -= 1
+    self._slots.release()
 
   @property
   def full(self) -> bool:
@@ -123,5 +131,4 @@ class CommitPipeline:
         job.replayed.set()
         job.done.set()
         if job.holds_slot:
-          self.in_flight -= 1
-          self._slots.release()
+          self.release()
