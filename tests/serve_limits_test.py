@@ -6,6 +6,7 @@ where the store decides.
 
 import os
 import pathlib
+import re
 import signal
 import socket
 import time
@@ -44,6 +45,13 @@ def health_seconds(url: str) -> float:
 def health(url: str) -> dict:
   return httpx.get(f"{url}/api/v1/health", timeout=5).json()
 
+
+
+def _answer_length(answer: bytes) -> int:
+  """The length of a whole HTTP answer whose headers are in ``answer``."""
+  head, _, _ = answer.partition(b"\r\n\r\n")
+  found = re.search(rb"(?im)^content-length: *(\d+)", head)
+  return len(head) + 4 + (int(found[1]) if found else 0)
 
 class ConnectionsAndBlobsTest(absltest.TestCase):
   """One SQLite server with a short header deadline, 4 connections per address, 10 in all."""
@@ -180,12 +188,19 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
       self.assertEqual(bobs.status_code, 403, bobs.text)  # refused before the body is read
 
   def ask(self, s: socket.socket) -> bytes:
-    """The answer to a health request on the open connection ``s``."""
+    """The whole answer (headers and ``Content-Length`` bytes of body) to a health request
+    on the open connection ``s``; what came before it closed, if it did."""
     s.sendall(_HEALTH_REQUEST)
+    answer = b""
     try:
-      return s.recv(4096)
+      while b"\r\n\r\n" not in answer or len(answer) < _answer_length(answer):
+        chunk = s.recv(4096)
+        if not chunk:
+          break
+        answer += chunk
     except ConnectionError:
-      return b""
+      pass
+    return answer
 
   def test_past_max_connections_every_request_gets_503_health_included(self):
     # 9 open connections from three addresses (each under its own limit of 4) ...
