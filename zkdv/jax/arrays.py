@@ -167,20 +167,18 @@ def host_view(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
-def kept_for_opening(leaves: list, donated: list[bool]) -> list:
+def kept_for_opening(leaves: list) -> list:
   """``leaves`` kept for a later opening without waiting for their computation: a host
   view of a leaf that is ready; of one still being computed (a view would wait for it),
-  the array itself, or a copy dispatched behind that computation when the step donates
-  it. ``opened_views`` makes them host views on the commit thread.
+  a copy dispatched behind that computation (the step may donate the leaf, or the caller
+  delete it). ``opened_views`` makes them host views on the commit thread.
 
-  Example: ``kept_for_opening([params_being_computed], [True])`` is ``[a copy]``.
+  Example: ``kept_for_opening([params_being_computed])`` is ``[a copy]``.
   """
   leaves = [unwrap_key(x) for x in leaves]
-  pending = [i for i, x in enumerate(leaves)
-             if isinstance(x, jax.Array) and donated[i] and not x.is_ready()]
+  pending = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_ready()]
   copies = dict(zip(pending, _copies([leaves[i] for i in pending]))) if pending else {}
-  return [copies.get(i, x) if isinstance(x, jax.Array) and not x.is_ready() else host_view(x)
-          for i, x in enumerate(leaves)]
+  return [copies[i] if i in copies else host_view(x) for i, x in enumerate(leaves)]
 
 
 @jax.jit

@@ -36,7 +36,7 @@ class StepJob:
     opened: host views of the input leaves: all of them when the step starts a
       segment (the segment's start state), the batch leaves alone otherwise
       (None for state leaves). With a pending decision, leaves not computed yet
-      are kept as arrays (``arrays.kept_for_opening``), viewed on the commit thread.
+      are kept as copies (``arrays.kept_for_opening``), viewed on the commit thread.
     decision: the challenger's decision for this step, or None while it is pending.
     segment_decision: a self-chosen segment's decision (its first step's), or None
       for a server's (the decision of the segment's last step, which comes later).

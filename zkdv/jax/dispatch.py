@@ -227,8 +227,7 @@ class Dispatcher:
       if decision is None:  # likely never opened: kept without waiting for the last step
         job.opened = [None] * len(leaves)
         indices = sorted(kept)
-        for i, x in zip(indices, arrays.kept_for_opening(
-            [leaves[i] for i in indices], [program.donated[i] for i in indices])):
+        for i, x in zip(indices, arrays.kept_for_opening([leaves[i] for i in indices])):
           job.opened[i] = x
       else:
         job.opened = [arrays.host_view(x) if i in kept else None for i, x in enumerate(leaves)]
