@@ -79,12 +79,16 @@ def publish_pending(store, signing_key: ed25519.Ed25519PrivateKey) -> list[str]:
   published = []
   for row in store.pending_verdicts():
     proof_id = row["proof_id"]
-    with store.engine.begin() as conn:
-      if not store.take_pending_verdict(proof_id, conn):
-        continue
-      store.set_proof_state(proof_id, row["state"], row["failure"], conn=conn)
-      standing = labels.stored_standing(row["state"], store.proof_claims(proof_id))
-      issue(store, signing_key, proof_id, row["verdict"], row["checks"], conn, standing)
+    try:
+      with store.engine.begin() as conn:
+        if not store.take_pending_verdict(proof_id, conn):
+          continue
+        store.set_proof_state(proof_id, row["state"], row["failure"], conn=conn)
+        standing = labels.stored_standing(row["state"], store.proof_claims(proof_id))
+        issue(store, signing_key, proof_id, row["verdict"], row["checks"], conn, standing)
+    except Exception:  # pylint: disable=broad-except  # kept pending: tried again next beat
+      logger.exception("publishing the verdict of proof %s failed", proof_id)
+      continue
     logger.info("proof %s is %s; its receipt is signed", proof_id, row["state"])
     published.append(proof_id)
   return published
