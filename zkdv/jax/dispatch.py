@@ -229,7 +229,8 @@ class Dispatcher:
     # zero-copy host view keeps its input alive (JAX does not donate a buffer a view
     # holds), so nothing is copied; across processes, gathering them is a collective.
     # A self-chosen segment that no update check hit keeps nothing; across processes, a
-    # step a server decides later keeps views of the shards held here until its round.
+    # step a server decides later keeps its inputs (a copy of those it donates) until the
+    # round that decides it (``SharedDecisions.keep``).
     opens = job.segment_decision is None or job.segment_decision.update
     if self.shared is not None:
       self.shared.keep(job, leaves)
