@@ -24,8 +24,10 @@ PROCESSES, STEPS, ROWS = 2, 5, 8
 
 # The server's minimum raises the tutorial's policy: every step is update- and state-checked
 # and every row probed, so both processes open shards at every step, whatever the challenges.
+# Its largest window is the tutorial's: the window never grows, so rounds come before steps
+# 0, 2, 4, ... and the one before step 4 decides steps 0 and 1.
 SERVER_MINIMUM = ("--min-update-check-probability", "1.0", "--min-state-check-probability",
-                  "1.0", "--min-probe-ratio", "1.0")
+                  "1.0", "--min-probe-ratio", "1.0", "--max-window", "4")
 
 TRAINER = """
 import dataclasses, json, os, sys
@@ -55,10 +57,12 @@ def plain_step(state, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
   return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-def train(name, steps, attested=True):
+def train(name, steps, attested=True, stop_upload_after=None):
   # The tutorial's proof, as every process runs it.
   experiment = dvbench.Client(url, token=token).experiment(f"your-name/{name}")
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01))
+  if stop_upload_after is not None:  # a folder of its own: the transcript outlives the upload
+    config = dataclasses.replace(config, output_dir=os.path.join(os.getcwd(), name))
   proof = experiment.proof(backend="jax", config=config)
   proof.start(rolling_window=4, probe_ratio=0.01)
   init = proof.init if attested else lambda f, *args: f(*args)
@@ -72,7 +76,9 @@ def train(name, steps, attested=True):
                    donate_argnums=(0,))
   error = None
   try:
-    for _ in range(steps):
+    for t in range(steps):
+      if t == stop_upload_after and proof.writes_transcript:
+        proof.abandon("the upload was stopped")  # no more challenges from the server
       state = step(state, place(x, rows), place(y, rows))
   except zkdv.errors.ZKDVError as e:
     error = f"{type(e).__name__}: {e}"
@@ -84,18 +90,19 @@ def train(name, steps, attested=True):
           "policy": proof.policy.to_record(), "error": error}
 
 honest = train("two-processes-live", STEPS)
+stopped = train("two-processes-stopped", STEPS, attested=False, stop_upload_after=1)
 if process == 1:  # a process that opens none of the rows the server probes
   take = shared_decisions.SharedDecisions._open
   shared_decisions.SharedDecisions._open = lambda self, decision, rows: take(
       self, dataclasses.replace(decision, probe_ratio=0.0), rows)
 forged = train("two-processes-forged", 1, attested=False)
-print(json.dumps({"honest": honest, "forged": forged}))
+print(json.dumps({"honest": honest, "stopped": stopped, "forged": forged}))
 """.replace("STEPS", str(STEPS))
 
 
 class MultiProcessLiveTest(absltest.TestCase):
-  """One server; the two trainer processes train an honest proof, then one whose process 1
-  probes rows of its own choosing."""
+  """One server; the two trainer processes train an honest proof, one whose upload process 0
+  stops after its first step, then one whose process 1 opens none of the probed rows."""
 
   @classmethod
   def setUpClass(cls):
@@ -116,6 +123,7 @@ class MultiProcessLiveTest(absltest.TestCase):
       assert trainer.returncode == 0, err[-3000:]
       cls.outputs.append(json.loads(out.strip().splitlines()[-1]))
     cls.honest = [o["honest"] for o in cls.outputs]
+    cls.stopped = [o["stopped"] for o in cls.outputs]
     cls.forged = [o["forged"] for o in cls.outputs]
 
   @classmethod
@@ -171,6 +179,17 @@ class MultiProcessLiveTest(absltest.TestCase):
     self.assertIn("dvbench", claims["challenges"]["detail"])
     updates = [c for c in report["checks"] if c["kind"] == "update"]
     self.assertEqual([(c["mode"], c["status"]) for c in updates], [("exact", "verified")] * STEPS)
+
+  def test_when_process_0_gets_no_more_challenges_every_process_stops_at_the_same_step(self):
+    leader, follower = self.stopped
+    # The round before step 4 needs the challenges of steps 0 and 1; step 1's never came (its
+    # record was written after the upload stopped): both processes raise before step 4.
+    self.assertEqual((leader["steps"], follower["steps"]), (4, 4))
+    self.assertRegex(leader["error"], r"^ChallengeTimeoutError: no challenges can come from "
+                     r"DVBench: the upload was stopped")
+    self.assertRegex(follower["error"], r"^ChallengeTimeoutError: process 0 has no challenges "
+                     r"from DVBench for this round: ChallengeTimeoutError: no challenges can "
+                     r"come from DVBench: the upload was stopped")
 
   def test_a_process_that_opens_none_of_the_rows_the_server_probes_is_caught(self):
     leader, follower = self.forged

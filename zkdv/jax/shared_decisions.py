@@ -144,8 +144,8 @@ class SharedDecisions:
       try:
         challenges = [self._challenger.decision(t).challenge
                       for t in range(self._settled, through)]
-      except errors.ZKDVError as e:
-        group.report_failure(f"{type(e).__name__}: {e}")  # the others stop waiting
+      except errors.ZKDVError as e:  # the others raise at the same step, not in a collective
+        group.broadcast(key, {"error": f"{type(e).__name__}: {e}"})
         raise
       group.broadcast(key, {"window": window, "challenges": challenges})
     else:
@@ -185,7 +185,11 @@ class SharedDecisions:
 
 
 def _round(message) -> tuple[int | None, list[bytes]]:
-  """(window, challenges) of a round process 0 published; CommitmentError if malformed."""
+  """(window, challenges) of a round process 0 published; ChallengeTimeoutError when process
+  0 got no challenges for it, CommitmentError if malformed."""
+  if isinstance(message, dict) and isinstance(message.get("error"), str):
+    raise errors.ChallengeTimeoutError(
+        f"process 0 has no challenges from DVBench for this round: {message['error']}")
   window = message.get("window") if isinstance(message, dict) else None
   challenges = message.get("challenges") if isinstance(message, dict) else None
   if (not isinstance(challenges, list) or not (window is None or isinstance(window, int)) or
