@@ -2,6 +2,7 @@
 
   python -m benchmarks.live [--quick] [--workloads small mlp tiny] [--batch 128 256 1024]
                             [--rounds 6] [--block 10] [--p 0.01] [--probe-ratio 0.01]
+                            [--processes 2]
 
 Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``;
 ``proof.jit`` offline (self-sampled checks at p, no upload) without and with probes;
@@ -11,7 +12,8 @@ its first step to its last step's outputs being ready, then settled (every step
 committed and, live, every challenge answered) outside the timing; *settled* counts
 the settle too. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
 per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
-tutorial's model). The table comes last.
+tutorial's model). ``--processes P`` adds the small MLP trained in P local processes,
+offline and live in the same run (``benchmarks.live_processes``). The table comes last.
 """
 
 import argparse
@@ -105,7 +107,7 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workloads", nargs="+", default=["small", "mlp", "tiny"],
+  parser.add_argument("--workloads", nargs="*", default=["small", "mlp", "tiny"],
                       choices=["small", "mlp", "tiny"])
   parser.add_argument("--batch", type=int, nargs="+", default=[128, 256, 1024],
                       help="batch sizes of the mlp workload (small runs at 256)")
@@ -118,6 +120,8 @@ def main(argv=None):
   parser.add_argument("--server-nice", type=int, default=0,
                       help="the server's niceness (its process group's): 19 leaves the "
                            "cores to training first, as a server on another machine would")
+  parser.add_argument("--processes", type=int, default=1,
+                      help="also the small MLP in this many processes (jax.distributed, gloo)")
   parser.add_argument("--quick", action="store_true",
                       help="small and tiny workloads, mlp at batch 128 only, 3 rounds")
   args = parser.parse_args(argv)
@@ -134,6 +138,9 @@ def main(argv=None):
     os.environ.update(DVBENCH_URL=server.url, DVBENCH_TOKEN=server.token("bench"))
     with tempfile.TemporaryDirectory(prefix="zkdv-live-") as folder:
       rows = [row for name, b in cases for row in measure(name, b, args, folder)]
+    if args.processes > 1:
+      from benchmarks import live_processes  # pylint: disable=g-import-not-at-top
+      rows += live_processes.rows(args, server.url, os.environ["DVBENCH_TOKEN"])
   finally:
     server.stop()
   with open("/proc/loadavg") as f:

@@ -32,7 +32,9 @@ class DVBenchProof(zkdv.jax.ZKDV):
   the root. Records are sent as they are written; each acknowledgement of a
   step record carries the step's challenge, and the driver answers it with
   check records. ``finish()`` uploads the rest, waits for the server's
-  acknowledgement and removes the temporary proof storage.
+  acknowledgement and removes the temporary proof storage. In a multi-process run
+  every process makes the proof and process 0 alone holds the stream; the others take the
+  server's decisions from it (``zkdv.jax.shared_decisions``).
 
   Attributes:
     proof_id: the server's id of this proof (the transcript id, hex).
@@ -95,12 +97,9 @@ class DVBenchProof(zkdv.jax.ZKDV):
       logger.info("discarded proof %s: %s", self.proof_id, reason)
 
   def _make_challenger(self, policy, seed, group):
-    del seed
-    if group.multi:
-      raise zkdv_errors.ProofStateError(
-          "live DVBench challenges need a single-process run. Train a multi-process run "
-          "with zkdv.jax.ZKDV and upload its transcript with experiment.upload(path): "
-          "it is then labelled self-audited.")
+    """Process 0's challenger (it alone holds the stream; the others take its decisions
+    in rounds, ``zkdv.jax.shared_decisions``)."""
+    del seed, group
     slot = self.experiment.proof_slot()
     try:
       minimum = challenge.Policy.from_record(slot["policy"])
@@ -162,6 +161,8 @@ class DVBenchProof(zkdv.jax.ZKDV):
       self._stored = resume.reopen(self.experiment, self._resume_id, folder)
       self.resume_from = folder
     super().start(rolling_window=rolling_window, probe_ratio=probe_ratio)
+    if not self.writes_transcript:  # process 0 uploads what every process committed
+      return self
     challenger = self._challenger
     self._uploader = Uploader(self.experiment.client.http, self.experiment.name, self.path,
                               on_challenge=challenger.deliver, on_failure=challenger.fail,
@@ -194,11 +195,13 @@ class DVBenchProof(zkdv.jax.ZKDV):
     except zkdv_errors.ZKDVError as e:
       error = e
     if not self._upload_done:
-      self._uploader.finish(timeout=self.upload_timeout)
+      if self._uploader is not None:  # None on the processes other than 0
+        self._uploader.finish(timeout=self.upload_timeout)
       self._upload_done = True
       if self._temporary is not None:
         shutil.rmtree(self._temporary, ignore_errors=True)
-      logger.info("%s", self.summary())
+      if self._uploader is not None:
+        logger.info("%s", self.summary())
     if error is not None:
       raise error
     return self.path
@@ -207,6 +210,9 @@ class DVBenchProof(zkdv.jax.ZKDV):
     """One line: the proof's state on the server, its steps and checks, and its page
     (``wait``: seconds to wait for the server's verdict first), e.g.
     ``your-name/run proof 3f..: verified, 10 steps, 4 checks (4 replayed); http://...``."""
+    if self._group is not None and not self.writes_transcript:
+      return (f"{self.experiment.name}: process {self._group.index} commits its shards; "
+              "process 0 uploads the proof")
     if self.proof_id is None:
       return f"{self.experiment.name}: the proof has not started (no record was sent)"
     return self.experiment.client.summary(self.proof_id, wait)

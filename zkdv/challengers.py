@@ -150,6 +150,15 @@ class ServerChallenger:
       logger.warning("ZKDV: training waits for DVBench's challenges (%s); it resumes when "
                      "the server answers, or stops after %.0f s.", what, self.timeout_s)
 
+  def decision(self, step: int) -> challenge.Decision:
+    """Step ``step``'s decision, once the server sent it (waits as ``wait_for``)."""
+    started = time.monotonic()
+    with self._changed:
+      while step not in self._decided:
+        self.waiting(time.monotonic() - started, f"the challenge of step {step}")
+        self._changed.wait(1.0)
+      return self._decided[step]
+
   def wait_for(self, steps: int) -> None:
     """Blocks until steps ``0 .. steps-1`` all have decisions."""
     started = time.monotonic()

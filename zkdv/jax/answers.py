@@ -58,6 +58,34 @@ class Answers:
         "dvbench", segment.first, segment.last) == decision.step
     self.answer(decision, decision if decides else None)
 
+  def answer_shared(self, decision: challenge.Decision, rows: list, opened, post,
+                    replayed) -> None:
+    """Answers a decision every process of a multi-process run took, from what they
+    opened: the probed rows each process sent (``[leaf, row, bytes]``) and, for a
+    check, the whole inputs, post-state and replayed post-state. Raises CommitmentError
+    naming a probed row no process sent."""
+    kept = self._kept.get(decision.step)
+    if kept is None or kept.answered:
+      raise errors.CommitmentError(
+          f"a challenge arrived for step {decision.step}, which is not awaiting one.")
+    job, row_data = kept.job, kept.trees[1]
+    for leaf, row, data in rows:
+      row_data.setdefault((leaf, row), data)
+    for leaf, layout in enumerate(job.program.batch_layouts):
+      missing = [r for r in decision.leaf_probe_rows(leaf, layout) if (leaf, r) not in row_data]
+      if missing:
+        raise errors.CommitmentError(
+            f"step {decision.step}: no process sent rows {missing} of batch leaf "
+            f"{layout.path}, which the challenge probes. Every process must take its "
+            "decisions from process 0's rounds (zkdv.jax.shared_decisions).")
+    if opened is not None:
+      job.opened = opened
+    job.checked = (post, replayed)
+    segment = self._segment_ending(decision.step)
+    if segment is not None and post is not None:
+      segment.end_views = post
+    self.answer_late(decision)
+
   def answer(self, decision: challenge.Decision, segment_decision) -> None:
     """Writes the check records that answer ``decision``: the probes of its step and,
     when the step ends a segment, the segment's update and state checks as

@@ -144,6 +144,32 @@ class Committer:
     self.pipeline.submit(lambda pipeline_job: self.answers.answer_late(decision))
     self.pipeline.release()
 
+  def answer_round(self, topic: str, answers: list, rows: list) -> None:
+    """Queues the answers to the decisions every process of a multi-process run took in
+    the round ``topic`` (``zkdv.jax.shared_decisions``): ``answers`` are (decision, whole
+    inputs, post-state, replayed post-state) with None where no check opens them, ``rows``
+    the probed rows held here (``[step, leaf, row, bytes]``), sent to process 0, which then
+    deletes the round (every process has read it). The round gives its steps' window slots
+    back at once (``CommitPipeline.release``): their answers queue behind newer commitments."""
+    def work(pipeline_job):
+      del pipeline_job
+      sent = self.group.gather(f"{topic}/rows", rows)
+      if sent is None:  # another process writes the records
+        for decision, *_ in answers:
+          self.openings.count_decided(decision)
+        return
+      self.group.delete(topic)
+      by_step = {}
+      for here in sent:
+        for step, leaf, row, data in here:
+          by_step.setdefault(step, []).append((leaf, row, data))
+      for decision, opened, post, replayed in answers:
+        self.answers.answer_shared(decision, by_step.get(decision.step, []), opened, post,
+                                   replayed)
+    self.pipeline.submit(work)
+    for _ in answers:
+      self.pipeline.release()
+
   @property
   def pending_steps(self) -> int:
     return self.answers.pending_steps
@@ -176,7 +202,7 @@ class Committer:
       job.opened = arrays.opened_views(job.opened)
     end_views = None
     segment_decision = job.segment_decision
-    if job.ends and job.checked is None and (
+    if job.ends and job.checked is None and not self.group.multi and (
         segment_decision is None or segment_decision.state or not program.exact):
       end_views = [arrays.host_view(x) for x in job.post]  # before the next step may donate
     gathered = self.gathering.gather_step(job, pipeline_job.views_ready)

@@ -28,6 +28,7 @@ from zkdv import overlap as overlap_lib
 from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.commit_jobs import StepJob
+from zkdv.jax.shared_decisions import SharedDecisions
 
 logger = logging.getLogger("zkdv")
 
@@ -56,6 +57,7 @@ class Dispatcher:
 
   Attributes:
     steps: the number of steps dispatched so far.
+    shared: a multi-process run's rounds of a server's decisions, else None.
   """
 
   def __init__(self, committer, challenger, digests, group, config):
@@ -75,6 +77,8 @@ class Dispatcher:
     self._viewing = None  # (pipeline job, step) of the last step, if it views its post-state
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
     self._said_window_short = False
+    self.shared = (SharedDecisions(group, challenger, committer)
+                   if group.multi and challenger.kind == "dvbench" else None)
 
   def run(self, program, leaves: list, data=None) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks; ``data``:
@@ -84,7 +88,12 @@ class Dispatcher:
       committer.pipeline.raise_if_failed()
     if self.restored is not None:
       self._check_restored(program, leaves)
-    if committer.pipeline.full and isinstance(self._challenger, challengers.ServerChallenger):
+    if self.shared is not None:  # across processes, the window changes only in rounds
+      if self.shared.due(self.steps, committer.pipeline.window):
+        if self._group.is_writer:
+          self._size_window()
+        self.shared.settle(self.steps, committer.pipeline.window)
+    elif committer.pipeline.full and isinstance(self._challenger, challengers.ServerChallenger):
       self._size_window()
     # A step that cannot enter the window raises before anything is taken: call it again.
     with self._waiting():
@@ -114,7 +123,9 @@ class Dispatcher:
     if job.ends:
       job.post_started = self._digests.start_state(post, program.post_layouts)
     job.metrics = [(name, outs[i]) for name, i in program.metric_outputs]
-    if multi and decision.any_check:  # collectives stay on this thread
+    if self.shared is not None:
+      self.shared.keep_post(job, post)
+    elif multi and decision.any_check:  # collectives stay on this thread
       job.checked = ([arrays.gather(x) for x in post],
                      program.replay_sharded(job.opened) if decision.update else None)
     submitted = committer.submit_step(job)
@@ -217,9 +228,13 @@ class Dispatcher:
     # Openings are whole leaves: the start state and every batch of a segment. A
     # zero-copy host view keeps its input alive (JAX does not donate a buffer a view
     # holds), so nothing is copied; across processes, gathering them is a collective.
-    # A self-chosen segment that no update check hit keeps nothing.
+    # A self-chosen segment that no update check hit keeps nothing; across processes, a
+    # step a server decides later keeps its inputs (a copy of those it donates) until the
+    # round that decides it (``SharedDecisions.keep``).
     opens = job.segment_decision is None or job.segment_decision.update
-    if self._group.multi:
+    if self.shared is not None:
+      self.shared.keep(job, leaves)
+    elif self._group.multi:
       if opens:
         job.opened = [arrays.gather(x) for x in leaves]
     elif opens or decision is None:

@@ -41,6 +41,7 @@ from zkdv.jax import digests as digests_lib
 from zkdv.jax import processes
 from zkdv.jax import resume as resume_lib
 from zkdv.jax import sampler
+from zkdv.jax import shared_decisions
 from zkdv.jax import start as start_lib
 from zkdv.jax.committer import Committer
 from zkdv.jax.dispatch import Dispatcher
@@ -71,6 +72,15 @@ def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger,
       **({"processes": group.count} if group.multi else {}),
       **run,
   }
+
+
+def _follower_challenger(fields: dict, seed: bytes):
+  """The challenger of a process other than 0, from the root's challenger fields process 0
+  shared: the same effective policy, and process 0's seed or its server's decisions."""
+  policy = challenge.Policy.from_record(fields["policy"])
+  if fields["kind"] == "dvbench":
+    return shared_decisions.FollowerChallenger(fields, policy)
+  return challengers.SelfChallenger(policy, seed)
 
 
 def _identity(base):
@@ -198,6 +208,7 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
         transcript.write_atomically(path / resume_lib.SEED_FILE, seed, mode=0o600)
       self._writer, self._challenger = writer, challenger
       return {"run_id": os.urandom(16), "seed": seed, "folder": str(path),
+              "challenger": root["challenger"], "window": rolling_window,
               "key_seed": keys.key_seed(root["challenger"], writer.transcript_id)}
 
     run = group.open_run(open_transcript)
@@ -207,10 +218,10 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
       logger.info("ZKDV proof %r: transcript at %s (checks chosen by %s)", self.name, path,
                   self._challenger.kind)
     else:
-      self._challenger = challengers.SelfChallenger(policy, run["seed"])
+      self._challenger = _follower_challenger(run["challenger"], run["seed"])
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
                   self.name, group.index, path)
-    self._open(path, group, rolling_window)
+    self._open(path, group, run["window"])  # process 0's: rounds follow the same window
     return self
 
   def _open(self, path: pathlib.Path, group, window: int | None = None) -> None:
@@ -224,8 +235,8 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
                                     self.policy.rolling_window),
                                 on_error=self._report_failure)
     self._committer.prover_replays = not self.policy.full_replay  # the verifier replays all
-    if isinstance(self._challenger, challengers.ServerChallenger):
-      self._challenger.on_decision = self._committer.answer
+    if isinstance(self._challenger, challengers.ServerChallenger) and not group.multi:
+      self._challenger.on_decision = self._committer.answer  # across processes: rounds
     self._dispatcher = Dispatcher(self._committer, self._challenger, self._digests, group,
                                   self.config)
     self._group = group

@@ -118,6 +118,11 @@ class ProcessGroup:
       return value
     return cbor2.loads(self._get(key, f"{topic} from process 0", source=0, patient=True))
 
+  def delete(self, topic: str) -> None:
+    """Deletes process 0's ``broadcast`` of ``topic`` (once every process has read it)."""
+    if self.multi:
+      self._client.key_value_delete(f"{self._prefix}/{topic}")
+
   def agree_on_outcome(self, error, path, committed_steps: int):
     """Process 0's failure, raised on every process of a multi-process run.
 

@@ -1,0 +1,233 @@
+"""A server's decisions on every process of a multi-process run.
+
+Process 0 alone holds the stream to DVBench and learns each step's challenge.
+Every ``window // 2`` steps (``SharedDecisions.due``), before a step is dispatched,
+every process holds a *round*: process 0 publishes the challenges of the steps that
+would otherwise outlast the rolling window (waiting for them if the server is late)
+through the coordination service's key-value store, the others read them, and every
+process takes the same decisions (``challenge.decide`` with the root's policy) for
+the same steps. Until its round, each process keeps a step's inputs and post-state
+(a device copy of what a step donates, made before the step runs); a round gathers
+those an update or state check opens (collectives on the training thread, in the
+same order on every process) and sends process 0 the probed rows held here.
+
+Example::
+
+  shared = SharedDecisions(group, challenger, committer)
+  shared.keep(job, leaves)          # at dispatch, instead of gathering openings
+  shared.keep_post(job, post)
+  if shared.due(steps, window):
+    shared.settle(steps, window)    # before the next step: decide what leaves the window
+  shared.settle(steps)              # at finish: decide every step
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zkdv import challenge
+from zkdv import digest
+from zkdv import errors
+from zkdv.jax import arrays
+
+
+class FollowerChallenger:
+  """The server's challenger on a process other than 0: it never decides itself; every
+  decision comes from process 0 in a ``SharedDecisions`` round.
+
+  Args:
+    root_fields: the root's ``challenger`` map, as process 0 wrote it.
+    policy: the effective policy (the root's).
+  """
+
+  kind = "dvbench"
+
+  def __init__(self, root_fields: dict, policy: challenge.Policy):
+    self._root_fields = root_fields
+    self.policy = policy
+
+  def root_fields(self) -> dict:
+    return dict(self._root_fields)
+
+  def final_fields(self) -> dict:
+    return {}
+
+  def decision_now(self, step: int) -> None:
+    """Never known before the step runs (process 0 publishes it in a later round)."""
+    del step
+    return None
+
+  def close(self) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class PendingStep:
+  """What one dispatched step keeps until its round: its input and post-state leaves
+  (a leaf some step donates is kept as a copy made before that step ran)."""
+
+  job: object
+  inputs: list
+  post: list | None = None
+
+
+class SharedDecisions:
+  """Rounds in which every process takes the server's decisions for the same steps.
+
+  Args:
+    group: the run's ``processes.ProcessGroup``.
+    challenger: process 0's ``ServerChallenger``, or a ``FollowerChallenger``.
+    committer: this process's ``Committer``.
+  """
+
+  def __init__(self, group, challenger, committer):
+    self._group, self._challenger, self._committer = group, challenger, committer
+    self._pending: dict[int, PendingStep] = {}
+    self._holders: dict[int, list] = {}  # id(leaf) -> [(kept list, index)] holding it
+    self._settled = 0  # steps 0 .. settled-1 are decided on every process
+    self._rounds = 0
+
+  def keep(self, job, leaves: list) -> None:
+    """Keeps a step's inputs until its round: references, or a device copy (made before
+    the step runs) of each leaf the step donates, which then replaces that leaf wherever
+    an earlier step keeps it (its post-state)."""
+    donated = [i for i, d in enumerate(job.program.donated) if d]
+    inputs = list(leaves)
+    for i, copy in zip(donated, _device_copies([leaves[i] for i in donated])):
+      inputs[i] = copy
+      for held, n in self._holders.pop(id(leaves[i]), []):
+        held[n] = copy
+        self._hold(held, n)
+    self._pending[job.index] = PendingStep(job, inputs)
+    for n in range(len(inputs)):
+      self._hold(inputs, n)
+
+  def keep_post(self, job, post: list) -> None:
+    """Keeps a step's post-state (references, copied once a later step donates them)."""
+    post = self._pending[job.index].post = list(post)
+    for n in range(len(post)):
+      self._hold(post, n)
+
+  def _hold(self, leaves: list, n: int) -> None:
+    self._holders.setdefault(id(leaves[n]), []).append((leaves, n))
+
+  def _release(self, leaves: list) -> None:
+    for x in leaves:
+      rest = [(held, n) for held, n in self._holders.get(id(x), []) if held is not leaves]
+      if rest:
+        self._holders[id(x)] = rest
+      else:
+        self._holders.pop(id(x), None)
+
+  @staticmethod
+  def due(steps: int, window: int) -> bool:
+    """Whether a round is held before step ``steps``: every ``window // 2`` steps, so
+    that the processes between rounds dispatch steps as they would offline.
+
+    Example: with a window of 8, before steps 4, 8, 12, ...
+    """
+    return steps % _round_every(window) == 0
+
+  def settle(self, steps: int, window: int | None = None) -> None:
+    """Holds a round before step ``steps`` is dispatched (``due``): decides the steps that
+    leave a ``window`` of process 0's choosing before the next round (all ``steps`` when
+    None, at ``finish``) and answers them. Every process calls it at the same points."""
+    group = self._group
+    key = f"decisions/{self._rounds}"
+    self._rounds += 1
+    if group.is_writer:
+      # At most window - 1 undecided steps when the next round comes, window // 2 steps on.
+      through = (steps if window is None else
+                 max(self._settled, steps - window + _round_every(window)))
+      try:
+        challenges = [self._challenger.decision(t).challenge
+                      for t in range(self._settled, through)]
+      except errors.ZKDVError as e:  # the others raise at the same step, not in a collective
+        group.broadcast(key, {"error": f"{type(e).__name__}: {e}"})
+        raise
+      group.broadcast(key, {"window": window, "challenges": challenges})
+    else:
+      window, challenges = _round(group.broadcast(key))
+      if window is not None:
+        self._committer.pipeline.grow(window)
+    policy = self._challenger.policy
+    answers, rows = [], []
+    for t, step_challenge in enumerate(challenges, start=self._settled):
+      answers.append(self._open(challenge.decide(t, step_challenge, policy), rows))
+    self._settled += len(challenges)
+    self._committer.answer_round(key, answers, rows)
+
+  def _open(self, decision: challenge.Decision, rows: list) -> tuple:
+    """What answering ``decision`` needs: (decision, whole inputs, post-state and replayed
+    post-state where a check opens them, else None), gathered by collectives, the same on
+    every process; appends the probed rows held here to ``rows`` (``[step, leaf, row,
+    bytes]``)."""
+    pending = self._pending.pop(decision.step)
+    program = pending.job.program
+    opened = post = replayed = None
+    if decision.update:
+      opened = _gathered(decision.step, pending.inputs)
+      if self._committer.prover_replays:
+        replayed = program.replay_sharded(opened)
+    if decision.state or (decision.update and not program.exact):
+      post = _gathered(decision.step, pending.post)
+    for leaf, layout in enumerate(program.batch_layouts):
+      probed = decision.leaf_probe_rows(leaf, layout)
+      if probed:
+        blocks = arrays.row_shards(pending.inputs[program.batch_indices[leaf]], layout)
+        rows += [[decision.step, leaf, row, data] for row in probed
+                 if (data := _row_bytes(blocks, row)) is not None]
+    self._release(pending.inputs)
+    self._release(pending.post or [])
+    return decision, opened, post, replayed
+
+
+def _round(message) -> tuple[int | None, list[bytes]]:
+  """(window, challenges) of a round process 0 published; ChallengeTimeoutError when process
+  0 got no challenges for it, CommitmentError if malformed."""
+  if isinstance(message, dict) and isinstance(message.get("error"), str):
+    raise errors.ChallengeTimeoutError(
+        f"process 0 has no challenges from DVBench for this round: {message['error']}")
+  window = message.get("window") if isinstance(message, dict) else None
+  challenges = message.get("challenges") if isinstance(message, dict) else None
+  if (not isinstance(challenges, list) or not (window is None or isinstance(window, int)) or
+      not all(isinstance(c, bytes) and len(c) == challenge.KEY_BYTES for c in challenges)):
+    raise errors.CommitmentError(f"process 0 published a malformed round: {message!r:.200}.")
+  return window, challenges
+
+
+def _round_every(window: int) -> int:
+  return max(1, window // 2)
+
+
+@jax.jit
+def _copies(leaves: list) -> list:
+  return [jnp.copy(x) for x in leaves]
+
+
+def _device_copies(leaves: list) -> list:
+  """Copies of ``leaves`` where they live, in one program; of a PRNG key, its key data."""
+  return _copies([arrays.unwrap_key(x) for x in leaves]) if leaves else []
+
+
+def _gathered(step: int, leaves: list) -> list[np.ndarray]:
+  """The whole leaves on every process (collectives); CommitmentError if one was deleted."""
+  if any(x.is_deleted() for x in leaves):
+    raise errors.CommitmentError(
+        f"step {step}: a leaf its check opens was deleted before the check (donated to a "
+        "step outside proof.jit?). Keep the arrays of a multi-process run challenged live "
+        "until their steps' decisions came (the rolling window).")
+  return [arrays.gather(x) for x in leaves]
+
+
+def _row_bytes(blocks: list, row: int) -> bytes | None:
+  """The bytes of Merkle row ``row`` from the blocks held here (``arrays.row_shards``),
+  or None where another process holds it."""
+  for first, count, block in blocks:
+    if first <= row < first + count:
+      data = digest.byte_view(np.ascontiguousarray(arrays.host_view(block)))
+      width = data.size // count
+      return bytes(data[(row - first) * width:(row - first + 1) * width])
+  return None
