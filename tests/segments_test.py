@@ -16,6 +16,7 @@ from zkdv import config
 from zkdv import transcript
 from zkdv import verify
 from zkdv.jax import dispatch
+from zkdv.jax import processes
 from zkdv.verify import parallel
 
 ALWAYS = {"update_check_probability": 1.0, "state_check_probability": 0.5, "probe_ratio": 0.5}
@@ -216,7 +217,7 @@ class SegmentsTest(VerifierTestCase):
   def test_time_waiting_on_checks_is_not_step_time(self):
     # A run that waits for every check (p = 1) measured its steps as step + check, and the
     # adaptive k fell to 1: every step opened its whole start state.
-    dispatcher = dispatch.Dispatcher(None, None, None, None, None)
+    dispatcher = dispatch.Dispatcher(None, None, None, processes.ProcessGroup.current(), None)
     dispatcher.steps = 5
     dispatcher._time_step()  # pylint: disable=protected-access
     with dispatcher._waiting():  # pylint: disable=protected-access
