@@ -17,6 +17,7 @@ from absl.testing import absltest
 import dvbench
 from dvbench.server.local import LocalServer
 from dvbench.server.local import free_port
+from tests import multiprocess_test
 from tests import testing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -32,19 +33,13 @@ SERVER_MINIMUM = ("--min-update-check-probability", "1.0", "--min-state-check-pr
 TRAINER = """
 import dataclasses, json, os, sys
 process, port, url, token = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-import jax
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+""" + multiprocess_test.JOIN + """
 import jax.numpy as jnp, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import dvbench, zkdv
 from zkdv.jax import shared_decisions
 from tests import testing
-
-d = jax.devices()
-mesh = Mesh(np.array([[d[0], d[2]], [d[3], d[1]]]), ("data", "model"))
-model = testing.MLP(width=64)
+""" + multiprocess_test.MESH + """
 x = np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
 y = np.arange(8, dtype=np.int32) % 10
 replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))

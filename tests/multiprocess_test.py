@@ -31,24 +31,31 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROCESSES, LOCAL_DEVICES, STEPS = 2, 2, 3
 BACKENDS = ("host", "device")
 
-TRAINER = """
-import json, os, sys
-process, port = int(sys.argv[1]), sys.argv[2]
+# Joins the run as process ``process`` of two (two CPU devices each) at ``port``.
+JOIN = """
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+"""
+# Diagonal: each process holds one row block of the batch and one column of each kernel.
+MESH = """
+d = jax.devices()
+mesh = Mesh(np.array([[d[0], d[2]], [d[3], d[1]]]), ("data", "model"))
+model = testing.MLP(width=64)
+"""
+
+TRAINER = """
+import json, os, sys
+process, port = int(sys.argv[1]), sys.argv[2]
+""" + JOIN + """
 import jax.numpy as jnp, numpy as np, optax
 from flax import serialization
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import zkdv
 from tests import testing
-
-# Diagonal: each process holds one row block of the batch and one column of each kernel.
-d = jax.devices()
-mesh = Mesh(np.array([[d[0], d[2]], [d[3], d[1]]]), ("data", "model"))
-model = testing.MLP(width=64)
+""" + MESH + """
 params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
 x = np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
 y = np.arange(8, dtype=np.int32) % 10
