@@ -59,17 +59,24 @@ class Runner(common.TrainRow):
     if row == "jax.jit":
       super().__init__(model, params, batch)
       return
-    config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
-                             output_dir=os.path.join(folder, row.replace(", ", "-")))
-    if row.startswith("offline"):
-      proof = zkdv.jax.ZKDV("live-benchmark", config)
-    else:
-      import dvbench  # pylint: disable=g-import-not-at-top
-      client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
-      proof = client.experiment("bench/live").proof(config=config)
-    proof.start(rolling_window=window,
-                probe_ratio=probe_ratio if row.endswith("probes") else 0.0)
+    proof = started_proof(row, "bench/live", p, probe_ratio if row.endswith("probes") else 0.0,
+                          folder, window)
     super().__init__(model, params, batch, proof)
+
+
+def started_proof(row: str, experiment: str, p: float, probe_ratio: float, folder: str,
+                  window: int):
+  """The started proof of a row: offline (``zkdv.jax.ZKDV``), or live on the server at
+  ``DVBENCH_URL`` in ``experiment``."""
+  config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
+                           output_dir=os.path.join(folder, row.replace(", ", "-")))
+  if row.startswith("offline"):
+    proof = zkdv.jax.ZKDV("live-benchmark", config)
+  else:
+    import dvbench  # pylint: disable=g-import-not-at-top
+    client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
+    proof = client.experiment(experiment).proof(config=config)
+  return proof.start(rolling_window=window, probe_ratio=probe_ratio)
 
 
 def measure(name: str, batch_size: int, args, folder: str) -> list[list]:

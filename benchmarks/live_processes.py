@@ -47,7 +47,6 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
   from flax.training import train_state  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
-  import dvbench  # pylint: disable=g-import-not-at-top
   import zkdv  # pylint: disable=g-import-not-at-top
   from benchmarks import common  # pylint: disable=g-import-not-at-top
   from benchmarks import live  # pylint: disable=g-import-not-at-top
@@ -69,15 +68,7 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
     if row == "jax.jit":
       state, jit = train_state.TrainState.create(**kwargs), jax.jit
     else:
-      config = zkdv.ZKDVConfig(
-          sampling_policy=zkdv.SamplingPolicy(update_check_probability=p),
-          output_dir=os.path.join(folder, row.replace(", ", "-")))
-      if row.startswith("offline"):
-        proof = zkdv.jax.ZKDV("live-benchmark", config)
-      else:
-        client = dvbench.Client(os.environ["DVBENCH_URL"], token=os.environ["DVBENCH_TOKEN"])
-        proof = client.experiment("bench/live-processes").proof(config=config)
-      proof.start(rolling_window=window, probe_ratio=probe_ratio)
+      proof = live.started_proof(row, "bench/live-processes", p, probe_ratio, folder, window)
       state, jit = zkdv.jax.contrib.TrainState.create(proof=proof, **kwargs), proof.jit
     shardings = jax.tree.map(lambda v: columns if getattr(v, "ndim", 0) == 2 else replicated,
                              state)
