@@ -177,8 +177,17 @@ def kept_for_opening(leaves: list) -> list:
   """
   leaves = [unwrap_key(x) for x in leaves]
   pending = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_ready()]
-  copies = dict(zip(pending, _copies([leaves[i] for i in pending]))) if pending else {}
+  copies = dict(zip(pending, device_copies([leaves[i] for i in pending])))
   return [copies[i] if i in copies else host_view(x) for i, x in enumerate(leaves)]
+
+
+def device_copies(leaves: list) -> list:
+  """Copies of ``leaves`` where they live, in one program dispatched behind the ones that
+  compute them; of a PRNG key, its key data.
+
+  Example: ``device_copies([x])[0]`` holds ``x``'s bytes in a buffer of its own.
+  """
+  return _copies([unwrap_key(x) for x in leaves]) if leaves else []
 
 
 @jax.jit

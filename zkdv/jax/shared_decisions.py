@@ -23,8 +23,6 @@ Example::
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zkdv import challenge
@@ -95,7 +93,7 @@ class SharedDecisions:
     an earlier step keeps it (its post-state)."""
     donated = [i for i, d in enumerate(job.program.donated) if d]
     inputs = list(leaves)
-    for i, copy in zip(donated, _device_copies([leaves[i] for i in donated])):
+    for i, copy in zip(donated, arrays.device_copies([leaves[i] for i in donated])):
       inputs[i] = copy
       for held, n in self._holders.pop(id(leaves[i]), []):
         held[n] = copy
@@ -200,16 +198,6 @@ def _round(message) -> tuple[int | None, list[bytes]]:
 
 def _round_every(window: int) -> int:
   return max(1, window // 2)
-
-
-@jax.jit
-def _copies(leaves: list) -> list:
-  return [jnp.copy(x) for x in leaves]
-
-
-def _device_copies(leaves: list) -> list:
-  """Copies of ``leaves`` where they live, in one program; of a PRNG key, its key data."""
-  return _copies([arrays.unwrap_key(x) for x in leaves]) if leaves else []
 
 
 def _gathered(step: int, leaves: list) -> list[np.ndarray]:
