@@ -190,7 +190,15 @@ class DataOrderTest(parameterized.TestCase):
        "step 0: row 0 of its batch is dataset row"),
       ("a_step_without_rows", lambda rs: [
           {k: v for k, v in r.items() if not (k == "data_rows" and r["index"] == 2)}
-          for r in rs], "data_order", "step 2 commits no rows of the declared dataset"))
+          for r in rs], "data_order", "step 2 commits no rows of the declared dataset"),
+      # No epoch holds a batch: the order would divide by zero batches per epoch.
+      ("a_batch_larger_than_the_dataset", lambda rs: [
+          {**r, "batch_size": r["rows"] + 1} if r["type"] == "data" else r for r in rs],
+       "schema", f"data record is malformed: a batch of {ROWS + 1} rows from a dataset of "
+       f"{ROWS}"),
+      ("a_leaf_of_other_rows", lambda rs: [
+          {**r, "rows": r["rows"] - 1} if r["type"] == "data" else r for r in rs],
+       "schema", f"data record is malformed: every leaf of the dataset has {ROWS - 1} rows"))
   def test_an_edited_transcript_is_invalid_naming_what(self, edit, code, says):
     edited = resume_test._rewrite(self.honest, edit)  # pylint: disable=protected-access
     report = verify.verify(edited)

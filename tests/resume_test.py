@@ -400,12 +400,8 @@ class ResumedDataOrderTest(absltest.TestCase):
   def test_a_resumed_run_goes_on_with_the_seeded_order(self):
     root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-resume-data-"))
     folder, checkpoint = root / "run", root / "ckpt"
-    crashed = _trainer(folder, checkpoint, "--data", "--stop-at", "7", stdin=subprocess.PIPE)
-    for line in crashed.stdout:
-      if line.strip() == "ready":
-        break
-    os.kill(crashed.pid, signal.SIGKILL)
-    crashed.wait(timeout=60)
+    _kill_when_ready(_trainer(folder, checkpoint, "--data", "--stop-at", "7",
+                              stdin=subprocess.PIPE))
     code, _, err = _finish(_trainer(folder, checkpoint, "--data", "--resume"))
     self.assertEqual(code, 0, err[-2000:])
     report = verify.verify(folder)

@@ -26,7 +26,6 @@ import dataclasses
 import numpy as np
 
 from zkdv import challenge
-from zkdv import digest
 from zkdv import errors
 from zkdv.jax import arrays
 
@@ -175,8 +174,8 @@ class SharedDecisions:
       probed = decision.leaf_probe_rows(leaf, layout)
       if probed:
         blocks = arrays.row_shards(pending.inputs[program.batch_indices[leaf]], layout)
-        rows += [[decision.step, leaf, row, data] for row in probed
-                 if (data := _row_bytes(blocks, row)) is not None]
+        rows += [[decision.step, leaf, row, bytes(data)] for row in probed
+                 if (data := self._committer.digests.row_bytes(blocks, row)) is not None]
     self._release(pending.inputs)
     self._release(pending.post or [])
     return decision, opened, post, replayed
@@ -208,14 +207,3 @@ def _gathered(step: int, leaves: list) -> list[np.ndarray]:
         "step outside proof.jit?). Keep the arrays of a multi-process run challenged live "
         "until their steps' decisions came (the rolling window).")
   return [arrays.gather(x) for x in leaves]
-
-
-def _row_bytes(blocks: list, row: int) -> bytes | None:
-  """The bytes of Merkle row ``row`` from the blocks held here (``arrays.row_shards``),
-  or None where another process holds it."""
-  for first, count, block in blocks:
-    if first <= row < first + count:
-      data = digest.byte_view(np.ascontiguousarray(arrays.host_view(block)))
-      width = data.size // count
-      return bytes(data[(row - first) * width:(row - first + 1) * width])
-  return None
