@@ -207,6 +207,20 @@ class DataOrderTest(parameterized.TestCase):
     self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
     self.assertIn(says, finding.message)
 
+  def test_a_batch_that_is_not_the_declared_dataset_is_invalid_unprobed(self):
+    # No probe or full replay opens a row, so no row is checked: the batch's leaves must be
+    # the dataset's all the same (else its committed indices name rows it never reads).
+    def float16_dataset(records):
+      return [{**r, "layout": [{**r["layout"][0], "dtype": "float16"}, *r["layout"][1:]]}
+              if r["type"] == "data" else r for r in records]
+    edited = resume_test._rewrite(train("unprobed", probe_ratio=0.0), float16_dataset)  # pylint: disable=protected-access
+    report = verify.verify(edited)
+    self.assertEqual(report.verdict, "invalid")
+    finding = _finding(report, "data_order")
+    self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
+    self.assertIn("is not dataset leaf 0", finding.message)
+    self.assertEqual(report.claim("data").status, "does not hold")
+
   def test_a_grain_source_is_read_in_the_same_seeded_order(self):
     proof = _proof("grain")
     with mock.patch.object(challenge, "new_key", return_value=bytes(32)):

@@ -62,7 +62,9 @@ def _committed_rows(step, declared) -> np.ndarray | None:
 
 def check_order(ctx: Verification) -> None:
   """Every step's ``data_rows`` are batch ``t`` of the seeded order (a finding names the
-  step and its first row that is not); none without a data record."""
+  step and its first row that is not), and every program a step runs takes the dataset's
+  leaves as its batch (``_data_leaves``: a batch of PRNG keys alone would commit indices of
+  rows it never reads); none without a data record."""
   model, report = ctx.model, ctx.report
   declared = model.data
   if declared is None:
@@ -71,8 +73,12 @@ def check_order(ctx: Verification) -> None:
       report.fail("data_order", stray.where, f"step {stray.index} commits data_rows, but no "
                   "data record declares the dataset they index.")
     return
-  order, discarded = _order(ctx), 0
+  order, discarded, shaped = _order(ctx), 0, set()
   for step in model.steps:
+    program = model.programs.get(step.program)
+    if program is not None and step.program not in shaped:  # its batch is the dataset's
+      shaped.add(step.program)
+      _data_leaves(ctx, program, step.where)
     number = step.index - discarded  # a step a resume discarded trained no batch that counts
     discarded += model.discarded(step.index)
     got = _committed_rows(step, declared)
@@ -154,6 +160,10 @@ def probed_rows_in_dataset(ctx: Verification, step, program, entries, fields,
         ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: {e}")
         return False
       at = row * group + j
+      if mapping[leaf] is None or not 0 <= at < len(rows):
+        ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: not a row "
+                        "of a dataset leaf of the batch.")
+        return False
       if not _row_in_dataset(ctx, step, layout, mapping[leaf], at, rows[at],
                              row_bytes.tobytes(), path, where):
         return False
