@@ -275,7 +275,7 @@ class DatabaseCases:
              "max_abs_error": math.inf, "max_rel_error": math.nan, "max_ulp_error": 2**64 - 1}
             for kind in ("update", "state")]
     self.assertTrue(store.complete_proof_job(job["id"], "replay", prover.proof_id, "invalid",
-                                             "diverged", rows))
+                                             "diverged", rows, receipt=("invalid", 1)))
     response = self.http.get(f"/api/v1/proofs/{prover.proof_id}/checks")
     self.assertEqual(response.status_code, 200, response.text)
     self.assertEqual([(c["max_abs_error"], c["max_rel_error"], c["max_ulp_error"])

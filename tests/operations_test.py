@@ -245,7 +245,8 @@ class QueueTest(parameterized.TestCase):
     [first] = self.enqueue(store, "alice", 1)
     done = store.claim_job("w1", 60, owner_share=1)
     self.assertEqual(done["subject"], first)
-    self.assertTrue(store.complete_proof_job(done["id"], "w1", first, "verified", None, []))
+    self.assertTrue(store.complete_proof_job(done["id"], "w1", first, "verified", None, [],
+                                             receipt=("verified", 0)))
     [second] = self.enqueue(store, "alice", 1)  # alice was served after mallory
     # Mallory's older jobs wait: mallory runs one, alice none.
     self.assertEqual(store.claim_job("w1", 60, owner_share=1)["subject"], second)

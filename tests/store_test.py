@@ -126,11 +126,13 @@ class StoreTest(parameterized.TestCase):
     taken = store.claim_job("rescuer", lease_seconds=30)
     self.assertEqual(taken["attempts"], 2)
     self.assertFalse(store.complete_proof_job(taken["id"], winners[0]["lease_owner"], proof,
-                                              "verified", None, []))  # lost its lease
+                                              "verified", None, [],
+                                              receipt=("verified", 0)))  # lost its lease
     self.assertTrue(store.complete_proof_job(taken["id"], "rescuer", proof, "verified", None,
                                        [{"step": 0, "kind": "update", "mode": "exact",
                                          "status": "verified", "max_abs_error": 0.0,
-                                               "max_rel_error": 0.0, "max_ulp_error": 0}]))
+                                               "max_rel_error": 0.0, "max_ulp_error": 0}],
+                                             receipt=("verified", 1)))
     self.assertEqual(store.proof(proof)["state"], "verified")
     self.assertLen(store.proof_checks(proof), 1)
 
@@ -154,6 +156,8 @@ class StoreTest(parameterized.TestCase):
     fields = receipt.open_receipt(store.receipt(proof), receipt.public_key_bytes(key).hex())
     self.assertEqual((fields["verdict"], fields["checks"], fields["challenge_key"],
                       fields["standing"]["state"]), ("invalid", 2, b"k" * 32, "invalid"))
+    # The owner's attempts count this proof by the verdict the receipt publishes.
+    self.assertEqual(fields["attempts"]["by_outcome"], {"invalid": 1})
     self.assertEqual(receipts.publish_pending(store, key), [])  # published once
 
 

@@ -43,15 +43,18 @@ def _unanswered(conn, proof_ids: list[str]) -> set[str]:
       challenges.c.proof_id.in_(proof_ids) & unanswered()))}
 
 
-def owner_attempts(store, owner: str) -> dict:
+def owner_attempts(store, owner: str, conn=None) -> dict:
   """``{"owner", "slots", "by_outcome": {outcome: n}, "after_unanswered_challenge"}``:
   every slot issued to ``owner``, by what became of it (a settled proof's state, or
   ``unfinished``), and how many proofs stopped right after a challenge they did not
-  answer (dropped, abandoned or refused at close)."""
-  with store.engine.connect() as conn:
-    rows = conn.execute(_owner_slots(owner)).all()
-    stopped = _unanswered(conn, [r.id for r in rows if r.id is not None
-                                 and r.state in ("receiving", "invalid", "abandoned")])
+  answer (dropped, abandoned or refused at close). ``conn``: read inside that transaction
+  (it sees the state it set)."""
+  if conn is None:
+    with store.engine.connect() as c:
+      return owner_attempts(store, owner, c)
+  rows = conn.execute(_owner_slots(owner)).all()
+  stopped = _unanswered(conn, [r.id for r in rows if r.id is not None
+                               and r.state in ("receiving", "invalid", "abandoned")])
   by_outcome = {}
   for row in rows:
     outcome = UNFINISHED if row.state is None or row.state in _RUNNING else row.state

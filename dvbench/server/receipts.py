@@ -6,7 +6,7 @@ the workers' replay. Self-challenged proofs get none (the server chose nothing).
 
 No worker ever holds the signing key, whether ``dvbench serve`` started it or it runs on
 its own (``dvbench worker``): a worker stores its verdict on a server-challenged proof as
-pending (``Store.complete_proof_job(..., receipt=...)``), and the server process publishes
+pending (``Store.complete_proof_job``), and the server process publishes
 it together with the receipt it signs (``publish_pending``, on the supervisor's beat).
 
 Example::
@@ -56,7 +56,7 @@ def issue(store, signing_key: ed25519.Ed25519PrivateKey, proof_id: str, verdict:
     standing = labels.stored_standing(proof["state"], store.proof_claims(proof_id))
   policy = json.loads(challenger["policy"])
   counted = attempts_lib.describe(attempts_lib.owner_attempts(
-      store, proof["experiment"].split("/")[0]), policy["update_check_probability"])
+      store, proof["experiment"].split("/")[0], conn), policy["update_check_probability"])
   body = fields(proof, challenger, store.record_ids(proof_id),
                 receipt.public_key_bytes(signing_key), verdict, checks,
                 standing.to_json(),

@@ -12,7 +12,7 @@ import time
 import sqlalchemy as sa
 
 from dvbench import scoring
-from dvbench.server.schema import (checks, chunks, experiments, jobs, measurement_samples,
+from dvbench.server.schema import (challengers, checks, chunks, experiments, jobs, measurement_samples,
                                    measurements, owners, pending_verdicts, probes, proof_claims,
                                    proofs, records, score_shards, submissions)
 from dvbench.server.store_custody import add_proof_digests
@@ -230,15 +230,15 @@ class JobQueries:
     return ids
 
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
-                         failure: str | None, check_rows: list[dict],
-                         claims: dict | None = None, strict: bool = False,
-                         receipt: tuple[str, int] | None = None) -> bool:
+                         failure: str | None, check_rows: list[dict], *,
+                         receipt: tuple[str, int], claims: dict | None = None,
+                         strict: bool = False) -> bool:
     """Stores the verdict and the claims; False (nothing written) when the lease was lost.
 
-    With ``receipt`` (the verifier's verdict and the checks it replayed, for a
-    server-challenged proof) the state waits in ``pending_verdicts``: the server process
-    publishes it together with the receipt it signs (``receipts.publish_pending``), so no
-    worker needs the signing key and no verdict is public without its receipt."""
+    ``receipt``: the verifier's verdict and the checks it replayed. On a server-challenged
+    proof the state waits with them in ``pending_verdicts``: the server process publishes
+    it together with the receipt it signs (``receipts.publish_pending``), so no worker
+    needs the signing key and no verdict is public without its receipt."""
     with self.engine.begin() as conn:
       if not self._finish_job(conn, job_id, worker):
         return False
@@ -250,7 +250,9 @@ class JobQueries:
       if claims is not None:
         conn.execute(proof_claims.insert().values(proof_id=proof_id, claims=json.dumps(claims),
                                                   strict=strict))
-      if receipt is None:
+      kind = conn.execute(sa.select(challengers.c.kind).where(
+          challengers.c.proof_id == proof_id)).scalar()
+      if kind != "dvbench":  # the server chose nothing: no receipt
         self.set_proof_state(proof_id, state, failure, conn=conn)
         return True
       conn.execute(pending_verdicts.delete().where(pending_verdicts.c.proof_id == proof_id))

@@ -191,10 +191,10 @@ class Supervisor:
             self._reap(slot)
           if slot.process is None and slot.restarts.due():
             self._spawn(slot)
+        if self.signing_key is not None:  # first: nothing else on the beat holds it back
+          receipts.publish_pending(self.store, self.signing_key)
         if self.ingest_processes is not None:
           self.ingest_processes.replace_dead()
-        if self.signing_key is not None:
-          receipts.publish_pending(self.store, self.signing_key)
         last = self._housekeeping(last)
       except Exception:  # pylint: disable=broad-except  # e.g. the database is unreachable
         logger.exception("housekeeping failed; retrying")

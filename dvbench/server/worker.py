@@ -288,14 +288,10 @@ def _process(store, blobs, job, worker_id, work, limits) -> tuple[bool, str]:
   """(whether the verdict was kept, the subject's state) of one job."""
   if job["kind"] == "proof":
     verdict = verify_proof(store, blobs, job["subject"], work, limits)
-    challenger = store.challenger(job["subject"])
-    receipt = None  # a server-challenged proof's verdict waits for the server's signature
-    if challenger is not None and challenger["kind"] == "dvbench":
-      receipt = (verdict.verifier_verdict,
-                 sum(r["status"] != "not replayed" for r in verdict.rows))
+    receipt = (verdict.verifier_verdict, sum(r["status"] != "not replayed" for r in verdict.rows))
     return store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
-                                    verdict.failure, verdict.rows, verdict.claims,
-                                    verdict.strict, receipt), verdict.state
+                                    verdict.failure, verdict.rows, receipt=receipt,
+                                    claims=verdict.claims, strict=verdict.strict), verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
     return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
