@@ -42,11 +42,11 @@ import numpy as np
 
 from dvbench import contamination
 from dvbench import scoring
-from dvbench import transport
 from dvbench.measurement import load_checkpoint, params_digest, tree_layouts
 from zkdv import data as data_lib
 from zkdv import digest
 from zkdv import errors as zkdv_errors
+from zkdv import records
 from zkdv import transcript
 from zkdv.jax import arrays
 from zkdv.jax import replay
@@ -79,7 +79,7 @@ class TrainingSet(data_lib.DatasetTree):
 
     train_set = TrainingSet({"tokens": tokens, "labels": labels})
     train_set.root, train_set.size                  # what a benchmark registers
-    train_set.membership_proofs([blake3(row).digest()])  # [[digest, index, path]]
+    train_set.membership_proofs([row_bytes])         # [[row bytes, index, path]]
   """
 
   def __init__(self, rows):
@@ -93,11 +93,12 @@ class TrainingSet(data_lib.DatasetTree):
   def __repr__(self):
     return f"TrainingSet(root={self.root.hex()[:16]}…, size={self.size})"
 
-  def membership_proofs(self, row_digests) -> list[list]:
-    """``[row digest, index, audit path]`` for each digest (BLAKE3 of a row's bytes) that
-    is a row of this set; others are left out (a leaderboard shows them as outside)."""
-    return [[d, self._index[d], self.inclusion_proof(self._index[d])]
-            for d in sorted(set(row_digests)) if d in self._index]
+  def membership_proofs(self, rows) -> list[list]:
+    """``[row bytes, index, audit path]`` for each row (its bytes) of this set; others are
+    left out (a leaderboard shows them as outside)."""
+    indices = {blake3.blake3(row).digest(): row for row in rows}
+    return [[indices[d], self._index[d], self.inclusion_proof(self._index[d])]
+            for d in sorted(indices) if d in self._index]
 
 
 def _start_pins(init_program, base_checkpoint, min_probe_ratio) -> dict:
@@ -208,13 +209,16 @@ class Benchmark:
   def info(self) -> dict:
     return self.client.http.request("GET", self.path).json()
 
-  def probed_rows(self, proof_id: str) -> set[bytes]:
-    """The BLAKE3 digests of the batch rows the proof's probe checks opened."""
+  def probed_rows(self, proof_id: str) -> list[bytes]:
+    """The batch rows (their bytes, each once) the proof's probe checks opened."""
     data = self.client.http.request("GET", f"/api/v1/proofs/{proof_id}/transcript").content
-    decoder, probed = cbor2.CBORDecoder(io.BytesIO(data)), set()
+    decoder, probed = cbor2.CBORDecoder(io.BytesIO(data)), {}
     while decoder.fp.tell() < len(data):
-      probed |= {bytes.fromhex(d) for d in transport.probe_blobs(decoder.decode())}
-    return probed
+      record = decoder.decode()
+      if (record.get("type"), record.get("kind")) == ("check", "probe"):
+        probed.update((blake3.blake3(row).digest(), row) for entry in record["probes"]
+                      for row in records.probed_rows(entry[2]))
+    return list(probed.values())
 
   def submit(self, proof_id: str, checkpoint, training_set: TrainingSet | None = None) -> dict:
     """Submits ``checkpoint`` (pytree, msgpack bytes or path), the final params of

@@ -11,15 +11,17 @@ and its mask). A probed training example matches an evaluation example when
   unrelated examples and never counts alone. An evaluation set of one leaf: its rows are
   its examples.
 
-Only numpy and BLAKE3 here: the server's web process uses it. Example::
+Only numpy, BLAKE3 and the record schema here: the server's web process uses it. Example::
 
   digests = evaluation_digests([tokens_rows, label_rows])  # {digest: example index}
-  probed_examples(probe_check_record)                      # {example digest, ...}
+  probed_examples(probed_rows(probe_check_record))         # {example digest, ...}
   rows_in_constants(in_dtypes(on_each_axis(constants), dtypes), leaves)  # [example, ...]
 """
 
 import blake3
 import numpy as np
+
+from zkdv import records
 
 MIN_IDENTIFYING_BYTES = 16
 _EXAMPLE = b"zkdv example\x00"
@@ -58,30 +60,30 @@ def evaluation_digests(leaves: list[np.ndarray]) -> dict[str, int]:
   return found
 
 
-def probed_examples(record: dict) -> set[str]:
-  """The ``example_digest`` of each leading-axis row a probe check opened in every probed
-  leaf (a probe of a group of g rows, Merkle row r, opens rows r*g to r*g+g-1, one blob
-  each); nothing when it probed fewer than two leaves, whose rows are the probed rows."""
-  probes = record.get("probes") if (record.get("type"), record.get("kind")) == (
-      "check", "probe") else None
-  if not isinstance(probes, list):
-    return set()
+def probed_rows(record: dict) -> list[tuple[int, int, list[bytes]]]:
+  """Per probe of a probe check record (checked against ``zkdv.records``): its batch leaf,
+  the index of its first leading-axis row and the ``row_digest`` of each row it opens (a
+  group of g rows, Merkle row r, opens rows r*g to r*g+g-1). Any other record: ``[]``."""
+  if (record.get("type"), record.get("kind")) != ("check", "probe"):
+    return []
+  return [(leaf, row * len(rows), [row_digest(r) for r in records.probed_rows(rows)])
+          for leaf, row, rows, _ in record["probes"]]
+
+
+def probed_examples(opened: list[tuple[int, int, list[bytes]]]) -> set[str]:
+  """The ``example_digest`` of each leading-axis row that probes (``probed_rows``) opened in
+  every probed leaf; nothing when they probed fewer than two leaves, whose rows are the
+  probed rows."""
   by_row: dict[int, dict[int, bytes]] = {}
-  leaves = set()
-  for p in probes:
-    if not (isinstance(p, list) and len(p) == 4 and type(p[0]) is int
-            and type(p[1]) is int and 0 <= p[1] < 1 << 62):
-      continue
-    blobs = p[2] if isinstance(p[2], list) else [p[2]]
-    for i, blob in enumerate(blobs[:1 << 16]):
-      if isinstance(blob, bytes) and len(blob) == 32:
-        by_row.setdefault(p[1] * len(blobs) + i, {})[p[0]] = blob
-        leaves.add(p[0])
+  for leaf, first, digests in opened:
+    for i, d in enumerate(digests):
+      by_row.setdefault(first + i, {})[leaf] = d
+  leaves = {leaf for leaf, _, _ in opened}
   if len(leaves) < 2:
     return set()
   order = sorted(leaves)
-  return {example_digest([opened[leaf] for leaf in order])
-          for opened in by_row.values() if set(opened) == leaves}
+  return {example_digest([rows[leaf] for leaf in order])
+          for rows in by_row.values() if set(rows) == leaves}
 
 
 def _one_element_repeated(row: bytes) -> bool:

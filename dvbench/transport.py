@@ -28,6 +28,7 @@ import io
 
 import cbor2
 
+from zkdv import records
 from zkdv.transcript import record_id  # pylint: disable=unused-import  # re-exported
 
 CHUNK_BYTES = 256 * 1024
@@ -36,7 +37,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 16
 MAX_ITEMS = 1 << 20
 MAX_STRING = MAX_BODY_BYTES  # bytes and text strings of an envelope
-MAX_RECORD_STRING = 1 << 20  # bytes and text strings inside a record
+MAX_RECORD_STRING = records.MAX_STRING_BYTES  # bytes and text strings inside a record
 MAX_RECORD_BYTES = 256 * 1024 * 1024  # a record reassembled from chunks
 MAX_BLOBS = 4096  # blobs in one POST /api/v1/proofs/{id}/blobs
 SMALL_BLOB_BYTES = 64 * 1024  # blobs this small travel together, one request per envelope
@@ -134,19 +135,7 @@ def blob_refs(record: dict) -> set[str]:
     for d in values:
       if isinstance(d, bytes) and len(d) == 32:
         refs.add(d.hex())
-  return refs | probe_blobs(record)
-
-
-def probe_blobs(record: dict) -> set[str]:
-  """Hex digests of the probed batch rows a probe check opens (each row's BLAKE3; a
-  group of rows opens one blob per row)."""
-  is_probe = record.get("type") == "check" and record.get("kind") == "probe"
-  probes = record.get("probes") if is_probe else None
-  if not isinstance(probes, list):
-    return set()
-  opened = [p[2] for p in probes if isinstance(p, list) and len(p) == 4]
-  return {d.hex() for blobs in opened for d in (blobs if isinstance(blobs, list) else [blobs])
-          if isinstance(d, bytes) and len(d) == 32}
+  return refs
 
 
 class RecordScanner:

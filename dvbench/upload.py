@@ -4,7 +4,7 @@ The uploader is a background thread: training never waits on the network,
 only, at the rolling window, on the server's challenges, which acknowledgements
 carry (``on_challenge``). Blobs are uploaded for the proof by a second thread,
 beside the envelopes (the server needs them by the close, not to challenge):
-small ones (probed rows) together, one request per envelope, large ones each
+small ones (small state leaves) together, one request per envelope, large ones each
 skipped when the server already holds it for the proof.
 
 Example::
@@ -327,7 +327,7 @@ class Uploader(threading.Thread):
     self._blob_uploads = pending
 
   def _send_blobs(self, digests: list[str]) -> None:
-    """Small blobs (a probe's rows) together in requests of up to ``batch_bytes``, large
+    """Small blobs (small state leaves, opened rows) together in requests of up to ``batch_bytes``, large
     ones one by one (each skipped if the server holds it)."""
     small, size = [], 0
     for digest in digests:

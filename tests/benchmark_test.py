@@ -515,23 +515,23 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     proofs = self.training_set.membership_proofs(probed)
     self.assertLen(proofs, len(probed))  # the honest run probed only training rows
     row, index, path = proofs[0]
+    name = blake3.blake3(row).hexdigest()
     # Attack: a membership proof for another index (or another tree) is refused.
     forged = [[row, (index + 1) % self.training_set.size, path]]
     response = self.raw_submit(self.submitter, self.honest_record(training_proofs=forged))
     self.assertEqual(response.status_code, 409)
-    self.assertIn(f"the membership proof of probed row {row.hex()} (index "
+    self.assertIn(f"the membership proof of probed row {name} (index "
                   f"{(index + 1) % self.training_set.size}) does not lead to the root "
                   f"{self.training_set.root.hex()}", response.json()["error"])
     # Attack: proving a training row the proof never probed.
-    unprobed = TrainingSet(EVAL_ROWS).membership_proofs([blake3.blake3(
-        EVAL_ROWS[0].tobytes()).digest()])
+    unprobed = TrainingSet(EVAL_ROWS).membership_proofs([EVAL_ROWS[0].tobytes()])
     response = self.raw_submit(self.submitter, self.honest_record(training_proofs=unprobed))
     self.assertEqual(response.status_code, 409)
     self.assertIn("is not a probed row of proof", response.json()["error"])
     response = self.raw_submit(self.submitter, self.honest_record(
         training_proofs=[proofs[0], proofs[0]]))
     self.assertEqual(response.status_code, 400)
-    self.assertIn(f"row {row.hex()} is proven twice", response.json()["error"])
+    self.assertIn(f"row {name} is proven twice", response.json()["error"])
     unpinned = self.submitter.benchmark("alice/any-program")
     with self.refused(400, "'alice/any-program' registers no training set; send none"):
       unpinned.submit(self.honest_proof, self.honest, training_set=self.training_set)
@@ -620,13 +620,13 @@ class ContaminationTest(absltest.TestCase):
     self.assertFalse(label_digests & set(found))
     self.assertEqual(set(found.values()), set(range(8)))
     self.assertLen(found, 16)  # every example's digest and every token row's
-    # A probe of tokens row 2 (single rows) and of labels group 0 (rows 0-3, one blob each).
-    digest_of = lambda a: blake3.blake3(a.tobytes()).digest()  # pylint: disable=g-long-lambda
+    # A probe of tokens row 2 (single rows) and of labels group 0 (rows 0-3, one row each).
     record = {"type": "check", "kind": "probe", "probes": [
-        [0, 2, digest_of(tokens[2]), []], [1, 0, [digest_of(l) for l in labels[:4]], []]]}
-    (example,) = contamination.probed_examples(record)
+        [0, 2, [tokens[2].tobytes()], []], [1, 0, [l.tobytes() for l in labels[:4]], []]]}
+    opened = contamination.probed_rows(record)
+    (example,) = contamination.probed_examples(opened)
     self.assertEqual(found[example], 2)
-    self.assertEqual(contamination.probed_examples({**record, "probes": record["probes"][:1]}),
+    self.assertEqual(contamination.probed_examples(opened[:1]),
                      set())  # one leaf probed: its rows are the probed rows
 
 
@@ -638,17 +638,16 @@ class TrainingSetTest(absltest.TestCase):
     train_set = TrainingSet(rows)
     self.assertEqual(train_set.size, 10)
     row_bytes = [r.tobytes() for r in rows["x"]] + [r.tobytes() for r in rows["y"]]
-    digests = [blake3.blake3(r).digest() for r in row_bytes]
-    outsider = blake3.blake3(np.float32([1, 2, 3]).tobytes()).digest()
-    proofs = train_set.membership_proofs(digests + [outsider])
+    outsider = np.float32([1, 2, 3]).tobytes()
+    proofs = train_set.membership_proofs(row_bytes + [outsider])
     self.assertLen(proofs, 9)  # the repeated row once, the outsider left out
-    for digest_, index, path in proofs:
-      self.assertEqual(digests[index], digest_)
-      self.assertTrue(merkle.verify_inclusion(merkle.leaf_hash(row_bytes[index]), index,
+    for row, index, path in proofs:
+      self.assertEqual(row_bytes[index], row)
+      self.assertTrue(merkle.verify_inclusion(merkle.leaf_hash(row), index,
                                               train_set.size, path, train_set.root))
       self.assertFalse(merkle.verify_inclusion(merkle.leaf_hash(b"another row"), index,
                                                train_set.size, path, train_set.root))
-    self.assertEqual({p[1] for p in proofs if p[0] == digests[8]}, {5})  # the first 7
+    self.assertEqual({p[1] for p in proofs if p[0] == row_bytes[8]}, {5})  # the first 7
 
 
 if __name__ == "__main__":

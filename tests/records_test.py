@@ -9,6 +9,7 @@ schema, before any database work) and by the verifier's reading of a transcript 
 
 import dataclasses
 import functools
+import re
 from unittest import mock
 
 from absl.testing import absltest
@@ -265,6 +266,30 @@ class ProgramRulesTest(parameterized.TestCase):
     self.assertIsNotNone(server, rule)
     self.assertEqual(server, verifier)
     self.assertIn(f"record {n} ({recs[n]['type']}).{field}: ", server)
+
+
+class ProbedRowsTest(absltest.TestCase):
+  """A probed Merkle row travels inline: one byte string per leading-axis row, a row wider
+  than a record's byte strings as chunks."""
+
+  def test_rows_round_trip_and_wide_rows_are_chunked(self):
+    group = bytes(range(12))
+    self.assertEqual(records.probe_rows(group, 3), [group[0:4], group[4:8], group[8:12]])
+    with mock.patch.object(records, "MAX_STRING_BYTES", 3):
+      chunked = records.probe_rows(group, 2)
+    self.assertEqual(chunked, [[group[0:3], group[3:6]], [group[6:9], group[9:12]]])
+    self.assertEqual(records.probed_rows(chunked), [group[:6], group[6:]])
+
+  def test_the_schema_takes_rows_and_chunk_lists_only(self):
+    probe = {"type": "check", "step": 0, "kind": "probe", "batch_roots": [bytes(32)],
+             "prev": bytes(32)}
+    wide = bytes(records.MAX_STRING_BYTES)
+    for rows in ([b"row"], [[wide, b"rest"]], [b"a", [wide, wide]]):
+      records.check_record({**probe, "probes": [[0, 0, rows, []]]}, "record 1")
+    for rows, named in (([], "probes[0][2]"), ([[b"one chunk"]], "probes[0][2][0]"),
+                        ([wide + b"x"], "probes[0][2][0]"), ([7], "probes[0][2][0]")):
+      with self.assertRaisesRegex(records.Invalid, re.escape(f"(check).{named}")):
+        records.check_record({**probe, "probes": [[0, 0, rows, []]]}, "record 1")
 
 
 if __name__ == "__main__":

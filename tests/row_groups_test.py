@@ -11,7 +11,7 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from dvbench import transport
+from dvbench import contamination
 from tests import testing
 from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
 from zkdv import digest
@@ -83,28 +83,29 @@ class RowGroupsTest(VerifierTestCase):
               if r["kind"] == "probe"]
     self.assertLen(probes, STEPS)
     for record in probes:
-      (leaf, group, blobs, proof), = record["probes"]
+      (leaf, group, opened, proof), = record["probes"]
       rows = batch(record["step"])[group * 16:(group + 1) * 16]
       self.assertEqual((leaf, len(proof)), (0, 1))
-      self.assertEqual(blobs, [blake3.blake3(r.tobytes()).digest() for r in rows])
-      # The server matches these digests against benchmark and training-set rows.
-      self.assertEqual(transport.probe_blobs(record), {b.hex() for b in blobs})
+      self.assertEqual(opened, [r.tobytes() for r in rows])  # inline, one per row
+      # The server matches each row's digest against benchmark and training-set rows.
+      self.assertEqual(contamination.probed_rows(record), [
+          (0, group * 16, [blake3.blake3(r.tobytes()).digest() for r in rows])])
 
   def test_rows_swapped_within_a_group_are_caught(self):
     def swap(records):
       probe = first(records, "check", kind="probe")
-      blobs = probe["probes"][0][2]
-      probe["probes"][0][2] = [blobs[1], blobs[0], *blobs[2:]]
+      rows = probe["probes"][0][2]
+      probe["probes"][0][2] = [rows[1], rows[0], *rows[2:]]
       return records
     report = self.assert_fails(rechained(swap, grouped_transcript()), "probe")
     self.assertIn("not in the committed batch", report.dumps())
 
-  def test_a_group_opened_as_one_blob_is_malformed(self):
-    def one_blob(records):
+  def test_a_group_opened_as_one_row_is_malformed(self):
+    def one_row(records):
       probe = first(records, "check", kind="probe")
-      probe["probes"][0][2] = probe["probes"][0][2][0]
+      probe["probes"][0][2] = [b"".join(probe["probes"][0][2])]
       return records
-    report = self.assert_fails(rechained(one_blob, grouped_transcript()), "probe")
+    report = self.assert_fails(rechained(one_row, grouped_transcript()), "probe")
     self.assertIn("malformed probe entry", report.dumps())
 
   @parameterized.parameters(1, 8, 32)

@@ -24,6 +24,7 @@ from zkdv import digest
 from zkdv import errors
 from zkdv import merkle
 from zkdv import receipt as receipt_lib
+from zkdv import records
 from zkdv import transcript
 from zkdv import verify
 
@@ -174,8 +175,8 @@ def _answer(writer, decision, segment_decision, segment, x, post, trees) -> None
   if rows:
     writer.append({"type": "check", "step": decision.step, "kind": "probe",
                    "batch_roots": [digest.tree_root(t) for t in trees],
-                   "probes": [[0, r, blob(x[r]), merkle.inclusion_proof(trees[0], r)]
-                              for r in rows]})
+                   "probes": [[0, r, records.probe_rows(digest.byte_view(x[r]), 1),
+                               merkle.inclusion_proof(trees[0], r)] for r in rows]})
 
 
 def write_receipt(folder: pathlib.Path, server: _Dvbench, verdict="verified", **changes):
@@ -414,6 +415,12 @@ class ProbeTamperTest(VerifierTestCase):
       ("bad_proof", lambda c: c["probes"][0][3].__setitem__(0, bytes(32))),
       ("bad_roots", lambda c: c["batch_roots"].__setitem__(0, bytes(32))),
       ("row_out_of_range", lambda c: c["probes"][0].__setitem__(1, 2**40), "schema"),
+      ("flipped_row", lambda c: c["probes"][0][2].__setitem__(
+          0, bytes([c["probes"][0][2][0][0] ^ 1]) + c["probes"][0][2][0][1:])),
+      ("short_row", lambda c: c["probes"][0][2].__setitem__(0, c["probes"][0][2][0][:-1])),
+      ("row_as_digest", lambda c: c["probes"][0].__setitem__(2, [bytes(32)])),
+      ("row_in_one_chunk_list", lambda c: c["probes"][0][2].__setitem__(
+          0, [c["probes"][0][2][0]]), "schema"),
   )
   def test_edited_probes_fail(self, change, code="probe"):
     def edit(records):
@@ -421,11 +428,13 @@ class ProbeTamperTest(VerifierTestCase):
       return records
     self.assert_fails(rechained(edit), code)
 
-  def test_flipped_probe_blob(self):
-    path = copy_of(good_transcript())
-    probe = first(records_of(path), "check", kind="probe")["probes"][0]
-    flip_byte(transcript.blob_path(path, probe[2]), 0)
-    self.assert_fails(path, "probe")
+  def test_a_short_row_is_named(self):
+    def edit(records):
+      probe = first(records, "check", kind="probe", step=2)["probes"][0]
+      probe[2][0] = probe[2][0][:-4]
+      return records
+    report = self.assert_fails(rechained(edit), "probe")
+    self.assertIn("its data row 0 is", report.dumps())
 
   def test_hostile_row_counts_are_refused_before_drawing(self):
     huge = digest.LeafLayout("[0]", "float32", (2**39, 1))

@@ -101,6 +101,12 @@ INDEX = Int()
 DIGEST = Bytes()
 DIGESTS = ListOf(DIGEST)
 PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
+# A byte string inside a record is at most this long (the server decodes records with this
+# bound); a probed row wider than it travels as a list of chunks of at most this many bytes.
+MAX_STRING_BYTES = 1 << 20
+_CHUNK = Bytes(None, MAX_STRING_BYTES)
+PROBED_ROW = Either(_CHUNK, ListOf(_CHUNK, 256, min_len=2),
+                    f"a row's bytes, or a list of chunks of at most {MAX_STRING_BYTES} bytes")
 LAYOUTS = ListOf(Map())  # each parsed by zkdv.programs.parse_layouts
 NAME = Text(400)
 NAMES = ListOf(NAME, 4096)
@@ -182,15 +188,35 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
                # per step of the segment, per dataset leaf, per row: its dataset audit path
                "data_paths": Field(ListOf(ListOf(ListOf(ListOf(DIGEST, 64)))))},
     "state": {"post_state_blobs": Field(DIGESTS, REQUIRED)},
-    # [leaf, Merkle row, its blob digest (a group of rows: one per row), inclusion proof]
+    # [leaf, Merkle row, its leading-axis rows inline (``probed_rows``), inclusion proof]
     "probe": {"batch_roots": Field(DIGESTS, REQUIRED),
-              "probes": Field(ListOf(Row((INDEX, INDEX, Either(DIGEST, DIGESTS,
-                                                               "a digest or a list of them"),
+              "probes": Field(ListOf(Row((INDEX, INDEX, ListOf(PROBED_ROW, min_len=1),
                                           ListOf(DIGEST, 64)))), REQUIRED),
               # per probe, per data row it opens: its audit path in the dataset tree
               "data_paths": Field(ListOf(ListOf(ListOf(DIGEST, 64))))},
     "start": {"pre_state_pieces": Field(PIECES, REQUIRED)},
 }
+
+
+
+def probe_rows(merkle_row, row_group: int) -> list:
+  """A probed Merkle row (bytes or a uint8 view) as a probe entry carries it: its
+  ``row_group`` leading-axis rows, each inline, or as chunks when wider than a record's
+  byte strings may be. Example: ``probe_rows(b"abcd", 2)`` is ``[b"ab", b"cd"]``."""
+  data = bytes(merkle_row)
+  width = len(data) // row_group
+  rows = [data[i * width:(i + 1) * width] for i in range(row_group)]
+  if width <= MAX_STRING_BYTES:
+    return rows
+  return [[r[i:i + MAX_STRING_BYTES] for i in range(0, width, MAX_STRING_BYTES)]
+          for r in rows]
+
+
+def probed_rows(entry_rows: list) -> list[bytes]:
+  """The leading-axis rows a probe entry opens (its third item, schema-checked), each
+  joined from its chunks; the inverse of ``probe_rows``."""
+  return [row if isinstance(row, bytes) else b"".join(row) for row in entry_rows]
+
 
 # The rules across a record's fields, applied once each field matches (``zkdv.programs``).
 ACROSS_FIELDS = {"program": programs.check_program, "init": programs.check_init}

@@ -27,7 +27,7 @@ import numpy as np
 from zkdv import errors
 from zkdv.digest import numpy_dtype
 
-FORMAT_VERSION = 6  # the one format this zkdv reads and writes (docs/protocol.md)
+FORMAT_VERSION = 7  # the one format this zkdv reads and writes (docs/protocol.md)
 PROVER = "whitebox-jax"
 RECORDS_FILE = "records.cborl"
 BLOBS_DIR = "blobs"

@@ -152,16 +152,17 @@ def _training_set(value) -> dict | None:
 
 
 def _training_proofs(value) -> list[tuple[bytes, int, list[bytes]]]:
-  """``[row digest, index, audit path]`` entries, strictly typed."""
+  """``[row bytes, index, audit path]`` entries, strictly typed."""
   if not isinstance(value, list) or len(value) > 1 << 16:
-    raise bad("training_proofs", "a list of at most 65536 [row digest, index, path].")
+    raise bad("training_proofs", "a list of at most 65536 [row bytes, index, path].")
   entries = []
   for entry in value:
-    if not (isinstance(entry, list) and len(entry) == 3 and type(entry[1]) is int
-            and isinstance(entry[2], list) and len(entry[2]) <= _MAX_PROOF_LENGTH):
-      raise bad("training_proofs", "each entry is [row digest, index, [up to "
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], bytes)
+            and type(entry[1]) is int and isinstance(entry[2], list)
+            and len(entry[2]) <= _MAX_PROOF_LENGTH):
+      raise bad("training_proofs", "each entry is [row bytes, index, [up to "
                  f"{_MAX_PROOF_LENGTH} 32-byte hashes]].")
-    entries.append((_digest(entry[0], "training_proofs row digest"), entry[1],
+    entries.append((entry[0], entry[1],
                      [_digest(h, "training_proofs path") for h in entry[2]]))
   return entries
 

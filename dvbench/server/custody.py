@@ -148,8 +148,9 @@ class Ingest:
       self._derive(record["index"], rid, first, ends_segment)
     self.stored += 1
     self.refs |= transport.blob_refs(record)
-    self.probes |= transport.probe_blobs(record)
-    self.examples |= contamination.probed_examples(record)
+    opened = contamination.probed_rows(record)
+    self.probes |= {d.hex() for _, _, digests in opened for d in digests}
+    self.examples |= contamination.probed_examples(opened)
 
   def ack(self) -> dict:
     """Writes what was appended; the acknowledgement with the challenges of its steps."""

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
+from dvbench import contamination
 from dvbench import scoring
 from dvbench.server import labels
 from dvbench.server import leaderboard
@@ -45,7 +46,7 @@ class SubmissionRoutes:
   """Submissions of verified checkpoints to a benchmark, and their progress."""
 
   def __init__(self, service: Service):
-    self.service, self.store, self.blobs = service, service.store, service.blobs
+    self.service, self.store = service, service.store
 
 
   async def submit(self, request):
@@ -159,17 +160,18 @@ class SubmissionRoutes:
       raise bad("training_proofs", f"at most one per probed row ({len(probed)}).")
     members = set()
     for row, index, path in entries:
-      if row.hex() in members:
-        raise bad("training_proofs", f"row {row.hex()} is proven twice.")
-      if row.hex() not in probed or not self.store.has_proof_blob(proof["id"], row.hex()):
-        raise HTTPException(409, f"row {row.hex()} is not a probed row of proof "
+      name_of_row = contamination.row_digest(row).hex()
+      if name_of_row in members:
+        raise bad("training_proofs", f"row {name_of_row} is proven twice.")
+      if name_of_row not in probed:
+        raise HTTPException(409, f"row {name_of_row} is not a probed row of proof "
                             f"{proof['id']}: training_proofs prove the rows its probes opened.")
-      leaf = merkle.leaf_hash(self.blobs.path(row.hex()).read_bytes())
-      if not merkle.verify_inclusion(leaf, index, pin["size"], path, pin["root"]):
-        raise HTTPException(409, f"the membership proof of probed row {row.hex()} (index "
+      if not merkle.verify_inclusion(merkle.leaf_hash(row), index, pin["size"], path,
+                                     pin["root"]):
+        raise HTTPException(409, f"the membership proof of probed row {name_of_row} (index "
                             f"{index}) does not lead to the root {pin['root'].hex()} of the "
                             f"training set '{name}' pins.")
-      members.add(row.hex())
+      members.add(name_of_row)
     return sorted(members)
 
   async def get_submission(self, request):

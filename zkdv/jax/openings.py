@@ -2,8 +2,8 @@
 
 An update check opens a segment's start state and every batch in it (and,
 unless the server replays every segment, replays them here to report the
-result); a state check opens a segment's end state; a probe opens batch rows
-with their Merkle inclusion proofs; a segment decided while its steps run
+result); a state check opens a segment's end state; a probe opens batch rows,
+inline in its record, with their Merkle inclusion proofs; a segment decided while its steps run
 writes its start state at once (``start_blobs``).
 
 Example::
@@ -20,6 +20,7 @@ import numpy as np
 
 from zkdv import digest
 from zkdv import merkle
+from zkdv import records
 from zkdv.jax import arrays
 from zkdv.jax import replay as replay_lib
 from zkdv.jax.commit_jobs import Segment, StepJob
@@ -155,7 +156,7 @@ class Openings:
         data = row_data.get((leaf, row))
         if data is None:  # a pending decision: the row comes from the opened batch
           data = _row_bytes(job.opened[program.batch_indices[leaf]], layout.rows, row)
-        probes.append([leaf, row, self._put_row(layout, data),
+        probes.append([leaf, row, records.probe_rows(data, layout.row_group),
                        merkle.inclusion_proof(tree_levels[leaf], row)])
     if not probes:
       return
@@ -164,15 +165,6 @@ class Openings:
                         "probes": probes, **({} if job.data is None else {
                             "data_paths": job.data.probe_paths(layouts, probes)})})
     self.checks["probe"] += 1
-
-  def _put_row(self, layout, data):
-    """The blob of a probed Merkle row; of a group of rows, one blob per leading-axis
-    row, so each is named by its own BLAKE3 (a server matches those against datasets)."""
-    if layout.row_group == 1:
-      return self.writer.put_blob(data, durable=False)
-    width = len(data) // layout.row_group
-    return [self.writer.put_blob(data[i * width:(i + 1) * width], durable=False)
-            for i in range(layout.row_group)]
 
 
 def _row_bytes(array: np.ndarray, rows: int, row: int) -> np.ndarray:

@@ -18,11 +18,9 @@ import numpy as np
 
 from zkdv import data
 from zkdv import digest
-from zkdv import errors
-from zkdv import transcript
+from zkdv import records
 from zkdv.verify import start
 from zkdv.verify.context import Verification
-from zkdv.verify.report import UNVERIFIABLE
 
 ORDER_CODES = ("data_order", "data_row")
 
@@ -140,32 +138,21 @@ def probed_rows_in_dataset(ctx: Verification, step, program, entries, fields,
     ctx.report.fail("data_row", where, f"the probes of step {step.index} carry no dataset "
                     "audit path per probe (data_paths).")
     return False
-  for (leaf, row, blobs, _), entry_paths in zip(entries, paths):
+  for (leaf, row, opened, _), entry_paths in zip(entries, paths):
     layout = program.batch[leaf]
     group = layout.row_group
-    blobs = [blobs] if group == 1 else blobs
     if not isinstance(entry_paths, list) or len(entry_paths) != group:
       ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: one dataset "
                       f"audit path per data row ({group}) expected.")
       return False
-    width = layout.nbytes // max(layout.shape[0], 1)
-    for j, (blob, path) in enumerate(zip(blobs, entry_paths)):
-      try:
-        row_bytes = transcript.read_blob(ctx.model.folder, blob, "uint8", (width,))
-      except FileNotFoundError:
-        ctx.report.fail("data_row", where, f"probe blob of row {row} of {layout.path} is "
-                        "missing.", UNVERIFIABLE)
-        return False
-      except (OSError, errors.TranscriptFormatError, TypeError, ValueError) as e:
-        ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: {e}")
-        return False
+    for j, (row_bytes, path) in enumerate(zip(records.probed_rows(opened), entry_paths)):
       at = row * group + j
       if mapping[leaf] is None or not 0 <= at < len(rows):
         ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: not a row "
                         "of a dataset leaf of the batch.")
         return False
-      if not _row_in_dataset(ctx, step, layout, mapping[leaf], at, rows[at],
-                             row_bytes.tobytes(), path, where):
+      if not _row_in_dataset(ctx, step, layout, mapping[leaf], at, rows[at], row_bytes,
+                             path, where):
         return False
   return True
 

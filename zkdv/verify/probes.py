@@ -1,9 +1,9 @@
 """Data probes: the rows a challenge selects, each proven in its leaf's row tree.
 
 A probe check record carries the batch's row roots (which must make up the
-step's batch digest) and, per probed row, ``[leaf, row, blob, merkle proof]``
-(RFC 9162). A Merkle row of a leaf with ``row_group`` g > 1 is g
-leading-axis rows, opened as a list of g blobs, one per row. The rows must be
+step's batch digest) and, per probed row, ``[leaf, row, rows, merkle proof]``
+(RFC 9162), ``rows`` inline: a Merkle row of a leaf with ``row_group`` g is g
+leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``). The rows must be
 exactly those ``Decision.probe_rows`` selects; the count is compared before any
 row is drawn, so hostile sizes cost nothing.
 
@@ -13,49 +13,34 @@ Example::
 """
 
 from zkdv import digest
-from zkdv import errors
 from zkdv import merkle
-from zkdv import transcript
+from zkdv import records
 from zkdv.verify import order
 from zkdv.verify.context import Verification
 from zkdv.verify.decisions import probe_count
-from zkdv.verify.report import UNVERIFIABLE, CheckOutcome
+from zkdv.verify.report import CheckOutcome
 
-MAX_PROOF_LENGTH = 64  # a row tree of up to 2**64 rows
 
 
 def _entry_ok(entry, layouts) -> bool:
-  return (isinstance(entry, list) and len(entry) == 4
-          and all(isinstance(x, int) and not isinstance(x, bool) for x in entry[:2])
-          and 0 <= entry[0] < len(layouts) and 0 <= entry[1] < layouts[entry[0]].rows
-          and _blobs_ok(entry[2], layouts[entry[0]].row_group) and isinstance(entry[3], list)
-          and len(entry[3]) <= MAX_PROOF_LENGTH
-          and all(isinstance(p, bytes) for p in entry[3]))
-
-
-def _blobs_ok(blobs, row_group: int) -> bool:
-  """One blob for a single row; a list of one blob per row for a group."""
-  if row_group == 1:
-    return isinstance(blobs, bytes)
-  return (isinstance(blobs, list) and len(blobs) == row_group
-          and all(isinstance(b, bytes) for b in blobs))
+  """Whether a probe entry (its shape checked against ``zkdv.records``) names a Merkle row
+  of a batch leaf and opens one inline row per leading-axis row of it."""
+  leaf, row, rows, _ = entry
+  return (leaf < len(layouts) and row < layouts[leaf].rows
+          and len(rows) == layouts[leaf].row_group)
 
 
 def _row_proven(ctx, entry, layout, root, where) -> bool:
-  leaf, row, blobs, proof = entry
-  blobs = [blobs] if layout.row_group == 1 else blobs
+  leaf, row, rows, proof = entry
   width = layout.nbytes // max(layout.rows, 1) // layout.row_group
-  try:
-    data = b"".join(transcript.read_blob(ctx.model.folder, b, "uint8", (width,)).tobytes()
-                    for b in blobs)
-  except FileNotFoundError:
-    ctx.report.fail("probe", where, f"probe blob of row {row} of {layout.path} is missing.",
-                    UNVERIFIABLE)
+  rows = records.probed_rows(rows)
+  wrong = next((j for j, r in enumerate(rows) if len(r) != width), None)
+  if wrong is not None:
+    ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: its data row "
+                    f"{wrong} is {len(rows[wrong])} bytes, the leaf's rows are {width}.")
     return False
-  except (OSError, errors.TranscriptFormatError, TypeError, ValueError) as e:
-    ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: {e}")
-    return False
-  if not merkle.verify_inclusion(merkle.leaf_hash(data), row, layout.rows, proof, root):
+  if not merkle.verify_inclusion(merkle.leaf_hash(b"".join(rows)), row, layout.rows, proof,
+                                 root):
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path} (leaf {leaf}) is "
                     "not in the committed batch (its Merkle proof fails).")
     return False
