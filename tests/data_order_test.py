@@ -13,14 +13,17 @@ import tempfile
 from unittest import mock
 
 import blake3
+import cbor2
 import jax
 import numpy as np
 import optax
 from absl.testing import absltest
 from absl.testing import parameterized
+from starlette.exceptions import HTTPException
 
 import zkdv
 from dvbench.benchmark import TrainingSet
+from dvbench.server import custody
 from tests import resume_test
 from tests import testing
 from zkdv import challenge
@@ -195,11 +198,10 @@ class DataOrderTest(parameterized.TestCase):
       # No epoch holds a batch: the order would divide by zero batches per epoch.
       ("a_batch_larger_than_the_dataset", lambda rs: [
           {**r, "batch_size": r["rows"] + 1} if r["type"] == "data" else r for r in rs],
-       "schema", f"data record is malformed: a batch of {ROWS + 1} rows from a dataset of "
-       f"{ROWS}"),
+       "schema", f"(data): a batch of {ROWS + 1} rows from a dataset of {ROWS}"),
       ("a_leaf_of_other_rows", lambda rs: [
           {**r, "rows": r["rows"] - 1} if r["type"] == "data" else r for r in rs],
-       "schema", f"data record is malformed: every leaf of the dataset has {ROWS - 1} rows"))
+       "schema", f"(data): every leaf of the dataset has {ROWS - 1} rows"))
   def test_an_edited_transcript_is_invalid_naming_what(self, edit, code, says):
     edited = resume_test._rewrite(self.honest, edit)  # pylint: disable=protected-access
     report = verify.verify(edited)
@@ -207,6 +209,22 @@ class DataOrderTest(parameterized.TestCase):
     finding = _finding(report, code)
     self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
     self.assertIn(says, finding.message)
+
+  @parameterized.named_parameters(
+      ("a_batch_larger_than_the_dataset", "batch_size", ROWS + 1,
+       f"a batch of {ROWS + 1} rows from a dataset of {ROWS}"),
+      ("a_leaf_of_other_rows", "rows", ROWS - 1,
+       f"every leaf of the dataset has {ROWS - 1} rows"),
+      ("a_key_leaf", "layout", None, "every leaf of the dataset has"))
+  def test_the_server_refuses_the_data_records_the_verifier_refuses(self, field, value, says):
+    (declared,) = testing.records_of(self.honest, "data")
+    if field == "layout":  # a PRNG key leaf: no rows a probe could hash
+      value = [{**declared["layout"][0], "key_impl": "threefry2x32"}, *declared["layout"][1:]]
+    raw = cbor2.dumps({**declared, field: value}, canonical=True)
+    with self.assertRaises(HTTPException) as refused:
+      custody.parse_record(raw, 3)
+    self.assertEqual(refused.exception.status_code, 400)
+    self.assertIn(f"record 3 (data): {says}", refused.exception.detail)
 
   def test_a_batch_that_is_not_the_declared_dataset_is_invalid_unprobed(self):
     # No probe or full replay opens a row, so no row is checked: the batch's leaves must be

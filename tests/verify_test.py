@@ -428,6 +428,15 @@ class ProbeTamperTest(VerifierTestCase):
       return records
     self.assert_fails(rechained(edit), code)
 
+  def test_dataset_paths_without_a_declared_dataset_are_a_finding(self):
+    def with_paths(records):
+      check = first(records, "check", kind="update")
+      check["data_paths"] = [[] for _ in check["batch_blobs"]]
+      return records
+    report = self.assert_fails(rechained(with_paths), "data_row")
+    self.assertIn("carries dataset paths, but no data record declares a dataset",
+                  report.dumps())
+
   def test_a_short_row_is_named(self):
     def edit(records):
       probe = first(records, "check", kind="probe", step=2)["probes"][0]

@@ -199,6 +199,13 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
 
 
 
+def discarded_steps(resume: dict) -> range:
+  """The steps a ``resume`` record discards: those after the committed state it resumes
+  from and before the step it resumes at (an open segment), e.g. ``range(5, 7)`` for
+  ``{"type": "resume", "after": 4, "step": 7, ...}``."""
+  return range(resume["after"] + 1, resume["step"])
+
+
 def probe_rows(merkle_row, row_group: int) -> list:
   """A probed Merkle row (bytes or a uint8 view) as a probe entry carries it: its
   ``row_group`` leading-axis rows, each inline, or as chunks when wider than a record's
@@ -218,8 +225,20 @@ def probed_rows(entry_rows: list) -> list[bytes]:
   return [row if isinstance(row, bytes) else b"".join(row) for row in entry_rows]
 
 
+def check_data(record: dict, where: str) -> None:
+  """The rules across a ``data`` record's fields: leaf layouts that parse, of known dtypes,
+  none a PRNG key, each of ``rows`` rows, and a batch no larger than the dataset (what
+  ``zkdv.data.Declaration.from_record`` takes)."""
+  programs.parse_layouts(record["layout"], f"{where}.layout")
+  try:
+    data.Declaration.from_record(record)
+  except ValueError as e:
+    raise Invalid(f"{where}: {e}.") from None
+
+
 # The rules across a record's fields, applied once each field matches (``zkdv.programs``).
-ACROSS_FIELDS = {"program": programs.check_program, "init": programs.check_init}
+ACROSS_FIELDS = {"program": programs.check_program, "init": programs.check_init,
+                 "data": check_data}
 
 RUN_FIELDS = ("run_name", "tags", "run_config")
 

@@ -23,6 +23,7 @@ from zkdv import challenge
 from zkdv import challengers
 from zkdv import errors
 from zkdv import keys
+from zkdv import records as records_lib
 from zkdv import transcript
 from zkdv.digest import LeafLayout
 from zkdv.jax import processes
@@ -115,7 +116,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   discarded = set(range(last["index"] + 1, len(steps)))
   for r in records:
     if r.get("type") == "resume":
-      discarded |= set(range(r["after"] + 1, r["step"]))
+      discarded |= set(records_lib.discarded_steps(r))
   _require_answers(steps, discarded, programs, answered, challenge_of, fields["kind"], policy)
   params = set(program.get("params_leaves", []))
   layouts = [LeafLayout.from_record(l)

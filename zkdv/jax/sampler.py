@@ -22,6 +22,7 @@ import numpy as np
 from zkdv import data as data_lib
 from zkdv import digest
 from zkdv import errors
+from zkdv import records as records_lib
 from zkdv import transcript
 
 _FIX = ("Pass each batch proof.batches yields to the next step unchanged, in order, one "
@@ -165,7 +166,8 @@ def _resumed(proof) -> tuple:
   declared = next((r for r in records if r.get("type") == "data"), None)
   if declared is None:
     return None, None
-  discarded = sum(r["step"] - r["after"] - 1 for r in records if r.get("type") == "resume")
+  discarded = sum(len(records_lib.discarded_steps(r)) for r in records
+                  if r.get("type") == "resume")
   return data_lib.Declaration.from_record(declared), restored.after + 1 - discarded
 
 

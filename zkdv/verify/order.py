@@ -30,14 +30,7 @@ def read_data(model, parsed, where: str, report) -> None:
   if model.data is not None or model.steps:
     report.fail("data_order", where, "a data record comes once, before any step.")
     return
-  try:
-    declaration = data.Declaration.from_record(parsed.record)
-    for layout in declaration.layouts:
-      digest.numpy_dtype(layout.dtype)
-  except (KeyError, TypeError, ValueError, AttributeError) as e:
-    report.fail("schema", where, f"data record is malformed: {e}.")
-    return
-  model.data = declaration
+  model.data = data.Declaration.from_record(parsed.record)  # checked by records.check_data
 
 
 def seeded_by(ctx: Verification) -> str:
@@ -165,7 +158,10 @@ def opened_rows_in_dataset(ctx: Verification, step, program, batch, paths,
   when no dataset is declared; a full-replay proof must carry the paths."""
   declared = ctx.model.data
   if declared is None:
-    return True
+    if paths is not None:
+      ctx.report.fail("data_row", where, f"the update check of step {step.index} carries "
+                      "dataset paths, but no data record declares a dataset.")
+    return paths is None
   if paths is None:
     if ctx.challenger.policy.full_replay:
       ctx.report.fail("data_row", where, f"the update check of step {step.index} carries no "

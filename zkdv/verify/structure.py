@@ -129,7 +129,7 @@ class Resume:
 
   @property
   def discarded(self) -> range:
-    return range(self.after + 1, self.step)
+    return records.discarded_steps({"after": self.after, "step": self.step})
 
 
 @dataclasses.dataclass
