@@ -88,7 +88,7 @@ class TrainingSet(data_lib.DatasetTree):
     self._index = {}
     for leaf, value in enumerate(self.leaves):
       for i, r in enumerate(digest.byte_view(value).reshape(self.rows, -1)):
-        self._index.setdefault(blake3.blake3(r.tobytes()).digest(), self.position(leaf, i))
+        self._index.setdefault(contamination.row_digest(r.tobytes()), self.position(leaf, i))
 
   def __repr__(self):
     return f"TrainingSet(root={self.root.hex()[:16]}…, size={self.size})"
@@ -96,7 +96,7 @@ class TrainingSet(data_lib.DatasetTree):
   def membership_proofs(self, rows) -> list[list]:
     """``[row bytes, index, audit path]`` for each row (its bytes) of this set; others are
     left out (a leaderboard shows them as outside)."""
-    indices = {blake3.blake3(row).digest(): row for row in rows}
+    indices = {contamination.row_digest(row): row for row in rows}
     return [[indices[d], self._index[d], self.inclusion_proof(self._index[d])]
             for d in sorted(indices) if d in self._index]
 
@@ -214,10 +214,9 @@ class Benchmark:
     data = self.client.http.request("GET", f"/api/v1/proofs/{proof_id}/transcript").content
     decoder, probed = cbor2.CBORDecoder(io.BytesIO(data)), {}
     while decoder.fp.tell() < len(data):
-      record = decoder.decode()
-      if (record.get("type"), record.get("kind")) == ("check", "probe"):
-        probed.update((blake3.blake3(row).digest(), row) for entry in record["probes"]
-                      for row in records.probed_rows(entry[2]))
+      probed.update((contamination.row_digest(row), row)
+                    for entry in records.probe_entries(decoder.decode())
+                    for row in records.probed_rows(entry[2]))
     return list(probed.values())
 
   def submit(self, proof_id: str, checkpoint, training_set: TrainingSet | None = None) -> dict:

@@ -64,10 +64,8 @@ def probed_rows(record: dict) -> list[tuple[int, int, list[bytes]]]:
   """Per probe of a probe check record (checked against ``zkdv.records``): its batch leaf,
   the index of its first leading-axis row and the ``row_digest`` of each row it opens (a
   group of g rows, Merkle row r, opens rows r*g to r*g+g-1). Any other record: ``[]``."""
-  if (record.get("type"), record.get("kind")) != ("check", "probe"):
-    return []
   return [(leaf, row * len(rows), [row_digest(r) for r in records.probed_rows(rows)])
-          for leaf, row, rows, _ in record["probes"]]
+          for leaf, row, rows, _ in records.probe_entries(record)]
 
 
 def probed_examples(opened: list[tuple[int, int, list[bytes]]]) -> set[str]:

@@ -327,7 +327,7 @@ class Uploader(threading.Thread):
     self._blob_uploads = pending
 
   def _send_blobs(self, digests: list[str]) -> None:
-    """Small blobs (small state leaves, opened rows) together in requests of up to ``batch_bytes``, large
+    """Small blobs (small state leaves) together in requests of up to ``batch_bytes``, large
     ones one by one (each skipped if the server holds it)."""
     small, size = [], 0
     for digest in digests:

@@ -13,6 +13,7 @@ import cbor2
 import httpx
 from absl.testing import absltest
 
+from dvbench.server import quotas
 from dvbench.server.local import LocalServer
 from tests import postgres
 from tests.fake_prover import FakeProver
@@ -96,16 +97,36 @@ class QuotaCases:
                      ("stored_bytes", "--quota-stored-gb"))
     self.assertGreaterEqual(response.json()["used"], len(data))
     prover.upload(data)  # the resend of a held blob stores nothing: served
-    args = ["usage", "dora", "--data", str(self.server.data)]
-    if self.database_url:
-      args += ["--database-url", self.database_url]
-    shown = subprocess.run([sys.executable, "-m", "dvbench.cli", *args], check=True,
-                           capture_output=True, text=True).stdout
-    rows = {line.split()[0]: line.split()[1:3] for line in shown.splitlines()[1:]}
+    rows = self.usage("dora")
     self.assertGreaterEqual(int(rows["stored_bytes"][0]), len(data))
     self.assertEqual(rows["stored_bytes"][1], str(_STORED_BYTES))
     self.assertEqual(rows["open_proofs"], ["1", "2"])
     self.assertEqual(rows["slots_per_hour"], ["1", "4"])
+
+  def test_probed_row_digests_are_stored_bytes(self):
+    # Attack: a probe record of many tiny rows (4 bytes of record each) made the server
+    # store a digest row per row, uncounted: the quota counts each.
+    prover = FakeProver(self.server.url, self.server.token("pia"), "pia/run").start()
+    prover.run(steps=1, skip_answer=(0,))
+    rows = [i.to_bytes(3, "little") for i in range(2000)]
+    response = prover.send(prover.chain({"type": "check", "step": 0, "kind": "probe",
+                                         "batch_roots": [bytes(32)],
+                                         "probes": [[0, 0, rows, []]]}))
+    self.assertEqual(response.status_code, 200, response.text)
+    record_bytes = len(prover.records[-1])
+    self.assertLess(record_bytes, _STORED_BYTES // 10)
+    shown = self.usage("pia")  # what the quota keeper sums (quotas.usage)
+    self.assertGreaterEqual(int(shown["stored_bytes"][0]),
+                            len(rows) * quotas.DIGEST_ROW_BYTES)  # over the quota now
+
+  def usage(self, owner: str) -> dict[str, list[str]]:
+    """``dvbench usage OWNER``: per quota, [used, limit]."""
+    args = ["usage", owner, "--data", str(self.server.data)]
+    if self.database_url:
+      args += ["--database-url", self.database_url]
+    shown = subprocess.run([sys.executable, "-m", "dvbench.cli", *args], check=True,
+                           capture_output=True, text=True).stdout
+    return {line.split()[0]: line.split()[1:3] for line in shown.splitlines()[1:]}
 
   def test_a_blob_for_a_proof_that_takes_no_more_records_is_refused(self):
     prover = FakeProver(self.server.url, self.server.token("cleo"), "cleo/run").start()

@@ -22,6 +22,7 @@ from zkdv import fields
 from zkdv import programs
 from zkdv import records
 from zkdv import transcript
+from zkdv.digest import LeafLayout
 from zkdv.verify import structure
 from zkdv.verify.report import Report
 
@@ -279,6 +280,18 @@ class ProbedRowsTest(absltest.TestCase):
       chunked = records.probe_rows(group, 2)
     self.assertEqual(chunked, [[group[0:3], group[3:6]], [group[6:9], group[9:12]]])
     self.assertEqual(records.probed_rows(chunked), [group[:6], group[6:]])
+
+  def test_a_step_whose_probes_outgrow_a_record_is_refused(self):
+    images = LeafLayout("x", "float32", (1024, 224, 224, 3))  # 588 KiB a row
+    records.check_probe_size([images], 0.01)  # 11 rows: 6.5 MB
+    with self.assertRaisesRegex(records.Invalid, r"1024 rows \(616562688 bytes"):
+      records.check_probe_size([images], 1.0)
+    labels = LeafLayout("y", "uint8", (1 << 20,), row_group=16384)
+    with self.assertRaisesRegex(records.Invalid, "choose a smaller probe_ratio"):
+      records.check_probe_size([labels], 1.0)
+    records.check_probe_size([labels], 0.5)
+    with self.assertRaisesRegex(records.Invalid, "524288 rows"):  # each with a dataset path
+      records.check_probe_size([labels], 0.5, path_depth=21)
 
   def test_the_schema_takes_rows_and_chunk_lists_only(self):
     probe = {"type": "check", "step": 0, "kind": "probe", "batch_roots": [bytes(32)],

@@ -1,7 +1,7 @@
 """Format 4 row groups: where a batch's rows are small, a Merkle leaf of its row tree holds
 several of them (``digest.row_group_for``), so committing a batch takes a few hashes
-instead of one per row. A probe opens a whole group, one blob per row, each named by the
-row's own BLAKE3."""
+instead of one per row. A probe opens a whole group inline, one byte string per row (the
+server names each row by its own BLAKE3)."""
 
 import functools
 
@@ -13,8 +13,9 @@ from absl.testing import parameterized
 
 from dvbench import contamination
 from tests import testing
-from tests.verify_test import VerifierTestCase, first, rechained, write_transcript
+from tests.verify_test import VerifierTestCase, first, rechained
 from zkdv import digest
+from zkdv import errors
 from zkdv import transcript
 from zkdv import verify
 from zkdv.digest import LeafLayout
@@ -90,6 +91,18 @@ class RowGroupsTest(VerifierTestCase):
       # The server matches each row's digest against benchmark and training-set rows.
       self.assertEqual(contamination.probed_rows(record), [
           (0, group * 16, [blake3.blake3(r.tobytes()).digest() for r in rows])])
+
+  def test_probes_that_do_not_fit_in_one_record_are_refused_before_the_step(self):
+    proof = testing.new_proof("too-many-probed", update_p=1.0)
+    proof.start(probe_ratio=1.0)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    with self.assertRaisesRegex(errors.StepInputError, r"a step's probes would open 1048576 "
+                                r"rows .* choose a smaller probe_ratio"):
+      train_step(state, jax.numpy.zeros((1 << 20, 5), np.uint32))
+    state = train_step(state, jax.numpy.asarray(batch(0)))  # nothing was taken: it goes on
+    report = verify.verify(proof.finish())
+    self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, ROWS))
 
   def test_rows_swapped_within_a_group_are_caught(self):
     def swap(records):

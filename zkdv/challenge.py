@@ -218,11 +218,24 @@ def discarded_checks(challenger_kind: str, step_decision: Decision) -> dict[str,
           "probe": challenger_kind == "dvbench" and step_decision.probe_ratio > 0}
 
 
+def probe_count(layout, ratio: float) -> int:
+  """How many Merkle rows ``Decision.leaf_probe_rows`` opens of a batch leaf (its
+  ``zkdv.digest.LeafLayout``), without drawing them: the verifier compares counts first,
+  so hostile row counts cost nothing."""
+  if layout.key_impl is not None:
+    return 0
+  return _count(layout.rows, ratio)
+
+
+def _count(rows: int, ratio: float) -> int:
+  return 0 if ratio <= 0 or rows <= 0 else min(rows, math.ceil(ratio * rows))
+
+
 def probe_rows(challenge: bytes, leaf: int, rows: int, ratio: float) -> list[int]:
   """The ``ceil(ratio * rows)`` distinct rows of batch leaf ``leaf`` opened as probes."""
-  if ratio <= 0 or rows <= 0:
+  count = _count(rows, ratio)
+  if count == 0:
     return []
-  count = min(rows, math.ceil(ratio * rows))
   if count == rows:
     return list(range(rows))
   chosen, draw = set(), 0

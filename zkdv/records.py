@@ -104,6 +104,9 @@ PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
 # A byte string inside a record is at most this long (the server decodes records with this
 # bound); a probed row wider than it travels as a list of chunks of at most this many bytes.
 MAX_STRING_BYTES = 1 << 20
+# A record travels whole or in chunks; DVBench takes none larger, nor of more CBOR items.
+MAX_RECORD_BYTES = 256 * 1024 * 1024
+MAX_RECORD_ITEMS = 1 << 20
 _CHUNK = Bytes(None, MAX_STRING_BYTES)
 PROBED_ROW = Either(_CHUNK, ListOf(_CHUNK, 256, min_len=2),
                     f"a row's bytes, or a list of chunks of at most {MAX_STRING_BYTES} bytes")
@@ -217,6 +220,37 @@ def probe_rows(merkle_row, row_group: int) -> list:
     return rows
   return [[r[i:i + MAX_STRING_BYTES] for i in range(0, width, MAX_STRING_BYTES)]
           for r in rows]
+
+
+def probe_entries(record: dict) -> list:
+  """The ``probes`` entries of a probe check record (checked by ``check_record``); of any
+  other record, none."""
+  is_probe = (record.get("type"), record.get("kind")) == ("check", "probe")
+  return record["probes"] if is_probe else []
+
+
+def check_probe_size(layouts, ratio: float, path_depth: int = 0) -> None:
+  """Raises ``Invalid`` unless the probe record of a step with batch ``layouts`` (its
+  ``zkdv.digest.LeafLayout``s) at probe ratio ``ratio`` stays within a record's bounds:
+  every row a step's probes open travels in that one record, with its dataset audit path
+  of ``path_depth`` digests where a dataset is declared.
+
+  Example: ``check_probe_size(program.batch_layouts, 0.01)``.
+  """
+  rows = nbytes = entries = 0
+  for layout in layouts:
+    count = challenge.probe_count(layout, ratio)
+    entries += count
+    rows += count * layout.row_group
+    nbytes += count * (layout.nbytes // max(layout.rows, 1))
+  per_row = 1 + (path_depth + 1 if path_depth else 0)  # the row, its path's items
+  nbytes += rows * 34 * path_depth
+  items = rows * per_row + entries * (7 + 64)  # an entry's own items and proof, at most
+  if items > MAX_RECORD_ITEMS or nbytes > MAX_RECORD_BYTES // 2:
+    raise Invalid(f"at probe ratio {ratio}, a step's probes would open {rows} rows "
+                  f"({nbytes} bytes, {items} CBOR items with their proofs), more than one "
+                  f"record holds ({MAX_RECORD_ITEMS} items, {MAX_RECORD_BYTES // 2} bytes "
+                  "of rows): choose a smaller probe_ratio.")
 
 
 def probed_rows(entry_rows: list) -> list[bytes]:

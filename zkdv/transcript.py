@@ -63,10 +63,8 @@ def record_id(encoded: bytes) -> bytes:
   return blake3.blake3(encoded).digest()
 
 
-def write_atomically(path: pathlib.Path, data: bytes, mode: int = 0o644,
-                     sync: bool = True) -> None:
-  """Writes ``path`` through a uniquely named temporary file, fsynced (with ``sync``),
-  then renamed.
+def write_atomically(path: pathlib.Path, data: bytes, mode: int = 0o644) -> None:
+  """Writes ``path`` through a uniquely named temporary file, fsynced, then renamed.
 
   Readers see the old file or the whole new one, never a part.
   """
@@ -76,8 +74,7 @@ def write_atomically(path: pathlib.Path, data: bytes, mode: int = 0o644,
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
       f.write(data)
       f.flush()
-      if sync:
-        os.fsync(f.fileno())
+      os.fsync(f.fileno())
     os.replace(tmp, path)
   finally:
     tmp.unlink(missing_ok=True)
@@ -144,21 +141,17 @@ class TranscriptWriter:
       self.on_append()
     return self._prev
 
-  def put_blob(self, data: np.ndarray | bytes, digest: bytes | None = None, *,
-               durable: bool = True) -> bytes:
-    """Stores ``data`` (bytes or a uint8 view) once; returns its digest (``digest``: the
-    BLAKE3 of ``data`` where the caller computed it, as a committed leaf's, not hashed again).
-
-    ``durable=False`` skips the fsync, as ``append`` does for records: for small blobs
-    written every step (probed rows), whose records are not fsynced either.
-    """
+  def put_blob(self, data: np.ndarray | bytes, digest: bytes | None = None) -> bytes:
+    """Stores ``data`` (bytes or a uint8 view) once, durably; returns its digest
+    (``digest``: the BLAKE3 of ``data`` where the caller computed it, as a committed
+    leaf's, not hashed again)."""
     if digest is None:
       digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
     if digest in self._stored:
       return digest
     path = self.folder / BLOBS_DIR / digest.hex()
     if not path.exists():
-      write_atomically(path, data, sync=durable)
+      write_atomically(path, data)
     self._stored.add(digest)
     return digest
 

@@ -1,7 +1,8 @@
 """Quotas per owner: what one owner's tokens may hold on the server.
 
 * ``stored_bytes``: records, chunks and blobs of the owner's proofs (a blob counted once
-  per owner however many proofs hold it);
+  per owner however many proofs hold it), and ``DIGEST_ROW_BYTES`` for each row digest
+  and example digest their probes opened (the server stores those rows of its own);
 * slots per hour: ``attempts.check_slot_rate`` (``--max-slots-per-hour``); shown here;
 * ``open_proofs``: the owner's proofs still ``receiving``;
 * ``experiments``: the owner's experiments.
@@ -13,7 +14,8 @@ the ``dvbench serve`` flag that raises it, e.g.
 
 Stored bytes are summed from the database and the blob store at most every
 ``STORED_BYTES_TTL`` seconds per owner; the bytes admitted since are added to the sum,
-so an owner overshoots by at most what one request carries.
+so an owner overshoots by at most what one request carries, and by the probe digests its
+requests stored since the last sum.
 
 Example::
 
@@ -31,9 +33,11 @@ import sqlalchemy as sa
 from dvbench.server.limits import QUOTA_FLAGS as FLAGS
 from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
-from dvbench.server.schema import chunks, experiments, owners, proof_blobs, proofs, records, slots
+from dvbench.server.schema import (chunks, experiments, owners, probe_examples, probes,
+                                   proof_blobs, proofs, records, slots)
 
 STORED_BYTES_TTL = 10.0
+DIGEST_ROW_BYTES = 160  # a stored probe digest: proof id, hex digest, index entries
 QUOTAS_SETTING = "quotas"  # the serving quotas, for ``dvbench usage``
 USAGE_OF = {"stored_bytes": "stored_bytes", "slots_per_hour": "slots_last_hour",
             "open_proofs": "open_proofs", "experiments": "experiments"}
@@ -60,7 +64,10 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
                             ).scalar() for t in (records, chunks))
     digests = conn.execute(sa.select(proof_blobs.c.digest).where(
         proof_blobs.c.proof_id.in_(owned)).distinct()).scalars().all()
-  return {"stored_bytes": held + sum(blob_size(d) for d in digests), **counts}
+    probed = sum(conn.execute(sa.select(sa.func.count()).where(t.c.proof_id.in_(owned))
+                              ).scalar() for t in (probes, probe_examples))
+  return {"stored_bytes": held + sum(blob_size(d) for d in digests)
+          + DIGEST_ROW_BYTES * probed, **counts}
 
 
 class QuotaKeeper:

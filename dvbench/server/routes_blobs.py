@@ -64,7 +64,7 @@ class BlobRoutes:
     self.service.quota.check_storage(proof["experiment"].split("/")[0], incoming)
 
   async def post_blobs(self, request):
-    """Many small blobs in one request (a probe check's rows, say): a CBOR array of
+    """Many small blobs in one request (a small model's state leaves, say): a CBOR array of
     ``[digest, bytes]`` pairs, each hash checked as ``put_blob`` checks it; all are kept
     or, when one does not hash to its name, none (and the proof is invalid)."""
     proof = await run_in_threadpool(self.service.proof_for_write, request,

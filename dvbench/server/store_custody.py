@@ -23,12 +23,19 @@ def unanswered():
                   for k in challenge.ANSWER_KINDS))
 
 
+_LOOKUP_BATCH = 500  # digests per IN (...) lookup
+
+
 def add_proof_digests(conn, table, proof_id: str, digests: set[str]) -> None:
   """Adds to ``table`` (``proof_id``, ``digest`` rows) the ``digests`` it does not hold for
-  the proof yet, e.g. the blobs its records name or the rows its probes opened."""
-  known = {r[0] for r in conn.execute(sa.select(table.c.digest).where(
-      table.c.proof_id == proof_id))}
-  new = [{"proof_id": proof_id, "digest": d} for d in sorted(digests - known)]
+  the proof yet, e.g. the blobs its records name or the rows its probes opened; it looks up
+  only those (a proof's table grows with its run, and every acknowledgement adds some)."""
+  wanted, known = sorted(digests), set()
+  for i in range(0, len(wanted), _LOOKUP_BATCH):
+    known.update(conn.execute(sa.select(table.c.digest).where(
+        (table.c.proof_id == proof_id)
+        & table.c.digest.in_(wanted[i:i + _LOOKUP_BATCH]))).scalars())
+  new = [{"proof_id": proof_id, "digest": d} for d in wanted if d not in known]
   if new:
     conn.execute(table.insert(), new)
 

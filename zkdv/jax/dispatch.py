@@ -24,7 +24,9 @@ import numpy as np
 from zkdv import challenge
 from zkdv import challengers
 from zkdv import config as config_lib
+from zkdv import errors
 from zkdv import overlap as overlap_lib
+from zkdv import records
 from zkdv.jax import _compat
 from zkdv.jax import arrays
 from zkdv.jax.commit_jobs import StepJob
@@ -84,6 +86,8 @@ class Dispatcher:
     """Dispatches one step of ``program`` and queues its commitment and checks; ``data``:
     the ``zkdv.jax.sampler.SampledBatch`` the step consumes, if any."""
     committer, multi = self._committer, self._group.multi
+    if committer.program_number(program) is None:  # a new program: before anything is taken
+      _check_probe_size(program, self._challenger.policy.probe_ratio, data)
     if not multi:  # across processes, failures wait for finish(): see ProcessGroup.agree_on_outcome
       committer.pipeline.raise_if_failed()
     if self.restored is not None:
@@ -312,3 +316,13 @@ class Dispatcher:
         program.post_layouts, program.params_mask)):
       return None
     return [arrays.gather(x) for x in self._last_post_leaves]
+
+
+def _check_probe_size(program, ratio: float, data) -> None:
+  """StepInputError unless a step's probes fit in one record (``records.check_probe_size``),
+  with their dataset audit paths where the batch is ``proof.batches``' (``data``)."""
+  depth = 0 if data is None else (data.order.declaration.size - 1).bit_length()
+  try:
+    records.check_probe_size(program.batch_layouts, ratio, depth)
+  except records.Invalid as e:
+    raise errors.StepInputError(f"the step's batch: {e}") from None

@@ -16,7 +16,6 @@ Example::
 """
 
 import dataclasses
-import math
 
 from zkdv import challenge
 from zkdv.verify.context import Verification
@@ -42,14 +41,6 @@ class Decisions:
       return True
     return challenge.required_checks(self.by_step[step],
                                      self.by_segment.get(step)).get(kind, False)
-
-
-def probe_count(layout, ratio: float) -> int:
-  """How many rows ``Decision.leaf_probe_rows`` opens, without drawing them: the
-  verifier compares counts first, so hostile row counts cost nothing."""
-  if layout.key_impl is not None or ratio <= 0 or layout.rows <= 0:
-    return 0
-  return min(layout.rows, math.ceil(ratio * layout.rows))
 
 
 def _self_challenges(ctx: Verification) -> Decisions | list:
@@ -105,7 +96,7 @@ def require_answers(ctx: Verification, decisions: Decisions) -> None:
   dropped_probes = []  # discarded self-challenged steps whose probes were never answered
   for step, decision in zip(model.steps, decisions.by_step):
     program = model.program_of(step)
-    probed = program is not None and any(probe_count(l, decision.probe_ratio)
+    probed = program is not None and any(challenge.probe_count(l, decision.probe_ratio)
                                          for l in program.batch)
     discarded = model.discarded(step.index)  # its segment never committed an end to check
     required = (challenge.discarded_checks(kind, decision) if discarded

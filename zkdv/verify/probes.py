@@ -12,12 +12,12 @@ Example::
   outcome = probe_check(ctx, check, step, program, "record 12")
 """
 
+from zkdv import challenge
 from zkdv import digest
 from zkdv import merkle
 from zkdv import records
 from zkdv.verify import order
 from zkdv.verify.context import Verification
-from zkdv.verify.decisions import probe_count
 from zkdv.verify.report import CheckOutcome
 
 
@@ -54,7 +54,7 @@ def _rows_chosen(ctx, step, layouts, opened, where) -> bool:
   decision = ctx.decisions.by_step[step.index]
   for leaf, layout in enumerate(layouts):
     rows = sorted(opened.get(leaf, []))
-    count = probe_count(layout, decision.probe_ratio)
+    count = challenge.probe_count(layout, decision.probe_ratio)
     if len(rows) != count or rows != decision.leaf_probe_rows(leaf, layout):
       ctx.report.fail("probe", where, f"opened rows {rows[:16]} of {layout.path}, but the "
                       f"challenge selects {count} rows"
