@@ -188,11 +188,11 @@ class DatasetTree:
     return merkle.inclusion_proof(self._levels, position)
 
 
-def row_in_dataset(row: bytes, declaration: Declaration, leaf: int, index: int,
+def row_in_dataset(row_leaf: bytes, declaration: Declaration, leaf: int, index: int,
                    path) -> bool:
-  """Whether ``row`` (a row's bytes) is row ``index`` of leaf ``leaf`` of the declared
-  dataset, by its audit ``path``."""
+  """Whether the row whose ``merkle.leaf_hash`` is ``row_leaf`` is row ``index`` of leaf
+  ``leaf`` of the declared dataset, by its audit ``path``."""
   return (0 <= index < declaration.rows and isinstance(path, list)
           and all(isinstance(p, bytes) for p in path)
-          and merkle.verify_inclusion(merkle.leaf_hash(row), leaf * declaration.rows + index,
+          and merkle.verify_inclusion(row_leaf, leaf * declaration.rows + index,
                                       declaration.size, path, declaration.root))

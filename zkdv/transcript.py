@@ -14,7 +14,6 @@ Example::
 """
 
 import dataclasses
-import io
 import os
 import pathlib
 import re
@@ -193,29 +192,55 @@ def records_path(path: str | os.PathLike) -> pathlib.Path:
   return path / RECORDS_FILE if path.is_dir() else path
 
 
+class RecordReader:
+  """The complete records of a transcript, read from its file one at a time (every probed
+  row is in the records, so a long run's may not fit in memory twice); ``torn_tail`` is
+  known once they are read. Opening checks the file is there (OSError); reading raises
+  TranscriptFormatError at an item that is not a CBOR record map.
+
+  Example::
+
+    reader = RecordReader(path)
+    for parsed in reader.records:
+      ...
+    reader.torn_tail  # None, or the incomplete last record
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = records_path(path)
+    self.size = self.path.stat().st_size
+    self.torn_tail: TornTail | None = None
+
+  @property
+  def records(self):
+    with open(self.path, "rb") as f:
+      decoder = cbor2.CBORDecoder(f)
+      while (offset := f.tell()) < self.size:
+        try:
+          record = decoder.decode()
+        except (cbor2.CBORDecodeEOF, EOFError) as e:
+          self.torn_tail = TornTail(offset, self.size - offset, str(e))
+          return
+        except (cbor2.CBORDecodeError, OverflowError, ValueError) as e:  # MemoryError propagates
+          raise errors.TranscriptFormatError(
+              f"item at byte {offset} is not valid CBOR: {e}") from None
+        if not isinstance(record, dict):
+          raise errors.TranscriptFormatError(
+              f"item at byte {offset} is a {type(record).__name__}, not a record map.")
+        end = f.tell()
+        f.seek(offset)
+        raw = f.read(end - offset)
+        yield ParsedRecord(record, raw, offset)
+
+
 def read_transcript(path: str | os.PathLike) -> TranscriptContents:
-  """Every complete record of a transcript; a torn tail is reported, not raised.
+  """Every complete record of a transcript, in memory; a torn tail is reported, not raised.
 
   Raises TranscriptFormatError for a file that is not a CBOR sequence of maps.
   """
-  data = records_path(path).read_bytes()
-  stream = io.BytesIO(data)
-  decoder = cbor2.CBORDecoder(stream)
-  records = []
-  while stream.tell() < len(data):
-    offset = stream.tell()
-    try:
-      record = decoder.decode()
-    except (cbor2.CBORDecodeEOF, EOFError) as e:
-      return TranscriptContents(records, TornTail(offset, len(data) - offset, str(e)))
-    except (cbor2.CBORDecodeError, OverflowError, ValueError) as e:  # MemoryError propagates
-      raise errors.TranscriptFormatError(
-          f"item at byte {offset} is not valid CBOR: {e}") from None
-    if not isinstance(record, dict):
-      raise errors.TranscriptFormatError(
-          f"item at byte {offset} is a {type(record).__name__}, not a record map.")
-    records.append(ParsedRecord(record, data[offset:stream.tell()], offset))
-  return TranscriptContents(records, None)
+  reader = RecordReader(path)
+  records = list(reader.records)
+  return TranscriptContents(records, reader.torn_tail)
 
 
 def blob_path(folder: str | os.PathLike, digest: bytes) -> pathlib.Path:

@@ -29,7 +29,6 @@ import os
 import pathlib
 from collections.abc import Callable
 
-from zkdv import errors
 from zkdv import transcript
 from zkdv.config import Tolerance
 from zkdv.verify import blobs
@@ -80,10 +79,9 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
   path = pathlib.Path(path)
   ctx = Verification(Report(path=str(path), required=options.required), options)
   try:
-    contents = transcript.read_transcript(path)
-  except (OSError, errors.TranscriptFormatError) as e:
-    ctx.report.fail("unreadable", str(path), str(e),
-                    UNVERIFIABLE if isinstance(e, OSError) else INVALID)
+    contents = transcript.RecordReader(path)  # read record by record by structure.read
+  except OSError as e:  # an item that is no record is a finding of structure.read
+    ctx.report.fail("unreadable", str(path), str(e), UNVERIFIABLE)
   else:
     ctx.blobs = blobs.BlobReader(transcript.records_path(path).parent, read_ahead)
     try:

@@ -18,7 +18,7 @@ import numpy as np
 
 from zkdv import data
 from zkdv import digest
-from zkdv import records
+from zkdv import merkle
 from zkdv.verify import start
 from zkdv.verify.context import Verification
 
@@ -101,10 +101,10 @@ def _data_leaves(ctx: Verification, program, where: str) -> list | None:
     return None
 
 
-def _row_in_dataset(ctx: Verification, step, layout, held, row: int, index, row_bytes,
+def _row_in_dataset(ctx: Verification, step, layout, held, row: int, index, row_leaf,
                     path, where: str) -> bool:
   declared = ctx.model.data
-  if data.row_in_dataset(bytes(row_bytes), declared, held, int(index), path):
+  if data.row_in_dataset(row_leaf, declared, held, int(index), path):
     ctx.report.dataset_rows += 1
     return True
   ctx.report.fail("data_row", where, f"step {step.index}: row {row} of batch leaf "
@@ -138,13 +138,13 @@ def probed_rows_in_dataset(ctx: Verification, step, program, entries, fields,
       ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: one dataset "
                       f"audit path per data row ({group}) expected.")
       return False
-    for j, (row_bytes, path) in enumerate(zip(records.probed_rows(opened), entry_paths)):
+    for j, (row_leaf, path) in enumerate(zip(opened.row_leaves, entry_paths)):
       at = row * group + j
       if mapping[leaf] is None or not 0 <= at < len(rows):
         ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: not a row "
                         "of a dataset leaf of the batch.")
         return False
-      if not _row_in_dataset(ctx, step, layout, mapping[leaf], at, rows[at], row_bytes,
+      if not _row_in_dataset(ctx, step, layout, mapping[leaf], at, rows[at], row_leaf,
                              path, where):
         return False
   return True
@@ -182,7 +182,8 @@ def opened_rows_in_dataset(ctx: Verification, step, program, batch, paths,
     layout = program.batch[leaf]
     array = digest.byte_view(np.asarray(batch[leaf])).reshape(declared.batch_size, -1)
     for row, path in enumerate(leaf_paths):
-      if not _row_in_dataset(ctx, step, layout, m, row, rows[row], array[row].tobytes(), path,
+      if not _row_in_dataset(ctx, step, layout, m, row, rows[row],
+                             merkle.leaf_hash(array[row].tobytes()), path,
                              where):
         return False
   return True

@@ -54,7 +54,7 @@ def _replay_group(path: str, options, positions: list[int], read_ahead) -> dict[
   """In a child process: the outcomes and findings of the checks at ``positions``."""
   ctx = Verification(Report(path=path), options)
   folder = transcript.records_path(path).parent
-  ctx.model = structure.read(transcript.read_transcript(path), folder, ctx.report)
+  ctx.model = structure.read(transcript.RecordReader(path), folder, ctx.report)
   ctx.programs = ProgramLoader(ctx.report)
   ctx.blobs = blobs.BlobReader(folder, read_ahead)
   ordered = checks.ordered_checks(ctx.model)

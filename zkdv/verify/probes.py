@@ -3,7 +3,8 @@
 A probe check record carries the batch's row roots (which must make up the
 step's batch digest) and, per probed row, ``[leaf, row, rows, merkle proof]``
 (RFC 9162), ``rows`` inline: a Merkle row of a leaf with ``row_group`` g is g
-leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``). The rows must be
+leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``). The
+verifier keeps their hashes, not their bytes, once it has read them (``kept``). The rows must be
 exactly those ``Decision.probe_rows`` selects; the count is compared before any
 row is drawn, so hostile sizes cost nothing.
 
@@ -11,6 +12,8 @@ Example::
 
   outcome = probe_check(ctx, check, step, program, "record 12")
 """
+
+import dataclasses
 
 from zkdv import challenge
 from zkdv import digest
@@ -22,25 +25,47 @@ from zkdv.verify.report import CheckOutcome
 
 
 
+@dataclasses.dataclass(frozen=True)
+class OpenedRows:
+  """A probe entry's rows as the verifier keeps them once read (``kept``): their widths
+  and leaf hashes, not their bytes, which a long run's transcript may hold more of than
+  memory."""
+
+  widths: tuple[int, ...]
+  merkle_leaf: bytes  # merkle.leaf_hash of the Merkle row: its rows joined
+  row_leaves: tuple[bytes, ...]  # merkle.leaf_hash of each row, where a dataset is declared
+
+
+def kept(record: dict, dataset: bool) -> dict:
+  """A probe check record (checked against ``zkdv.records``) with each entry's inline rows
+  replaced by their ``OpenedRows``; ``dataset``: a data record declares the dataset the
+  rows are checked against."""
+  entries = []
+  for leaf, row, inline, proof in record["probes"]:
+    rows = records.probed_rows(inline)
+    opened = OpenedRows(tuple(len(r) for r in rows), merkle.leaf_hash(b"".join(rows)),
+                        tuple(merkle.leaf_hash(r) for r in rows) if dataset else ())
+    entries.append([leaf, row, opened, proof])
+  return {**record, "probes": entries}
+
+
 def _entry_ok(entry, layouts) -> bool:
-  """Whether a probe entry (its shape checked against ``zkdv.records``) names a Merkle row
-  of a batch leaf and opens one inline row per leading-axis row of it."""
-  leaf, row, rows, _ = entry
+  """Whether a probe entry (``kept``) names a Merkle row of a batch leaf and opens one
+  inline row per leading-axis row of it."""
+  leaf, row, opened, _ = entry
   return (leaf < len(layouts) and row < layouts[leaf].rows
-          and len(rows) == layouts[leaf].row_group)
+          and len(opened.widths) == layouts[leaf].row_group)
 
 
 def _row_proven(ctx, entry, layout, root, where) -> bool:
-  leaf, row, rows, proof = entry
+  leaf, row, opened, proof = entry
   width = layout.nbytes // max(layout.rows, 1) // layout.row_group
-  rows = records.probed_rows(rows)
-  wrong = next((j for j, r in enumerate(rows) if len(r) != width), None)
+  wrong = next((j for j, w in enumerate(opened.widths) if w != width), None)
   if wrong is not None:
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: its data row "
-                    f"{wrong} is {len(rows[wrong])} bytes, the leaf's rows are {width}.")
+                    f"{wrong} is {opened.widths[wrong]} bytes, the leaf's rows are {width}.")
     return False
-  if not merkle.verify_inclusion(merkle.leaf_hash(b"".join(rows)), row, layout.rows, proof,
-                                 root):
+  if not merkle.verify_inclusion(opened.merkle_leaf, row, layout.rows, proof, root):
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path} (leaf {leaf}) is "
                     "not in the committed batch (its Merkle proof fails).")
     return False

@@ -12,6 +12,7 @@ Example::
 """
 
 import dataclasses
+import itertools
 import pathlib
 
 import blake3
@@ -23,7 +24,8 @@ from zkdv import programs
 from zkdv import records
 from zkdv import transcript as transcript_lib
 from zkdv.verify import order
-from zkdv.verify.report import UNVERIFIABLE, Report
+from zkdv.verify import probes
+from zkdv.verify.report import INVALID, UNVERIFIABLE, Report
 
 @dataclasses.dataclass(frozen=True)
 class Program:
@@ -165,27 +167,38 @@ class Transcript:
     return None
 
 
-def read(contents: transcript_lib.TranscriptContents, folder: pathlib.Path,
-         report: Report) -> Transcript | None:
-  """The model of ``contents``; None when there is nothing this verifier can read."""
-  model = Transcript(folder, records=len(contents.records))
+def read(contents, folder: pathlib.Path, report: Report) -> Transcript | None:
+  """The model of ``contents`` (a ``transcript.TranscriptContents`` or, read one record at a
+  time, a ``transcript.RecordReader``); None when there is nothing this verifier can read."""
+  model = Transcript(folder)
+  parsed = iter(contents.records)
+  try:
+    first = next(parsed, None)
+    if first is None or first.record.get("type") != "root":
+      _torn_tail(contents, report)
+      report.fail("no_root", "record 0", "the transcript does not start with a root record.")
+      return None
+    try:
+      records.check_format(first.record, "record 0")
+    except records.Invalid as e:
+      report.fail("format_version", "record 0", f"could not verify: {e}", UNVERIFIABLE)
+      return None
+    _chain(itertools.chain([first], parsed), model, report)
+  except errors.TranscriptFormatError as e:  # an item past the records read: not a record
+    report.fail("unreadable", report.path, str(e), INVALID)
+    return None
   report.records = model.records
-  if contents.torn_tail is not None:
-    tail = contents.torn_tail
+  _torn_tail(contents, report)
+  model.segments = _segments(model, report)
+  return model
+
+
+def _torn_tail(contents, report: Report) -> None:
+  tail = contents.torn_tail
+  if tail is not None:
     report.fail("torn_tail", f"byte {tail.offset}",
                 f"the last {tail.nbytes} bytes are not a complete record "
                 f"({tail.reason}); the transcript did not finish.", UNVERIFIABLE)
-  if not contents.records or contents.records[0].record.get("type") != "root":
-    report.fail("no_root", "record 0", "the transcript does not start with a root record.")
-    return None
-  try:
-    records.check_format(contents.records[0].record, "record 0")
-  except records.Invalid as e:
-    report.fail("format_version", "record 0", f"could not verify: {e}", UNVERIFIABLE)
-    return None
-  _chain(contents, model, report)
-  model.segments = _segments(model, report)
-  return model
 
 
 def _segments(model: Transcript, report: Report) -> list:
@@ -218,9 +231,10 @@ def _segments(model: Transcript, report: Report) -> list:
   return segments
 
 
-def _chain(contents, model: Transcript, report: Report) -> None:
+def _chain(parsed_records, model: Transcript, report: Report) -> None:
   prev = None
-  for i, parsed in enumerate(contents.records):
+  for i, parsed in enumerate(parsed_records):
+    model.records = i + 1
     rec, where = parsed.record, f"record {i}"
     if transcript_lib.encode_record(rec) != parsed.raw:
       report.fail("encoding", where, "record is not in deterministic CBOR encoding.")
@@ -366,6 +380,8 @@ def _read_check(model, parsed, where, report) -> None:
   if (step, kind) in model.checks:
     report.fail("schema", where, f"a second {kind} check of step {step}.")
     return
+  if kind == "probe":  # its rows' hashes, not their bytes
+    rec = probes.kept(rec, dataset=model.data is not None)
   model.checks[(step, kind)] = Check(step, kind, rec, where)
 
 
