@@ -505,6 +505,14 @@ class UntrustedInputTest(VerifierTestCase):
     self.assertEqual(report.verdict, verify.INVALID)
     self.assertEqual(report.findings[0].code, "unreadable")
 
+  def test_a_records_file_that_cannot_be_read_is_a_finding_not_a_fault(self):
+    folder = pathlib.Path(tempfile.mkdtemp())
+    (folder / transcript.RECORDS_FILE).mkdir()  # opened as it is read, record by record
+    report = verify.verify(folder)
+    self.assertIsNone(report.fault)
+    self.assertEqual(report.verdict, verify.UNVERIFIABLE)
+    self.assertEqual([f.code for f in report.findings], ["unreadable"])
+
   def test_huge_length_prefix_and_deep_nesting(self):
     for data in (b"\x5b" + (2**62).to_bytes(8, "big") + b"abc",
                  b"\xbb" + (2**40).to_bytes(8, "big"),

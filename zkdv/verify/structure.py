@@ -174,6 +174,7 @@ def read(contents, folder: pathlib.Path, report: Report) -> Transcript | None:
   parsed = iter(contents.records)
   try:
     first = next(parsed, None)
+    model.records = int(first is not None)
     if first is None or first.record.get("type") != "root":
       _torn_tail(contents, report)
       report.fail("no_root", "record 0", "the transcript does not start with a root record.")
@@ -187,7 +188,11 @@ def read(contents, folder: pathlib.Path, report: Report) -> Transcript | None:
   except errors.TranscriptFormatError as e:  # an item past the records read: not a record
     report.fail("unreadable", report.path, str(e), INVALID)
     return None
-  report.records = model.records
+  except OSError as e:  # the file, read record by record (transcript.RecordReader)
+    report.fail("unreadable", report.path, str(e), UNVERIFIABLE)
+    return None
+  finally:
+    report.records = model.records
   _torn_tail(contents, report)
   model.segments = _segments(model, report)
   return model
