@@ -23,6 +23,7 @@ from dvbench.server.db import Store
 from dvbench.server.local import LocalServer as Server
 from tests import testing
 from tests import tutorial_steps
+from zkdv import records
 from zkdv import transcript
 
 
@@ -209,6 +210,17 @@ class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):
     self.assertLen(proofs, 1)
     self.assertEqual(proofs[0]["state"], "invalid")
     self.assertIn(name.hex(), proofs[0]["failure"])
+
+  def test_a_probed_row_in_chunks_is_taken_whole(self):
+    local = testing.wide_rows_transcript()
+    client = dvbench.Client(self.server.url)
+    proof_id = client.experiment("your-name/wide-rows").upload(local)
+    self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "self-audited")
+    rows = {row for r in testing.records_of(local, "check")
+            for entry in records.probe_entries(r) for row in records.probed_rows(entry[2])}
+    self.assertEqual([len(row) for row in rows], [(1 << 20) + 4])  # the same row each step
+    # The server's records hold the row whole (Benchmark.probed_rows reads them back).
+    self.assertEqual(set(client.benchmark("your-name/any").probed_rows(proof_id)), rows)
 
   def test_small_blobs_travel_together_and_are_named_by_their_hash(self):
     experiment = dvbench.Client(self.server.url).experiment("your-name/probed")

@@ -104,6 +104,14 @@ class RowGroupsTest(VerifierTestCase):
     report = verify.verify(proof.finish())
     self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, ROWS))
 
+  def test_a_row_wider_than_a_record_string_travels_as_chunks_and_verifies(self):
+    path = testing.wide_rows_transcript()
+    (probe, *_) = [r for r in testing.records_of(path, "check") if r["kind"] == "probe"]
+    ((_, _, (chunks,), _),) = probe["probes"]
+    self.assertEqual([len(c) for c in chunks], [1 << 20, 4])
+    report = verify.verify(path)
+    self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, 2))
+
   def test_rows_swapped_within_a_group_are_caught(self):
     def swap(records):
       probe = first(records, "check", kind="probe")

@@ -79,6 +79,21 @@ def new_proof(name: str, update_p: float = 1.0, state_p: float = 0.0,
       output_dir=folder, **config))
 
 
+def wide_rows_transcript(steps: int = 2, **proof_config) -> pathlib.Path:
+  """The tutorial's classifier on rows wider than a record's byte strings (1 MiB + 4 bytes:
+  the tutorial's 5 columns, then zeros), every step probed: its probed rows travel as
+  chunks (``zkdv.records.probe_rows``)."""
+  proof = new_proof("wide-rows", update_p=1.0, **proof_config)
+  proof.start(probe_ratio=0.5)
+  state = classifier_state(proof)
+  train_step = proof.jit(classifier_step, donate_argnums=0)
+  batch = np.zeros((2, (1 << 18) + 1), np.uint32)
+  batch[:, :5] = TUTORIAL_BATCH[:2]
+  for _ in range(steps):
+    state = train_step(state, jnp.asarray(batch))
+  return proof.finish()
+
+
 def classifier_state(proof, tx=None, **create_kwargs):
   model = TinyClassifier()
   params = model.init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
