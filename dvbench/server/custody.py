@@ -222,9 +222,18 @@ class Ingest:
   def _last_committed(self) -> int | None:
     """The step whose committed post-state a resume goes on from (``None``: none yet)."""
     if self._committed is _UNKNOWN:
-      self._committed = self.store.last_committed_step(
-          self.conn, self.proof_id, self.challenger.policy.segment_length)
+      self._read_tail()
     return self._committed
+
+  def _read_tail(self) -> None:
+    """Reads the open segment's stored steps and the last committed step (whichever this
+    request has not kept up to date yet) from the stored tail (``segment_tail``)."""
+    open_steps, committed = self.store.segment_tail(self.conn, self.proof_id,
+                                                    self.challenger.policy.segment_length)
+    if self._open_segment is None:
+      self._open_segment = open_steps
+    if self._committed is _UNKNOWN:
+      self._committed = committed
 
   def _step_record(self, index: int) -> dict | None:
     """Step ``index``'s record, from this request's records or the stored ones."""
@@ -244,7 +253,7 @@ class Ingest:
                           f"are stored: the next step record is step {self.head.steps}.")
     longest = self.challenger.policy.segment_length
     if self._open_segment is None:
-      self._open_segment = self.store.open_segment_steps(self.conn, self.proof_id, longest)
+      self._read_tail()
     if self._open_segment + 1 >= longest and not isinstance(record.get("post_state"), bytes):
       raise HTTPException(409, f"record {n} is step {index}, step {self._open_segment + 1} "
                           f"of the segment that starts at step {index - self._open_segment}, "

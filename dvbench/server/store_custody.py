@@ -163,35 +163,25 @@ class CustodyQueries:
           (records.c.proof_id == proof_id) & records.c.record_id.in_(ids[i:i + 500]))).all())
     return found
 
-  def open_segment_steps(self, conn, proof_id: str, limit: int) -> int:
-    """How many of the proof's last stored steps carry no ``post_state`` (at most
-    ``limit``): the steps of the segment that is still open (a ``resume`` record starts
-    a new one)."""
-    rows = conn.execute(sa.select(records.c.kind, records.c.data).where(
-        (records.c.proof_id == proof_id) & records.c.kind.in_(("step", "resume")))
-                        .order_by(records.c.position.desc()).limit(limit)).all()
-    count = 0
-    for kind, data in rows:  # stored records were decoded and checked at ingestion
-      if kind == "resume" or isinstance(cbor2.loads(data).get("post_state"), bytes):
-        break
-      count += 1
-    return count
-
-  def last_committed_step(self, conn, proof_id: str, limit: int) -> int | None:
-    """The index of the last step whose committed post-state a run goes on from: the last
-    stored step carrying a ``post_state``, or the ``after`` of a ``resume`` stored after it
-    (the steps since carry none); None when no step committed one. Reads at most ``limit``
-    + 1 step and resume records (a segment holds at most ``limit`` steps)."""
+  def segment_tail(self, conn, proof_id: str, limit: int) -> tuple[int, int | None]:
+    """What the proof's stored tail says of its segments, in one read of at most ``limit``
+    + 1 step and resume records (a segment holds at most ``limit`` steps): how many of the
+    last stored steps carry no ``post_state`` (the open segment's, at most ``limit``; a
+    ``resume`` starts a new one), and the index of the last step whose committed
+    post-state a run goes on from (the last step carrying a ``post_state``, or the
+    ``after`` of a ``resume`` stored after it; None when no step committed one)."""
     rows = conn.execute(sa.select(records.c.kind, records.c.data).where(
         (records.c.proof_id == proof_id) & records.c.kind.in_(("step", "resume")))
                         .order_by(records.c.position.desc()).limit(limit + 1)).all()
+    open_steps = 0
     for kind, data in rows:  # stored records were decoded and checked at ingestion
       record = cbor2.loads(data)
       if kind == "resume":
-        return record["after"]
+        return min(open_steps, limit), record["after"]
       if isinstance(record.get("post_state"), bytes):
-        return record["index"]
-    return None
+        return min(open_steps, limit), record["index"]
+      open_steps += 1
+    return min(open_steps, limit), None
 
   def step_record(self, conn, proof_id: str, index: int) -> dict | None:
     """The stored record of step ``index``, decoded; None when it is not stored."""
