@@ -528,6 +528,15 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     response = self.raw_submit(self.submitter, self.honest_record(training_proofs=unprobed))
     self.assertEqual(response.status_code, 409)
     self.assertIn("is not a probed row of proof", response.json()["error"])
+    # Attack: entries of other shapes (a row as text, as its digest, a negative index).
+    for entry, status, says in (([row.hex(), index, path], 400, "each entry is [row bytes"),
+                                ([row, index, [1]], 400, "training_proofs path"),
+                                ([blake3.blake3(row).digest(), index, path], 409,
+                                 "is not a probed row of proof"),
+                                ([row, -1, path], 409, "(index -1) does not lead")):
+      response = self.raw_submit(self.submitter, self.honest_record(training_proofs=[entry]))
+      self.assertEqual(response.status_code, status, response.text)
+      self.assertIn(says, response.json()["error"])
     response = self.raw_submit(self.submitter, self.honest_record(
         training_proofs=[proofs[0], proofs[0]]))
     self.assertEqual(response.status_code, 400)

@@ -201,21 +201,20 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
 }
 
 
-
-def discarded_steps(resume: dict) -> range:
-  """The steps a ``resume`` record discards: those after the committed state it resumes
-  from and before the step it resumes at (an open segment), e.g. ``range(5, 7)`` for
-  ``{"type": "resume", "after": 4, "step": 7, ...}``."""
-  return range(resume["after"] + 1, resume["step"])
+def discarded_steps(after: int, step: int) -> range:
+  """The steps a ``resume`` record (``after``, ``step``) discards: those after the
+  committed state it resumes from and before the step it resumes at (an open segment),
+  e.g. ``discarded_steps(4, 7)`` is ``range(5, 7)``."""
+  return range(after + 1, step)
 
 
 def probe_rows(merkle_row, row_group: int) -> list:
   """A probed Merkle row (bytes or a uint8 view) as a probe entry carries it: its
   ``row_group`` leading-axis rows, each inline, or as chunks when wider than a record's
   byte strings may be. Example: ``probe_rows(b"abcd", 2)`` is ``[b"ab", b"cd"]``."""
-  data = bytes(merkle_row)
+  data = memoryview(merkle_row).cast("B")  # each row copied once, by bytes()
   width = len(data) // row_group
-  rows = [data[i * width:(i + 1) * width] for i in range(row_group)]
+  rows = [bytes(data[i * width:(i + 1) * width]) for i in range(row_group)]
   if width <= MAX_STRING_BYTES:
     return rows
   return [[r[i:i + MAX_STRING_BYTES] for i in range(0, width, MAX_STRING_BYTES)]

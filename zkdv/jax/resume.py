@@ -116,7 +116,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   discarded = set(range(last["index"] + 1, len(steps)))
   for r in records:
     if r.get("type") == "resume":
-      discarded |= set(records_lib.discarded_steps(r))
+      discarded |= set(records_lib.discarded_steps(r["after"], r["step"]))
   _require_answers(steps, discarded, programs, answered, challenge_of, fields["kind"], policy)
   params = set(program.get("params_leaves", []))
   layouts = [LeafLayout.from_record(l)

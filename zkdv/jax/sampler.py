@@ -166,7 +166,7 @@ def _resumed(proof) -> tuple:
   declared = next((r for r in records if r.get("type") == "data"), None)
   if declared is None:
     return None, None
-  discarded = sum(len(records_lib.discarded_steps(r)) for r in records
+  discarded = sum(len(records_lib.discarded_steps(r["after"], r["step"])) for r in records
                   if r.get("type") == "resume")
   return data_lib.Declaration.from_record(declared), restored.after + 1 - discarded
 

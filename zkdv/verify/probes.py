@@ -3,10 +3,10 @@
 A probe check record carries the batch's row roots (which must make up the
 step's batch digest) and, per probed row, ``[leaf, row, rows, merkle proof]``
 (RFC 9162), ``rows`` inline: a Merkle row of a leaf with ``row_group`` g is g
-leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``). The
-verifier keeps their hashes, not their bytes, once it has read them (``kept``). The rows must be
-exactly those ``Decision.probe_rows`` selects; the count is compared before any
-row is drawn, so hostile sizes cost nothing.
+leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``);
+the verifier keeps their hashes, not their bytes, once it has read them (``kept``). The
+rows must be exactly those ``Decision.probe_rows`` selects; the count is compared before
+any row is drawn, so hostile sizes cost nothing.
 
 Example::
 
@@ -22,7 +22,6 @@ from zkdv import records
 from zkdv.verify import order
 from zkdv.verify.context import Verification
 from zkdv.verify.report import CheckOutcome
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,7 +131,7 @@ class Resume:
 
   @property
   def discarded(self) -> range:
-    return records.discarded_steps({"after": self.after, "step": self.step})
+    return records.discarded_steps(self.after, self.step)
 
 
 @dataclasses.dataclass
