@@ -226,18 +226,22 @@ class DataOrderTest(parameterized.TestCase):
     self.assertEqual(refused.exception.status_code, 400)
     self.assertIn(f"record 3 (data): {says}", refused.exception.detail)
 
-  def test_a_batch_that_is_not_the_declared_dataset_is_invalid_unprobed(self):
-    # No probe or full replay opens a row, so no row is checked: the batch's leaves must be
-    # the dataset's all the same (else its committed indices name rows it never reads).
+  @parameterized.named_parameters(("unprobed", 0.0), ("probed", 1.0))
+  def test_a_batch_that_is_not_the_declared_dataset_is_invalid(self, probe_ratio):
+    # Unprobed, no probe or full replay opens a row, so no row is checked: the batch's
+    # leaves must be the dataset's all the same (else its committed indices name rows it
+    # never reads). Probed, the probes' rows are not checked against it a second time.
     def float16_dataset(records):
       return [{**r, "layout": [{**r["layout"][0], "dtype": "float16"}, *r["layout"][1:]]}
               if r["type"] == "data" else r for r in records]
-    edited = resume_test._rewrite(train("unprobed", probe_ratio=0.0), float16_dataset)  # pylint: disable=protected-access
+    edited = resume_test._rewrite(train(f"not-the-dataset-{probe_ratio}",  # pylint: disable=protected-access
+                                        probe_ratio=probe_ratio), float16_dataset)
     report = verify.verify(edited)
     self.assertEqual(report.verdict, "invalid")
     finding = _finding(report, "data_order")
     self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
     self.assertIn("is not dataset leaf 0", finding.message)
+    self.assertLen([f for f in report.findings if "is not dataset leaf" in f.message], 1)
     self.assertEqual(report.claim("data").status, "does not hold")
 
   def test_a_grain_source_is_read_in_the_same_seeded_order(self):

@@ -39,3 +39,4 @@ class Verification:
   # replay, which the next segment continues from when it starts there
   replayed_end: tuple | None = None
   data_order: object = None  # zkdv.data.Order of a transcript that declares its dataset
+  data_leaves: dict = dataclasses.field(default_factory=dict)  # program -> order._data_leaves

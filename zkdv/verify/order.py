@@ -64,11 +64,10 @@ def check_order(ctx: Verification) -> None:
       report.fail("data_order", stray.where, f"step {stray.index} commits data_rows, but no "
                   "data record declares the dataset they index.")
     return
-  order, discarded, shaped = _order(ctx), 0, set()
+  order, discarded = _order(ctx), 0
   for step in model.steps:
     program = model.programs.get(step.program)
-    if program is not None and step.program not in shaped:  # its batch is the dataset's
-      shaped.add(step.program)
+    if program is not None:  # its batch is the dataset's (checked once per program)
       _data_leaves(ctx, program, step.where)
     number = step.index - discarded  # a step a resume discarded trained no batch that counts
     discarded += model.discarded(step.index)
@@ -92,13 +91,15 @@ def check_order(ctx: Verification) -> None:
 
 
 def _data_leaves(ctx: Verification, program, where: str) -> list | None:
-  """Per batch leaf, the dataset leaf it holds (``zkdv.data.batch_leaves``); None with a
-  finding when the program's batch is not the declared dataset's."""
-  try:
-    return data.batch_leaves(program.batch, ctx.model.data)
-  except ValueError as e:
-    ctx.report.fail("data_order", where, f"program {program.number}: {e}.")
-    return None
+  """Per batch leaf, the dataset leaf it holds (``zkdv.data.batch_leaves``); None when the
+  program's batch is not the declared dataset's, with a finding the first time."""
+  if program.number not in ctx.data_leaves:
+    try:
+      ctx.data_leaves[program.number] = data.batch_leaves(program.batch, ctx.model.data)
+    except ValueError as e:
+      ctx.data_leaves[program.number] = None
+      ctx.report.fail("data_order", where, f"program {program.number}: {e}.")
+  return ctx.data_leaves[program.number]
 
 
 def _row_in_dataset(ctx: Verification, step, layout, held, row: int, index, row_leaf,
