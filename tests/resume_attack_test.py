@@ -13,6 +13,7 @@ from dvbench.server.local import LocalServer
 from zkdv import challenge
 from tests import postgres
 from tests.fake_prover import FakeProver
+from zkdv.transcript import record_id
 
 SEGMENT = 3
 
@@ -64,6 +65,22 @@ class ResumeAttackTest(absltest.TestCase):
                   "data probes of the steps a resume discards included", response.text)
     prover.answer(drawn[0])  # answered, the same resume is taken
     self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
+
+  def test_attack_a_resume_in_the_envelope_of_the_step_it_discards_is_refused(self):
+    # Step 3 and the resume that discards it travel together: step 3's probes are drawn
+    # while the envelope is stored, before anything of it is written.
+    prover = self.prover()
+    prover.run(SEGMENT)
+    committed = prover.state
+    self.assertEqual(prover.http.post(f"/api/v1/proofs/{prover.proof_id}/resume")
+                     .status_code, 200)
+    step = prover.step_record()
+    resume = prover.chain({"type": "resume", "step": SEGMENT + 1, "after": SEGMENT - 1,
+                           "state": committed}, prev=record_id(step))
+    response = prover.send(step, resume)
+    self.assertEqual(response.status_code, 409, response.text)
+    self.assertIn("record 1 resumes the run, but step 3 was challenged for probes and never "
+                  "answered.", response.text)
 
   def test_attack_a_resume_before_a_committed_check_is_answered_is_refused(self):
     prover = self.prover()

@@ -198,6 +198,24 @@ class CustodyTest(ServerChallengeTestCase):
     early = prover.chain({"type": "check", "step": 2, "kind": "state", "post_state_blobs": []})
     self.assertRefused(prover.send(early), 409, "before its step record")
 
+  def test_a_second_answer_to_a_check_is_refused_in_its_steps_envelope_and_later(self):
+    # Answers to a step stored in the same envelope are counted before the envelope's
+    # challenges are written; a second answer is refused there and in a later envelope.
+    prover = self.prover().start()
+    step = prover.step_record(ends=True)
+    first = prover.chain({"type": "check", "step": 0, "kind": "state", "post_state_blobs": []},
+                         prev=record_id(step))
+    again = prover.chain({"type": "check", "step": 0, "kind": "state", "post_state_blobs": []},
+                         prev=record_id(first))
+    self.assertRefused(prover.send(step, first, again), 409,
+                       "record 2: step 0's state check was already answered by another record")
+    self.assertEqual(prover.send(step, first).status_code, 200)
+    later = prover.chain({"type": "check", "step": 0, "kind": "state", "post_state_blobs": []})
+    self.assertRefused(prover.send(later), 409,
+                       "record 0: step 0's state check was already answered by another record")
+    rows = self.store().challenge_rows(prover.proof_id)
+    self.assertEqual([(r["step"], r["answered_state"]) for r in rows], [(0, True)])
+
   def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):
     prover = self.prover().start()
     prover.run(steps=2)

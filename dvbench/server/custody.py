@@ -54,6 +54,15 @@ _UNKNOWN = object()  # a value not read from the store yet
 _CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 
 
+def challenge_row(proof_id: str, step: int, record_id: bytes, challenge_key: bytes,
+                  needs: dict[str, bool]) -> dict:
+  """The ``challenges`` row of step ``step``'s derived challenge, answered by nothing yet
+  (``needs``: kind -> required)."""
+  return {"proof_id": proof_id, "step": step, "record_id": record_id,
+          "challenge": challenge_key, **{f"needs_{k}": v for k, v in needs.items()},
+          **{f"answered_{k}": False for k in needs}}
+
+
 def unanswered_failure(rows: list[dict]) -> str | None:
   """Names the first of the unanswered challenge rows ``rows``, if any, e.g. 'step 3 was
   challenged for probes and never answered.'"""
@@ -108,6 +117,7 @@ class Ingest:
     self._new: list[tuple[bytes, str, bytes]] = []  # appended, written by ack()
     self.stored = self.duplicates = 0
     self.steps_seen: list[int] = []
+    self._derived: dict[int, dict] = {}  # step -> its challenge row, written by ack()
     self.refs: set[str] = set()
     self.probes: set[str] = set()
     self.examples: set[str] = set()  # whole examples probed (dvbench.contamination)
@@ -159,7 +169,11 @@ class Ingest:
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
     self.store.add_probes(self.conn, self.proof_id, self.probes)
     self.store.add_probe_examples(self.conn, self.proof_id, self.examples)
-    rows = self.store.challenges_of(self.conn, self.proof_id, set(self.steps_seen))
+    self.store.add_challenges(self.conn, list(self._derived.values()))
+    stored = set(self.steps_seen) - set(self._derived)  # steps this request repeats
+    rows = sorted([*self._derived.values(), *(self.store.challenges_of(
+        self.conn, self.proof_id, stored) if stored else [])], key=lambda r: r["step"])
+    self._derived = {}
     return {"stored": self.stored, "duplicates": self.duplicates,
             "challenges": [{"step": r["step"], "record_id": r["record_id"].hex(),
                             "challenge": r["challenge"].hex()} for r in rows]}
@@ -211,7 +225,9 @@ class Ingest:
       raise HTTPException(409, f"record {n} resumes the run from step {after}'s state; it "
                           "must go on from the committed post-state of the last step that "
                           f"stored one (step {last}).")
-    failure = unanswered_failure(self.store.unanswered_challenges(self.conn, self.proof_id))
+    failure = unanswered_failure(sorted(
+        [*self.store.unanswered_challenges(self.conn, self.proof_id), *self._derived.values()],
+        key=lambda r: r["step"]))
     if failure is not None:
       raise HTTPException(409, f"record {n} resumes the run, but {failure} A run resumes only "
                           "once every challenge so far is answered, the data probes of the "
@@ -271,10 +287,17 @@ class Ingest:
         raise HTTPException(409, f"record {n} is a start check of step {step}; only step 0 "
                             "starts a proof.")
       return
-    if (self.challenger.kind == "dvbench"
-        and not self.store.answer_challenge(self.conn, self.proof_id, step, kind)):
+    if self.challenger.kind == "dvbench" and not self._answer(step, kind):
       raise HTTPException(409, f"record {n}: step {step}'s {kind} check was already answered "
                           "by another record.")
+
+  def _answer(self, step: int, kind: str) -> bool:
+    """Marks step ``step``'s ``kind`` check answered; False when it already was."""
+    row = self._derived.get(step)
+    if row is None:  # stored by an earlier request
+      return self.store.answer_challenge(self.conn, self.proof_id, step, kind)
+    answered, row[f"answered_{kind}"] = row[f"answered_{kind}"], True
+    return not answered
 
   def _check_final(self, record: dict, n: int) -> None:
     if record["steps"] != self.head.steps:
@@ -288,4 +311,4 @@ class Ingest:
     self.steps_seen.append(step)
     if self.challenger.kind == "dvbench":
       c, needs = self.challenger.needs(step, rid, first, ends_segment)
-      self.store.add_challenge(self.conn, self.proof_id, step, rid, c, needs)
+      self._derived[step] = challenge_row(self.proof_id, step, rid, c, needs)

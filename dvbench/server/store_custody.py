@@ -238,16 +238,10 @@ class CustodyQueries:
 
   # -- challenges ------------------------------------------------------------------------
 
-  def add_challenge(self, conn, proof_id: str, step: int, record_id: bytes,
-                    challenge: bytes, needs: dict[str, bool]) -> None:
-    """Stores step ``step``'s derived challenge once (``needs``: kind -> required)."""
-    if conn.execute(sa.select(challenges.c.step).where(
-        (challenges.c.proof_id == proof_id) & (challenges.c.step == step))).first():
-      return
-    conn.execute(challenges.insert().values(
-        proof_id=proof_id, step=step, record_id=record_id, challenge=challenge,
-        **{f"needs_{k}": v for k, v in needs.items()},
-        **{f"answered_{k}": False for k in needs}))
+  def add_challenges(self, conn, rows: list[dict]) -> None:
+    """Stores new steps' derived challenges (``custody.challenge_row``s), in one statement."""
+    if rows:
+      conn.execute(challenges.insert(), rows)
 
   def challenges_of(self, conn, proof_id: str, steps=None) -> list[dict]:
     query = sa.select(challenges).where(challenges.c.proof_id == proof_id)
