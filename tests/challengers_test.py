@@ -17,6 +17,7 @@ from zkdv import challengers
 from zkdv import errors
 from zkdv import transcript
 from zkdv import verify
+from zkdv.jax import dispatch
 
 
 class ChallengeFunctionsTest(parameterized.TestCase):
@@ -109,6 +110,13 @@ class _WideningProof(_LateProof):
 
   def _make_challenger(self, policy, seed, group):
     return super()._make_challenger(dataclasses.replace(policy, rolling_window=8), seed, group)
+
+
+class _WideWindowProof(_LateProof):
+  """A late proof whose server allows a window of 32."""
+
+  def _make_challenger(self, policy, seed, group):
+    return super()._make_challenger(dataclasses.replace(policy, rolling_window=32), seed, group)
 
 
 def _late_proof(update_p=1.0, window=2, timeout_s=30.0, segment_length=1, state_p=0.0,
@@ -208,6 +216,37 @@ class LateDecisionsTest(parameterized.TestCase):
     self.assertEqual(proof.checks["update"], 8)
     report = verify.verify(proof.path, challenge_key=proof.key, min_checks=0)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+
+  def test_the_window_grows_at_once_to_hold_the_measured_decision_time(self):
+    proof = _late_proof(window=2, timeout_s=3.0, kind=_WideWindowProof)
+    proof._challenger._answer_times = [0.5]  # pylint: disable=protected-access  # measured
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    batch = jnp.asarray(testing.TUTORIAL_BATCH)
+    pipeline = proof._committer.pipeline  # pylint: disable=protected-access
+    windows = []
+    with self.assertLogs("zkdv", "INFO") as logs:
+      for _ in range(6):  # no decision comes back meanwhile
+        state = train_step(state, batch)
+        pipeline.drain()
+        windows.append(pipeline.window)
+    # Doubling until steps are timed, then at once what 500 ms of millisecond steps need,
+    # up to the server's 32 (doubling alone would give 8 here).
+    self.assertEqual(windows, [2, 2, 4, 4, 32, 32])
+    self.assertIn("(a step's comes 500.0 ms after it starts): the window grows from 4 to 32 "
+                  "steps", "\n".join(logs.output))
+    _wait(lambda: proof.deliver_written() == 6)
+    proof.finish()
+    report = verify.verify(proof.path, challenge_key=proof.key, min_checks=0)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+
+  @parameterized.named_parameters(
+      ("one_process", 0.085, 0.02, False, 6),
+      ("across_processes", 0.085, 0.02, True, 12),
+      ("decisions_faster_than_a_step", 0.001, 0.02, False, 2),
+      ("exact_multiple", 0.04, 0.02, False, 3))
+  def test_window_for_the_measured_times(self, answer, step, across, expected):
+    self.assertEqual(dispatch.window_for(answer, step, across), expected)
 
   @parameterized.parameters(1, 3)
   def test_only_decided_checks_are_answered_and_verify(self, segment_length):

@@ -96,7 +96,8 @@ class Dispatcher:
       if self.shared.due(self.steps, committer.pipeline.window):
         if self._group.is_writer:
           self._size_window()
-        self.shared.settle(self.steps, committer.pipeline.window)
+        with self._waiting():  # for process 0's decisions: not a step's own time
+          self.shared.settle(self.steps, committer.pipeline.window)
     elif committer.pipeline.full and isinstance(self._challenger, challengers.ServerChallenger):
       self._size_window()
     # A step that cannot enter the window raises before anything is taken: call it again.
@@ -275,22 +276,26 @@ class Dispatcher:
     self._ended = True
 
   def _size_window(self) -> None:
-    """Widens a full window while most of it is steps whose records are written and
-    whose decisions have not come back (the server's round trip holds training, not
-    the steps' own compute or commitments): doubled, up to the policy's rolling window;
-    says so once when even that is too short and training waits on the server.
+    """Widens the window so that training need not wait for the server's round trip:
+    doubled while most of it is steps whose records are written and whose decisions have
+    not come back, and at least ``window_for`` the measured decision and step times; up
+    to the policy's rolling window. Says so once when even that is too short.
 
     Example: a window of 4 with 3 written, undecided steps grows to 8, then 16, ...
     """
     pipeline = self._committer.pipeline
     awaiting = self._committer.written_steps - self._challenger.decided_steps
-    if 2 * awaiting < pipeline.window:
+    answer = self._challenger.answer_seconds
+    wanted = 2 * pipeline.window if 2 * awaiting >= pipeline.window else pipeline.window
+    if answer is not None and self._step_times:
+      wanted = max(wanted, window_for(answer, statistics.median(self._step_times),
+                                      self.shared is not None))
+    if wanted <= pipeline.window:
       return
     bound = self._challenger.policy.rolling_window
-    answer = self._challenger.answer_seconds
     said = f"{answer * 1e3:.1f} ms" if answer is not None else "not yet measured"
     if pipeline.window < bound:
-      window = min(bound, 2 * pipeline.window)
+      window = min(bound, wanted)
       logger.info("ZKDV: %d steps wait for DVBench's decisions (a step's comes %s after it "
                   "starts): the window grows from %d to %d steps.", awaiting, said,
                   pipeline.window, window)
@@ -316,6 +321,18 @@ class Dispatcher:
         program.post_layouts, program.params_mask)):
       return None
     return [arrays.gather(x) for x in self._last_post_leaves]
+
+
+def window_for(answer_seconds: float, step_seconds: float, across_processes: bool) -> int:
+  """The window in which no step waits for decisions that come ``answer_seconds`` after
+  their step starts, at ``step_seconds`` a step; across processes twice that, since a
+  round takes the decisions of the steps that leave the window half a window on
+  (``SharedDecisions.settle``).
+
+  Example: decisions 85 ms after their step, 20 ms steps: 6 steps, 12 across processes.
+  """
+  steps = math.ceil(answer_seconds / max(step_seconds, 1e-6)) + 1
+  return 2 * steps if across_processes else steps
 
 
 def _check_probe_size(program, ratio: float, data) -> None:
