@@ -99,13 +99,15 @@ class DVBenchProof(zkdv.jax.ZKDV):
   def _make_challenger(self, policy, seed, group):
     """Process 0's challenger (it alone holds the stream; the others take its decisions
     in rounds, ``zkdv.jax.shared_decisions``)."""
-    del seed, group
+    del seed
     slot = self.experiment.proof_slot()
     try:
       minimum = challenge.Policy.from_record(slot["policy"])
       # The window starts at the caller's and may grow to the server's while its answers
       # take longer than that many steps (Dispatcher._size_window): the root says so.
-      if self.config.segment_length is None and policy.segment_length > 1:
+      # Across processes, where segments are the root's length, too.
+      multi = group.multi and policy.rolling_window > 1
+      if self.config.segment_length is None and (policy.segment_length > 1 or multi):
         # An adaptive segment may be as long as the window the server allows lets it be
         # (the window grows to it), not only the caller's first window.
         policy = dataclasses.replace(policy, segment_length=max(

@@ -28,7 +28,7 @@ from zkdv.transcript import encode_record, record_id
 # Short limits so that slow-client cases finish in about a second.
 _LIMITS = ("--body-timeout", "2", "--body-idle-timeout", "1", "--max-uploads", "6",
            "--max-uploads-per-token", "4", "--bad-token-limit", "5", "--bad-token-window", "30")
-_HUGE_RECORDS = 1000  # an envelope that takes the server seconds to store in one go
+_HUGE_RECORDS = 4000  # an envelope that takes the server seconds to store in one go
 
 
 def together(n: int, fn):

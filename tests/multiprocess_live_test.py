@@ -22,6 +22,7 @@ from tests import testing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROCESSES, STEPS, ROWS = 2, 5, 8
+SEGMENTS = [(0, 1), (2, 3), (4, 4)]  # half the server's largest window: 2 steps, the root's
 
 # The server's minimum raises the tutorial's policy: every step is update- and state-checked
 # and every row probed, so both processes open shards at every step, whatever the challenges.
@@ -136,9 +137,9 @@ class MultiProcessLiveTest(absltest.TestCase):
     self.assertEqual(status["challenger"], "dvbench")
     challenges = status["server_challenges"]
     self.assertEqual((challenges["update"], challenges["state"], challenges["probe"]),
-                     (STEPS, STEPS, STEPS), challenges)
+                     (len(SEGMENTS), len(SEGMENTS), STEPS), challenges)
     self.assertEqual(challenges["answered"], challenges["required"])
-    self.assertEqual(challenges["update_replayed"], STEPS)
+    self.assertEqual(challenges["update_replayed"], len(SEGMENTS))
 
   def test_every_process_took_the_servers_decisions_under_the_roots_policy(self):
     leader, follower = self.honest
@@ -146,9 +147,10 @@ class MultiProcessLiveTest(absltest.TestCase):
     self.assertEqual(leader["policy"], follower["policy"])
     self.assertEqual((leader["policy"]["update_check_probability"],
                       leader["policy"]["probe_ratio"]), (1.0, 1.0))
-    self.assertEqual(leader["checks"], {"update": STEPS, "state": STEPS, "probe": STEPS})
+    self.assertEqual(leader["checks"],
+                     {"update": len(SEGMENTS), "state": len(SEGMENTS), "probe": STEPS})
     self.assertEqual((follower["checks"]["update"], follower["checks"]["state"]),
-                     (STEPS, STEPS))
+                     (len(SEGMENTS), len(SEGMENTS)))
 
   def test_downloaded_transcript_verifies_strictly(self):
     self.client.wait_for_verdict(self.honest[0]["proof_id"], 300)  # its receipt is signed
@@ -173,7 +175,16 @@ class MultiProcessLiveTest(absltest.TestCase):
     self.assertEqual(claims["challenges"]["status"], "holds", claims["challenges"])
     self.assertIn("dvbench", claims["challenges"]["detail"])
     updates = [c for c in report["checks"] if c["kind"] == "update"]
-    self.assertEqual([(c["mode"], c["status"]) for c in updates], [("exact", "verified")] * STEPS)
+    self.assertEqual([(c["mode"], c["status"]) for c in updates],
+                     [("exact", "verified")] * len(SEGMENTS))
+    # Segments of the root's length across processes: each update check replays its
+    # segment from the start state both processes kept, with every batch in it.
+    self.assertEqual(root["challenger"]["policy"]["segment_length"], 2)
+    self.assertEqual([(c["first"], c["step"]) for c in testing.records_of(folder, "check")
+                      if c["kind"] == "update"], SEGMENTS)
+    steps = testing.records_of(folder, "step")
+    self.assertEqual([s["index"] for s in steps if "post_state" in s],
+                     [last for _, last in SEGMENTS])
 
   def test_when_process_0_gets_no_more_challenges_every_process_stops_at_the_same_step(self):
     leader, follower = self.stopped

@@ -62,8 +62,8 @@ class Answers:
                     replayed) -> None:
     """Answers a decision every process of a multi-process run took, from what they
     opened: the probed rows each process sent (``[leaf, row, bytes]``) and, for a
-    check, the whole inputs, post-state and replayed post-state. Raises CommitmentError
-    naming a probed row no process sent."""
+    segment's check, ``[(step, whole inputs)]`` of its steps, its post-state and
+    replayed post-state. Raises CommitmentError naming a probed row no process sent."""
     kept = self._kept.get(decision.step)
     if kept is None or kept.answered:
       raise errors.CommitmentError(
@@ -78,8 +78,8 @@ class Answers:
             f"step {decision.step}: no process sent rows {missing} of batch leaf "
             f"{layout.path}, which the challenge probes. Every process must take its "
             "decisions from process 0's rounds (zkdv.jax.shared_decisions).")
-    if opened is not None:
-      job.opened = opened
+    for step, inputs in opened or []:
+      self._kept[step].job.opened = inputs
     job.checked = (post, replayed)
     segment = self._segment_ending(decision.step)
     if segment is not None and post is not None:

@@ -128,11 +128,11 @@ class Committer:
     return self.pipeline.submit(lambda pipeline_job: self._commit_step(pipeline_job, job),
                                 holds_slot=job.decision is not None)
 
-  def submit_close(self, last_post: list | None, layouts) -> None:
-    """Queues the end of the open segment at the last step (``finish``): ``last_post``
-    are the last step's post-state leaves (None when they cannot be read)."""
+  def submit_close(self, step: int, last_post: list | None, layouts) -> None:
+    """Queues the end of the open segment at the last step, ``step`` (``finish``):
+    ``last_post`` are its post-state leaves (None when they cannot be read)."""
     started = None if last_post is None else self.digests.start_state(last_post, layouts)
-    self.pipeline.submit(lambda job: self._close(started, last_post))
+    self.pipeline.submit(lambda job: self._close(step, started, last_post))
 
   def answer(self, decision: challenge.Decision) -> None:
     """Queues the answer to a decision that arrived after its step was dispatched, and
@@ -146,8 +146,9 @@ class Committer:
 
   def answer_round(self, topic: str, answers: list, rows: list) -> None:
     """Queues the answers to the decisions every process of a multi-process run took in
-    the round ``topic`` (``zkdv.jax.shared_decisions``): ``answers`` are (decision, whole
-    inputs, post-state, replayed post-state) with None where no check opens them, ``rows``
+    the round ``topic`` (``zkdv.jax.shared_decisions``): ``answers`` are (decision, whether
+    it decides its segment, ``[(step, whole inputs)]`` of the segment, post-state, replayed
+    post-state) with None where no check opens them, ``rows``
     the probed rows held here (``[step, leaf, row, bytes]``), sent to process 0, which then
     deletes the round (every process has read it). The round gives its steps' window slots
     back at once (``CommitPipeline.release``): their answers queue behind newer commitments."""
@@ -155,15 +156,15 @@ class Committer:
       del pipeline_job
       sent = self.group.gather(f"{topic}/rows", rows)
       if sent is None:  # another process writes the records
-        for decision, *_ in answers:
-          self.openings.count_decided(decision)
+        for decision, decides, *_ in answers:
+          self.openings.count_decided(decision if decides else None)
         return
       self.group.delete(topic)
       by_step = {}
       for here in sent:
         for step, leaf, row, data in here:
           by_step.setdefault(step, []).append((leaf, row, data))
-      for decision, opened, post, replayed in answers:
+      for decision, _, opened, post, replayed in answers:
         self.answers.answer_shared(decision, by_step.get(decision.step, []), opened, post,
                                    replayed)
     self.pipeline.submit(work)
@@ -193,9 +194,9 @@ class Committer:
     """Digests, the step record (or holds it until the segment's end is known), then
     the answers to its decision, or keeps what answering needs until it arrives.
 
-    In a multi-process run every segment is one step; every process sends the
-    digests of what it holds to process 0, which writes the records
-    (``job.checked`` then holds the whole post-state and replayed outputs).
+    In a multi-process run every process sends the digests of what it holds to
+    process 0, which writes the records (offline, every segment is one step and
+    ``job.checked`` holds the whole post-state and replayed outputs).
     """
     program = job.program
     if job.opened is not None:
@@ -267,17 +268,18 @@ class Committer:
     """A segment the previous step did not plan to end ends before ``job``."""
     if self._held is None:
       return
-    if job.previous_continues:
-      end_views = [v for i, v in enumerate(job.opened) if i in job.program.state_indices]
+    if job.previous_continues:  # across processes, a round opens the end (answer_shared)
+      end_views = (None if job.opened is None else
+                   [v for i, v in enumerate(job.opened) if i in job.program.state_indices])
       self._end_held(gathered.pre_pieces, end_views)
     else:
       self._end_held(gathered.previous_end, None)
 
-  def _close(self, started, last_post) -> None:
+  def _close(self, step: int, started, last_post) -> None:
     """``finish``: the held last step ends the open segment."""
+    pieces = self.gathering.gather_end(f"{step}/close", started)
     if self._held is None:
       return
-    pieces = self.gathering.started_digests(started)
     self._end_held(pieces, None if pieces is None else [arrays.host_view(x) for x in last_post])
 
   def _end_held(self, pieces, end_views) -> None:

@@ -55,7 +55,8 @@ class Dispatcher:
   A segment ends after ``segment_length`` steps (fixed, or chosen per segment from
   the measured step time and hashing cost: ``next_segment_length``), and before a
   step of another program or one whose state is not the arrays the last step
-  returned. Multi-process runs and equivalent-mode programs commit every step.
+  returned. Equivalent-mode programs and multi-process runs without a server's
+  decisions commit every step.
 
   Attributes:
     steps: the number of steps dispatched so far.
@@ -182,11 +183,14 @@ class Dispatcher:
       self._waited += time.perf_counter() - started
 
   def next_segment_length(self, program) -> int:
-    """The length of a segment starting now: 1 across processes and for equivalent
-    programs, the configured one, or the adaptive choice (1 until measured)."""
+    """The length of a segment starting now: 1 for equivalent programs and across
+    processes offline; the root's across processes with a server's decisions (the same on
+    every process); else the configured one, or the adaptive choice (1 until measured)."""
     bound = self._challenger.policy.segment_length
-    if self._group.multi or not program.exact:
+    if not program.exact or (self._group.multi and self.shared is None):
       return 1
+    if self.shared is not None:
+      return bound
     if self._config.segment_length is not None:
       return min(self._config.segment_length, bound)
     gathering = self._committer.gathering
@@ -267,12 +271,14 @@ class Dispatcher:
 
   def close(self) -> None:
     """Ends the open segment at the last step (``finish``)."""
+    if self.shared is not None:
+      self.shared.close()
     if self._ended or self._last_post_leaves is None:
       return
     leaves = self._last_post_leaves
     if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
       leaves = None
-    self._committer.submit_close(leaves, self._last_program.post_layouts)
+    self._committer.submit_close(self.steps - 1, leaves, self._last_program.post_layouts)
     self._ended = True
 
   def _size_window(self) -> None:

@@ -27,7 +27,8 @@ class GatheredStep:
   """A step's digests from every process, on process 0.
 
   Attributes:
-    states: per process, ``[post pieces, pre pieces, replica digests]``.
+    states: per process, ``[post pieces, pre pieces, replica digests, previous end
+      pieces]``.
     pre_pieces: the merged pre-state piece digests (None: the step continues from the
       committed post-state, not hashed again).
     previous_end: the previous post-state's piece digests when this step's boundary was
@@ -46,7 +47,7 @@ class GatheredStep:
 
   def cross_check_replicas(self, index: int, layouts, pieces) -> None:
     """Raises ReplicaDivergenceError if a replica's digest differs from its piece's."""
-    for _, _, replicas in self.states:
+    for _, _, replicas, _ in self.states:
       for leaf, piece, device, replica_digest in replicas:
         if replica_digest != pieces[leaf][piece]:
           layout = layouts[leaf]
@@ -80,12 +81,21 @@ class Gathering:
       return None
     return self.digests.state_digests(self.digests.materialize(started))
 
+  def gather_end(self, topic: str, started):
+    """The piece digests of a state whose hashing ``digests.start_state`` started on every
+    process, merged on process 0 (None elsewhere, or when a process could not read its
+    part)."""
+    gathered = self.group.gather(topic, self.started_digests(started))
+    if gathered is None or any(g is None for g in gathered):
+      return None
+    return processes.merge(gathered, "end state")
+
   def gather_step(self, job: StepJob, views_ready: threading.Event) -> GatheredStep | None:
     """Hashes the step's states and batch here and gathers them: on process 0 the
     whole step's digests, elsewhere None. Sets ``views_ready`` once no view of the
     post-state is held (the next step may donate it)."""
     program = job.program
-    previous_end = self.started_digests(job.previous_end_started)
+    previous_end = self.started_digests(job.previous_end_started)  # unplanned boundaries
     pre = job.pre_hashed
     if job.pre_started is not None:
       pre = self.started_digests(job.pre_started)
@@ -103,7 +113,7 @@ class Gathering:
     replicas = (self.digests.replica_digests(job.post, program.post_layouts)
                 if self.config.cross_check_replicas and job.ends else [])
     views_ready.set()
-    gathered = self.group.gather(f"{job.index}/state", [local, pre, replicas])
+    gathered = self.group.gather(f"{job.index}/state", [local, pre, replicas, previous_end])
     batch_started = time.perf_counter()
     hashed = job.batch_hashed or self.hash_batch(program, job.rows_started, job.decision,
                                                  copy=self.group.multi)
@@ -113,6 +123,9 @@ class Gathering:
       return None
     pre_pieces = None if pre is None else processes.merge([g[1] for g in gathered],
                                                            "pre-state")
+    if previous_end is not None and self.group.multi:
+      previous_end = (None if any(g[3] is None for g in gathered) else
+                      processes.merge([g[3] for g in gathered], "end state"))
     return GatheredStep(gathered, pre_pieces, previous_end, trees)
 
   def hash_batch(self, program, rows, decision, copy: bool) -> HashedBatch:

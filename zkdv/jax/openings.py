@@ -114,12 +114,13 @@ class Openings:
   def _replay(self, segment: Segment, jobs: list, start: list) -> dict:
     """Replays the segment's steps from its opened start; the result of comparing the
     end state with its commitment (exact) or with the opened end state (equivalent)."""
-    state = None
-    for job in jobs:
+    # Across processes, the steps up to the last with a replayed post-state were replayed
+    # on the training thread (collectives).
+    done = max((n for n, job in enumerate(jobs)
+                if job.checked is not None and job.checked[1] is not None), default=-1)
+    state = None if done < 0 else jobs[done].checked[1]
+    for job in jobs[done + 1:]:
       program = job.program
-      if job.checked is not None and job.checked[1] is not None:  # replayed on the training thread
-        state = job.checked[1]
-        continue
       layouts = program.input_layouts
       inputs = list(job.opened)
       for n, i in enumerate(program.state_indices):

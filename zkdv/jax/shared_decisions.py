@@ -6,10 +6,12 @@ every process holds a *round*: process 0 publishes the challenges of the steps t
 would otherwise outlast the rolling window (waiting for them if the server is late)
 through the coordination service's key-value store, the others read them, and every
 process takes the same decisions (``challenge.decide`` with the root's policy) for
-the same steps. Until its round, each process keeps a step's inputs and post-state
-(a device copy of what a step donates, made before the step runs); a round gathers
-those an update or state check opens (collectives on the training thread, in the
-same order on every process) and sends process 0 the probed rows held here.
+the same steps. Segments are the root's length on every process. Until its segment's
+last step is decided, each process keeps what the segment's checks open: the start state
+(a device copy, made before the first step runs, of what it donates), every step's batch
+and the last step's post-state. A round gathers what an update or state check opens
+(collectives on the training thread, in the same order on every process; an update
+check's replay runs the segment there too) and sends process 0 the probed rows held here.
 
 Example::
 
@@ -18,7 +20,8 @@ Example::
   shared.keep_post(job, post)
   if shared.due(steps, window):
     shared.settle(steps, window)    # before the next step: decide what leaves the window
-  shared.settle(steps)              # at finish: decide every step
+  shared.close()                    # at finish: the last step ends its segment
+  shared.settle(steps)              # then decide every step
 """
 
 import dataclasses
@@ -62,11 +65,15 @@ class FollowerChallenger:
 
 @dataclasses.dataclass
 class PendingStep:
-  """What one dispatched step keeps until its round: its input and post-state leaves
-  (a leaf some step donates is kept as a copy made before that step ran)."""
+  """What one dispatched step keeps until its segment is answered: its input leaves
+  (the state leaves only at a segment's first step, the batch leaves always; a leaf some
+  step donates is kept as a copy made before that step ran) and, until the next step
+  shows that it ends no segment, its post-state."""
 
   job: object
   inputs: list
+  first: int  # the first step of its segment
+  ends: bool  # it ends its segment (planned, or known once the next step starts)
   post: list | None = None
 
 
@@ -85,30 +92,48 @@ class SharedDecisions:
     self._holders: dict[int, list] = {}  # id(leaf) -> [(kept list, index)] holding it
     self._settled = 0  # steps 0 .. settled-1 are decided on every process
     self._rounds = 0
+    self._last: PendingStep | None = None  # the last step dispatched
 
   def keep(self, job, leaves: list) -> None:
-    """Keeps a step's inputs until its round: references, or a device copy (made before
-    the step runs) of each leaf the step donates, which then replaces that leaf wherever
-    an earlier step keeps it (its post-state)."""
-    donated = [i for i, d in enumerate(job.program.donated) if d]
-    inputs = list(leaves)
+    """Keeps what the step's segment's checks open until its round: the state leaves at
+    a segment's first step and the batch leaves, as references or, for a leaf the step
+    donates, as a device copy made before it runs (which then replaces that leaf wherever
+    an earlier step keeps it: its post-state)."""
+    program, last = job.program, self._last
+    if last is not None and last.post is not None:
+      if job.starts:
+        last.ends = True  # planned, or a boundary the last step did not plan
+      else:  # its post-state is this step's pre-state, inside the segment: not kept
+        self._release(last.post)
+        last.post = None
+    kept = set(program.batch_indices) | (set(program.state_indices) if job.starts else set())
+    inputs = [x if i in kept else None for i, x in enumerate(leaves)]
+    donated = [i for i in sorted(kept) if program.donated[i]]
     for i, copy in zip(donated, arrays.device_copies([leaves[i] for i in donated])):
       inputs[i] = copy
       for held, n in self._holders.pop(id(leaves[i]), []):
         held[n] = copy
         self._hold(held, n)
-    self._pending[job.index] = PendingStep(job, inputs)
+    first = job.index if job.starts or last is None else last.first
+    self._last = self._pending[job.index] = PendingStep(job, inputs, first, job.ends)
     for n in range(len(inputs)):
       self._hold(inputs, n)
 
   def keep_post(self, job, post: list) -> None:
-    """Keeps a step's post-state (references, copied once a later step donates them)."""
+    """Keeps a step's post-state (references, copied once a later step donates them)
+    until the next step shows whether it ends a segment."""
     post = self._pending[job.index].post = list(post)
     for n in range(len(post)):
       self._hold(post, n)
 
+  def close(self) -> None:
+    """The last step dispatched ends its segment (``finish``)."""
+    if self._last is not None:
+      self._last.ends = True
+
   def _hold(self, leaves: list, n: int) -> None:
-    self._holders.setdefault(id(leaves[n]), []).append((leaves, n))
+    if leaves[n] is not None:
+      self._holders.setdefault(id(leaves[n]), []).append((leaves, n))
 
   def _release(self, leaves: list) -> None:
     for x in leaves:
@@ -129,18 +154,21 @@ class SharedDecisions:
 
   def settle(self, steps: int, window: int | None = None) -> None:
     """Holds a round before step ``steps`` is dispatched (``due``): decides the steps that
-    leave a ``window`` of process 0's choosing before the next round (all ``steps`` when
-    None, at ``finish``) and answers them. Every process calls it at the same points."""
+    leave a ``window`` of process 0's choosing before the next round (when None, every
+    step whose record is written: all ``steps`` once ``close`` ended the last segment) and
+    answers them. Every process calls it at the same points."""
     group = self._group
     key = f"decisions/{self._rounds}"
     self._rounds += 1
     if group.is_writer:
       # At most window - 1 undecided steps when the next round comes, window // 2 steps on.
-      through = (steps if window is None else
-                 max(self._settled, steps - window + _round_every(window)))
+      if window is not None:
+        through = max(self._settled, steps - window + _round_every(window))
+      else:  # the last step's record waits for its segment's end while that is open
+        through = steps if self._last is None or self._last.ends else steps - 1
       try:
         challenges = [self._challenger.decision(t).challenge
-                      for t in range(self._settled, through)]
+                      for t in range(self._settled, max(self._settled, through))]
       except errors.ZKDVError as e:  # the others raise at the same step, not in a collective
         group.broadcast(key, {"error": f"{type(e).__name__}: {e}"})
         raise
@@ -157,28 +185,35 @@ class SharedDecisions:
     self._committer.answer_round(key, answers, rows)
 
   def _open(self, decision: challenge.Decision, rows: list) -> tuple:
-    """What answering ``decision`` needs: (decision, whole inputs, post-state and replayed
+    """What answering ``decision`` needs: (decision, whether it decides its segment's
+    checks, ``[(step, whole inputs)]`` of the segment's steps, post-state and replayed
     post-state where a check opens them, else None), gathered by collectives, the same on
     every process; appends the probed rows held here to ``rows`` (``[step, leaf, row,
-    bytes]``)."""
-    pending = self._pending.pop(decision.step)
+    bytes]``). A step that ends its segment releases what the segment kept."""
+    pending = self._pending[decision.step]
     program = pending.job.program
-    opened = post = replayed = None
-    if decision.update:
-      opened = _gathered(decision.step, pending.inputs)
-      if self._committer.prover_replays:
-        replayed = program.replay_sharded(opened)
-    if decision.state or (decision.update and not program.exact):
-      post = _gathered(decision.step, pending.post)
     for leaf, layout in enumerate(program.batch_layouts):
       probed = decision.leaf_probe_rows(leaf, layout)
       if probed:
         blocks = arrays.row_shards(pending.inputs[program.batch_indices[leaf]], layout)
         rows += [[decision.step, leaf, row, bytes(data)] for row in probed
                  if (data := self._committer.digests.row_bytes(blocks, row)) is not None]
-    self._release(pending.inputs)
+    if not pending.ends:  # its segment's checks wait for the segment's last step
+      return decision, False, None, None, None
+    segment = [self._pending.pop(t) for t in range(pending.first, decision.step + 1)]
+    opened = post = replayed = None
+    if decision.update:
+      opened = [(kept.job.index, _gathered(kept.job.index, kept.inputs)) for kept in segment]
+      if self._committer.prover_replays:
+        replayed = _replayed(program, [inputs for _, inputs in opened])
+    if decision.state or (decision.update and not program.exact):
+      post = _gathered(decision.step, pending.post)
+    for kept in segment:
+      self._release(kept.inputs)
     self._release(pending.post or [])
-    return decision, opened, post, replayed
+    if self._last is pending:
+      self._last = None
+    return decision, True, opened, post, replayed
 
 
 def _round(message) -> tuple[int | None, list[bytes]]:
@@ -199,11 +234,25 @@ def _round_every(window: int) -> int:
   return max(1, window // 2)
 
 
-def _gathered(step: int, leaves: list) -> list[np.ndarray]:
-  """The whole leaves on every process (collectives); CommitmentError if one was deleted."""
-  if any(x.is_deleted() for x in leaves):
+def _replayed(program, opened: list[list]) -> list[np.ndarray]:
+  """The whole post-state of replaying a segment's steps (``program.replay_sharded``,
+  collectives) from the whole inputs ``opened`` of each: the first step's state, every
+  step's batch."""
+  state = [opened[0][i] for i in program.state_indices]
+  for inputs in opened:
+    inputs = list(inputs)
+    for n, i in enumerate(program.state_indices):
+      inputs[i] = state[n]
+    state = program.replay_sharded(inputs)
+  return state
+
+
+def _gathered(step: int, leaves: list) -> list[np.ndarray | None]:
+  """The whole leaves (None stays) on every process (collectives); CommitmentError if
+  one was deleted."""
+  if any(x is not None and x.is_deleted() for x in leaves):
     raise errors.CommitmentError(
         f"step {step}: a leaf its check opens was deleted before the check (donated to a "
         "step outside proof.jit?). Keep the arrays of a multi-process run challenged live "
         "until their steps' decisions came (the rolling window).")
-  return [arrays.gather(x) for x in leaves]
+  return [None if x is None else arrays.gather(x) for x in leaves]
