@@ -23,6 +23,7 @@ from tests import testing
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROCESSES, STEPS, ROWS = 2, 5, 8
 SEGMENTS = [(0, 1), (2, 3), (4, 4)]  # half the server's largest window: 2 steps, the root's
+ALTERNATING = 4  # steps of a run that alternates two programs
 
 # The server's minimum raises the tutorial's policy: every step is update- and state-checked
 # and every row probed, so both processes open shards at every step, whatever the challenges.
@@ -53,7 +54,13 @@ def plain_step(state, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
   return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-def train(name, steps, attested=True, stop_upload_after=None):
+def halved_step(state, x, y):  # a second program: a new segment wherever it follows the first
+  def loss(params):
+    logits = state.apply_fn({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() / 2
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+def train(name, steps, attested=True, stop_upload_after=None, alternate=False):
   # The tutorial's proof, as every process runs it.
   experiment = dvbench.Client(url, token=token).experiment(f"your-name/{name}")
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01))
@@ -68,14 +75,14 @@ def train(name, steps, attested=True, stop_upload_after=None):
   shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated,
                            state)
   state = jax.tree.map(place, state, shardings)
-  step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
-                   donate_argnums=(0,))
+  step, other = (proof.jit(f, in_shardings=(shardings, rows, rows), out_shardings=shardings,
+                          donate_argnums=(0,)) for f in (plain_step, halved_step))
   error = None
   try:
     for t in range(steps):
       if t == stop_upload_after and proof.writes_transcript:
         proof.abandon("the upload was stopped")  # no more challenges from the server
-      state = step(state, place(x, rows), place(y, rows))
+      state = (other if alternate and t % 2 else step)(state, place(x, rows), place(y, rows))
   except zkdv.errors.ZKDVError as e:
     error = f"{type(e).__name__}: {e}"
   try:
@@ -87,18 +94,21 @@ def train(name, steps, attested=True, stop_upload_after=None):
 
 honest = train("two-processes-live", STEPS)
 stopped = train("two-processes-stopped", STEPS, attested=False, stop_upload_after=1)
+alternating = train("two-processes-two-programs", ALTERNATING, alternate=True)
 if process == 1:  # a process that opens none of the rows the server probes
   take = shared_decisions.SharedDecisions._open
   shared_decisions.SharedDecisions._open = lambda self, decision, rows: take(
       self, dataclasses.replace(decision, probe_ratio=0.0), rows)
 forged = train("two-processes-forged", 1, attested=False)
-print(json.dumps({"honest": honest, "stopped": stopped, "forged": forged}))
-""".replace("STEPS", str(STEPS))
+print(json.dumps({"honest": honest, "stopped": stopped, "alternating": alternating,
+                  "forged": forged}))
+""".replace("STEPS", str(STEPS)).replace("ALTERNATING", str(ALTERNATING))
 
 
 class MultiProcessLiveTest(absltest.TestCase):
   """One server; the two trainer processes train an honest proof, one whose upload process 0
-  stops after its first step, then one whose process 1 opens none of the probed rows."""
+  stops after its first step, one that alternates two programs, then one whose process 1
+  opens none of the probed rows."""
 
   @classmethod
   def setUpClass(cls):
@@ -120,6 +130,7 @@ class MultiProcessLiveTest(absltest.TestCase):
       cls.outputs.append(json.loads(out.strip().splitlines()[-1]))
     cls.honest = [o["honest"] for o in cls.outputs]
     cls.stopped = [o["stopped"] for o in cls.outputs]
+    cls.alternating = [o["alternating"] for o in cls.outputs]
     cls.forged = [o["forged"] for o in cls.outputs]
 
   @classmethod
@@ -185,6 +196,25 @@ class MultiProcessLiveTest(absltest.TestCase):
     steps = testing.records_of(folder, "step")
     self.assertEqual([s["index"] for s in steps if "post_state" in s],
                      [last for _, last in SEGMENTS])
+
+  def test_a_second_program_ends_the_open_segment_on_every_process(self):
+    leader, follower = self.alternating
+    self.assertEqual((leader["error"], follower["error"]), (None, None))
+    status = self.client.wait_for_verdict(leader["proof_id"], 300)
+    self.assertEqual(status["state"], "verified", str(status))
+    folder = pathlib.Path(tempfile.mkdtemp()) / "proof"
+    subprocess.run([sys.executable, "-m", "dvbench.cli", "download", leader["proof_id"],
+                    str(folder), "--url", self.server.url], cwd=ROOT, check=True,
+                   capture_output=True)
+    # Each step follows the other program's: a boundary its predecessor did not plan ends
+    # that segment there, with every process's pieces of its end state.
+    steps = testing.records_of(folder, "step")
+    self.assertEqual([(s["index"], s["program"], "post_state" in s) for s in steps],
+                     [(t, t % 2, True) for t in range(ALTERNATING)])
+    self.assertEqual([(c["first"], c["step"]) for c in testing.records_of(folder, "check")
+                      if c["kind"] == "update"], [(t, t) for t in range(ALTERNATING)])
+    code, report = testing.zkdv_verify(folder, "--server-key", self.key, "--strict")
+    self.assertEqual((code, report["verdict"]), (0, "verified"), report)
 
   def test_when_process_0_gets_no_more_challenges_every_process_stops_at_the_same_step(self):
     leader, follower = self.stopped
