@@ -105,9 +105,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
       minimum = challenge.Policy.from_record(slot["policy"])
       # The window starts at the caller's and may grow to the server's while its answers
       # take longer than that many steps (Dispatcher._size_window): the root says so.
-      # Across processes, where segments are the root's length, too.
+      # Across processes segments are the root's length: the configured one, or as below.
       multi = group.multi and policy.rolling_window > 1
-      if self.config.segment_length is None and (policy.segment_length > 1 or multi):
+      if multi and self.config.segment_length is not None:
+        policy = dataclasses.replace(policy, segment_length=self.config.segment_length)
+      elif self.config.segment_length is None and (policy.segment_length > 1 or multi):
         # An adaptive segment may be as long as the window the server allows lets it be
         # (the window grows to it), not only the caller's first window.
         policy = dataclasses.replace(policy, segment_length=max(

@@ -292,7 +292,8 @@ class Dispatcher:
     pipeline = self._committer.pipeline
     awaiting = self._committer.written_steps - self._challenger.decided_steps
     answer = self._challenger.answer_seconds
-    wanted = 2 * pipeline.window if 2 * awaiting >= pipeline.window else pipeline.window
+    waits = 2 * awaiting >= pipeline.window
+    wanted = 2 * pipeline.window if waits else pipeline.window
     if answer is not None and self._step_times:
       wanted = max(wanted, window_for(answer, statistics.median(self._step_times),
                                       self.shared is not None))
@@ -306,7 +307,7 @@ class Dispatcher:
                   "starts): the window grows from %d to %d steps.", awaiting, said,
                   pipeline.window, window)
       pipeline.grow(window)
-    elif not self._said_window_short:
+    elif waits and not self._said_window_short:
       self._said_window_short = True
       logger.warning("ZKDV: training waits for DVBench: %d written steps wait for decisions "
                      "(a step's comes %s after it starts), the most the server allows.",

@@ -200,7 +200,7 @@ class SharedDecisions:
                  if (data := self._committer.digests.row_bytes(blocks, row)) is not None]
     if not pending.ends:  # its segment's checks wait for the segment's last step
       return decision, False, None, None, None
-    segment = [self._pending.pop(t) for t in range(pending.first, decision.step + 1)]
+    segment = [self._pending[t] for t in range(pending.first, decision.step + 1)]
     opened = post = replayed = None
     if decision.update:
       opened = [(kept.job.index, _gathered(kept.job.index, kept.inputs)) for kept in segment]
@@ -209,6 +209,7 @@ class SharedDecisions:
     if decision.state or (decision.update and not program.exact):
       post = _gathered(decision.step, pending.post)
     for kept in segment:
+      del self._pending[kept.job.index]
       self._release(kept.inputs)
     self._release(pending.post or [])
     if self._last is pending:
