@@ -106,17 +106,17 @@ class _LateProof(zkdv.jax.ZKDV):
 
 
 class _WideningProof(_LateProof):
-  """A late proof whose server allows a window of 8 (the root declares it)."""
+  """A late proof whose server allows a window of ``server_window`` (the root declares it)."""
+
+  server_window = 8
 
   def _make_challenger(self, policy, seed, group):
-    return super()._make_challenger(dataclasses.replace(policy, rolling_window=8), seed, group)
+    return super()._make_challenger(
+        dataclasses.replace(policy, rolling_window=self.server_window), seed, group)
 
 
-class _WideWindowProof(_LateProof):
-  """A late proof whose server allows a window of 32."""
-
-  def _make_challenger(self, policy, seed, group):
-    return super()._make_challenger(dataclasses.replace(policy, rolling_window=32), seed, group)
+class _WideWindowProof(_WideningProof):
+  server_window = 32
 
 
 def _late_proof(update_p=1.0, window=2, timeout_s=30.0, segment_length=1, state_p=0.0,
@@ -191,18 +191,24 @@ class LateDecisionsTest(parameterized.TestCase):
     self.assertEqual(proof.checks["update"], 5)
     self.assertEqual(proof.failed_checks, [])
 
-  def test_the_window_doubles_while_written_steps_wait_up_to_the_servers(self):
-    proof = _late_proof(window=2, timeout_s=3.0, kind=_WideningProof)
+  def _undecided_steps(self, proof, steps: int):
+    """Trains ``steps`` steps while no decision comes back, each step's record written
+    before the next step asks; (state, step function, batch, the window after each step)."""
     state = testing.classifier_state(proof)
     train_step = proof.jit(testing.classifier_step, donate_argnums=0)
     batch = jnp.asarray(testing.TUTORIAL_BATCH)
     pipeline = proof._committer.pipeline  # pylint: disable=protected-access
     windows = []
+    for _ in range(steps):
+      state = train_step(state, batch)
+      pipeline.drain()
+      windows.append(pipeline.window)
+    return state, train_step, batch, windows
+
+  def test_the_window_doubles_while_written_steps_wait_up_to_the_servers(self):
+    proof = _late_proof(window=2, timeout_s=3.0, kind=_WideningProof)
     with self.assertLogs("zkdv", "INFO") as logs:
-      for _ in range(8):  # no decision comes back meanwhile
-        state = train_step(state, batch)
-        pipeline.drain()  # the step's record is written before the next step asks
-        windows.append(pipeline.window)
+      state, train_step, batch, windows = self._undecided_steps(proof, 8)
       with self.assertRaises(errors.ChallengeTimeoutError):
         train_step(state, batch)  # 8 written, undecided steps: the server's largest window
     self.assertEqual(windows, [2, 2, 4, 4, 8, 8, 8, 8])
@@ -220,16 +226,8 @@ class LateDecisionsTest(parameterized.TestCase):
   def test_the_window_grows_at_once_to_hold_the_measured_decision_time(self):
     proof = _late_proof(window=2, timeout_s=3.0, kind=_WideWindowProof)
     proof._challenger._answer_times = [0.5]  # pylint: disable=protected-access  # measured
-    state = testing.classifier_state(proof)
-    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
-    batch = jnp.asarray(testing.TUTORIAL_BATCH)
-    pipeline = proof._committer.pipeline  # pylint: disable=protected-access
-    windows = []
     with self.assertLogs("zkdv", "INFO") as logs:
-      for _ in range(6):  # no decision comes back meanwhile
-        state = train_step(state, batch)
-        pipeline.drain()
-        windows.append(pipeline.window)
+      _, _, _, windows = self._undecided_steps(proof, 6)
     # Doubling until steps are timed, then at once what 500 ms of millisecond steps need,
     # up to the server's 32 (doubling alone would give 8 here).
     self.assertEqual(windows, [2, 2, 4, 4, 32, 32])
