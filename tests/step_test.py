@@ -65,6 +65,25 @@ class StepTest(parameterized.TestCase):
     self.assertEqual(proof.discontinuities, [])
     self.assertEqual(proof.failed_checks, [])
 
+  def test_alternating_programs_end_state_checked_segments_at_each_switch(self):
+    # A state check chosen at a segment's first step opens the segment's end; when another
+    # program ends the segment early, that end is the next step's pre-state.
+    proof = testing.new_proof("alternating", update_p=0.01, state_p=1.0)
+    proof.start(rolling_window=4)
+    state = testing.classifier_state(proof)
+    steps = [proof.jit(f, donate_argnums=0) for f in (
+        testing.classifier_step, lambda state, batch: testing.classifier_step(state, batch / 2))]
+    for t in range(6):
+      state = steps[t % 2](state, BATCH)
+    proof.finish()
+    self.assertEqual([(s["program"], "post_state" in s)
+                      for s in testing.records_of(proof.path, "step")], [(t % 2, True)
+                                                                         for t in range(6)])
+    self.assertEqual([c["step"] for c in testing.records_of(proof.path, "check")
+                      if c["kind"] == "state"], list(range(6)))
+    report = verify.verify(proof.path, min_checks=0)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+
   def test_the_same_tx_reuses_its_program(self):
     proof = testing.new_proof("same-tx")
     proof.start()

@@ -211,9 +211,13 @@ class Dispatcher:
                   and all(a is b for a, b in zip(state, self._last_post_leaves)))
     same_program = program is self._last_program
     job.starts = self._ended or not continuous or not same_program
+    ends_checked = False  # the last step's segment ends here, and a chosen check opens its end
     if job.starts:
       if not self._ended:  # a boundary the last step did not plan: it ends there
         job.previous_continues = continuous
+        previous = self._segment_decision
+        ends_checked = continuous and previous is not None and (
+            previous.state or (previous.update and not self._last_program.exact))
         if not continuous:
           job.previous_end_started = self._readable_last_post()
       self._segment_first, self._segment_length = index, self.next_segment_length(program)
@@ -246,7 +250,7 @@ class Dispatcher:
     elif self._group.multi:
       if opens:
         job.opened = [arrays.gather(x) for x in leaves]
-    elif opens or decision is None:
+    elif opens or ends_checked or decision is None:  # the state leaves are the last end's
       kept = set(program.batch_indices) | (set(program.state_indices) if job.starts else set())
       if decision is None:  # likely never opened: kept without waiting for the last step
         job.opened = [None] * len(leaves)
