@@ -5,7 +5,6 @@ The tests that also run the verifier are in ``ExactReplayVerifiedTest``.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from absl.testing import absltest
 from absl.testing import parameterized

@@ -8,7 +8,6 @@ never ``invalid``; and every hostile transcript is a finding, never a fault.
 import contextlib
 import io
 import json
-import math
 import pathlib
 import subprocess
 import sys
