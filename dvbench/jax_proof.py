@@ -179,7 +179,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
       logger.info("%s proof %s resumes at step %d; its page: %s/proofs/%s",
                   self.experiment.name, stored.proof_id, self.steps,
                   self.experiment.client.url, stored.proof_id)
-    challenger.on_waiting = self._uploader.wake
+    challenger.on_waiting = self._uploader.hurry
     self._writer.on_append = self._uploader.wake
     self._uploader.start()
     return self

@@ -53,6 +53,7 @@ def uploaded_already(http, folder: pathlib.Path) -> str | None:
 class Uploader(threading.Thread):
 
   def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05,
+               coalesce_seconds: float = 0.05,
                batch_bytes: int = transport.BATCH_BYTES,
                chunk_bytes: int = transport.CHUNK_BYTES,
                on_challenge: Callable[[int, bytes], None] | None = None,
@@ -65,6 +66,7 @@ class Uploader(threading.Thread):
     self.retry_seconds = retry_seconds
     self.http, self.experiment, self.folder = http, experiment, pathlib.Path(folder)
     self.poll_seconds = poll_seconds
+    self.coalesce_seconds = coalesce_seconds
     self.batch_bytes = batch_bytes
     self.chunk_bytes = chunk_bytes
     self.client_id = uuid.uuid4().hex
@@ -82,6 +84,7 @@ class Uploader(threading.Thread):
     self._closing = threading.Event()
     self._stopped = threading.Event()
     self._wake = threading.Event()
+    self._hurry = threading.Event()
     self._require_final = True
     self._final_id: bytes | None = None
     self._last_id: bytes | None = None
@@ -103,7 +106,7 @@ class Uploader(threading.Thread):
     """Sends everything left, closes the stream and waits for the server."""
     self._require_final = require_final
     self._closing.set()
-    self._wake.set()
+    self.hurry()
     self.join(timeout)
     if self.is_alive():
       raise errors.UploadError(
@@ -129,7 +132,7 @@ class Uploader(threading.Thread):
     sent = threading.Event()
     with self._flush_lock:
       self._flushes.append((target, sent))
-    self._wake.set()
+    self.hurry()
     deadline = time.monotonic() + timeout
     while not sent.wait(0.5):
       if self.error is not None or not self.is_alive():
@@ -142,11 +145,18 @@ class Uploader(threading.Thread):
     """Stops without closing the proof (for an abandoned, unfinished proof)."""
     self._stopped.set()
     self._closing.set()
-    self._wake.set()
+    self.hurry()
     self.join(5.0)
 
   def wake(self) -> None:
-    """Looks for new records now (the transcript just grew)."""
+    """Looks for new records (the transcript just grew): now, or, within
+    ``coalesce_seconds`` of the last envelope, once that time is up."""
+    self._wake.set()
+
+  def hurry(self) -> None:
+    """Sends what is written now, without waiting to coalesce (training waits for the
+    decisions it carries back, or the run flushes or ends)."""
+    self._hurry.set()
     self._wake.set()
 
   # -- the thread ----------------------------------------------------------------
@@ -158,7 +168,10 @@ class Uploader(threading.Thread):
         progressed = self._send_new()
         if closing and not progressed:
           break
-        if not progressed:
+        if progressed and not closing:  # what the next moments write shares an envelope
+          self._hurry.wait(self.coalesce_seconds)
+          self._hurry.clear()
+        elif not progressed:
           self._settle_flushes()
           self._heartbeat()
           self._wake.wait(self.poll_seconds)

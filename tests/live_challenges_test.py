@@ -102,6 +102,23 @@ class IndependentVerificationTest(absltest.TestCase):
                     "--url", self.server.url], cwd=REPO, check=True, capture_output=True)
     return folder
 
+  def test_records_travel_together_until_training_waits_for_their_decisions(self):
+    proof = self.client.experiment("alice/coalesced").proof(config=zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0)))
+    proof.start(rolling_window=3, probe_ratio=0.25)
+    uploader = proof._uploader  # pylint: disable=protected-access
+    uploader.coalesce_seconds = 600.0  # nothing travels early but what training waits for
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    for t in range(12):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (t % 2))
+    proof.finish()
+    # About one envelope each time the window of 3 filled, and the close; sent as written,
+    # the records of 12 steps took 9.
+    self.assertLessEqual(uploader._seq, 12 // 3 + 2)  # pylint: disable=protected-access
+    status = self.client.wait_for_verdict(proof.proof_id, 300)
+    self.assertEqual(status["state"], "verified steps", str(status))
+
   def test_downloaded_proof_verifies_with_the_server_key_as_the_server_did(self):
     proof = _train(self.client.experiment("alice/independent"), steps=12)
     status = self.client.wait_for_verdict(proof.proof_id, 180)

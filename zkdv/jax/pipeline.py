@@ -61,13 +61,16 @@ class CommitPipeline:
   def reserve(self, waiting: Callable[[float], None] | None = None) -> None:
     """Blocks until a step may be dispatched (fewer than ``window`` in flight).
 
-    ``waiting(seconds)`` is called about once a second while it blocks; it may
+    ``waiting(seconds)`` is called when it must block, then about once a second; it may
     raise to stop waiting (say, when the challenges it waits for cannot come).
     """
     started = time.monotonic()
-    while not self._slots.acquire(timeout=1.0):
-      if waiting is not None:
-        waiting(time.monotonic() - started)
+    if not self._slots.acquire(blocking=False):
+      if waiting is not None:  # at once: it may hurry what the step waits for
+        waiting(0.0)
+      while not self._slots.acquire(timeout=1.0):
+        if waiting is not None:
+          waiting(time.monotonic() - started)
     with self._counting:
       self.in_flight += 1
 
