@@ -86,9 +86,7 @@ class Gathering:
     process, merged on process 0 (None elsewhere, or when a process could not read its
     part)."""
     gathered = self.group.gather(topic, self.started_digests(started))
-    if gathered is None or any(g is None for g in gathered):
-      return None
-    return processes.merge(gathered, "end state")
+    return None if gathered is None else _merged(gathered, "end state")
 
   def gather_step(self, job: StepJob, views_ready: threading.Event) -> GatheredStep | None:
     """Hashes the step's states and batch here and gathers them: on process 0 the
@@ -124,8 +122,7 @@ class Gathering:
     pre_pieces = None if pre is None else processes.merge([g[1] for g in gathered],
                                                            "pre-state")
     if previous_end is not None and self.group.multi:
-      previous_end = (None if any(g[3] is None for g in gathered) else
-                      processes.merge([g[3] for g in gathered], "end state"))
+      previous_end = _merged([g[3] for g in gathered], "end state")
     return GatheredStep(gathered, pre_pieces, previous_end, trees)
 
   def hash_batch(self, program, rows, decision, copy: bool) -> HashedBatch:
@@ -158,3 +155,9 @@ class Gathering:
       for leaf, row, data in sent:
         row_data.setdefault((leaf, row), data)
     return [merkle.tree_levels(h) for h in hashes], row_data
+
+
+def _merged(per_process: list, what: str):
+  """``processes.merge`` of every process's piece digests; None when a process could not
+  read its part."""
+  return None if any(p is None for p in per_process) else processes.merge(per_process, what)
