@@ -64,24 +64,33 @@ def probed_rows(record: dict) -> list[tuple[int, int, list[bytes]]]:
   """Per probe of a probe check record (checked against ``zkdv.records``): its batch leaf,
   the index of its first leading-axis row and the ``row_digest`` of each row it opens (a
   group of g rows, Merkle row r, opens rows r*g to r*g+g-1). Any other record: ``[]``."""
-  return [(leaf, row * len(rows), [row_digest(r) for r in records.probed_rows(rows)])
+  return [(leaf, row * len(rows), _row_digests(records.probed_rows(rows)))
           for leaf, row, rows, _ in records.probe_entries(record)]
+
+
+_SHORT_ROW = 64  # bytes: a row this short is looked up before it is hashed
+
+
+def _row_digests(rows: list[bytes]) -> list[bytes]:
+  """``row_digest`` of each row, each short row's hashed once (a group of labels repeats a
+  few values)."""
+  short: dict[bytes, bytes] = {}
+  return [(short.get(r) or short.setdefault(r, row_digest(r))) if len(r) <= _SHORT_ROW
+          else row_digest(r) for r in rows]
 
 
 def probed_examples(opened: list[tuple[int, int, list[bytes]]]) -> set[str]:
   """The ``example_digest`` of each leading-axis row that probes (``probed_rows``) opened in
   every probed leaf; nothing when they probed fewer than two leaves, whose rows are the
   probed rows."""
-  by_row: dict[int, dict[int, bytes]] = {}
+  by_leaf: dict[int, dict[int, bytes]] = {}
   for leaf, first, digests in opened:
-    for i, d in enumerate(digests):
-      by_row.setdefault(first + i, {})[leaf] = d
-  leaves = {leaf for leaf, _, _ in opened}
-  if len(leaves) < 2:
+    by_leaf.setdefault(leaf, {}).update(zip(range(first, first + len(digests)), digests))
+  if len(by_leaf) < 2:
     return set()
-  order = sorted(leaves)
-  return {example_digest([rows[leaf] for leaf in order])
-          for rows in by_row.values() if set(rows) == leaves}
+  order = sorted(by_leaf)
+  in_every_leaf = set(by_leaf[order[0]]).intersection(*(by_leaf[leaf] for leaf in order[1:]))
+  return {example_digest([by_leaf[leaf][i] for leaf in order]) for i in in_every_leaf}
 
 
 def _one_element_repeated(row: bytes) -> bool:

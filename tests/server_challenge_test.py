@@ -216,6 +216,37 @@ class CustodyTest(ServerChallengeTestCase):
     rows = self.store().challenge_rows(prover.proof_id)
     self.assertEqual([(r["step"], r["answered_state"]) for r in rows], [(0, True)])
 
+  def test_answers_to_earlier_envelopes_steps_are_written_together_or_not_at_all(self):
+    # Checks of steps stored by earlier envelopes are marked answered in one statement at
+    # the acknowledgement; one already answered refuses the envelope, naming its record,
+    # and marks none of the others.
+    prover = self.prover().start()
+    prover.step(ends=True)
+    prover.step(ends=True)
+    prover.step(ends=True)
+
+    def answer(step, prev=None):
+      return prover.chain({"type": "check", "step": step, "kind": "state",
+                           "post_state_blobs": []}, prev=prev)
+
+    first = answer(0)
+    self.assertEqual(prover.send(first).status_code, 200)
+    one = answer(1)
+    two = answer(2, prev=record_id(one))
+    zero = answer(0, prev=record_id(two))
+    self.assertRefused(prover.send(one, two, zero), 409,
+                       "record 2: step 0's state check was already answered by another record")
+    one_again = answer(1, prev=record_id(two))
+    self.assertRefused(prover.send(one, two, one_again), 409,
+                       "record 2: step 1's state check was already answered by another record")
+    answered = {r["step"]: r["answered_state"] for r in self.store().challenge_rows(
+        prover.proof_id)}
+    self.assertEqual(answered, {0: True, 1: False, 2: False})
+    self.assertEqual(prover.send(one, two).status_code, 200)
+    answered = {r["step"]: r["answered_state"] for r in self.store().challenge_rows(
+        prover.proof_id)}
+    self.assertEqual(answered, {0: True, 1: True, 2: True})
+
   def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):
     prover = self.prover().start()
     prover.run(steps=2)

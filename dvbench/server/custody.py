@@ -118,8 +118,11 @@ class Ingest:
     self.stored = self.duplicates = 0
     self.steps_seen: list[int] = []
     self._derived: dict[int, dict] = {}  # step -> its challenge row, written by ack()
+    # (step, kind) -> the record answering a check of a step an earlier request stored,
+    # written by ack() (``_write_answers``)
+    self._answers: dict[tuple[int, str], int] = {}
     self.refs: set[str] = set()
-    self.probes: set[str] = set()
+    self.probes: set[bytes] = set()  # row digests
     self.examples: set[str] = set()  # whole examples probed (dvbench.contamination)
     self._open_segment: int | None = None  # stored steps after the last post_state
     self._committed = _UNKNOWN  # _last_committed(), kept up to date as records are taken
@@ -159,15 +162,17 @@ class Ingest:
     self.stored += 1
     self.refs |= transport.blob_refs(record)
     opened = contamination.probed_rows(record)
-    self.probes |= {d.hex() for _, _, digests in opened for d in digests}
+    for _, _, digests in opened:
+      self.probes.update(digests)
     self.examples |= contamination.probed_examples(opened)
 
   def ack(self) -> dict:
     """Writes what was appended; the acknowledgement with the challenges of its steps."""
+    self._write_answers()
     self.store.append_records(self.conn, self.proof_id, self.head, self._new)
     self._new = []
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
-    self.store.add_probes(self.conn, self.proof_id, self.probes)
+    self.store.add_probes(self.conn, self.proof_id, {d.hex() for d in self.probes})
     self.store.add_probe_examples(self.conn, self.proof_id, self.examples)
     self.store.add_challenges(self.conn, list(self._derived.values()))
     stored = set(self.steps_seen) - set(self._derived)  # steps this request repeats
@@ -225,6 +230,7 @@ class Ingest:
       raise HTTPException(409, f"record {n} resumes the run from step {after}'s state; it "
                           "must go on from the committed post-state of the last step that "
                           f"stored one (step {last}).")
+    self._write_answers()
     failure = unanswered_failure(sorted(
         [*self.store.unanswered_challenges(self.conn, self.proof_id), *self._derived.values()],
         key=lambda r: r["step"]))
@@ -287,17 +293,35 @@ class Ingest:
         raise HTTPException(409, f"record {n} is a start check of step {step}; only step 0 "
                             "starts a proof.")
       return
-    if self.challenger.kind == "dvbench" and not self._answer(step, kind):
-      raise HTTPException(409, f"record {n}: step {step}'s {kind} check was already answered "
-                          "by another record.")
+    if self.challenger.kind == "dvbench" and not self._answer(step, kind, n):
+      self._refuse_answer(n, step, kind)
 
-  def _answer(self, step: int, kind: str) -> bool:
-    """Marks step ``step``'s ``kind`` check answered; False when it already was."""
+  @staticmethod
+  def _refuse_answer(n: int, step: int, kind: str):
+    raise HTTPException(409, f"record {n}: step {step}'s {kind} check was already answered "
+                        "by another record.")
+
+  def _answer(self, step: int, kind: str, n: int) -> bool:
+    """Marks step ``step``'s ``kind`` check answered by record ``n``; False when it already
+    was. A step an earlier request stored is marked by ``_write_answers``."""
     row = self._derived.get(step)
-    if row is None:  # stored by an earlier request
-      return self.store.answer_challenge(self.conn, self.proof_id, step, kind)
+    if row is None:
+      return self._answers.setdefault((step, kind), n) == n
     answered, row[f"answered_{kind}"] = row[f"answered_{kind}"], True
     return not answered
+
+  def _write_answers(self) -> None:
+    """Marks the checks this request answered of steps earlier requests stored, one
+    statement per kind; 409 naming the first record whose check was answered before."""
+    by_kind: dict[str, dict[int, int]] = {}
+    for (step, kind), n in self._answers.items():
+      by_kind.setdefault(kind, {})[step] = n
+    self._answers = {}
+    for kind, records in by_kind.items():
+      refused = self.store.answer_challenges(self.conn, self.proof_id, kind, list(records))
+      if refused:
+        n, step = min((records[s], s) for s in refused)
+        self._refuse_answer(n, step, kind)
 
   def _check_final(self, record: dict, n: int) -> None:
     if record["steps"] != self.head.steps:

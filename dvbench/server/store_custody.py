@@ -258,12 +258,18 @@ class CustodyQueries:
     with self.engine.connect() as conn:
       return self.challenges_of(conn, proof_id)
 
-  def answer_challenge(self, conn, proof_id: str, step: int, kind: str) -> bool:
-    """Marks step ``step``'s ``kind`` answered; False when it already was."""
+  def answer_challenges(self, conn, proof_id: str, kind: str, steps: list[int]) -> set[int]:
+    """Marks the ``kind`` check of each of ``steps`` answered, unless one of them was
+    already (or has no challenge): then marks none and returns those."""
     flag = challenges.c[f"answered_{kind}"]
-    return conn.execute(challenges.update().where(
-        (challenges.c.proof_id == proof_id) & (challenges.c.step == step) & ~flag
-    ).values({flag: True})).rowcount == 1
+    open_steps = set(conn.execute(sa.select(challenges.c.step).where(
+        (challenges.c.proof_id == proof_id) & challenges.c.step.in_(steps) & ~flag)).scalars())
+    refused = set(steps) - open_steps
+    if not refused:
+      conn.execute(challenges.update().where(
+          (challenges.c.proof_id == proof_id) & challenges.c.step.in_(steps)
+      ).values({flag: True}))
+    return refused
 
   # -- blobs uploaded for a proof ----------------------------------------------------------
 
