@@ -317,10 +317,10 @@ class Ingest:
     for (step, kind), n in self._answers.items():
       by_kind.setdefault(kind, {})[step] = n
     self._answers = {}
-    for kind, records in by_kind.items():
-      refused = self.store.answer_challenges(self.conn, self.proof_id, kind, list(records))
+    for kind, answering in by_kind.items():
+      refused = self.store.answer_challenges(self.conn, self.proof_id, kind, list(answering))
       if refused:
-        n, step = min((records[s], s) for s in refused)
+        n, step = min((answering[s], s) for s in refused)
         self._refuse_answer(n, step, kind)
 
   def _check_final(self, record: dict, n: int) -> None:
