@@ -247,6 +247,39 @@ class CustodyTest(ServerChallengeTestCase):
         prover.proof_id)}
     self.assertEqual(answered, {0: True, 1: True, 2: True})
 
+  def test_the_first_record_refused_is_named_though_earlier_steps_answers_are_written_late(self):
+    prover = self.prover().start()
+    for _ in range(4):
+      prover.step(ends=True)
+
+    def state(step, prev=None):
+      return prover.chain({"type": "check", "step": step, "kind": "state",
+                           "post_state_blobs": []}, prev=prev)
+
+    def update(step, prev=None):
+      return prover.chain({"type": "check", "step": step, "kind": "update", "first": step,
+                           "pre_state_blobs": [], "batch_blobs": [[]]}, prev=prev)
+
+    state_1 = state(1)
+    self.assertEqual(prover.send(state_1, update(2, prev=record_id(state_1))).status_code, 200)
+    # Kinds refused together: the lowest record, not the first kind's.
+    fine = state(3)
+    again_2 = update(2, prev=record_id(fine))
+    self.assertRefused(prover.send(fine, again_2, state(1, prev=record_id(again_2))), 409,
+                       "record 1: step 2's update check was already answered")
+    # A record answered before, then a repeat within the request: the first is named.
+    again_2 = update(2)
+    new_3 = update(3, prev=record_id(again_2))
+    self.assertRefused(prover.send(again_2, new_3, update(3, prev=record_id(new_3))), 409,
+                       "record 0: step 2's update check was already answered")
+    # A record answered before, then a break in the chain: the answer is named.
+    self.assertRefused(prover.send(again_2, state(3, prev=b"\x01" * 32)), 409,
+                       "record 0: step 2's update check was already answered")
+    answered = {r["step"]: (r["answered_state"], r["answered_update"])
+                for r in self.store().challenge_rows(prover.proof_id)}
+    self.assertEqual(answered, {0: (False, False), 1: (True, False), 2: (False, True),
+                                3: (False, False)})
+
   def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):
     prover = self.prover().start()
     prover.run(steps=2)

@@ -138,6 +138,13 @@ class Ingest:
   def take(self, raw: bytes, record: dict, n: int) -> None:
     """Appends record ``n`` of the request (checked by ``parse_record``) or counts it as a
     duplicate (``expect`` it first)."""
+    try:
+      self._take(raw, record, n)
+    except HTTPException:
+      self._write_answers()  # a refused answer of an earlier record is named first
+      raise
+
+  def _take(self, raw: bytes, record: dict, n: int) -> None:
     rid = record_id(raw)
     if rid in self._positions:
       self.duplicates += 1
@@ -312,16 +319,17 @@ class Ingest:
 
   def _write_answers(self) -> None:
     """Marks the checks this request answered of steps earlier requests stored, one
-    statement per kind; 409 naming the first record whose check was answered before."""
+    statement per kind; 409 naming the first record whose check was answered before (the
+    request rolls back)."""
     by_kind: dict[str, dict[int, int]] = {}
     for (step, kind), n in self._answers.items():
       by_kind.setdefault(kind, {})[step] = n
     self._answers = {}
-    for kind, answering in by_kind.items():
-      refused = self.store.answer_challenges(self.conn, self.proof_id, kind, list(answering))
-      if refused:
-        n, step = min((answering[s], s) for s in refused)
-        self._refuse_answer(n, step, kind)
+    refused = [(answering[step], step, kind) for kind, answering in by_kind.items()
+               for step in self.store.answer_challenges(self.conn, self.proof_id, kind,
+                                                        list(answering))]
+    if refused:
+      self._refuse_answer(*min(refused))
 
   def _check_final(self, record: dict, n: int) -> None:
     if record["steps"] != self.head.steps:
