@@ -1,8 +1,8 @@
 """The live path against ``jax.jit``: offline and live, with and without probes.
 
   python -m benchmarks.live [--quick] [--workloads small mlp tiny] [--batch 128 256 1024]
-                            [--rounds 6] [--block 10] [--p 0.01] [--probe-ratio 0.01]
-                            [--processes 2]
+                            [--rounds 4] [--block 64] [--p 0.01] [--probe-ratio 0.01]
+                            [--processes 2] [--runs 5]
 
 Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``;
 ``proof.jit`` offline (self-sampled checks at p, no upload) without and with probes;
@@ -10,14 +10,23 @@ Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``
 stores, challenges and acknowledges) without and with probes. A block is timed from
 its first step to its last step's outputs being ready, then settled (every step
 committed and, live, every challenge answered) outside the timing; *settled* counts
-the settle too. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
+the settle too; a block spans two of the longest live segments, so that each carries its
+share of their state commitments (*median segment steps* says how long they were). Every
+row starts at the same ``--window``: an offline proof's segments are at most that long
+(4 steps at the tutorial's window), a live proof's grow to half the server's window as
+its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
 per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
 tutorial's model). ``--processes P`` adds the small MLP trained in P local processes,
-offline and live in the same run (``benchmarks.live_processes``). The table comes last.
+offline and live in the same run (``benchmarks.live_processes``). ``--runs N`` repeats
+the whole measurement in N fresh processes and ends with a table of each row's median
+ratio over them and its range. The table comes last.
 """
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -88,6 +97,7 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
     for _ in range(3):
       r.step()
     r.settle()
+  warm_segments = {row: len(r.proof.segment_lengths) for row, r in runners.items() if r.proof}
   blocks = {row: [] for row in ROWS}
   settled = {row: [] for row in ROWS}
   for _ in range(args.rounds):
@@ -100,6 +110,8 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
       r.settle()
       blocks[row].append((stepped - started) / args.block)
       settled[row].append((time.perf_counter() - started) / args.block)
+  segments = {row: r.proof.segment_lengths[warm_segments[row]:]
+              for row, r in runners.items() if r.proof}
   for r in runners.values():
     if r.proof is not None:
       r.proof.finish()
@@ -109,10 +121,16 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
   return [[f"{label}, batch {batch_size if name != 'tiny' else 4}", row,
            f"{common.median(blocks[row]) * 1e3:.2f}",
            f"{common.median(blocks[row]) / base:.3f}",
-           f"{common.median(settled[row]) / base:.3f}"] for row in ROWS]
+           f"{common.median(settled[row]) / base:.3f}",
+           f"{common.median(segments[row]):.0f}" if segments.get(row) else "-"]
+          for row in ROWS]
 
 
-def main(argv=None):
+HEADER = ["workload", "configuration", "median step ms", "ratio to jax.jit",
+          "ratio incl. settle", "median segment steps"]
+
+
+def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workloads", nargs="*", default=["small", "mlp", "tiny"],
                       choices=["small", "mlp", "tiny"])
@@ -122,18 +140,30 @@ def main(argv=None):
   parser.add_argument("--probe-ratio", type=float, default=0.01)
   parser.add_argument("--window", type=int, default=4,
                       help="rolling window (the tutorial's; live, it grows to the server's)")
-  parser.add_argument("--rounds", type=int, default=6)
-  parser.add_argument("--block", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--block", type=int, default=64,
+                      help="steps per timed block: two of the longest live segments (32 "
+                           "steps, half the server's window), so that every block carries "
+                           "its share of the state commitments")
   parser.add_argument("--server-nice", type=int, default=0,
                       help="the server's niceness (its process group's): 19 leaves the "
                            "cores to training first, as a server on another machine would")
   parser.add_argument("--processes", type=int, default=1,
                       help="also the small MLP in this many processes (jax.distributed, gloo)")
+  parser.add_argument("--runs", type=int, default=1,
+                      help="repeat the whole measurement in this many fresh processes, one "
+                           "after another, and summarize the ratios over runs")
+  parser.add_argument("--json", help=argparse.SUPPRESS)  # where a run of --runs puts its rows
   parser.add_argument("--quick", action="store_true",
                       help="small and tiny workloads, mlp at batch 128 only, 3 rounds")
   args = parser.parse_args(argv)
   if args.quick:
     args.rounds, args.batch = 3, [128]
+  return args
+
+
+def one_run(args) -> tuple[str, list[list]]:
+  """(title, rows) of one measurement, against its own loopback server."""
   cases = [(name, b) for name in args.workloads
            for b in (args.batch if name == "mlp" else [256])]
   from dvbench.server.local import LocalServer  # pylint: disable=g-import-not-at-top
@@ -152,13 +182,57 @@ def main(argv=None):
     server.stop()
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
-  common.print_table(
-      f"Live path, p={args.p}, probe ratio {args.probe_ratio}, window {args.window}, "
-      f"{args.rounds} rounds of {args.block} steps, {jax.devices()[0].platform}, "
-      f"load {' '.join(load)}" + (f", server at nice {args.server_nice}"
-                                  if args.server_nice else ""),
-      ["workload", "configuration", "median step ms", "ratio to jax.jit",
-       "ratio incl. settle"], rows)
+  title = (f"Live path, p={args.p}, probe ratio {args.probe_ratio}, window {args.window}, "
+           f"{args.rounds} rounds of {args.block} steps, {jax.devices()[0].platform}, "
+           f"load {' '.join(load)}" + (f", server at nice {args.server_nice}"
+                                       if args.server_nice else ""))
+  return title, rows
+
+
+def repeated_runs(argv: list[str], runs: int) -> list[list[list]]:
+  """The rows of ``runs`` measurements, each in a fresh process (its table printed as it
+  ends): between processes a step's time moves more than between rounds of one."""
+  results = []
+  with tempfile.TemporaryDirectory(prefix="zkdv-live-runs-") as folder:
+    for run in range(runs):
+      path = os.path.join(folder, f"run-{run}.json")
+      subprocess.run([sys.executable, "-m", "benchmarks.live", *argv, "--runs", "1",
+                      "--json", path], check=True)
+      with open(path) as f:
+        results.append(json.load(f))
+  return results
+
+
+def summary(results: list[list[list]]) -> list[list]:
+  """One row per workload and configuration: the median over runs of its step time and
+  ratio, the ratios' range, and each run's ratio in order."""
+  ratios, times = {}, {}
+  for rows in results:
+    for workload, row, ms, ratio, *_ in rows:
+      ratios.setdefault((workload, row), []).append(float(ratio))
+      times.setdefault((workload, row), []).append(float(ms))
+  return [[workload, row, f"{common.median(times[key]):.2f}", f"{common.median(r):.3f}",
+           f"{min(r):.3f}-{max(r):.3f}", " ".join(f"{x:.3f}" for x in r)]
+          for key, r in ratios.items() for workload, row in [key]]
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  if args.runs > 1:
+    results = repeated_runs(argv, args.runs)
+    common.print_table(
+        f"Live path over {args.runs} runs in fresh processes ({args.rounds} rounds of "
+        f"{args.block} steps each" + (f", server at nice {args.server_nice}"
+                                      if args.server_nice else "") + ")",
+        ["workload", "configuration", "median step ms", "median ratio to jax.jit",
+         "range", "each run"], summary(results))
+    return
+  title, rows = one_run(args)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rows, f)
+  common.print_table(title, HEADER, rows)
 
 
 if __name__ == "__main__":

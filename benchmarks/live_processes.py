@@ -92,6 +92,7 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
   for run in runs.values():  # warm-up: compile, first commitments
     steps(run, 3)
     settle(run)
+  warm = {row: len(run["proof"].segment_lengths) for row, run in runs.items() if run["proof"]}
   blocks = {row: [] for row in ROWS}
   settled = {row: [] for row in ROWS}
   for _ in range(rounds):
@@ -99,6 +100,8 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
       seconds = common.timed(lambda run=run: steps(run, block))
       settled[row].append((seconds + common.timed(lambda run=run: settle(run))) / block)
       blocks[row].append(seconds / block)
+  segments = {row: run["proof"].segment_lengths[warm[row]:]
+              for row, run in runs.items() if run["proof"]}
   for run in runs.values():
     if run["proof"] is not None:
       run["proof"].finish()
@@ -108,7 +111,9 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
   label = f"MLP 784-128-10, batch 256, {processes} processes"
   print(json.dumps([[label, row, f"{common.median(blocks[row]) * 1e3:.2f}",
                      f"{common.median(blocks[row]) / base:.3f}",
-                     f"{common.median(settled[row]) / base:.3f}"] for row in ROWS]))
+                     f"{common.median(settled[row]) / base:.3f}",
+                     f"{common.median(segments[row]):.0f}" if segments.get(row) else "-"]
+                    for row in ROWS]))
 
 
 if __name__ == "__main__":
