@@ -5,8 +5,8 @@ The small MLP (784-128-10, batch 256) trains in P local processes joined by
 over "data", kernels by columns over "model". Rows, alternating in blocks as in
 ``benchmarks.live``: the sharded ``jax.jit`` step; ``proof.jit`` offline (self-sampled at p,
 with probes); ``proof.jit`` live through the parent's ``dvbench serve`` (process 0 holds the
-stream, every process takes the server's decisions in rounds). Process 0 prints the rows
-as one JSON line.
+stream, every process takes the server's decisions in rounds). Every row waits for its
+state each ``IN_FLIGHT`` steps. Process 0 prints the rows as one JSON line.
 """
 
 import json
@@ -19,6 +19,10 @@ from dvbench.server import local
 
 ROWS = ("jax.jit", "offline, probes", "live, probes")
 LOCAL_DEVICES = 2
+# Every row waits for its last step after this many: with more dispatched ahead, plain
+# jax.jit itself hung here (2 processes of 2 CPU devices, gloo, jax 0.10.2: both
+# processes blocked at the 41st step of a 64-step block, every thread idle).
+IN_FLIGHT = 16
 
 
 def rows(args, url: str, token: str) -> list[list]:
@@ -85,8 +89,10 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
       run["proof"].wait_for_commitments()
 
   def steps(run, count: int) -> None:
-    for _ in range(count):
+    for i in range(count):
       run["state"] = run["step"](run["state"], *run["batch"])
+      if (i + 1) % IN_FLIGHT == 0:
+        jax.block_until_ready(run["state"])
     jax.block_until_ready(run["state"])
 
   for run in runs.values():  # warm-up: compile, first commitments
