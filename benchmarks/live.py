@@ -12,9 +12,9 @@ its first step to its last step's outputs being ready, then settled (every step
 committed and, live, every challenge answered) outside the timing; *settled* counts
 the settle too; a block spans two of the longest live segments, so that each carries its
 share of their state commitments (*median segment steps* says how long they were). Every
-row starts at the same ``--window``: an offline proof's segments reach 64 steps where no
-check opens them (a checked one is at most the window), a live proof's half the server's
-window as its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
+row starts at the same ``--window``: an offline proof's segments are at most that long
+(4 steps at the tutorial's window), a live proof's grow to half the server's window as
+its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
 per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
 tutorial's model). ``--processes P`` adds the small MLP trained in P local processes,
 offline and live in the same run (``benchmarks.live_processes``). ``--runs N`` repeats
