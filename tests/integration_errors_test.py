@@ -178,7 +178,7 @@ class IntegrationErrorsTest(absltest.TestCase):
     root = testing.records_of(proof.path, "root")[0]
     self.assertEqual(root["challenger"]["policy"], {
         "update_check_probability": 1.0, "state_check_probability": 0.0,
-        "probe_ratio": 0.0, "rolling_window": 16, "segment_length": 64, "full_replay": False})
+        "probe_ratio": 0.0, "rolling_window": 16, "segment_length": 16, "full_replay": False})
     with self.assertRaisesRegex(errors.ProofStateError, "already started"):
       proof.start()
     path = proof.finish()

@@ -6,14 +6,8 @@ import time
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
-import optax
 from absl.testing import absltest
 from absl.testing import parameterized
-from flax import linen as nn
-
-import zkdv
-from tests import testing
 
 from tests.verify_test import (VerifierTestCase, copy_of, first, flip_byte, rechained,
                                records_of, write_transcript)
@@ -251,52 +245,6 @@ class SegmentsTest(VerifierTestCase):
       self.assertLessEqual(state / k + batch, budget + 1e-12)
       if k > 1:
         self.assertGreater(state / (k - 1) + batch, budget)
-
-
-class SelfChosenSegmentLengthTest(parameterized.TestCase):
-  """Offline, the rolling window bounds only the segments an update check opens: they keep
-  their batches until the replay; a segment no check opens keeps nothing."""
-
-  WINDOW = 4
-
-  def _train(self, update_p: float, steps: int):
-    """A 1024x1024 Dense layer with Adam (12 MB of state to hash, 3 ms or more, a step
-    of a few ms): the adaptive length is far above the window."""
-    proof = testing.new_proof(f"window-{update_p}", update_p=update_p)
-    proof.start(rolling_window=self.WINDOW)
-    model = nn.Dense(1024)
-    params = model.init(jax.random.key(0), jnp.ones((1, 1024)))["params"]
-    state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
-                                               params=params, tx=optax.adam(1e-3))
-
-    @proof.jit(donate_argnums=0)
-    def train_step(state, x):
-      loss = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)
-      return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-    x = jax.random.normal(jax.random.key(1), (8, 1024))
-    for _ in range(steps):
-      state = train_step(state, x)
-    return proof.finish(), proof.segment_lengths
-
-  def test_an_unchecked_segment_outgrows_the_window(self):
-    # p = 0.01 a segment: all of the run's 5 or more segments drawn is a 1e-10 event.
-    path, lengths = self._train(update_p=0.01, steps=40)
-    self.assertEqual(sum(lengths), 40)
-    self.assertGreater(max(lengths), self.WINDOW, lengths)
-    root = records_of(path, "root")[0]
-    self.assertEqual(root["challenger"]["policy"]["segment_length"], config.MAX_SEGMENT_LENGTH)
-    report = verify.verify(path, min_checks=0)
-    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
-
-  def test_a_checked_segment_stays_within_the_window(self):
-    path, lengths = self._train(update_p=1.0, steps=16)
-    self.assertEqual(sum(lengths), 16)
-    self.assertLessEqual(max(lengths), self.WINDOW, lengths)
-    replayed = [r for r in records_of(path, "check") if r["kind"] == "update"]
-    self.assertEqual(len(replayed), len(lengths))
-    report = verify.verify(path)
-    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class TutorialTest(parameterized.TestCase):
     # The configured proof of step 2 is never started explicitly: it starts itself.
     self.assertEqual(root["challenger"]["policy"], {
         "update_check_probability": 0.01, "state_check_probability": 0.0,
-        "probe_ratio": 0.0, "rolling_window": 16, "segment_length": 64, "full_replay": False})
+        "probe_ratio": 0.0, "rolling_window": 16, "segment_length": 16, "full_replay": False})
     self.assertEqual(root["prover"], "whitebox-jax")
     final = testing.records_of(path, "final")
     self.assertLen(final, 1)

@@ -182,16 +182,10 @@ class Dispatcher:
     finally:
       self._waited += time.perf_counter() - started
 
-  def next_segment_length(self, program, decision=None) -> int:
+  def next_segment_length(self, program) -> int:
     """The length of a segment starting now: 1 for equivalent programs and across
     processes offline; the root's across processes with a server's decisions (the same on
-    every process); else the configured one, or the adaptive choice (1 until measured).
-
-    ``decision`` is the segment's when it is known now (a self-chosen segment's first
-    step's): an adaptive segment an update check opens keeps its batches until its replay,
-    so the window bounds it; one no check opens keeps nothing and may be as long as the
-    root allows.
-    """
+    every process); else the configured one, or the adaptive choice (1 until measured)."""
     bound = self._challenger.policy.segment_length
     if not program.exact or (self._group.multi and self.shared is None):
       return 1
@@ -199,8 +193,6 @@ class Dispatcher:
       return bound
     if self._config.segment_length is not None:
       return min(self._config.segment_length, bound)
-    if decision is not None and decision.update:
-      bound = min(bound, self._committer.pipeline.window)
     gathering = self._committer.gathering
     hash_seconds, batch_seconds = gathering.hash_seconds, gathering.batch_seconds
     if hash_seconds is None or not batch_seconds or len(self._step_times) < 2:
@@ -228,12 +220,11 @@ class Dispatcher:
             previous.state or (previous.update and not self._last_program.exact))
         if not continuous:
           job.previous_end_started = self._readable_last_post()
+      self._segment_first, self._segment_length = index, self.next_segment_length(program)
       # Known now when this step decides the segment (a self-chosen one's first step); a
       # server decides it after the segment's last step is stored (Committer.answer).
       deciding = challenge.deciding_step(self._challenger.kind, index, None)
       self._segment_decision = decision if deciding == index else None
-      self._segment_first = index
-      self._segment_length = self.next_segment_length(program, self._segment_decision)
       if not (continuous and self._ended):  # else the committed post-state, not hashed again
         job.pre_started = digests.start_state(state, program.state_layouts)
         if any(program.donated[i] for i in program.state_indices):  # hash before donation

@@ -19,7 +19,6 @@ Example::
   proof.finish()
 """
 
-import dataclasses
 import datetime
 import logging
 import os
@@ -173,13 +172,11 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
         are not yet written or whose challenges are not yet decided (bounds
         the batches ZKDV keeps for a server's late challenges; a decided
         step's answer is written behind at most a window of newer steps). An adaptive
-        segment whose batches are kept is at most this long: a self-chosen segment
-        an update check opens (one it does not open keeps nothing and may reach
-        ``MAX_SEGMENT_LENGTH``). A server's challenger widens the window, up to
+        segment is at most this long, so an undecided segment's batches stay
+        within the window too. A server's challenger widens the window, up to
         its policy's, when its decisions take longer than that many steps; a
         DVBench proof's adaptive segments may grow to half that largest window
-        (``zkdv.config.adaptive_segment_bound``): a server decides a segment after
-        its last step.
+        (``zkdv.config.adaptive_segment_bound``).
       probe_ratio: the fraction of each batch's rows opened as data probes.
     """
     if self._group is not None:
@@ -245,15 +242,8 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     self._group = group
 
   def _make_challenger(self, policy: challenge.Policy, seed: bytes, group):
-    """The challenger of this proof: self-chosen checks (DVBench proofs override it).
-
-    Its adaptive segments may be ``MAX_SEGMENT_LENGTH`` long whatever the window: a
-    self-chosen segment is decided by its first step, and only one an update check opens
-    keeps its batches, which the window bounds (``Dispatcher.next_segment_length``).
-    """
+    """The challenger of this proof: self-chosen checks (DVBench proofs override it)."""
     del group
-    if self.config.segment_length is None and policy.segment_length > 1:
-      policy = dataclasses.replace(policy, segment_length=config_lib.MAX_SEGMENT_LENGTH)
     return challengers.SelfChallenger(policy, seed)
 
   # -- compiling steps -------------------------------------------------------
