@@ -7,9 +7,11 @@ verifier on the transcript are grouped in the classes named ``...VerifiedTest``.
 
 import dataclasses
 import functools
+import gc
 import os
 import tempfile
 import threading
+import weakref
 from unittest import mock
 
 import jax
@@ -280,6 +282,25 @@ class LifecycleTest(parameterized.TestCase):
     _assert_verified(self, proof, 5)
     self.assertEqual(proof.failed_checks, [])
     self.assertEqual(proof.checks["update"], 5)
+
+  def test_a_step_without_donation_leaves_no_post_state_behind(self):
+    # Without donation each step returns a new state. A kept step (its batch, until its
+    # segment is answered) must not keep that state alive: 8 steps of one open segment
+    # held 8 generations of it.
+    proof = testing.new_proof("no-donation", update_p=1.0, segment_length=16)
+    proof.start(rolling_window=16)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step)
+    outputs = []
+    for _ in range(8):
+      state = train_step(state, BATCH)
+      outputs.append([weakref.ref(x) for x in jax.tree.leaves(state)])
+    proof.wait_for_commitments()
+    gc.collect()
+    alive = [step for step, refs in enumerate(outputs[:-2]) if any(r() is not None for r in refs)]
+    self.assertEqual(alive, [])
+    proof.finish()
+    _assert_verified(self, proof, 8)
 
   def test_background_failure_surfaces_at_the_next_step_and_finish(self):
     proof = testing.new_proof("failure", update_p=0.0)

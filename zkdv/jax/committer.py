@@ -207,6 +207,9 @@ class Committer:
         segment_decision is None or segment_decision.state or not program.exact):
       end_views = [arrays.host_view(x) for x in job.post]  # before the next step may donate
     gathered = self.gathering.gather_step(job, pipeline_job.views_ready)
+    # The kept step (``Answers``) holds no post-state past its hash: without donation it
+    # would be one more generation of the state for every step until its segment is answered.
+    job.post = None
     if gathered is None:  # another process writes the records
       self.openings.count_decided(job.decision)
       return
