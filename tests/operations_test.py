@@ -54,6 +54,22 @@ def processes_mentioning(text: str) -> dict[int, str]:
   return found
 
 
+def worker_pid(worker_id: str) -> int:
+  """The pid of the worker ``worker_id``: of the processes that mention it, the one whose
+  parent does not (a verifier child it forked has the same command line)."""
+  found = processes_mentioning(f"--worker-id {worker_id}")
+  roots = []
+  for pid in found:
+    try:
+      parent = int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:  # a child that exited meanwhile
+      continue
+    if parent not in found:
+      roots.append(pid)
+  [pid] = roots
+  return pid
+
+
 def fresh_database(backend: str) -> str:
   if backend == "sqlite":
     return f"sqlite:///{pathlib.Path(tempfile.mkdtemp()) / 'dvbench.db'}"
@@ -169,8 +185,7 @@ class SupervisionTest(absltest.TestCase):
           "state"] == "running" and j["attempts"] == a and j)
       self.assertRegex(server.proof(prover.proof_id)["label"],
                        rf"verifying: attempt {attempt}, running for \d+ s, its worker reported")
-      [pid] = processes_mentioning(f"--worker-id {job['lease_owner']}")
-      os.kill(pid, signal.SIGKILL)
+      os.kill(worker_pid(job["lease_owner"]), signal.SIGKILL)
     proof = testing.wait_until(lambda: server.settled(prover.proof_id), timeout=60)
     self.assertEqual(proof["state"], "unverifiable")  # no finding: never "invalid"
     self.assertIn("could not verify: verification was given up after 2 attempts; the last one "
