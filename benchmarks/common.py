@@ -61,21 +61,23 @@ def train_step(state, x, y):
 
 class TrainRow:
   """A benchmark row's state and step: ``jax.jit`` with Flax's TrainState when ``proof``
-  is None, else ``proof.jit`` with ZKDV's (``proof`` already started).
+  is None, else ``proof.jit`` with ZKDV's (``proof`` already started); the state is
+  donated to each step unless ``donate`` is False.
 
   Example: ``row = TrainRow(model, params, batch); row.step(); row.settle()``
   """
 
-  def __init__(self, model, params, batch, proof=None):
+  def __init__(self, model, params, batch, proof=None, donate: bool = True):
     self.batch, self.proof = batch, proof
+    options = {"donate_argnums": 0} if donate else {}
     if proof is None:
       self.state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                                  tx=optax.adam(1e-3))
-      self._step = jax.jit(train_step, donate_argnums=0)
+      self._step = jax.jit(train_step, **options)
     else:
       self.state = zkdv.jax.contrib.TrainState.create(
           proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-      self._step = proof.jit(train_step, donate_argnums=0)
+      self._step = proof.jit(train_step, **options)
 
   def step(self):
     self.state = self._step(self.state, *self.batch)

@@ -15,8 +15,6 @@ import argparse
 import os
 
 import jax
-import optax
-from flax.training import train_state
 
 import zkdv
 from benchmarks import common
@@ -25,33 +23,18 @@ ROWS = ("jax.jit, donated", "proof.jit, donated", "jax.jit, not donated",
         "proof.jit, not donated")
 
 
-class Runner:
-  """One row's state and step (``step()``, ``settle()``), as ``common.peak_rss_mb`` runs it."""
+class Runner(common.TrainRow):
+  """One row, as ``common.peak_rss_mb`` runs it."""
 
   def __init__(self, row: str, folder: str, window: int):
-    model, params, self.batch = common.mlp_workload(128)
-    jit_options = {"donate_argnums": 0} if row.endswith(", donated") else {}
-    create = dict(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
-    self.proof = None
-    if row.startswith("jax.jit"):
-      self.state = train_state.TrainState.create(**create)
-      self._step = jax.jit(common.train_step, **jit_options)
-      return
-    config = zkdv.ZKDVConfig(
-        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01),
-        output_dir=os.path.join(folder, "proof"))
-    self.proof = zkdv.jax.ZKDV("kept-memory", config).start(rolling_window=window)
-    self.state = zkdv.jax.contrib.TrainState.create(proof=self.proof, **create)
-    self._step = self.proof.jit(common.train_step, **jit_options)
-
-  def step(self):
-    self.state = self._step(self.state, *self.batch)
-    return self.state
-
-  def settle(self):
-    jax.block_until_ready(self.state)
-    if self.proof is not None:
-      self.proof.wait_for_commitments()
+    model, params, batch = common.mlp_workload(128)
+    proof = None
+    if row.startswith("proof.jit"):
+      config = zkdv.ZKDVConfig(
+          sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.01),
+          output_dir=os.path.join(folder, "proof"))
+      proof = zkdv.jax.ZKDV("kept-memory", config).start(rolling_window=window)
+    super().__init__(model, params, batch, proof, donate=row.endswith(", donated"))
 
 
 def main(argv=None):
