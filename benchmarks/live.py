@@ -211,9 +211,9 @@ def summary(results: list[list[list]]) -> list[list]:
     for workload, row, ms, ratio, *_ in rows:
       ratios.setdefault((workload, row), []).append(float(ratio))
       times.setdefault((workload, row), []).append(float(ms))
-  return [[workload, row, f"{common.median(times[key]):.2f}", f"{common.median(r):.3f}",
-           f"{min(r):.3f}-{max(r):.3f}", " ".join(f"{x:.3f}" for x in r)]
-          for key, r in ratios.items() for workload, row in [key]]
+  return [[workload, row, f"{common.median(times[workload, row]):.2f}",
+           f"{common.median(r):.3f}", f"{min(r):.3f}-{max(r):.3f}", " ".join(f"{x:.3f}" for x in r)]
+          for (workload, row), r in ratios.items()]
 
 
 def main(argv=None):
