@@ -5,6 +5,7 @@ import pathlib
 import tempfile
 import threading
 import time
+from unittest import mock
 
 import jax.numpy as jnp
 from absl.testing import absltest
@@ -14,6 +15,7 @@ import zkdv
 from tests import testing
 from zkdv import challenge
 from zkdv import challengers
+from zkdv import config
 from zkdv import errors
 from zkdv import transcript
 from zkdv import verify
@@ -117,6 +119,10 @@ class _WideningProof(_LateProof):
 
 class _WideWindowProof(_WideningProof):
   server_window = 32
+
+
+class _WidestWindowProof(_WideningProof):
+  server_window = 256
 
 
 def _late_proof(update_p=1.0, window=2, timeout_s=30.0, segment_length=1, state_p=0.0,
@@ -237,6 +243,19 @@ class LateDecisionsTest(parameterized.TestCase):
     proof.finish()
     report = verify.verify(proof.path, challenge_key=proof.key, min_checks=0)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+
+  def test_the_window_grows_no_further_than_its_batches_memory_allows(self):
+    proof = _late_proof(window=2, timeout_s=3.0, kind=_WidestWindowProof)
+    proof._challenger._answer_times = [0.5]  # pylint: disable=protected-access  # measured
+    batch_bytes = testing.TUTORIAL_BATCH.nbytes
+    # A server that allows 256 steps; 500 ms of millisecond steps would take them all.
+    with (mock.patch.object(config, "KEPT_BATCH_BYTES", 100 * batch_bytes),
+          self.assertLogs("zkdv", "INFO") as logs):
+      _, _, _, windows = self._undecided_steps(proof, 6)
+    self.assertEqual(windows, [2, 2, 4, 4, 100, 100])
+    self.assertIn("the window grows from 4 to 100 steps", "\n".join(logs.output))
+    _wait(lambda: proof.deliver_written() == 6)
+    proof.finish()
 
   @parameterized.named_parameters(
       ("one_process", 0.085, 0.02, False, 6),

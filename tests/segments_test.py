@@ -2,13 +2,18 @@
 faked step anywhere in it is caught."""
 
 import functools
+import pathlib
+import tempfile
 import time
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 from absl.testing import absltest
 from absl.testing import parameterized
 
+import zkdv
+from tests import testing
 from tests.verify_test import (VerifierTestCase, copy_of, first, flip_byte, rechained,
                                records_of, write_transcript)
 from zkdv import challenge
@@ -246,6 +251,44 @@ class SegmentsTest(VerifierTestCase):
       if k > 1:
         self.assertGreater(state / (k - 1) + batch, budget)
 
+
+
+class AdaptiveBoundTest(absltest.TestCase):
+
+  def _longest_segment(self, steps=80):
+    """(bounds the adaptive rule was given, segment lengths) of an offline proof at window 64
+    whose rule always takes its bound."""
+    bounds = []
+
+    def takes_the_bound(step, state, batch, bound):
+      bounds.append(bound)
+      return bound
+
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-test-")) / "adaptive"
+    proof = zkdv.jax.ZKDV("adaptive", zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.0), output_dir=folder))
+    proof.start(rolling_window=64)
+    with mock.patch.object(dispatch, "adaptive_segment_length", takes_the_bound):
+      state = testing.classifier_state(proof)
+      train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+      batch = jnp.asarray(testing.TUTORIAL_BATCH)
+      for _ in range(steps):
+        state = train_step(state, batch)
+      proof.finish()
+    return bounds, proof.segment_lengths
+
+  def test_a_segment_keeps_at_most_half_the_window_its_batches_memory_allows(self):
+    bounds, lengths = self._longest_segment()
+    self.assertEqual((max(bounds), max(lengths)), (64, 64))  # the window's
+    # Batches of a size of which only 64 fit in KEPT_BATCH_BYTES: segments of 32.
+    with mock.patch.object(config, "KEPT_BATCH_BYTES", 64 * testing.TUTORIAL_BATCH.nbytes):
+      bounds, lengths = self._longest_segment()
+    self.assertEqual((set(bounds), max(lengths)), ({32}, 32))
+
+  def test_kept_window(self):
+    self.assertEqual(config.kept_window(1 << 20), 1024)
+    self.assertEqual(config.kept_window(64 << 20), 64)  # at least 64 steps
+    self.assertEqual(config.kept_window(0), config.KEPT_BATCH_BYTES)
 
 if __name__ == "__main__":
   absltest.main()

@@ -17,6 +17,10 @@ MAX_SEGMENT_LENGTH = 64
 # k) and spread a check's fixed cost (keeping, writing and hashing its start state) over
 # more steps; they cost memory (a checked segment's batches) that the rolling window bounds.
 COMMITMENT_BUDGET = 0.02
+# A live proof keeps each step's batch until the server decides its segment: at most this
+# many bytes of them by its own choice (the window it grows to, and twice an adaptive
+# segment). A window of 64 steps is always allowed; a step of larger batches may wait.
+KEPT_BATCH_BYTES = 1 << 30
 
 
 def adaptive_segment_bound(window: int) -> int:
@@ -27,6 +31,15 @@ def adaptive_segment_bound(window: int) -> int:
   Example: ``adaptive_segment_bound(64) == 32``; ``adaptive_segment_bound(4) == 2``.
   """
   return max(1, min(MAX_SEGMENT_LENGTH, window // 2))
+
+
+def kept_window(batch_bytes: int) -> int:
+  """The most steps whose batches a proof keeps by its own choice at ``batch_bytes`` a
+  step: ``KEPT_BATCH_BYTES`` of them, and at least 64 steps.
+
+  Example: ``kept_window(800 * 1024) == 1310``; ``kept_window(38 << 20) == 64``.
+  """
+  return max(64, KEPT_BATCH_BYTES // max(1, batch_bytes))
 # The most bytes of constants an init or update program may embed (its StableHLO's dense
 # constants, a splat counted as one element). Far below one parameter set, so a program
 # cannot carry a model in its constants: a step that returns weights baked into it, or an

@@ -197,8 +197,9 @@ class Dispatcher:
     hash_seconds, batch_seconds = gathering.hash_seconds, gathering.batch_seconds
     if hash_seconds is None or not batch_seconds or len(self._step_times) < 2:
       return 1
+    kept = config_lib.adaptive_segment_bound(config_lib.kept_window(_batch_bytes(program)))
     return adaptive_segment_length(statistics.median(self._step_times), hash_seconds,
-                                   statistics.median(batch_seconds), bound)
+                                   statistics.median(batch_seconds), min(bound, kept))
 
   def _prepare(self, program, index: int, leaves: list, decision) -> StepJob:
     """The step's job before dispatch: its place in a segment and what must be hashed
@@ -289,7 +290,8 @@ class Dispatcher:
     """Widens the window so that training need not wait for the server's round trip:
     doubled while most of it is steps whose records are written and whose decisions have
     not come back, and at least ``window_for`` the measured decision and step times; up
-    to the policy's rolling window. Says so once when even that is too short.
+    to the policy's rolling window and ``config.kept_window`` of the step's batches (at
+    least twice the root's segments). Says so once when even that is too short.
 
     Example: a window of 4 with 3 written, undecided steps grows to 8, then 16, ...
     """
@@ -303,7 +305,9 @@ class Dispatcher:
                                       self.shared is not None))
     if wanted <= pipeline.window:
       return
-    bound = self._challenger.policy.rolling_window
+    policy = self._challenger.policy
+    bound = min(policy.rolling_window, max(2 * policy.segment_length, config_lib.kept_window(
+        _batch_bytes(self._last_program))))
     said = f"{answer * 1e3:.1f} ms" if answer is not None else "not yet measured"
     if pipeline.window < bound:
       window = min(bound, wanted)
@@ -313,9 +317,11 @@ class Dispatcher:
       pipeline.grow(window)
     elif waits and not self._said_window_short:
       self._said_window_short = True
+      why = ("the most the server allows" if bound == policy.rolling_window else
+             f"the most whose batches fit in {config_lib.KEPT_BATCH_BYTES >> 20} MiB "
+             "(zkdv.config.KEPT_BATCH_BYTES)")
       logger.warning("ZKDV: training waits for DVBench: %d written steps wait for decisions "
-                     "(a step's comes %s after it starts), the most the server allows.",
-                     awaiting, said)
+                     "(a step's comes %s after it starts), %s.", awaiting, said, why)
 
   def _waiting_for_window(self, seconds: float) -> None:
     if not self._group.multi:
@@ -332,6 +338,11 @@ class Dispatcher:
         program.post_layouts, program.params_mask)):
       return None
     return [arrays.gather(x) for x in self._last_post_leaves]
+
+
+def _batch_bytes(program) -> int:
+  """The bytes of one step's batch (all processes' rows)."""
+  return sum(layout.nbytes for layout in program.batch_layouts)
 
 
 def window_for(answer_seconds: float, step_seconds: float, across_processes: bool) -> int:
