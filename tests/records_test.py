@@ -269,6 +269,21 @@ class ProgramRulesTest(parameterized.TestCase):
     self.assertIn(f"record {n} ({recs[n]['type']}).{field}: ", server)
 
 
+class FreeMapTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("long_string", {"a": [1, {"b": "x" * (fields.MAX_TEXT + 1)}]},
+       "metrics.a[1].b: a string of at most"),
+      ("long_key", {"a": [{"k" * 401: 1}]}, "metrics.a[0]: a map with string keys"),
+      ("key_not_text", {"a": {"b": {3: 1}}}, "metrics.a.b: a map with string keys"))
+  def test_what_is_wrong_is_named_by_its_path(self, value, named):
+    with self.assertRaisesRegex(fields.Invalid, re.escape(named)):
+      fields.FREE.check(value, "metrics")
+
+  def test_a_valid_value_passes(self):
+    fields.FREE.check({"a": [1, 2.0, b"x", None, {"b": "y" * fields.MAX_TEXT}]}, "metrics")
+
+
 class ProbedRowsTest(absltest.TestCase):
   """A probed Merkle row travels inline: one byte string per leading-axis row, a row wider
   than a record's byte strings as chunks."""

@@ -170,18 +170,29 @@ class Free(Spec):
   """Any value the decoder accepted, with text map keys and bounded strings."""
 
   def check(self, value, where):
-    stack = [(value, where)]
+    stack = [(value, None)]  # (item, its trail: (parent's trail, index or key))
     while stack:
-      item, at = stack.pop()
+      item, trail = stack.pop()
       if isinstance(item, str) and len(item) > MAX_TEXT:
-        self.fail(item, at, f"a string of at most {MAX_TEXT} characters")
+        self.fail(item, _trail_path(where, trail), f"a string of at most {MAX_TEXT} characters")
       elif isinstance(item, list):
-        stack.extend((v, f"{at}[{n}]") for n, v in enumerate(item))
+        stack.extend((v, (trail, n)) for n, v in enumerate(item))
       elif isinstance(item, dict):
         for k, v in item.items():
           if not isinstance(k, str) or len(k) > 400:
-            self.fail(k, at, "a map with string keys of at most 400 characters")
-          stack.append((v, f"{at}.{k}"))
+            self.fail(k, _trail_path(where, trail),
+                      "a map with string keys of at most 400 characters")
+          stack.append((v, (trail, k)))
+
+
+def _trail_path(where: str, trail) -> str:
+  """The path of a trail of list indices and map keys below ``where``, e.g. ``x.a[2]``
+  (built only for an error: a valid value's walk formats nothing)."""
+  steps = []
+  while trail is not None:
+    trail, step = trail
+    steps.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+  return where + "".join(reversed(steps))
 
 
 @dataclasses.dataclass(frozen=True)
