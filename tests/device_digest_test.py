@@ -10,6 +10,8 @@ from absl.testing import parameterized
 from tests import testing
 from zkdv import merkle
 from zkdv import verify
+from zkdv.digest import LeafLayout
+from zkdv.jax import digests
 from zkdv.jax import device_digest
 
 EDGE_SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3 * 1024 + 1, 5 * 1024, 9 * 1024 + 7]
@@ -76,6 +78,25 @@ class BackendsAgreeTest(absltest.TestCase):
     self.assertEqual(testing.records_of(device, "root")[0]["config"]["digest_backend"],
                      "device")
 
+
+
+class HostRowViewsTest(absltest.TestCase):
+
+  def test_a_batch_passed_again_keeps_its_view_and_hashes_alike(self):
+    backend = digests.HostDigests()
+    layout = LeafLayout("x", "float32", (16, 4))
+    x = jnp.arange(64, dtype=jnp.float32).reshape(16, 4)
+    (((_, _, first),),) = backend.start_rows([x], [layout])
+    (((_, _, again),),) = backend.start_rows([x], [layout])
+    self.assertIs(again, first)  # the same array: its view is not exported again
+    y = x + 1
+    (((_, _, other),),) = backend.start_rows([y], [layout])
+    self.assertIsNot(other, first)
+    self.assertEqual(other.tobytes(), np.asarray(y).tobytes())
+    self.assertEqual(backend.row_hashes([[(0, 16, again)]], [layout]),
+                     backend.row_hashes([[(0, 16, np.asarray(x))]], [layout]))
+    # Only the last step's blocks are kept.
+    self.assertEqual([b for b, _ in backend._last_views.values()], [y])  # pylint: disable=protected-access
 
 if __name__ == "__main__":
   absltest.main()
