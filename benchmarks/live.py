@@ -10,11 +10,14 @@ Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``
 stores, challenges and acknowledges) without and with probes. A block is timed from
 its first step to its last step's outputs being ready, then settled (every step
 committed and, live, every challenge answered) outside the timing; *settled* counts
-the settle too; a block spans two of the longest live segments, so that each carries its
-share of their state commitments (*median segment steps* says how long they were). Every
-row starts at the same ``--window``: an offline proof's segments are at most that long
-(4 steps at the tutorial's window), a live proof's grow to half the server's window as
-its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
+the settle too. A block spans at least one of the longest live segments (64 steps), so
+that each carries its share of their state commitments (*median segment steps* says how
+long they were), and at least ``MIN_BLOCK_SECONDS`` of ``jax.jit``'s steps (at most
+``MAX_BLOCK`` steps; *block steps*), so that a fast step's live row runs past its window
+and shows what the server's pace allows, not a backlog the settle hides. Every row
+starts at the same ``--window``: an offline proof's segments are at most that long (4
+steps at the tutorial's window), a live proof's grow to half the server's window (at
+most 64) as its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
 per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
 tutorial's model). ``--processes P`` adds the small MLP trained in P local processes,
 offline and live in the same run (``benchmarks.live_processes``). ``--runs N`` repeats
@@ -24,6 +27,7 @@ ratio over them and its range. The table comes last.
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,6 +42,8 @@ import zkdv
 from benchmarks import common
 
 ROWS = ("jax.jit", "offline", "offline, probes", "live", "live, probes")
+MIN_BLOCK_SECONDS = 1.0
+MAX_BLOCK = 2048
 
 
 class SmallMLP(nn.Module):
@@ -98,18 +104,19 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
       r.step()
     r.settle()
   warm_segments = {row: len(r.proof.segment_lengths) for row, r in runners.items() if r.proof}
+  block = block_steps(runners["jax.jit"], args.block)
   blocks = {row: [] for row in ROWS}
   settled = {row: [] for row in ROWS}
   for _ in range(args.rounds):
     for row, r in runners.items():
       started = time.perf_counter()
-      for _ in range(args.block):
+      for _ in range(block):
         r.step()
       jax.block_until_ready(r.state)
       stepped = time.perf_counter()
       r.settle()
-      blocks[row].append((stepped - started) / args.block)
-      settled[row].append((time.perf_counter() - started) / args.block)
+      blocks[row].append((stepped - started) / block)
+      settled[row].append((time.perf_counter() - started) / block)
   segments = {row: r.proof.segment_lengths[warm_segments[row]:]
               for row, r in runners.items() if r.proof}
   for r in runners.values():
@@ -122,12 +129,19 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
            f"{common.median(blocks[row]) * 1e3:.2f}",
            f"{common.median(blocks[row]) / base:.3f}",
            f"{common.median(settled[row]) / base:.3f}",
-           f"{common.median(segments[row]):.0f}" if segments.get(row) else "-"]
+           f"{common.median(segments[row]):.0f}" if segments.get(row) else "-", block]
           for row in ROWS]
 
 
+def block_steps(plain: "Runner", least: int) -> int:
+  """Steps per block: ``least``, or as many as ``jax.jit`` takes ``MIN_BLOCK_SECONDS``
+  for (32 timed steps of ``plain``), at most ``MAX_BLOCK``."""
+  seconds = common.timed(lambda: [plain.step() for _ in range(32)][-1].params) / 32
+  return max(least, min(MAX_BLOCK, math.ceil(MIN_BLOCK_SECONDS / seconds)))
+
+
 HEADER = ["workload", "configuration", "median step ms", "ratio to jax.jit",
-          "ratio incl. settle", "median segment steps"]
+          "ratio incl. settle", "median segment steps", "block steps"]
 
 
 def parse_args(argv):
@@ -142,9 +156,9 @@ def parse_args(argv):
                       help="rolling window (the tutorial's; live, it grows to the server's)")
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--block", type=int, default=64,
-                      help="steps per timed block: two of the longest live segments (32 "
-                           "steps, half the server's window), so that every block carries "
-                           "its share of the state commitments")
+                      help="least steps per timed block: one of the longest live segments "
+                           "(64 steps), so that every block carries its share of the state "
+                           "commitments; a fast step's block is longer (MIN_BLOCK_SECONDS)")
   parser.add_argument("--server-nice", type=int, default=0,
                       help="the server's niceness (its process group's): 19 leaves the "
                            "cores to training first, as a server on another machine would")
@@ -183,7 +197,7 @@ def one_run(args) -> tuple[str, list[list]]:
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
   title = (f"Live path, p={args.p}, probe ratio {args.probe_ratio}, window {args.window}, "
-           f"{args.rounds} rounds of {args.block} steps, {jax.devices()[0].platform}, "
+           f"{args.rounds} rounds of at least {args.block} steps, {jax.devices()[0].platform}, "
            f"load {' '.join(load)}" + (f", server at nice {args.server_nice}"
                                        if args.server_nice else ""))
   return title, rows
@@ -222,7 +236,7 @@ def main(argv=None):
   if args.runs > 1:
     results = repeated_runs(argv, args.runs)
     common.print_table(
-        f"Live path over {args.runs} runs in fresh processes ({args.rounds} rounds of "
+        f"Live path over {args.runs} runs in fresh processes ({args.rounds} rounds of at least "
         f"{args.block} steps each" + (f", server at nice {args.server_nice}"
                                       if args.server_nice else "") + ")",
         ["workload", "configuration", "median step ms", "median ratio to jax.jit",

@@ -118,8 +118,8 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
   print(json.dumps([[label, row, f"{common.median(blocks[row]) * 1e3:.2f}",
                      f"{common.median(blocks[row]) / base:.3f}",
                      f"{common.median(settled[row]) / base:.3f}",
-                     f"{common.median(segments[row]):.0f}" if segments.get(row) else "-"]
-                    for row in ROWS]))
+                     f"{common.median(segments[row]):.0f}" if segments.get(row) else "-",
+                     block] for row in ROWS]))
 
 
 if __name__ == "__main__":
