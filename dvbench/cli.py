@@ -436,7 +436,7 @@ def main(argv=None) -> int:
   s.add_argument("--max-slots-per-hour", type=_positive_int, default=120,
                  help="proof slots (attempts) issued per owner per hour; every slot is "
                  "counted and shown with the owner's proofs")
-  s.add_argument("--max-window", type=int, default=256,
+  s.add_argument("--max-window", type=int, default=64,
                  help="the largest rolling window (steps unanswered or undecided) a root may "
                  "carry; a prover grows its window to it only as far as the round trip needs")
   s.add_argument("--score-shard-rows", type=int, default=1 << 16,
