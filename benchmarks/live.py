@@ -10,9 +10,9 @@ Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``
 stores, challenges and acknowledges) without and with probes. A block is timed from
 its first step to its last step's outputs being ready, then settled (every step
 committed and, live, every challenge answered) outside the timing; *settled* counts
-the settle too. A block spans at least one of the longest live segments (64 steps), so
-that each carries its share of their state commitments (*median segment steps* says how
-long they were), and at least ``MIN_BLOCK_SECONDS`` of ``jax.jit``'s steps (at most
+the settle too. A block spans at least 64 steps (two live segments at DVBench's default
+window of 64), so that each carries its share of their state commitments (*median
+segment steps* says how long they were), and at least ``MIN_BLOCK_SECONDS`` of ``jax.jit``'s steps (at most
 ``MAX_BLOCK`` steps; *block steps*), so that a fast step's live row runs past its window
 and shows what the server's pace allows, not a backlog the settle hides. Every row
 starts at the same ``--window``: an offline proof's segments are at most that long (4
@@ -156,9 +156,10 @@ def parse_args(argv):
                       help="rolling window (the tutorial's; live, it grows to the server's)")
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--block", type=int, default=64,
-                      help="least steps per timed block: one of the longest live segments "
-                           "(64 steps), so that every block carries its share of the state "
-                           "commitments; a fast step's block is longer (MIN_BLOCK_SECONDS)")
+                      help="least steps per timed block: two live segments (32 steps at "
+                           "DVBench's default window), so that every block carries its "
+                           "share of the state commitments; a fast step's block is longer "
+                           "(MIN_BLOCK_SECONDS)")
   parser.add_argument("--server-nice", type=int, default=0,
                       help="the server's niceness (its process group's): 19 leaves the "
                            "cores to training first, as a server on another machine would")

@@ -66,9 +66,9 @@ class HostDigests:
 
     def view(block):
       kept = last.get(id(block))
-      views[id(block)] = kept = (block, kept[1] if kept and kept[0] is block
-                                 else _idle_view(block))
-      return kept[1]
+      data = kept[1] if kept is not None and kept[0] is block else _idle_view(block)
+      views[id(block)] = (block, data)
+      return data
 
     started = [[(first, count, view(block)) for first, count, block in arrays.row_shards(x, l)]
                for x, l in zip(leaves, layouts)]
