@@ -46,6 +46,7 @@ BLOB_FIELDS = ("blob", "pre_state_blobs", "batch_blobs", "post_state_blobs", "in
 # An init record names its program blob by the program's id.
 _SIMPLE_VALUES = {20, 21, 22}  # false, true, null
 _FLOAT_SIZES = {25: 2, 26: 4, 27: 8}
+_ARGUMENT_SIZES = {24: 1, 25: 2, 26: 4, 27: 8}
 
 
 class UnsafeCbor(ValueError):
@@ -56,52 +57,94 @@ def encode(envelope: dict) -> bytes:
   return cbor2.dumps(envelope, canonical=True)
 
 
-def _argument(data: bytes, at: int, info: int) -> tuple[int, int]:
-  """(value, next offset) of the argument of the head at ``at``."""
-  if info < 24:
-    return info, at + 1
-  size = {24: 1, 25: 2, 26: 4, 27: 8}.get(info)
-  if size is None:
-    raise UnsafeCbor(f"byte {at}: indefinite lengths and reserved values are not accepted.")
-  if at + 1 + size > len(data):
-    raise UnsafeCbor(f"byte {at}: the item is cut short.")
-  return int.from_bytes(data[at + 1:at + 1 + size], "big"), at + 1 + size
+_SCALAR, _STRING, _CONTAINER, _REFUSED = range(4)  # what a head starts
+
+
+def _head(byte: int) -> tuple[int, int, int]:
+  """(what, major type, size) of an item whose head starts with ``byte``: what is
+  ``_SCALAR`` (size: the head's length), ``_STRING`` or ``_CONTAINER`` (size: the bytes of
+  its argument after the initial byte; info < 24: none, the argument is ``byte & 31``) or
+  ``_REFUSED`` (size: unused)."""
+  major, info = byte >> 5, byte & 31
+  if major == 7:
+    if info in _SIMPLE_VALUES or info in _FLOAT_SIZES:
+      return _SCALAR, major, 1 + _FLOAT_SIZES.get(info, 0)
+    return _REFUSED, major, 0
+  if major == 6 or (info >= 24 and info not in _ARGUMENT_SIZES):
+    return _REFUSED, major, 0
+  size = _ARGUMENT_SIZES.get(info, 0)
+  if major in (0, 1):
+    return _SCALAR, major, 1 + size
+  return (_STRING if major in (2, 3) else _CONTAINER), major, size
+
+
+_HEADS = [_head(byte) for byte in range(256)]  # one table lookup a head
+# The length of an item whose head alone says it (0: look at _HEADS): of scalars, and of
+# scalars and strings shorter than 24 bytes.
+_SCALAR_LENGTHS = [size if what == _SCALAR else 0 for what, _, size in _HEADS]
+_SHORT_LENGTHS = [1 + (byte & 31) if what == _STRING and byte & 31 < 24 else length
+                  for byte, ((what, _, _), length) in enumerate(zip(_HEADS, _SCALAR_LENGTHS))]
+
+
+def _refusal(data: bytes, at: int) -> str:
+  major, info = data[at] >> 5, data[at] & 31
+  if major == 7:
+    return f"byte {at}: simple value {info} is not accepted."
+  if major == 6:
+    return f"byte {at}: CBOR tags are not accepted."
+  return f"byte {at}: indefinite lengths and reserved values are not accepted."
 
 
 def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: int) -> None:
-  """Walks the heads of one CBOR item without building it (raises UnsafeCbor)."""
-  at, items, pending = 0, 0, [1]  # pending: items still to read at each open level
-  while pending:
-    if pending[-1] == 0:
-      pending.pop()
+  """Walks the heads of one CBOR item without building it (raises UnsafeCbor).
+
+  Each container's items are counted when it opens, so a head that announces more than
+  ``max_items`` is refused before anything it announces is read.
+  """
+  end, at, items, left, outer = len(data), 0, 1, 1, []  # left: items to read at this level
+  fixed_lengths = _SHORT_LENGTHS if max_string >= 23 else _SCALAR_LENGTHS
+  while True:
+    if not left:
+      if not outer:
+        break
+      left = outer.pop()
       continue
-    pending[-1] -= 1
-    if at >= len(data):
+    left -= 1
+    if at >= end:
       raise UnsafeCbor(f"byte {at}: the item is cut short.")
-    items += 1
-    if items > max_items:
-      raise UnsafeCbor(f"more than {max_items} items.")
-    major, info = data[at] >> 5, data[at] & 31
-    if major == 7:
-      if info not in _SIMPLE_VALUES and info not in _FLOAT_SIZES:
-        raise UnsafeCbor(f"byte {at}: simple value {info} is not accepted.")
-      at += 1 + _FLOAT_SIZES.get(info, 0)
+    fixed = fixed_lengths[data[at]]
+    if fixed:  # a scalar, or a string shorter than 24 bytes
+      at += fixed
       continue
-    if major == 6:
-      raise UnsafeCbor(f"byte {at}: CBOR tags are not accepted.")
-    value, at = _argument(data, at, info)
-    if major in (2, 3):
+    what, major, size = _HEADS[data[at]]
+    if what == _REFUSED:
+      raise UnsafeCbor(_refusal(data, at))
+    if size:
+      if at + 1 + size > end:
+        raise UnsafeCbor(f"byte {at}: the item is cut short.")
+      value = int.from_bytes(data[at + 1:at + 1 + size], "big")
+    else:
+      value = data[at] & 31
+    at += 1 + size
+    if what == _STRING:
       if value > max_string:
         raise UnsafeCbor(f"byte {at}: a string of {value} bytes; the limit is {max_string}.")
       at += value
-      if at > len(data):
+      if at > end:
         raise UnsafeCbor(f"byte {at - value}: a string of {value} bytes is cut short.")
-    elif major in (4, 5):
-      if len(pending) > max_depth:
-        raise UnsafeCbor(f"byte {at}: nested deeper than {max_depth} levels.")
-      pending.append(value * (2 if major == 5 else 1))
-  if at != len(data):
-    raise UnsafeCbor(f"{len(data) - at} bytes follow the item.")
+      continue
+    if len(outer) >= max_depth:
+      raise UnsafeCbor(f"byte {at}: nested deeper than {max_depth} levels.")
+    count = value * (2 if major == 5 else 1)
+    items += count
+    if items > max_items:
+      raise UnsafeCbor(f"more than {max_items} items.")
+    outer.append(left)
+    left = count
+  if at > end:
+    raise UnsafeCbor(f"byte {end}: the item is cut short.")
+  if at != end:
+    raise UnsafeCbor(f"{end - at} bytes follow the item.")
 
 
 def decode_safely(data: bytes, *, canonical: bool = False, max_depth: int = MAX_DEPTH,

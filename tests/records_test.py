@@ -284,6 +284,31 @@ class FreeMapTest(parameterized.TestCase):
     fields.FREE.check({"a": [1, 2.0, b"x", None, {"b": "y" * fields.MAX_TEXT}]}, "metrics")
 
 
+class NestedPathTest(parameterized.TestCase):
+  """A list's items are checked without formatting their paths; the one that fails is
+  named by its full path all the same."""
+
+  @parameterized.named_parameters(
+      ("list_item", fields.ListOf(fields.ListOf(fields.Int(0, 10))), [[1], [2, 3, 11]],
+       "body.x[1][2]: an integer in [0, 10), got 11."),
+      ("row_item", fields.ListOf(fields.Row((fields.Int(), fields.Bytes(4)))),
+       [[0, b"abcd"], [1, b"abc"]], "body.x[1][1]: 4 bytes, got bytes of length 3."),
+      ("either_item", fields.ListOf(records.PROBED_ROW), [b"ab", [b"a", b"b"], [b"a"]],
+       "body.x[2]: a row's bytes, or a list of chunks"))
+  def test_the_failing_item_is_named_by_its_path(self, spec, value, named):
+    with self.assertRaisesRegex(fields.Invalid, "^" + re.escape(named)):
+      spec.check(value, "body.x")
+
+  def test_a_probe_check_whose_unlisted_field_is_unbounded_is_refused(self):
+    record = {"type": "check", "kind": "probe", "step": 0, "prev": bytes(32),
+              "batch_roots": [bytes(32)], "probes": [[0, 0, [b"row"], []]],
+              "zz_extra": {"a": "x" * (fields.MAX_TEXT + 1)}}
+    with self.assertRaisesRegex(fields.Invalid, r"r \(check\)\.zz_extra\.a: a string of"):
+      records.check_record(record, "r")
+    del record["zz_extra"]
+    self.assertEqual(records.check_record(record, "r"), "check")
+
+
 class ProbedRowsTest(absltest.TestCase):
   """A probed Merkle row travels inline: one byte string per leading-axis row, a row wider
   than a record's byte strings as chunks."""

@@ -12,6 +12,7 @@ Example::
 """
 
 import dataclasses
+import itertools
 import math
 
 MAX_INDEX = 1 << 40  # step indices, counts and positions stay below this
@@ -149,8 +150,7 @@ class ListOf(Spec):
   def check(self, value, where):
     if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
       self.fail(value, where, f"a list of {self.min_len}-{self.max_len} items")
-    for n, item in enumerate(value):
-      self.item.check(item, f"{where}[{n}]")
+    _check_items(zip(itertools.repeat(self.item), value), where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +162,18 @@ class Row(Spec):
   def check(self, value, where):
     if not isinstance(value, list) or len(value) != len(self.items):
       self.fail(value, where, f"a list of {len(self.items)} items")
-    for n, (spec, item) in enumerate(zip(self.items, value)):
+    _check_items(zip(self.items, value), where)
+
+
+def _check_items(specs_and_items, where: str) -> None:
+  """Checks each (spec, item) of a list below ``where``; the path ``where[n]`` of the item
+  that fails is formatted only then (its check runs again to name it)."""
+  for n, (spec, item) in enumerate(specs_and_items):
+    try:
+      spec.check(item, where)
+    except Invalid:
       spec.check(item, f"{where}[{n}]")
+      raise
 
 
 class Free(Spec):

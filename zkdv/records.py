@@ -335,8 +335,9 @@ def check_record(record, where: str) -> str:
   RECORD_TYPE.spec.check(record["type"], f"{where}.type")
   kind = record["type"]
   where = f"{where} ({kind})"
-  if kind == "check":
-    check_fields(record, RECORD_FIELDS["check"], where)
+  if kind == "check":  # its kind first, which names the rest of its fields
+    common = RECORD_FIELDS["check"]
+    check_fields({k: v for k, v in record.items() if k in common}, common, where)
   unknown = None
   try:
     check_fields(record, fields_of(record), where, strict=True)
