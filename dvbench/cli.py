@@ -436,12 +436,12 @@ def main(argv=None) -> int:
   s.add_argument("--max-slots-per-hour", type=_positive_int, default=120,
                  help="proof slots (attempts) issued per owner per hour; every slot is "
                  "counted and shown with the owner's proofs")
-  s.add_argument("--max-window", type=int, default=64,
+  s.add_argument("--max-window", type=int, default=256,
                  help="the largest rolling window (steps unanswered or undecided) a root may "
                  "carry; a prover grows its window to it only as far as the round trip needs")
   s.add_argument("--score-shard-rows", type=int, default=1 << 16,
                  help="evaluation rows per scoring job: larger sets split across workers")
-  s.add_argument("--max-segment-length", type=int, default=64,
+  s.add_argument("--max-segment-length", type=int, default=32,
                  help="the most steps between two state commitments a root may carry")
   s.add_argument("--full-replay", action="store_true",
                  help="require every segment replayed (update check probability 1)")

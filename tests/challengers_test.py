@@ -229,6 +229,16 @@ class LateDecisionsTest(parameterized.TestCase):
     report = verify.verify(proof.path, challenge_key=proof.key, min_checks=0)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
 
+  def test_records_go_without_coalescing_once_half_the_window_waits(self):
+    proof = _late_proof(window=8, timeout_s=3.0, kind=_WideningProof)  # the server's 8
+    hurried = []
+    proof._challenger.on_waiting = lambda: hurried.append(proof.steps)  # pylint: disable=protected-access  # the uploader's hurry
+    _, _, _, windows = self._undecided_steps(proof, 8)
+    self.assertEqual(windows, [8] * 8)
+    self.assertEqual(hurried, [4, 5, 6, 7])  # 4 of 8 written, undecided steps: no waiting
+    _wait(lambda: proof.deliver_written() == 8)
+    proof.finish()
+
   def test_the_window_grows_at_once_to_hold_the_measured_decision_time(self):
     proof = _late_proof(window=2, timeout_s=3.0, kind=_WideWindowProof)
     proof._challenger._answer_times = [0.5]  # pylint: disable=protected-access  # measured

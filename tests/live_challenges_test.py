@@ -125,10 +125,11 @@ class IndependentVerificationTest(absltest.TestCase):
     self.assertEqual(status["state"], "verified steps", repr(status))  # start unattested
     self.assertEqual(status["challenger"], "dvbench")
     folder = self._download(proof.proof_id)
-    # Adaptive segments may grow to half the server's largest window (64), not only to the
-    # caller's first window of 3: the root says so, and the server took it.
+    # Adaptive segments may grow to half the server's largest window (256), not only to the
+    # caller's first window of 3, capped at the server's longest segment (32): the root says
+    # so, and the server took it.
     policy = testing.records_of(folder, "root")[0]["challenger"]["policy"]
-    self.assertEqual((policy["rolling_window"], policy["segment_length"]), (64, 32))
+    self.assertEqual((policy["rolling_window"], policy["segment_length"]), (256, 32))
     code, report = testing.zkdv_verify(folder, "--server-key", self.key)
     self.assertEqual((code, report["verdict"]), (0, "verified"), report)
     claims = {c["name"]: c for c in report["claims"]}

@@ -127,6 +127,12 @@ class ServerChallenger:
     if self.on_decision is not None:
       self.on_decision(decision)
 
+  def hurry(self) -> None:
+    """Decisions are needed soon (training nears the end of its window): what carries
+    them goes now (``on_waiting``)."""
+    if self.on_waiting is not None:
+      self.on_waiting()
+
   def fail(self, reason: str) -> None:
     """No more decisions will come (the upload failed): waiting raises."""
     with self._changed:

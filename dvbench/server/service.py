@@ -49,7 +49,7 @@ class Service:
   blobs: BlobStore
   signing_key: ed25519.Ed25519PrivateKey
   minimum_policy: challenge.Policy = challenge.Policy(update_check_probability=0.1,
-                                                      rolling_window=64, segment_length=64)
+                                                      rolling_window=256, segment_length=32)
   limits: Limits = Limits()
   score_shard_rows: int = 1 << 16  # evaluation rows per scoring job, at most
   memory_bytes: int = 16 << 30  # limits of a child process that loads an uploaded program

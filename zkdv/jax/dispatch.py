@@ -99,8 +99,12 @@ class Dispatcher:
           self._size_window()
         with self._waiting():  # for process 0's decisions: not a step's own time
           self.shared.settle(self.steps, committer.pipeline.window)
-    elif committer.pipeline.full and isinstance(self._challenger, challengers.ServerChallenger):
-      self._size_window()
+    elif isinstance(self._challenger, challengers.ServerChallenger):
+      if committer.pipeline.full:
+        self._size_window()
+      elif 2 * (committer.written_steps - self._challenger.decided_steps) >= (
+          committer.pipeline.window):
+        self._challenger.hurry()  # half the window waits: no more coalescing records
     # A step that cannot enter the window raises before anything is taken: call it again.
     with self._waiting():
       committer.pipeline.reserve(waiting=self._waiting_for_window)
