@@ -95,6 +95,13 @@ def _refusal(data: bytes, at: int) -> str:
   return f"byte {at}: indefinite lengths and reserved values are not accepted."
 
 
+def _cut_short(data: bytes, head: int) -> str:
+  """Names the item whose head is at ``head`` and whose bytes end past the data."""
+  if _HEADS[data[head]][0] == _STRING:
+    return f"byte {head + 1}: a string of {data[head] & 31} bytes is cut short."
+  return f"byte {head}: the item is cut short."
+
+
 def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: int) -> None:
   """Walks the heads of one CBOR item without building it (raises UnsafeCbor).
 
@@ -115,6 +122,8 @@ def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: in
     fixed = fixed_lengths[data[at]]
     if fixed:  # a scalar, or a string shorter than 24 bytes
       at += fixed
+      if at > end:
+        raise UnsafeCbor(_cut_short(data, at - fixed))
       continue
     what, major, size = _HEADS[data[at]]
     if what == _REFUSED:
@@ -141,8 +150,6 @@ def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: in
       raise UnsafeCbor(f"more than {max_items} items.")
     outer.append(left)
     left = count
-  if at > end:
-    raise UnsafeCbor(f"byte {end}: the item is cut short.")
   if at != end:
     raise UnsafeCbor(f"{end - at} bytes follow the item.")
 

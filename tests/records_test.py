@@ -299,6 +299,20 @@ class NestedPathTest(parameterized.TestCase):
     with self.assertRaisesRegex(fields.Invalid, "^" + re.escape(named)):
       spec.check(value, "body.x")
 
+  def test_each_item_is_checked_once_even_the_one_that_fails(self):
+    checked = []
+
+    class Counted(fields.Int):
+      def check(self, value, where):
+        checked.append(value)
+        super().check(value, where)
+
+    nested = fields.ListOf(fields.ListOf(fields.ListOf(Counted(0, 10))))
+    value = [[[1] * 50, [2] * 50], [[3] * 50 + [11]]]  # a re-check per level would count more
+    with self.assertRaisesRegex(fields.Invalid, r"^body\.x\[1\]\[0\]\[50\]: an integer"):
+      nested.check(value, "body.x")
+    self.assertLen(checked, 151)
+
   def test_a_probe_check_whose_unlisted_field_is_unbounded_is_refused(self):
     record = {"type": "check", "kind": "probe", "step": 0, "prev": bytes(32),
               "batch_roots": [bytes(32)], "probes": [[0, 0, [b"row"], []]],

@@ -12,7 +12,6 @@ Example::
 """
 
 import dataclasses
-import itertools
 import math
 
 MAX_INDEX = 1 << 40  # step indices, counts and positions stay below this
@@ -150,7 +149,12 @@ class ListOf(Spec):
   def check(self, value, where):
     if not isinstance(value, list) or not self.min_len <= len(value) <= self.max_len:
       self.fail(value, where, f"a list of {self.min_len}-{self.max_len} items")
-    _check_items(zip(itertools.repeat(self.item), value), where)
+    item = self.item
+    for n, entry in enumerate(value):
+      try:
+        item.check(entry, where)
+      except Invalid as e:
+        raise _at_item(e, where, n) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,18 +166,23 @@ class Row(Spec):
   def check(self, value, where):
     if not isinstance(value, list) or len(value) != len(self.items):
       self.fail(value, where, f"a list of {len(self.items)} items")
-    _check_items(zip(self.items, value), where)
+    for n, (spec, entry) in enumerate(zip(self.items, value)):
+      try:
+        spec.check(entry, where)
+      except Invalid as e:
+        raise _at_item(e, where, n) from None
 
 
-def _check_items(specs_and_items, where: str) -> None:
-  """Checks each (spec, item) of a list below ``where``; the path ``where[n]`` of the item
-  that fails is formatted only then (its check runs again to name it)."""
-  for n, (spec, item) in enumerate(specs_and_items):
-    try:
-      spec.check(item, where)
-    except Invalid:
-      spec.check(item, f"{where}[{n}]")
-      raise
+def _at_item(error: Invalid, where: str, n: int) -> Invalid:
+  """``error``, raised by checking item ``n`` of a list at ``where`` as if it were at
+  ``where``, naming the item's own path ``where[n]`` (an item's path is formatted only for
+  the item that fails: valid lists format none).
+
+  Example: ``_at_item(Invalid("x: 4 bytes, got ..."), "x", 2)`` says "x[2]: 4 bytes, ...".
+  """
+  message = str(error)
+  rest = message[len(where):] if message.startswith(where) else f": {message}"
+  return type(error)(f"{where}[{n}]{rest}")
 
 
 class Free(Spec):
