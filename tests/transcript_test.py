@@ -46,6 +46,12 @@ class DigestTest(parameterized.TestCase):
     array = raw.view(np_dtype)
     self.assertEqual(digest.leaf_digest(array), blake3.blake3(array.tobytes()).digest())
 
+  def test_large_leaves_are_hashed_on_all_cores_small_ones_on_one(self):
+    self.assertEqual(digest.hash_threads(digest.PARALLEL_HASH_BYTES - 1), 1)
+    self.assertEqual(digest.hash_threads(digest.PARALLEL_HASH_BYTES), blake3.blake3.AUTO)
+    large = np.random.default_rng(0).integers(0, 256, digest.PARALLEL_HASH_BYTES, np.uint8)
+    self.assertEqual(digest.leaf_digest(large), blake3.blake3(large.tobytes()).digest())
+
   def test_non_contiguous_array_is_hashed_in_c_order(self):
     a = np.arange(12, dtype=np.float32).reshape(3, 4).T
     self.assertEqual(digest.leaf_digest(a), blake3.blake3(np.ascontiguousarray(a).tobytes()).digest())

@@ -143,8 +143,23 @@ def byte_view(array: np.ndarray) -> np.ndarray:
   return array.reshape(-1).view(np.uint8)
 
 
+# Leaves at least this large are hashed on all cores; smaller ones on the calling thread,
+# since waking BLAKE3's thread pool costs more than it saves there: its idle workers spin
+# (sched_yield) on the cores a training step needs.
+PARALLEL_HASH_BYTES = 8 << 20
+
+
+def hash_threads(nbytes: int) -> int:
+  """BLAKE3's ``max_threads`` for hashing ``nbytes`` while training runs.
+
+  Example: ``blake3.blake3(data, max_threads=hash_threads(len(data)))``.
+  """
+  return blake3.blake3.AUTO if nbytes >= PARALLEL_HASH_BYTES else 1
+
+
 def leaf_digest(array: np.ndarray) -> bytes:
-  return blake3.blake3(byte_view(array), max_threads=blake3.blake3.AUTO).digest()
+  data = byte_view(array)
+  return blake3.blake3(data, max_threads=hash_threads(data.nbytes)).digest()
 
 
 def whole_piece(layout: LeafLayout, digest: bytes) -> list:

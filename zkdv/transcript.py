@@ -24,6 +24,7 @@ import cbor2
 import numpy as np
 
 from zkdv import errors
+from zkdv.digest import hash_threads
 from zkdv.digest import numpy_dtype
 
 FORMAT_VERSION = 7  # the one format this zkdv reads and writes (docs/protocol.md)
@@ -145,7 +146,7 @@ class TranscriptWriter:
     (``digest``: the BLAKE3 of ``data`` where the caller computed it, as a committed
     leaf's, not hashed again)."""
     if digest is None:
-      digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+      digest = blake3.blake3(data, max_threads=hash_threads(memoryview(data).nbytes)).digest()
     if digest in self._stored:
       return digest
     path = self.folder / BLOBS_DIR / digest.hex()

@@ -17,11 +17,13 @@ import uuid
 
 import blake3
 
+from zkdv.digest import hash_threads
+
 _HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def hexdigest(data: bytes) -> str:
-  return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+  return blake3.blake3(data, max_threads=hash_threads(len(data))).hexdigest()
 
 
 class BlobStore:
