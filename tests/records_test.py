@@ -330,6 +330,7 @@ class ProbedRowsTest(absltest.TestCase):
   def test_rows_round_trip_and_wide_rows_are_chunked(self):
     group = bytes(range(12))
     self.assertEqual(records.probe_rows(group, 3), [group[0:4], group[4:8], group[8:12]])
+    self.assertEqual(records.probe_rows(b"", 3), [b"", b"", b""])  # rows of no bytes
     with mock.patch.object(records, "MAX_STRING_BYTES", 3):
       chunked = records.probe_rows(group, 2)
     self.assertEqual(chunked, [[group[0:3], group[3:6]], [group[6:9], group[9:12]]])
