@@ -212,7 +212,7 @@ def probe_rows(merkle_row, row_group: int) -> list:
   """A probed Merkle row (bytes or a uint8 view) as a probe entry carries it: its
   ``row_group`` leading-axis rows, each inline, or as chunks when wider than a record's
   byte strings may be. Example: ``probe_rows(b"abcd", 2)`` is ``[b"ab", b"cd"]``."""
-  data = memoryview(merkle_row).cast("B").tobytes()  # rows sliced from one copy
+  data = memoryview(merkle_row).cast("B").tobytes()  # one copy: a lone row is it, no more
   width = len(data) // row_group
   rows = [data[i * width:(i + 1) * width] for i in range(row_group)]
   if width <= MAX_STRING_BYTES:
