@@ -299,6 +299,21 @@ class NestedPathTest(parameterized.TestCase):
     with self.assertRaisesRegex(fields.Invalid, "^" + re.escape(named)):
       spec.check(value, "body.x")
 
+  @parameterized.parameters(
+      ([b"a" * 32] * 3, True), ([b"a" * 32, b"a" * 31], False), ([b"a" * 32, "a" * 32], False),
+      ([b"a" * 32, bytearray(32)], False), ([], True))
+  def test_a_quick_pass_over_a_list_agrees_with_its_checks(self, values, all_pass):
+    for spec in (fields.Bytes(32), fields.Either(fields.Bytes(32), fields.Int(), "either")):
+      self.assertEqual(spec.accepts_all(values), all_pass)
+      passed = True
+      for value in values:
+        try:
+          spec.check(value, "x")
+        except fields.Invalid:
+          passed = False
+      self.assertEqual(passed, all_pass)
+    self.assertFalse(fields.Int().accepts_all([1]))  # no quick test: each is checked
+
   def test_each_item_is_checked_once_even_the_one_that_fails(self):
     checked = []
 
