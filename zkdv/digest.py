@@ -152,7 +152,7 @@ PARALLEL_HASH_BYTES = 8 << 20
 def hash_threads(nbytes: int) -> int:
   """BLAKE3's ``max_threads`` for hashing ``nbytes`` while training runs.
 
-  Example: ``blake3.blake3(data, max_threads=hash_threads(len(data)))``.
+  Example: ``blake3.blake3(data, max_threads=hash_threads(memoryview(data).nbytes))``.
   """
   return blake3.blake3.AUTO if nbytes >= PARALLEL_HASH_BYTES else 1
 
