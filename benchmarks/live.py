@@ -11,13 +11,14 @@ stores, challenges and acknowledges) without and with probes. A block is timed f
 its first step to its last step's outputs being ready, then settled (every step
 committed and, live, every challenge answered) outside the timing; *settled* counts
 the settle too. A block spans at least 64 steps (two live segments at DVBench's default
-``--max-segment-length`` of 32), so that each carries its share of their state commitments (*median
-segment steps* says how long they were), and at least ``MIN_BLOCK_SECONDS`` of ``jax.jit``'s steps (at most
-``MAX_BLOCK`` steps; *block steps*), so that a fast step's live row runs past its window
-and shows what the server's pace allows, not a backlog the settle hides. Every row
-starts at the same ``--window``: an offline proof's segments are at most that long (4
-steps at the tutorial's window), a live proof's grow to half the server's window, at
-most its longest segment (32 by default), as its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
+``--max-segment-length`` of 32), so that each carries its share of their state
+commitments (*median segment steps* says how long they were), and at least
+``MIN_BLOCK_SECONDS`` of ``jax.jit``'s steps (at most ``MAX_BLOCK`` steps; *block steps*),
+so that a fast step's live row runs past its window and shows what the server's pace
+allows, not a backlog the settle hides. Every row starts at the same ``--window``: an
+offline proof's segments are at most that long (4 steps at the tutorial's window), a live
+proof's grow to half the server's window, at most its longest segment (32 by default), as
+its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
 per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
 tutorial's model). ``--processes P`` adds the small MLP trained in P local processes,
 offline and live in the same run (``benchmarks.live_processes``). ``--runs N`` repeats
@@ -157,9 +158,9 @@ def parse_args(argv):
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--block", type=int, default=64,
                       help="least steps per timed block: two live segments (32 steps at "
-                           "DVBench's default longest segment), so that every block carries its "
-                           "share of the state commitments; a fast step's block is longer "
-                           "(MIN_BLOCK_SECONDS)")
+                           "DVBench's default longest segment), so that every block carries "
+                           "its share of the state commitments; a fast step's block is "
+                           "longer (MIN_BLOCK_SECONDS)")
   parser.add_argument("--server-nice", type=int, default=0,
                       help="the server's niceness (its process group's): 19 leaves the "
                            "cores to training first, as a server on another machine would")

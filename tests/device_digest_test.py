@@ -79,7 +79,6 @@ class BackendsAgreeTest(absltest.TestCase):
                      "device")
 
 
-
 class HostRowViewsTest(absltest.TestCase):
 
   def test_a_batch_passed_again_keeps_its_view_and_hashes_alike(self):
@@ -97,6 +96,7 @@ class HostRowViewsTest(absltest.TestCase):
                      backend.row_hashes([[(0, 16, np.asarray(x))]], [layout]))
     # Only the last step's blocks are kept.
     self.assertEqual([b for b, _ in backend._last_views.values()], [y])  # pylint: disable=protected-access
+
 
 if __name__ == "__main__":
   absltest.main()

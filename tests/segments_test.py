@@ -252,7 +252,6 @@ class SegmentsTest(VerifierTestCase):
         self.assertGreater(state / (k - 1) + batch, budget)
 
 
-
 class AdaptiveBoundTest(absltest.TestCase):
 
   def _longest_segment(self, most_steps=1000):
@@ -293,6 +292,7 @@ class AdaptiveBoundTest(absltest.TestCase):
     self.assertEqual(config.kept_window(1 << 20), 1024)
     self.assertEqual(config.kept_window(64 << 20), 64)  # at least 64 steps
     self.assertEqual(config.kept_window(0), config.KEPT_BATCH_BYTES)
+
 
 if __name__ == "__main__":
   absltest.main()
