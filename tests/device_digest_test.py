@@ -48,6 +48,13 @@ class DeviceBlake3Test(parameterized.TestCase):
     got = device_digest.words_to_bytes(device_digest.digest_words(key))
     self.assertEqual(got, reference(jax.random.key_data(key)))
 
+  @parameterized.parameters(0, 63, 1024, 1025, 5 * 1024)
+  def test_keyed_mode(self, nbytes):
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    key = bytes(range(32))
+    got = device_digest.words_to_bytes(device_digest.digest_words(jnp.asarray(data), key=key))
+    self.assertEqual(got, blake3.blake3(data.tobytes(), key=key).digest())
+
   def test_row_leaf_hashes(self):
     x = jax.random.normal(jax.random.key(0), (70, 9))
     rows = [device_digest.words_to_bytes(w) for w in device_digest.row_leaf_words(x)]

@@ -18,15 +18,25 @@ from zkdv import challenge
 from zkdv import transcript
 
 
+# docs/protocol.md: leaves and nodes are BLAKE3 keyed by the digests of these names.
+LEAF_KEY = blake3.blake3(b"zkdv merkle leaf").digest()
+NODE_KEY = blake3.blake3(b"zkdv merkle node").digest()
+
+
+def reference_leaf(data: bytes) -> bytes:
+  return blake3.blake3(data, key=LEAF_KEY).digest()
+
+
 def reference_mth(leaves: list[bytes]) -> bytes:
-  """RFC 9162 §2.1.1, written recursively as the RFC does."""
+  """RFC 9162 §2.1.1, written recursively as the RFC does, with keys for its prefixes."""
   n = len(leaves)
   if n == 0:
     return blake3.blake3(b"").digest()
   if n == 1:
-    return blake3.blake3(b"\x00" + leaves[0]).digest()
+    return reference_leaf(leaves[0])
   k = 1 << ((n - 1).bit_length() - 1)
-  return blake3.blake3(b"\x01" + reference_mth(leaves[:k]) + reference_mth(leaves[k:])).digest()
+  return blake3.blake3(reference_mth(leaves[:k]) + reference_mth(leaves[k:]),
+                       key=NODE_KEY).digest()
 
 
 class DigestTest(parameterized.TestCase):
@@ -82,12 +92,18 @@ class DigestTest(parameterized.TestCase):
 
 class MerkleTest(parameterized.TestCase):
 
-  @parameterized.parameters(1, 7, merkle.IN_PLACE_ROW_BYTES - 1, merkle.IN_PLACE_ROW_BYTES,
-                            3 * merkle.IN_PLACE_ROW_BYTES + 5)
-  def test_leaf_hashes_of_narrow_and_wide_rows_are_each_rows_leaf_hash(self, width):
+  @parameterized.parameters(0, 1, 7, 1023, 1024, 1025, 3 * 3136 + 5)
+  def test_leaf_hashes_are_each_rows_keyed_hash(self, width):
     rows = np.random.default_rng(width).integers(0, 256, (5, width), np.uint8)
-    self.assertEqual(merkle.leaf_hashes(rows), [
-        blake3.blake3(b"\x00" + row.tobytes()).digest() for row in rows])
+    self.assertEqual(merkle.leaf_hashes(rows), [reference_leaf(row.tobytes()) for row in rows])
+    self.assertEqual(merkle.leaf_hashes(rows[:, ::-1]),  # a strided view: its bytes in C order
+                     [reference_leaf(row[::-1].tobytes()) for row in rows])
+
+  def test_leaves_nodes_and_plain_digests_differ_on_the_same_bytes(self):
+    pair = bytes(range(64))
+    hashes = {merkle.leaf_hash(pair), merkle.node_hash(pair[:32], pair[32:]),
+              blake3.blake3(pair).digest()}
+    self.assertLen(hashes, 3)
 
   @parameterized.parameters(*range(0, 18))
   def test_root_matches_rfc_and_every_proof_verifies(self, n):

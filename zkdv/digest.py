@@ -3,7 +3,7 @@
 A leaf digest is ``BLAKE3(np.asarray(x).tobytes())``. A state digest is the
 BLAKE3 of the deterministic CBOR of ``[(keypath, dtype, shape, pieces)]``; a
 batch digest is the same with each leaf's rows (leading axis) folded into an
-RFC 9162 Merkle tree, so single rows can later be opened with a proof. A leaf of
+Merkle tree (``zkdv.merkle``), so single rows can later be opened with a proof. A leaf of
 the tree holds ``row_group`` consecutive rows (``row_group``, 1 by default).
 
 Example::

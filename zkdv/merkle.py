@@ -1,4 +1,11 @@
-"""RFC 9162 Merkle trees over BLAKE3: leaf prefix 0x00, node prefix 0x01.
+"""Merkle trees over BLAKE3 with RFC 9162's shape, leaves and nodes told apart by key.
+
+A leaf hashes its bytes with BLAKE3 keyed by ``LEAF_KEY``, a node the 64 bytes of its
+children's hashes keyed by ``NODE_KEY`` (RFC 9162 prefixes a byte instead: 0x00, 0x01).
+A key keeps a leaf's bytes aligned to BLAKE3's 1 KiB chunks, so a wide leaf hashes its
+chunks in parallel (a prefix byte shifted them: 1.7x slower on 25 KB leaves), and a node
+is one compression instead of two. The tree's shape, audit paths and their
+verification are RFC 9162's.
 
 Example::
 
@@ -14,31 +21,26 @@ import blake3
 import numpy as np
 
 EMPTY_ROOT = blake3.blake3(b"").digest()
+LEAF_KEY = blake3.blake3(b"zkdv merkle leaf").digest()
+NODE_KEY = blake3.blake3(b"zkdv merkle node").digest()
 
 
 def leaf_hash(data) -> bytes:
-  hasher = blake3.blake3(b"\x00")
-  hasher.update(data)
-  return hasher.digest()
-
-
-# Rows at least this wide are hashed where they lie; narrower ones from one prefixed copy,
-# which saves a hasher per row where hashing a row costs less than creating one.
-IN_PLACE_ROW_BYTES = 4096
+  return blake3.blake3(data, key=LEAF_KEY).digest()
 
 
 def leaf_hashes(rows: np.ndarray) -> list[bytes]:
   """``leaf_hash`` of each row of a 2-D uint8 array."""
-  if rows.shape[1] >= IN_PLACE_ROW_BYTES:
-    return [leaf_hash(row) for row in rows]
-  prefixed = np.zeros((rows.shape[0], rows.shape[1] + 1), np.uint8)
-  prefixed[:, 1:] = rows
-  data, width = prefixed.tobytes(), prefixed.shape[1]
-  return [blake3.blake3(data[i:i + width]).digest() for i in range(0, len(data), width)]
+  width = rows.shape[1]
+  if width == 0:
+    return [leaf_hash(b"")] * rows.shape[0]
+  data = memoryview(np.ascontiguousarray(rows)).cast("B")
+  return [blake3.blake3(data[i:i + width], key=LEAF_KEY).digest()
+          for i in range(0, len(data), width)]
 
 
 def node_hash(left: bytes, right: bytes) -> bytes:
-  return blake3.blake3(b"\x01" + left + right).digest()
+  return blake3.blake3(left + right, key=NODE_KEY).digest()
 
 
 def tree_levels(leaf_hashes: Sequence[bytes]) -> list[list[bytes]]:
@@ -47,7 +49,7 @@ def tree_levels(leaf_hashes: Sequence[bytes]) -> list[list[bytes]]:
   while len(levels[-1]) > 1:
     below = levels[-1]
     pairs = b"".join(below[:len(below) // 2 * 2])  # 64-byte pairs of 32-byte hashes
-    above = [blake3.blake3(b"\x01" + pairs[i:i + 64]).digest()
+    above = [blake3.blake3(pairs[i:i + 64], key=NODE_KEY).digest()
              for i in range(0, len(pairs), 64)]
     if len(below) % 2:
       above.append(below[-1])

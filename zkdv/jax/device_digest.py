@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zkdv import merkle
 from zkdv.jax import arrays
 
 IV = np.array([0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A,
                0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19], np.uint32)
 MSG_PERMUTATION = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
-CHUNK_START, CHUNK_END, PARENT, ROOT = 1, 2, 4, 8
+CHUNK_START, CHUNK_END, PARENT, ROOT, KEYED_HASH = 1, 2, 4, 8, 16
 BLOCK_BYTES, CHUNK_BYTES = 64, 1024
 
 
@@ -99,7 +100,8 @@ def _words(data: jax.Array, nwords: int) -> jax.Array:
   return data[:, 0] | (data[:, 1] << 8) | (data[:, 2] << 16) | (data[:, 3] << 24)
 
 
-def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool) -> jax.Array:
+def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool, key: np.ndarray,
+                 mode: int) -> jax.Array:
   """Chaining values of every chunk, uint32[8, n_chunks]."""
   n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
   blocks = words.reshape(n_chunks, 16, 16).transpose(1, 2, 0)  # [block, word, chunk]
@@ -116,43 +118,43 @@ def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool) -> jax.Array:
     length = jnp.where(is_last_chunk & final_block,
                        last_len - BLOCK_BYTES * (last_blocks - 1), BLOCK_BYTES)
     flags = (jnp.where(j == 0, CHUNK_START, 0) | jnp.where(final_block, CHUNK_END, 0)
-             | jnp.where(final_block & single_root, ROOT, 0))
+             | jnp.where(final_block & single_root, ROOT, 0) | mode)
     out = compress(cv, block, counters, length.astype(jnp.uint32), flags.astype(jnp.uint32))
     return jnp.where(active, out, cv), None
 
-  cv = jnp.broadcast_to(jnp.asarray(IV)[:, None], (8, n_chunks))
+  cv = jnp.broadcast_to(jnp.asarray(key)[:, None], (8, n_chunks))
   return jax.lax.scan(one_block, cv, (jnp.arange(16), blocks))[0]
 
 
-def _hash_words(words: jax.Array, nbytes: int) -> jax.Array:
+def _hash_words(words: jax.Array, nbytes: int, key: np.ndarray, mode: int) -> jax.Array:
   n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
-  cv = _hash_chunks(words, nbytes, single_root=n_chunks == 1)
+  cv = _hash_chunks(words, nbytes, n_chunks == 1, key, mode)
   while cv.shape[1] > 1:  # left-complete tree: pair neighbours, carry the odd one up
     n = cv.shape[1]
     pairs = n // 2
     block = jnp.concatenate([cv[:, 0:2 * pairs:2], cv[:, 1:2 * pairs:2]])
-    parents = compress(jnp.broadcast_to(jnp.asarray(IV)[:, None], (8, pairs)), block, 0,
-                       BLOCK_BYTES, PARENT | (ROOT if n == 2 else 0))
+    parents = compress(jnp.broadcast_to(jnp.asarray(key)[:, None], (8, pairs)), block, 0,
+                       BLOCK_BYTES, PARENT | mode | (ROOT if n == 2 else 0))
     cv = jnp.concatenate([parents, cv[:, -1:]], axis=1) if n % 2 else parents
   return cv[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("prefix",))
-def digest_words(x: jax.Array, prefix: int | None = None) -> jax.Array:
-  """uint32[8]: the BLAKE3 digest of the leaf's bytes (optionally after one prefix byte)."""
+@functools.partial(jax.jit, static_argnames=("key",))
+def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
+  """uint32[8]: the BLAKE3 digest of the leaf's bytes (keyed by ``key``: 32 bytes)."""
   data = to_bytes(x)
-  if prefix is not None:
-    data = jnp.concatenate([jnp.full((1,), prefix, jnp.uint8), data])
   nbytes = data.shape[0]
   n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
-  return _hash_words(_words(data, n_chunks * CHUNK_BYTES // 4), nbytes)
+  key_words, mode = (IV, 0) if key is None else (np.frombuffer(key, "<u4"), KEYED_HASH)
+  return _hash_words(_words(data, n_chunks * CHUNK_BYTES // 4), nbytes, key_words, mode)
 
 
 @jax.jit
 def row_leaf_words(x: jax.Array) -> jax.Array:
-  """uint32[rows, 8]: RFC 9162 leaf hashes BLAKE3(0x00 || row) of each leading-axis row."""
+  """uint32[rows, 8]: the Merkle leaf hash (``zkdv.merkle.leaf_hash``) of each
+  leading-axis row."""
   rows = x.reshape(x.shape[0], -1) if x.ndim else x.reshape(1, 1)
-  return jax.vmap(lambda r: digest_words(r, prefix=0))(rows)
+  return jax.vmap(lambda r: digest_words(r, key=merkle.LEAF_KEY))(rows)
 
 
 def words_to_bytes(words) -> bytes:
