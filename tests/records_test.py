@@ -12,6 +12,9 @@ import functools
 import re
 from unittest import mock
 
+import cbor2
+import numpy as np
+
 from absl.testing import absltest
 from absl.testing import parameterized
 from starlette.exceptions import HTTPException
@@ -350,6 +353,14 @@ class ProbedRowsTest(absltest.TestCase):
       chunked = records.probe_rows(group, 2)
     self.assertEqual(chunked, [[group[0:3], group[3:6]], [group[6:9], group[9:12]]])
     self.assertEqual(records.probed_rows(chunked), [group[:6], group[6:]])
+
+  def test_rows_of_a_uint8_view_are_bytes_with_their_zero_bytes(self):
+    labels = np.array([0, 256, 7, 0], np.int32)  # rows ending in, and made of, zero bytes
+    view = labels.view(np.uint8)[4:]  # a view that starts inside the buffer
+    rows = records.probe_rows(view, 3)
+    self.assertEqual(rows, [labels[1:2].tobytes(), labels[2:3].tobytes(), bytes(4)])
+    self.assertEqual({type(r) for r in rows}, {bytes})
+    self.assertEqual(cbor2.loads(transcript.encode_record({"rows": rows}))["rows"], rows)
 
   def test_a_step_whose_probes_outgrow_a_record_is_refused(self):
     images = LeafLayout("x", "float32", (1024, 224, 224, 3))  # 588 KiB a row
