@@ -55,6 +55,11 @@ class DeviceBlake3Test(parameterized.TestCase):
     got = device_digest.words_to_bytes(device_digest.digest_words(jnp.asarray(data), key=key))
     self.assertEqual(got, blake3.blake3(data.tobytes(), key=key).digest())
 
+  def test_a_key_is_32_bytes(self):
+    for key in (bytes(31), bytes(33), "k" * 32):
+      with self.assertRaisesRegex(ValueError, "a BLAKE3 key is 32 bytes"):
+        device_digest.digest_words(jnp.zeros(4, jnp.uint8), key=key)
+
   def test_row_leaf_hashes(self):
     x = jax.random.normal(jax.random.key(0), (70, 9))
     rows = [device_digest.words_to_bytes(w) for w in device_digest.row_leaf_words(x)]

@@ -244,6 +244,19 @@ class QueueTest(parameterized.TestCase):
       ids.append(proof_id)
     return ids
 
+  def test_digests_of_a_proof_are_added_once_each(self, backend):
+    store = Store.open(fresh_database(backend))
+    [proof], [other] = self.enqueue(store, "alice", 1), self.enqueue(store, "bob", 1)
+    first, again = {"01" * 32, "02" * 32}, {"02" * 32, "03" * 32}
+    with store.engine.begin() as conn:
+      store.add_probes(conn, proof, first)
+      store.add_probes(conn, proof, again)  # one repeated: kept once, the request not refused
+      store.add_probes(conn, proof, set())
+      store.add_probes(conn, other, first)  # the same digest under another proof is its own
+    with store.engine.begin() as conn:
+      store.add_probes(conn, proof, first | again)  # a later acknowledgement repeats them all
+    self.assertEqual(store.probe_counts(), {proof: 3, other: 2})
+
   def test_a_real_proof_does_not_wait_behind_another_owners_junk(self, backend):
     store = Store.open(fresh_database(backend))
     junk = self.enqueue(store, "mallory", 6)

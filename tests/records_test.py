@@ -361,6 +361,8 @@ class ProbedRowsTest(absltest.TestCase):
     self.assertEqual(rows, [labels[1:2].tobytes(), labels[2:3].tobytes(), bytes(4)])
     self.assertEqual({type(r) for r in rows}, {bytes})
     self.assertEqual(cbor2.loads(transcript.encode_record({"rows": rows}))["rows"], rows)
+    uneven = bytes(range(7))  # not whole rows: the rows the slices hold, the rest left out
+    self.assertEqual(records.probe_rows(uneven, 3), [b"\x00\x01", b"\x02\x03", b"\x04\x05"])
 
   def test_a_step_whose_probes_outgrow_a_record_is_refused(self):
     images = LeafLayout("x", "float32", (1024, 224, 224, 3))  # 588 KiB a row

@@ -1,8 +1,8 @@
 """A verifiable data order: a dataset's Merkle tree and the batch order a proof's slot seeds.
 
 A dataset is a list of arrays (leaves) sharing a leading (row) axis of ``rows``. Its tree
-(``zkdv.merkle``: RFC 9162's shape over keyed BLAKE3) holds every row of every leaf, leaf after leaf:
-row ``i`` of leaf ``l`` is tree leaf ``l * rows + i``, hashed as a probe hashes a batch
+(``zkdv.merkle``: RFC 9162's shape over keyed BLAKE3) holds every row of every leaf, leaf
+after leaf: row ``i`` of leaf ``l`` is tree leaf ``l * rows + i``, hashed as a probe hashes a batch
 row, so a probed row proves itself *at its index*. A benchmark pins a training set by
 this root (``dvbench.benchmark.TrainingSet``).
 

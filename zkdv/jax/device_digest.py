@@ -1,6 +1,7 @@
 """BLAKE3 in ``jax.numpy``: leaf digests computed where the leaf lives.
 
-Bit for bit ``blake3.blake3(np.asarray(x).tobytes()).digest()``. The input is
+Bit for bit ``blake3.blake3(np.asarray(x).tobytes()).digest()`` (with ``key``, BLAKE3's
+keyed mode: ``blake3.blake3(data, key=key)``, as Merkle leaves hash). The input is
 split into 1 KiB chunks hashed in parallel (16 block compressions each), then
 the parent tree is folded level by level. Shapes are static, so each leaf
 shape compiles once and only the 32-byte digests leave the device.
@@ -145,6 +146,8 @@ def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
   data = to_bytes(x)
   nbytes = data.shape[0]
   n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
+  if key is not None and (not isinstance(key, bytes) or len(key) != 32):
+    raise ValueError(f"a BLAKE3 key is 32 bytes, got {key!r:.80}.")
   key_words, mode = (IV, 0) if key is None else (np.frombuffer(key, "<u4"), KEYED_HASH)
   return _hash_words(_words(data, n_chunks * CHUNK_BYTES // 4), nbytes, key_words, mode)
 

@@ -2,7 +2,7 @@
 
 A probe check record carries the batch's row roots (which must make up the
 step's batch digest) and, per probed row, ``[leaf, row, rows, merkle proof]``
-(RFC 9162), ``rows`` inline: a Merkle row of a leaf with ``row_group`` g is g
+(``zkdv.merkle``), ``rows`` inline: a Merkle row of a leaf with ``row_group`` g is g
 leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``);
 the verifier keeps their hashes, not their bytes, once it has read them (``kept``). The
 rows must be exactly those ``Decision.probe_rows`` selects; the count is compared before
