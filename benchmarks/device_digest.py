@@ -59,9 +59,7 @@ def main(argv=None):
   common.print_table(f"Device BLAKE3 on {device.device_kind}", [
       "bytes", "digest ms", "digest GB/s", "copy ms", "copy GB/s", "fraction of copy"], rows)
   print()
-  common.print_table(f"MLP overhead on {device.device_kind}", [
-      "configuration", "median step ms", "ratio to jax.jit", "ratio to floor", "peak RSS MB",
-      "step record bytes", "transcript bytes/step"], table)
+  common.print_table(f"MLP overhead on {device.device_kind}", overhead.HEADER, table)
 
 
 if __name__ == "__main__":

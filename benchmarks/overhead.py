@@ -214,6 +214,12 @@ def run_block(runner, steps: int, pipelined: bool) -> None:
   runner.settle()
 
 
+# The columns of a ``measure`` table.
+HEADER = ["configuration", "k", "checks", "ms/step incl. checks", "median block ms/step",
+          "ratio to jax.jit", "ratio to floor", "peak RSS MB", "step record bytes",
+          "transcript bytes/step"]
+
+
 def measure(workload: str, rounds: int, block: int, rss: bool,
             rows: list[str] = ROWS, pipelined: bool = False) -> list[list]:
   """The table of one workload; the proofs' transcripts are removed afterwards (a
@@ -271,14 +277,11 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=1)
-  header = ["configuration", "k", "checks", "ms/step incl. checks", "median block ms/step",
-            "ratio to jax.jit", "ratio to floor", "peak RSS MB", "step record bytes",
-            "transcript bytes/step"]
   for name in names:
     common.print_table(f"{WORKLOADS[name][0]} — {args.rounds} alternating blocks of "
                        f"{args.block} steps per row, "
                        f"{'pipelined' if args.pipelined else 'every step awaited'}, "
-                       f"{jax.devices()[0].platform}", header,
+                       f"{jax.devices()[0].platform}", HEADER,
                        results[name])
     print()
 
