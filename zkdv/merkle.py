@@ -35,8 +35,7 @@ def leaf_hashes(rows: np.ndarray) -> list[bytes]:
   if width == 0:
     return [leaf_hash(b"")] * rows.shape[0]
   data = memoryview(np.ascontiguousarray(rows)).cast("B")
-  return [blake3.blake3(data[i:i + width], key=LEAF_KEY).digest()
-          for i in range(0, len(data), width)]
+  return [leaf_hash(data[i:i + width]) for i in range(0, len(data), width)]
 
 
 def node_hash(left: bytes, right: bytes) -> bytes:
@@ -48,9 +47,7 @@ def tree_levels(leaf_hashes: Sequence[bytes]) -> list[list[bytes]]:
   levels = [list(leaf_hashes)]
   while len(levels[-1]) > 1:
     below = levels[-1]
-    pairs = b"".join(below[:len(below) // 2 * 2])  # 64-byte pairs of 32-byte hashes
-    above = [blake3.blake3(pairs[i:i + 64], key=NODE_KEY).digest()
-             for i in range(0, len(pairs), 64)]
+    above = [node_hash(below[i], below[i + 1]) for i in range(0, len(below) - 1, 2)]
     if len(below) % 2:
       above.append(below[-1])
     levels.append(above)
