@@ -169,6 +169,7 @@ class Uploader(threading.Thread):
         if closing and not progressed:
           break
         if progressed and not closing:  # what the next moments write shares an envelope
+          self._settle_flushes()  # a flush waits for what it asked for, not for coalescing
           self._hurry.wait(self.coalesce_seconds)
           self._hurry.clear()
         elif not progressed:

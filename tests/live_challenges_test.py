@@ -119,6 +119,21 @@ class IndependentVerificationTest(absltest.TestCase):
     status = self.client.wait_for_verdict(proof.proof_id, 300)
     self.assertEqual(status["state"], "verified steps", str(status))
 
+  def test_a_flush_ends_when_its_records_are_stored_not_when_coalescing_ends(self):
+    proof = self.client.experiment("alice/flushed").proof()
+    proof.start(rolling_window=3, probe_ratio=0.25)
+    uploader = proof._uploader  # pylint: disable=protected-access
+    uploader.coalesce_seconds = 600.0  # a flush waiting out the coalescing would time out
+    proof.upload_timeout = 60.0
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    for t in range(6):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (t % 2))
+    proof.wait_for_commitments()  # the checkpoint point of docs/jax.md: flushes the upload
+    stored = self.client.http.request("GET", f"/api/v1/proofs/{proof.proof_id}").json()
+    self.assertEqual(stored["records"], uploader.sent_records)
+    proof.finish()
+
   def test_downloaded_proof_verifies_with_the_server_key_as_the_server_did(self):
     proof = _train(self.client.experiment("alice/independent"), steps=12)
     status = self.client.wait_for_verdict(proof.proof_id, 180)
