@@ -3,9 +3,9 @@ on whatever accelerator JAX sees. One short run (a few minutes):
 
   python -m benchmarks.device_digest [--sizes-mb 16 64 256] [--repeats 10]
 
-Throughput rows compare ``device_digest.digest_words`` with a copy kernel
-reading and writing the same bytes (the bandwidth bound of a hash that reads
-each byte once); the digests are checked against the host ``blake3`` package
+Throughput rows compare ``device_digest.digest_words`` of float32, bfloat16 and
+uint8 leaves with a copy kernel reading and writing the same bytes (the bandwidth
+bound of a hash that reads each byte once); the digests are checked against the host ``blake3`` package
 first. The overhead table is ``benchmarks.overhead`` for the MLP workload.
 """
 
@@ -33,18 +33,31 @@ def _median_seconds(fn, x, repeats: int) -> float:
 
 
 def throughput(sizes_mb, repeats: int) -> list[list]:
-  copy = jax.jit(lambda x: x + jnp.uint32(0))
+  copy = jax.jit(lambda x: x + jnp.asarray(0, x.dtype))
   rows = []
   for mb in sizes_mb:
-    x = jax.random.bits(jax.random.key(mb), (mb * 2**20 // 4,), jnp.uint32)
-    got = device_digest.words_to_bytes(device_digest.digest_words(x))
-    assert got == blake3.blake3(np.asarray(x).tobytes()).digest(), "device digest differs"
-    t_hash = _median_seconds(device_digest.digest_words, x, repeats)
-    t_copy = _median_seconds(copy, x, repeats)
-    gbs = mb / 1024 / t_hash
-    rows.append([f"{mb} MiB", f"{t_hash * 1e3:.2f}", f"{gbs:.1f}", f"{t_copy * 1e3:.2f}",
-                 f"{mb / 1024 / t_copy:.1f}", f"{t_copy / t_hash:.2f}"])
+    bits = jax.random.bits(jax.random.key(mb), (mb * 2**20 // 4,), jnp.uint32)
+    for dtype in DTYPES:
+      x = _leaf(bits, dtype)
+      got = device_digest.words_to_bytes(device_digest.digest_words(x))
+      assert got == blake3.blake3(np.asarray(x).tobytes()).digest(), "device digest differs"
+      t_hash = _median_seconds(device_digest.digest_words, x, repeats)
+      t_copy = _median_seconds(copy, x, repeats)
+      gb = x.size * x.dtype.itemsize / 2**30
+      rows.append([f"{mb} MiB", dtype, f"{t_hash * 1e3:.2f}", f"{gb / t_hash:.1f}",
+                   f"{t_copy * 1e3:.2f}", f"{gb / t_copy:.1f}", f"{t_copy / t_hash:.2f}"])
   return rows
+
+
+DTYPES = ("float32", "bfloat16", "uint8")  # a state's leaves, and a batch of images
+
+
+def _leaf(bits: jax.Array, dtype: str) -> jax.Array:
+  """``bits``'s bytes as a flat array of ``dtype`` (the same bytes, however many elements)."""
+  if dtype == "float32":
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+  narrow = {"bfloat16": jnp.bfloat16, "uint8": jnp.uint8}[dtype]
+  return jax.lax.bitcast_convert_type(bits, narrow).reshape(-1)
 
 
 def main(argv=None):
@@ -57,7 +70,7 @@ def main(argv=None):
   rows = throughput(args.sizes_mb, args.repeats)
   table = overhead.measure("mlp", args.rounds, 5, rss=False)
   common.print_table(f"Device BLAKE3 on {device.device_kind}", [
-      "bytes", "digest ms", "digest GB/s", "copy ms", "copy GB/s", "fraction of copy"], rows)
+      "bytes", "dtype", "digest ms", "digest GB/s", "copy ms", "copy GB/s", "fraction of copy"], rows)
   print()
   common.print_table(f"MLP overhead on {device.device_kind}", overhead.HEADER, table)
 

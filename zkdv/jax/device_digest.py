@@ -33,20 +33,8 @@ def _rotr(x, n):
   return (x >> np.uint32(n)) | (x << np.uint32(32 - n))
 
 
-def _message_schedule() -> np.ndarray:
-  """int32[7, 16]: which message word each round reads (the permutation, composed)."""
-  order, rounds = list(range(16)), []
-  for _ in range(7):
-    rounds.append(order)
-    order = [order[i] for i in MSG_PERMUTATION]
-  return np.array(rounds, np.int32)
-
-
-_SCHEDULE = _message_schedule()
-
-
 def _g(a, b, c, d, mx, my):
-  """The mixing function on four lanes at once (rows of the 4x4 state)."""
+  """The mixing function G on four state words."""
   a = a + b + mx
   d = _rotr(d ^ a, 16)
   c = c + d
@@ -58,29 +46,35 @@ def _g(a, b, c, d, mx, my):
   return a, b, c, d
 
 
+# The (a, b, c, d) state words each of a round's eight G calls mixes: columns, then diagonals.
+_G_WORDS = ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15),
+            (0, 5, 10, 15), (1, 6, 11, 12), (2, 7, 8, 13), (3, 4, 9, 14))
+
+
 def compress(cv, block, counter, block_len, flags):
   """The BLAKE3 compression function, vectorized over a trailing batch axis.
 
   cv: uint32[8, n]; block: uint32[16, n]; counter, block_len, flags: uint32[n]
   or scalars (the counter's high word is 0: fewer than 2**32 chunks). Returns
-  the output chaining value, uint32[8, n].
+  the output chaining value, uint32[8, n]. Each state and message word is its own
+  uint32[n] (a round is elementwise over the batch axis), and the message is
+  permuted between rounds, as the specification does, rather than gathered.
   """
   n = cv.shape[1]
-  tail = jnp.stack([jnp.broadcast_to(jnp.asarray(v, jnp.uint32), (n,))
-                    for v in (counter, 0, block_len, flags)])
-  state = jnp.concatenate([cv, jnp.broadcast_to(jnp.asarray(IV[:4])[:, None], (4, n)), tail])
 
-  def one_round(r, state):
-    m = block[jnp.asarray(_SCHEDULE)[r]]
-    v0, v1, v2, v3 = state[0:4], state[4:8], state[8:12], state[12:16]
-    v0, v1, v2, v3 = _g(v0, v1, v2, v3, m[0:8:2], m[1:8:2])  # columns
-    v1, v2, v3 = jnp.roll(v1, -1, 0), jnp.roll(v2, -2, 0), jnp.roll(v3, -3, 0)
-    v0, v1, v2, v3 = _g(v0, v1, v2, v3, m[8:16:2], m[9:16:2])  # diagonals
-    v1, v2, v3 = jnp.roll(v1, 1, 0), jnp.roll(v2, 2, 0), jnp.roll(v3, 3, 0)
-    return jnp.concatenate([v0, v1, v2, v3])
+  def lanes(value):
+    return jnp.broadcast_to(jnp.asarray(value, jnp.uint32), (n,))
 
-  state = jax.lax.fori_loop(0, 7, one_round, state)
-  return state[:8] ^ state[8:]
+  def one_round(_, vm):
+    v, m = list(vm[0]), vm[1]
+    for g, (a, b, c, d) in enumerate(_G_WORDS):
+      v[a], v[b], v[c], v[d] = _g(v[a], v[b], v[c], v[d], m[2 * g], m[2 * g + 1])
+    return tuple(v), tuple(m[i] for i in MSG_PERMUTATION)
+
+  v = tuple(cv[i] for i in range(8)) + tuple(lanes(IV[i]) for i in range(4)) + (
+      lanes(counter), lanes(0), lanes(block_len), lanes(flags))
+  v, _ = jax.lax.fori_loop(0, 7, one_round, (v, tuple(block[i] for i in range(16))))
+  return jnp.stack([v[i] ^ v[i + 8] for i in range(8)])
 
 
 def to_bytes(x: jax.Array) -> jax.Array:
@@ -95,10 +89,32 @@ def to_bytes(x: jax.Array) -> jax.Array:
   return x.reshape(-1)
 
 
-def _words(data: jax.Array, nwords: int) -> jax.Array:
-  """uint8[n] -> uint32[nwords], little-endian, zero padded."""
-  data = jnp.pad(data, (0, 4 * nwords - data.shape[0])).reshape(nwords, 4).astype(jnp.uint32)
-  return data[:, 0] | (data[:, 1] << 8) | (data[:, 2] << 16) | (data[:, 3] << 24)
+def to_words(x: jax.Array) -> tuple[jax.Array, int]:
+  """(the leaf's bytes as little-endian uint32 words, zero padded; their byte count).
+
+  A 32-bit dtype's elements are its words. Narrower elements are packed into words
+  ``_WORDS_PER_ROW`` words at a time, from strided slices of rows of that many words'
+  elements, so that every array in between stays lane-dense on an accelerator (an
+  ``[n, 4]`` byte array pads its last axis to the vector width there).
+  """
+  x = arrays.unwrap_key(x)
+  if x.dtype.itemsize == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1), 4 * x.size
+  if x.dtype.itemsize == 2:
+    units, bits = jax.lax.bitcast_convert_type(x, jnp.uint16).reshape(-1), 16
+  else:
+    units, bits = to_bytes(x), 8
+  per_word = 32 // bits
+  count = units.shape[0]
+  row = _WORDS_PER_ROW * per_word
+  units = jnp.pad(units, (0, -count % row)).reshape(-1, row).astype(jnp.uint32)
+  words = units[:, 0::per_word]
+  for k in range(1, per_word):
+    words = words | (units[:, k::per_word] << np.uint32(bits * k))
+  return words.reshape(-1), count * bits // 8
+
+
+_WORDS_PER_ROW = 128  # a TPU's vector width, in 32-bit lanes
 
 
 def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool, key: np.ndarray,
@@ -143,13 +159,13 @@ def _hash_words(words: jax.Array, nbytes: int, key: np.ndarray, mode: int) -> ja
 @functools.partial(jax.jit, static_argnames=("key",))
 def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
   """uint32[8]: the BLAKE3 digest of the leaf's bytes (keyed by ``key``: 32 bytes)."""
-  data = to_bytes(x)
-  nbytes = data.shape[0]
-  n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
   if key is not None and (not isinstance(key, bytes) or len(key) != 32):
     raise ValueError(f"a BLAKE3 key is 32 bytes, got {key!r:.80}.")
+  words, nbytes = to_words(x)
+  n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
+  words = jnp.pad(words, (0, n_chunks * CHUNK_BYTES // 4 - words.shape[0]))
   key_words, mode = (IV, 0) if key is None else (np.frombuffer(key, "<u4"), KEYED_HASH)
-  return _hash_words(_words(data, n_chunks * CHUNK_BYTES // 4), nbytes, key_words, mode)
+  return _hash_words(words, nbytes, key_words, mode)
 
 
 @jax.jit
