@@ -30,10 +30,14 @@ class DeviceBlake3Test(parameterized.TestCase):
     self.assertEqual(got, reference(data))
 
   @parameterized.parameters("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                            "bool", "int4", "uint4", "int8", "uint16", "int32", "uint32")
+                            "bool", "int4", "uint4", "int8", "uint16", "int32", "uint32",
+                            "complex64")
   def test_every_dtype(self, dtype):
     key = jax.random.key(7)
-    if dtype == "bool":
+    if dtype == "complex64":
+      real, imag = jax.random.normal(key, (2, 33, 17))
+      x = jax.lax.complex(real, -3 * imag)
+    elif dtype == "bool":
       x = jax.random.bernoulli(key, 0.5, (33, 17))
     elif "int" in dtype:  # random bits of the full width
       bits = jax.random.bits(key, (33, 17), jnp.uint32)

@@ -98,6 +98,8 @@ def to_words(x: jax.Array) -> tuple[jax.Array, int]:
   ``[n, 4]`` byte array pads its last axis to the vector width there).
   """
   x = arrays.unwrap_key(x)
+  if jnp.iscomplexobj(x):  # as numpy lays it out: each element's real part, then imaginary
+    x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
   if x.dtype.itemsize == 4:
     return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1), 4 * x.size
   if x.dtype.itemsize == 2:
