@@ -30,8 +30,8 @@ class DeviceBlake3Test(parameterized.TestCase):
     self.assertEqual(got, reference(data))
 
   @parameterized.parameters("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                            "bool", "int4", "uint4", "int8", "uint16", "int32", "uint32",
-                            "complex64")
+                            "bool", "int2", "uint2", "int4", "uint4", "float4_e2m1fn", "int8",
+                            "uint16", "int32", "uint32", "complex64")
   def test_every_dtype(self, dtype):
     key = jax.random.key(7)
     if dtype == "complex64":
@@ -68,6 +68,15 @@ class DeviceBlake3Test(parameterized.TestCase):
     x = jax.random.normal(jax.random.key(0), (70, 9))
     rows = [device_digest.words_to_bytes(w) for w in device_digest.row_leaf_words(x)]
     self.assertEqual(rows, [merkle.leaf_hash(r.tobytes()) for r in np.asarray(x)])
+
+  def test_a_batch_without_rows_has_no_row_hashes_on_either_backend(self):
+    x, layout = jnp.zeros((0, 4)), LeafLayout("x", "float32", (0, 4))
+    for backend in (digests.HostDigests(), digests.DeviceDigests()):
+      self.assertEqual(backend.row_hashes(backend.start_rows([x], [layout]), [layout]), [[]])
+
+  def test_a_sub_byte_dtype_without_a_device_path_says_to_hash_on_the_host(self):
+    with self.assertRaisesRegex(TypeError, "digest_backend='host'"):
+      device_digest.digest_words(jnp.zeros(8, jnp.int1))
 
 
 class BackendsAgreeTest(absltest.TestCase):

@@ -77,13 +77,20 @@ def compress(cv, block, counter, block_len, flags):
   return jnp.stack([v[i] ^ v[i + 8] for i in range(8)])
 
 
+_UNSIGNED_BITS = {2: jnp.uint2, 4: jnp.uint4}  # the unsigned dtype of a sub-byte width
+
+
 def to_bytes(x: jax.Array) -> jax.Array:
   """The leaf's bytes (C order, little-endian) as a flat uint8 array, on device."""
   x = arrays.unwrap_key(x)
+  bits = jax.dtypes.itemsize_bits(x.dtype)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
-  elif x.dtype in (jnp.int4, jnp.uint4):  # numpy keeps a 4-bit value in the low nibble
-    x = jax.lax.bitcast_convert_type(x.astype(jnp.int8), jnp.uint8) & np.uint8(0x0F)
+  elif bits < 8:  # int2, int4, float4_e2m1fn...: numpy keeps each value in a byte's low bits
+    if bits not in _UNSIGNED_BITS:
+      raise TypeError(f"no device digest for {x.dtype} leaves; hash them on the host "
+                      "(ZKDVConfig(digest_backend='host')).")
+    x = jax.lax.bitcast_convert_type(x, _UNSIGNED_BITS[bits]).astype(jnp.uint8)
   elif x.dtype != jnp.uint8:
     x = jax.lax.bitcast_convert_type(x, jnp.uint8)
   return x.reshape(-1)
@@ -174,7 +181,7 @@ def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
 def row_leaf_words(x: jax.Array) -> jax.Array:
   """uint32[rows, 8]: the Merkle leaf hash (``zkdv.merkle.leaf_hash``) of each
   leading-axis row."""
-  rows = x.reshape(x.shape[0], -1) if x.ndim else x.reshape(1, 1)
+  rows = x.reshape(x.shape[0], math.prod(x.shape[1:])) if x.ndim else x.reshape(1, 1)
   return jax.vmap(lambda r: digest_words(r, key=merkle.LEAF_KEY))(rows)
 
 

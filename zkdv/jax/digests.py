@@ -139,7 +139,7 @@ class DeviceDigests(HostDigests):
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
     """As the host's, each block paired with its row hashes started on its device."""
     return [[(first, count, (block, None if l.key_impl or not l.shape
-                             else device_digest.row_leaf_words(block.reshape(count, -1))))
+                             else device_digest.row_leaf_words(_merkle_rows(block, count))))
              for first, count, block in arrays.row_shards(x, l)]
             for x, l in zip(leaves, layouts)]
 
@@ -153,6 +153,11 @@ class DeviceDigests(HostDigests):
     """One row, sliced where the block lives (only its bytes reach the host)."""
     data = arrays.unwrap_key(block[0])
     return digest.byte_view(np.asarray(arrays.host_view(data.reshape(count, -1)[row])))
+
+
+def _merkle_rows(block: jax.Array, count: int) -> jax.Array:
+  """``block`` as ``[count, bytes' elements of a Merkle row]`` (none: ``[0, 0]``)."""
+  return block.reshape(count, block.size // count if count else 0)
 
 
 def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:
