@@ -156,7 +156,7 @@ class DeviceDigests(HostDigests):
 
 
 def _merkle_rows(block: jax.Array, count: int) -> jax.Array:
-  """``block`` as ``[count, bytes' elements of a Merkle row]`` (none: ``[0, 0]``)."""
+  """``block`` as ``[count, elements of one Merkle row]`` (``[0, 0]`` when it has no rows)."""
   return block.reshape(count, block.size // count if count else 0)
 
 
