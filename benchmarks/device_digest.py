@@ -5,8 +5,8 @@ on whatever accelerator JAX sees. One short run (a few minutes):
 
 Throughput rows compare ``device_digest.digest_words`` of float32, bfloat16 and
 uint8 leaves with a copy kernel reading and writing the same bytes (the bandwidth
-bound of a hash that reads each byte once); the digests are checked against the host ``blake3`` package
-first. The overhead table is ``benchmarks.overhead`` for the MLP workload.
+bound of a hash that reads each byte once); the digests are checked against the
+host ``blake3`` package first. The overhead table is ``benchmarks.overhead`` for the MLP workload.
 """
 
 import argparse
@@ -70,7 +70,8 @@ def main(argv=None):
   rows = throughput(args.sizes_mb, args.repeats)
   table = overhead.measure("mlp", args.rounds, 5, rss=False)
   common.print_table(f"Device BLAKE3 on {device.device_kind}", [
-      "bytes", "dtype", "digest ms", "digest GB/s", "copy ms", "copy GB/s", "fraction of copy"], rows)
+      "bytes", "dtype", "digest ms", "digest GB/s", "copy ms", "copy GB/s",
+      "fraction of copy"], rows)
   print()
   common.print_table(f"MLP overhead on {device.device_kind}", overhead.HEADER, table)
 
