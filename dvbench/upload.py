@@ -166,14 +166,13 @@ class Uploader(threading.Thread):
       while not self._stopped.is_set():
         closing = self._closing.is_set()  # read before the file: nothing is missed
         progressed = self._send_new()
+        self._settle_flushes()  # a flush waits for what it asked for, not for coalescing
         if closing and not progressed:
           break
         if progressed and not closing:  # what the next moments write shares an envelope
-          self._settle_flushes()  # a flush waits for what it asked for, not for coalescing
           self._hurry.wait(self.coalesce_seconds)
           self._hurry.clear()
         elif not progressed:
-          self._settle_flushes()
           self._heartbeat()
           self._wake.wait(self.poll_seconds)
           self._wake.clear()
