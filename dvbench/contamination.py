@@ -11,10 +11,15 @@ and its mask). A probed training example matches an evaluation example when
   unrelated examples and never counts alone. An evaluation set of one leaf: its rows are
   its examples.
 
+The server indexes what a proof's probes opened once the proof is closed, when its worker
+verifies it (``probed_digests``), never while records arrive: a leaderboard and a training-set
+check read the index only for verified proofs.
+
 Only numpy, BLAKE3 and the record schema here: the server's web process uses it. Example::
 
   digests = evaluation_digests([tokens_rows, label_rows])  # {digest: example index}
   probed_examples(probed_rows(probe_check_record))         # {example digest, ...}
+  probed_digests(stored_check_records)                     # ({row digest}, {example digest})
   rows_in_constants(in_dtypes(on_each_axis(constants), dtypes), leaves)  # [example, ...]
 """
 
@@ -69,6 +74,19 @@ def probed_rows(record: dict) -> list[tuple[int, int, list[bytes]]]:
 
 
 _SHORT_ROW = 64  # bytes: a row this short is looked up before it is hashed
+
+
+def probed_digests(checks) -> tuple[set[str], set[str]]:
+  """(hex ``row_digest`` of every row, ``example_digest`` of every whole example) that the
+  probe check records among ``checks`` opened (each decoded and checked by
+  ``zkdv.records``, as the server stored it)."""
+  rows: set[str] = set()
+  examples: set[str] = set()
+  for record in checks:
+    opened = probed_rows(record)
+    rows.update(d.hex() for _, _, digests in opened for d in digests)
+    examples |= probed_examples(opened)
+  return rows, examples
 
 
 def _row_digests(rows: list[bytes]) -> list[bytes]:

@@ -18,6 +18,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import dvbench
+from dvbench import contamination
 from dvbench import transport
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer as Server
@@ -222,6 +223,21 @@ class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):
     self.assertEqual({len(row) for row in rows}, {(1 << 20) + 4})
     # The server's records hold the row whole (Benchmark.probed_rows reads them back).
     self.assertEqual(set(client.benchmark("your-name/any").probed_rows(proof_id)), rows)
+
+  def test_the_worker_indexes_what_probes_opened_once_the_proof_is_verified(self):
+    local = local_transcript(3, probe_ratio=0.5)
+    opened, _ = contamination.probed_digests(testing.records_of(local, "check"))
+    self.assertNotEmpty(opened)
+    client = dvbench.Client(self.server.url)
+    proof_id = client.experiment("your-name/indexed").upload(local)
+    self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "self-audited")
+    store = self.store()
+    self.assertEqual(store.probed_rows(proof_id), opened)
+    self.assertEqual(store.proof(proof_id)["probed_rows"], sum(
+        len(entry[2]) for r in testing.records_of(local, "check")
+        for entry in records.probe_entries(r)))
+    page = client.http.request("GET", f"/proofs/{proof_id}").text
+    self.assertIn(f"<td id='probed-rows'>{len(opened)}</td>", page)
 
   def test_small_blobs_travel_together_and_are_named_by_their_hash(self):
     experiment = dvbench.Client(self.server.url).experiment("your-name/probed")

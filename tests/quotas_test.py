@@ -14,6 +14,7 @@ import httpx
 from absl.testing import absltest
 
 from dvbench.server import quotas
+from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import postgres
 from tests.fake_prover import FakeProver
@@ -105,7 +106,8 @@ class QuotaCases:
 
   def test_probed_row_digests_are_stored_bytes(self):
     # Attack: a probe record of many tiny rows (4 bytes of record each) made the server
-    # store a digest row per row, uncounted: the quota counts each.
+    # store a digest row per row, uncounted: the quota charges each opened row as its
+    # record is stored, before the worker indexes the digests at verification.
     prover = FakeProver(self.server.url, self.server.token("pia"), "pia/run").start()
     prover.run(steps=1, skip_answer=(0,))
     rows = [i.to_bytes(3, "little") for i in range(2000)]
@@ -117,7 +119,10 @@ class QuotaCases:
     self.assertLess(record_bytes, _STORED_BYTES // 10)
     shown = self.usage("pia")  # what the quota keeper sums (quotas.usage)
     self.assertGreaterEqual(int(shown["stored_bytes"][0]),
-                            len(rows) * quotas.DIGEST_ROW_BYTES)  # over the quota now
+                            len(rows) * quotas.OPENED_ROW_BYTES)  # over the quota now
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    self.assertEqual(store.proof(prover.proof_id)["probed_rows"], len(rows))
+    self.assertEqual(store.probe_count(prover.proof_id), 0)  # indexed by the worker, later
 
   def usage(self, owner: str) -> dict[str, list[str]]:
     """``dvbench usage OWNER``: per quota, [used, limit]."""

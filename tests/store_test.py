@@ -15,6 +15,7 @@ from absl.testing import parameterized
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from dvbench.server import db
+from dvbench.server import quotas
 from dvbench.server import receipts
 from zkdv import challenge
 from zkdv import receipt
@@ -67,6 +68,29 @@ class StoreTest(parameterized.TestCase):
     self.assertEqual(settled["ended_at"], settled["updated_at"])
     self.assertEqual((receiving["run_name"], receiving["tags"], receiving["ended_at"]),
                      (None, None, None))
+
+  def test_migration_10_keeps_charging_the_digests_indexed_before_it(self, backend):
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    earlier = self._proof(store, "alice/earlier")
+    with store.engine.begin() as conn:
+      store.add_probes(conn, earlier, {"01" * 32, "02" * 32})
+      store.add_probe_examples(conn, earlier, {"03" * 32})
+      conn.execute(sa.text("ALTER TABLE proofs DROP COLUMN probed_rows"))  # as 9 left it
+      conn.execute(db.schema_migrations.delete().where(db.schema_migrations.c.version == 10))
+    store = db.Store.open(url)
+    self.assertIsNone(store.proof(earlier)["probed_rows"])
+    exp = store.experiment("alice/later", create_for="alice")
+    counted = store.create_proof(exp["id"], "cd" * 32, "alice/later", b"root", {
+        "kind": "self", "nonce": None, "policy": json.dumps(challenge.Policy().to_record())})
+    self.assertEqual(store.proof(counted["id"])["probed_rows"], 0)
+    with store.engine.begin() as conn:
+      conn.execute(db.proofs.update().where(db.proofs.c.id == counted["id"]).values(
+          probed_rows=5))
+      store.add_probes(conn, counted["id"], {"04" * 32})  # indexed: charged by its count
+    self.assertEqual(quotas.usage(store, lambda digest: 0, "alice")["stored_bytes"],
+                     2 * len(b"root")  # the two root records
+                     + 3 * quotas.DIGEST_ROW_BYTES + 5 * quotas.OPENED_ROW_BYTES)
 
   def test_tokens_are_stored_hashed(self, backend):
     store = db.Store.open(_fresh_url(backend))

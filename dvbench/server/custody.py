@@ -29,7 +29,6 @@ import json
 import cbor2
 from starlette.exceptions import HTTPException
 
-from dvbench import contamination
 from dvbench import transport
 from dvbench.server.decoding import decode
 from zkdv import challenge
@@ -122,8 +121,6 @@ class Ingest:
     # written by ack() (``_write_answers``)
     self._answers: dict[tuple[int, str], int] = {}
     self.refs: set[str] = set()
-    self.probes: set[bytes] = set()  # row digests
-    self.examples: set[str] = set()  # whole examples probed (dvbench.contamination)
     self._open_segment: int | None = None  # stored steps after the last post_state
     self._committed = _UNKNOWN  # _last_committed(), kept up to date as records are taken
     self._rules = {"root": self._refuse_root, "step": self._check_step,
@@ -156,9 +153,11 @@ class Ingest:
     self._rules.get(record["type"], self._accept_other)(record, n)
     self._positions[rid] = self.head.records
     self._new.append((rid, record["type"], raw))
-    self.head = dataclasses.replace(self.head, records=self.head.records + 1,
-                                    steps=self.head.steps + (record["type"] == "step"),
-                                    last_id=rid, last_kind=record["type"])
+    self.head = dataclasses.replace(
+        self.head, records=self.head.records + 1,
+        steps=self.head.steps + (record["type"] == "step"), last_id=rid,
+        last_kind=record["type"], probed_rows=self.head.probed_rows + sum(
+            len(rows) for _, _, rows, _ in records.probe_entries(record)))
     if record["type"] == "step":
       ends_segment = isinstance(record.get("post_state"), bytes)
       first = record["index"] - self._open_segment  # counted by _check_step
@@ -168,10 +167,6 @@ class Ingest:
       self._derive(record["index"], rid, first, ends_segment)
     self.stored += 1
     self.refs |= transport.blob_refs(record)
-    opened = contamination.probed_rows(record)
-    for _, _, digests in opened:
-      self.probes.update(digests)
-    self.examples |= contamination.probed_examples(opened)
 
   def ack(self) -> dict:
     """Writes what was appended; the acknowledgement with the challenges of its steps."""
@@ -179,8 +174,6 @@ class Ingest:
     self.store.append_records(self.conn, self.proof_id, self.head, self._new)
     self._new = []
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
-    self.store.add_probes(self.conn, self.proof_id, {d.hex() for d in self.probes})
-    self.store.add_probe_examples(self.conn, self.proof_id, self.examples)
     self.store.add_challenges(self.conn, list(self._derived.values()))
     stored = set(self.steps_seen) - set(self._derived)  # steps this request repeats
     rows = sorted([*self._derived.values(), *(self.store.challenges_of(

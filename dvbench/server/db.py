@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
     MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
-    MIGRATION_9_TABLES,
+    MIGRATION_9_TABLES, MIGRATION_10_COLUMNS,
     benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
     measurements, metadata, owners, probes, proof_blobs, proof_claims, proofs, receipts, records,
     schema_migrations, score_shards, settings, slots, streams, submissions, tokens)
@@ -157,11 +157,17 @@ def _migration_9(conn) -> None:
     table.create(conn, checkfirst=True)
 
 
+def _migration_10(conn) -> None:
+  """Proofs count the batch rows their probes opened as records arrive; the worker indexes
+  their digests (``dvbench.contamination.probed_digests``) once the proof is closed."""
+  _add_columns(conn, MIGRATION_10_COLUMNS)
+
+
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
                                           (5, _migration_5), (6, _migration_6),
                                           (7, _migration_7), (8, _migration_8),
-                                          (9, _migration_9)]
+                                          (9, _migration_9), (10, _migration_10)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,

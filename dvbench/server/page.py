@@ -446,7 +446,20 @@ def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: l
 CHECKS_PAGE = 100  # rows of the proof page's checks table
 
 
-def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int,
+def _probed(p: dict, probed_rows: int | None) -> str:
+  """The proof page's count of probed rows; ``None`` until the proof's worker indexed them.
+
+  >>> _probed({"state": "receiving"}, None)
+  'counted when the server verifies the proof'
+  """
+  if probed_rows is not None:
+    return str(probed_rows)
+  if p["state"] in ("receiving", "closed", "verifying"):
+    return "counted when the server verifies the proof"
+  return "not counted: the server did not verify this proof"
+
+
+def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int | None,
           config: dict, curves: dict, marks: dict, digests: list[str],
           has_receipt: bool, drawn: tuple[int, int], checks_after: str | None = None,
           checks_next: str | None = None, table: list[dict] | None = None,
@@ -493,7 +506,7 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>duration</th><td id="duration">{page_runs.timing(p)}</td></tr>
 <tr><th>steps</th><td>{p['steps']}</td></tr><tr><th>records</th><td>{p['records']}</td></tr>
 <tr><th>final params</th><td><code>{e(p['final_params'] or '—')}</code></td></tr>
-<tr><th>distinct batch rows opened as probes</th><td>{probed_rows}</td></tr>
+<tr><th>distinct batch rows opened as probes</th><td id='probed-rows'>{_probed(p, probed_rows)}</td></tr>
 <tr><th>data</th><td id="data">{e(summary['data'])}{'' if summary['dataset'] is None else
  f" over dataset <code>{e(summary['dataset'][:16])}…</code>"}</td></tr>
 <tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified

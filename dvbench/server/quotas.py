@@ -1,8 +1,10 @@
 """Quotas per owner: what one owner's tokens may hold on the server.
 
 * ``stored_bytes``: records, chunks and blobs of the owner's proofs (a blob counted once
-  per owner however many proofs hold it), and ``DIGEST_ROW_BYTES`` for each row digest
-  and example digest their probes opened (the server stores those rows of its own);
+  per owner however many proofs hold it), and ``OPENED_ROW_BYTES`` for each batch row
+  their probes opened, counted as the records arrive: the digests the worker indexes once
+  a proof is closed (``dvbench.contamination.probed_digests``) are at most a row digest
+  and half an example digest per opened row (an example has rows in two leaves or more);
 * slots per hour: ``attempts.check_slot_rate`` (``--max-slots-per-hour``); shown here;
 * ``open_proofs``: the owner's proofs still ``receiving``;
 * ``experiments``: the owner's experiments.
@@ -15,7 +17,7 @@ the ``dvbench serve`` flag that raises it, e.g.
 Stored bytes are summed from the database and the blob store at most every
 ``STORED_BYTES_TTL`` seconds per owner; the bytes admitted since are added to the sum,
 so an owner overshoots by at most what one request carries, and by the probe digests its
-requests stored since the last sum.
+requests charged since the last sum.
 
 Example::
 
@@ -38,6 +40,7 @@ from dvbench.server.schema import (chunks, experiments, owners, probe_examples, 
 
 STORED_BYTES_TTL = 10.0
 DIGEST_ROW_BYTES = 160  # a stored probe digest: proof id, hex digest, index entries
+OPENED_ROW_BYTES = DIGEST_ROW_BYTES * 3 // 2  # a row digest, half an example digest
 QUOTAS_SETTING = "quotas"  # the serving quotas, for ``dvbench usage``
 USAGE_OF = {"stored_bytes": "stored_bytes", "slots_per_hour": "slots_last_hour",
             "open_proofs": "open_proofs", "experiments": "experiments"}
@@ -64,10 +67,15 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
                             ).scalar() for t in (records, chunks))
     digests = conn.execute(sa.select(proof_blobs.c.digest).where(
         proof_blobs.c.proof_id.in_(owned)).distinct()).scalars().all()
-    probed = sum(conn.execute(sa.select(sa.func.count()).where(t.c.proof_id.in_(owned))
-                              ).scalar() for t in (probes, probe_examples))
+    opened = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(proofs.c.probed_rows), 0))
+                          .where(proofs.c.experiment_id.in_(exp))).scalar()
+    # proofs stored before rows were counted (probed_rows None): their indexed digests
+    earlier = sa.select(proofs.c.id).where(proofs.c.experiment_id.in_(exp)
+                                          & proofs.c.probed_rows.is_(None))
+    indexed = sum(conn.execute(sa.select(sa.func.count()).where(t.c.proof_id.in_(earlier))
+                               ).scalar() for t in (probes, probe_examples))
   return {"stored_bytes": held + sum(blob_size(d) for d in digests)
-          + DIGEST_ROW_BYTES * probed, **counts}
+          + OPENED_ROW_BYTES * opened + DIGEST_ROW_BYTES * indexed, **counts}
 
 
 class QuotaKeeper:

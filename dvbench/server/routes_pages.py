@@ -182,8 +182,9 @@ class PageRoutes:
       checks = self.store.proof_checks(proof_id)
       table, following = self.store.page_checks(proof_id, page.CHECKS_PAGE, checks_after)
       rows = self.store.challenge_rows(proof_id)
+      job = self.store.job("proof", proof_id)
       summary = labels.challenge_summary(proof, self.store.challenger(proof_id), rows, checks,
-                                         self.store.job("proof", proof_id),
+                                         job,
                                          claims=self.store.proof_claims(proof_id),
                                          attempts=attempts.owner_attempts(
                                              self.store, proof["experiment"].split("/")[0]))
@@ -191,7 +192,8 @@ class PageRoutes:
       curves = run_view.scalar_curves(series)
       drawn = (series["steps"][0], series["steps"][-1]) if series["steps"] else (0, -1)
       return page.proof(_url(request), proof, summary, checks,
-                        self.store.probe_counts().get(proof_id, 0),
+                        self.store.probe_count(proof_id)
+                        if job is not None and job["state"] == "done" else None,
                         run_view.run_config(self.store, proof_id), curves,
                         run_view.step_marks(rows, checks),
                         [n for n in series["metrics"] if n not in curves],

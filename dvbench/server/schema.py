@@ -54,7 +54,10 @@ proofs = sa.Table(
     # by the pages; when the proof stopped receiving (closed, crashed or abandoned)
     sa.Column("run_name", sa.String(200)),
     sa.Column("tags", sa.String(2200)),
-    sa.Column("ended_at", sa.Float))
+    sa.Column("ended_at", sa.Float),
+    # migration 10: the batch rows its probe records opened, counted as they are stored (the
+    # quota charges their digests before the worker indexes them); None: stored before
+    sa.Column("probed_rows", sa.Integer, default=0))
 
 records = sa.Table(
     "records", metadata,
@@ -314,3 +317,7 @@ pending_verdicts = sa.Table(  # a worker's verdict on a server-challenged proof,
     sa.Column("created_at", sa.Float, nullable=False))
 
 MIGRATION_9_TABLES = (pending_verdicts,)
+
+# -- migration 10: probed rows counted at ingest, indexed by the worker ----------------
+
+MIGRATION_10_COLUMNS = {"proofs": ("probed_rows",)}

@@ -55,6 +55,7 @@ class CustodyHead:
   last_id: bytes
   last_kind: str
   state: str = "receiving"  # the proof's state, read in the same transaction
+  probed_rows: int = 0  # the batch rows its probe records opened
 
 
 def has_held_blob(engine, holder_column, holder, digest: str, conn=None) -> bool:
@@ -143,11 +144,12 @@ class CustodyQueries:
           records.c.proof_id == proof_id).order_by(records.c.position))]
 
   def custody_head(self, conn, proof_id: str) -> CustodyHead:
-    count, steps, state = conn.execute(sa.select(
-        proofs.c.records, proofs.c.steps, proofs.c.state).where(proofs.c.id == proof_id)).first()
+    count, steps, state, probed = conn.execute(sa.select(
+        proofs.c.records, proofs.c.steps, proofs.c.state, proofs.c.probed_rows).where(
+            proofs.c.id == proof_id)).first()
     last_id, last_kind = conn.execute(sa.select(records.c.record_id, records.c.kind).where(
         (records.c.proof_id == proof_id) & (records.c.position == count - 1))).first()
-    return CustodyHead(count, steps, last_id, last_kind, state)
+    return CustodyHead(count, steps, last_id, last_kind, state, probed or 0)
 
   def record_position(self, conn, proof_id: str, record_id: bytes) -> int | None:
     return conn.execute(sa.select(records.c.position).where(
@@ -191,7 +193,7 @@ class CustodyQueries:
   def append_records(self, conn, proof_id: str, head: CustodyHead,
                      new: list[tuple[bytes, str, bytes]]) -> None:
     """Stores ``new`` (record id, kind, bytes) after the ones stored; ``head`` is the head
-    with them (records, steps)."""
+    with them (records, steps, probed rows)."""
     if not new:
       return
     first = head.records - len(new)
@@ -199,7 +201,8 @@ class CustodyQueries:
         {"proof_id": proof_id, "position": first + i, "record_id": rid, "kind": kind,
          "data": data} for i, (rid, kind, data) in enumerate(new)])
     conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
-        records=head.records, steps=head.steps, updated_at=time.time()))
+        records=head.records, steps=head.steps, probed_rows=head.probed_rows,
+        updated_at=time.time()))
 
   def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
     add_proof_digests(conn, blob_refs, proof_id, digests)

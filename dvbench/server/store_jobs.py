@@ -232,8 +232,11 @@ class JobQueries:
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
                          failure: str | None, check_rows: list[dict], *,
                          receipt: tuple[str, int], claims: dict | None = None,
-                         strict: bool = False) -> bool:
-    """Stores the verdict and the claims; False (nothing written) when the lease was lost.
+                         strict: bool = False,
+                         probed: tuple[set[str], set[str]] = (set(), set())) -> bool:
+    """Stores the verdict, the claims and what its probes opened (``probed``: row and example
+    digests, ``contamination.probed_digests``); False (nothing written) when the lease was
+    lost.
 
     ``receipt``: the verifier's verdict and the checks it replayed. On a server-challenged
     proof the state waits with them in ``pending_verdicts``: the server process publishes
@@ -242,6 +245,8 @@ class JobQueries:
     with self.engine.begin() as conn:
       if not self._finish_job(conn, job_id, worker):
         return False
+      self.add_probes(conn, proof_id, probed[0])
+      self.add_probe_examples(conn, proof_id, probed[1])
       conn.execute(checks.delete().where(checks.c.proof_id == proof_id))
       if check_rows:
         conn.execute(checks.insert(), [{"proof_id": proof_id, **bounded_errors(r)}
@@ -351,10 +356,11 @@ class JobQueries:
   def add_probes(self, conn, proof_id: str, digests: set[str]) -> None:
     add_proof_digests(conn, probes, proof_id, digests)
 
-  def probe_counts(self) -> dict[str, int]:
+  def probe_count(self, proof_id: str) -> int:
+    """The distinct batch rows a proof's probes opened, as its worker indexed them."""
     with self.engine.connect() as conn:
-      return dict(conn.execute(sa.select(probes.c.proof_id, sa.func.count()).group_by(
-          probes.c.proof_id)).all())
+      return conn.execute(sa.select(sa.func.count()).select_from(probes).where(
+          probes.c.proof_id == proof_id)).scalar()
 
   def check_counts(self) -> dict[str, tuple[int, int]]:
     """Per proof: (checks replayed by the server, of which verified)."""

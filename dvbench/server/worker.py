@@ -51,7 +51,9 @@ import cbor2
 from dvbench.server import labels
 from dvbench.server import leaderboard
 from dvbench.server import sandbox
+from dvbench import contamination
 from dvbench import scoring
+from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS, UNVERIFIABLE
@@ -213,6 +215,14 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
                  standing)
 
 
+def probed_by(store: Store, proof_id: str) -> tuple[set[str], set[str]]:
+  """What a closed proof's probes opened (``contamination.probed_digests``), read from its
+  stored check records: indexed once, here, never while records arrive."""
+  return contamination.probed_digests(
+      transport.decode_safely(raw, canonical=True, max_string=transport.MAX_RECORD_STRING)
+      for raw in store.records_of_kind(proof_id, "check"))
+
+
 def server_claims(report: dict, challenger_kind: str) -> dict:
   """``{claim: status}`` of a report as the server holds them: the worker gave the verifier
   the server's own key K for the records the server stored, so the claims that a key given
@@ -291,7 +301,8 @@ def _process(store, blobs, job, worker_id, work, limits) -> tuple[bool, str]:
     receipt = (verdict.verifier_verdict, sum(r["status"] != "not replayed" for r in verdict.rows))
     return store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
                                     verdict.failure, verdict.rows, receipt=receipt,
-                                    claims=verdict.claims, strict=verdict.strict), verdict.state
+                                    claims=verdict.claims, strict=verdict.strict,
+                                    probed=probed_by(store, job["subject"])), verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
     return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
