@@ -117,6 +117,10 @@ class ServerSeededOrderTest(DVBenchTestCase):
     self.assertIn("data_order at record", verdict["failure"])
     self.assertIn("step 1: row 0 of its batch is dataset row", verdict["failure"])
     self.assertIn("server-seeded order", verdict["failure"])
+    # Its probes opened rows, but an invalid proof is never submitted: nothing is indexed.
+    store = self.store()
+    self.assertGreater(store.proof(self.reordered_proof)["probed_rows"], 0)
+    self.assertEqual(store.probe_count(self.reordered_proof), 0)
 
   def test_a_data_order_needs_a_training_set(self):
     owner = dvbench.Client(self.server.url, token=self.server.token("alice"))

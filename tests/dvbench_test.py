@@ -20,6 +20,8 @@ from absl.testing import parameterized
 import dvbench
 from dvbench import contamination
 from dvbench import transport
+from dvbench.server import schema
+from dvbench.server import worker
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer as Server
 from tests import testing
@@ -238,6 +240,32 @@ class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):
         for entry in records.probe_entries(r)))
     page = client.http.request("GET", f"/proofs/{proof_id}").text
     self.assertIn(f"<td id='probed-rows'>{len(opened)}</td>", page)
+
+  def test_indexing_a_proof_takes_many_short_transactions(self):
+    # Attack: a proof of many tiny probed rows made indexing one transaction as long as
+    # the whole proof, holding the server's write lock (every other user's writes) meanwhile.
+    local = local_transcript(4, probe_ratio=1.0)
+    checks = testing.records_of(local, "check")
+    opened, _ = contamination.probed_digests(checks)
+    most_a_record = max(len(contamination.probed_digests([r])[0]) for r in checks)
+    client = dvbench.Client(self.server.url)
+    proof_id = client.experiment("your-name/indexed-in-parts").upload(local)
+    client.wait_for_verdict(proof_id, 120)
+    store, sizes = self.store(), []
+    add_probed = store.add_probed
+
+    def counted(proof, rows, examples):
+      sizes.append(len(rows) + len(examples))
+      add_probed(proof, rows, examples)
+
+    with store.engine.begin() as conn:
+      conn.execute(schema.probes.delete().where(schema.probes.c.proof_id == proof_id))
+    with mock.patch.object(worker, "INDEX_DIGESTS", most_a_record), \
+         mock.patch.object(store, "add_probed", counted):
+      worker.index_probes(store, proof_id)
+    self.assertEqual(store.probed_rows(proof_id), opened)
+    self.assertGreater(len(sizes), 2)
+    self.assertLessEqual(max(sizes), 2 * most_a_record)
 
   def test_small_blobs_travel_together_and_are_named_by_their_hash(self):
     experiment = dvbench.Client(self.server.url).experiment("your-name/probed")

@@ -69,7 +69,7 @@ class StoreTest(parameterized.TestCase):
     self.assertEqual((receiving["run_name"], receiving["tags"], receiving["ended_at"]),
                      (None, None, None))
 
-  def test_migration_10_keeps_charging_the_digests_indexed_before_it(self, backend):
+  def test_migration_10_counts_the_digests_indexed_before_it_as_opened_rows(self, backend):
     url = _fresh_url(backend)
     store = db.Store.open(url)
     earlier = self._proof(store, "alice/earlier")
@@ -79,7 +79,7 @@ class StoreTest(parameterized.TestCase):
       conn.execute(sa.text("ALTER TABLE proofs DROP COLUMN probed_rows"))  # as 9 left it
       conn.execute(db.schema_migrations.delete().where(db.schema_migrations.c.version == 10))
     store = db.Store.open(url)
-    self.assertIsNone(store.proof(earlier)["probed_rows"])
+    self.assertEqual(store.proof(earlier)["probed_rows"], 3)  # one opened row a digest
     exp = store.experiment("alice/later", create_for="alice")
     counted = store.create_proof(exp["id"], "cd" * 32, "alice/later", b"root", {
         "kind": "self", "nonce": None, "policy": json.dumps(challenge.Policy().to_record())})
@@ -89,8 +89,7 @@ class StoreTest(parameterized.TestCase):
           probed_rows=5))
       store.add_probes(conn, counted["id"], {"04" * 32})  # indexed: charged by its count
     self.assertEqual(quotas.usage(store, lambda digest: 0, "alice")["stored_bytes"],
-                     2 * len(b"root")  # the two root records
-                     + 3 * quotas.DIGEST_ROW_BYTES + 5 * quotas.OPENED_ROW_BYTES)
+                     2 * len(b"root") + (3 + 5) * quotas.OPENED_ROW_BYTES)
 
   def test_tokens_are_stored_hashed(self, backend):
     store = db.Store.open(_fresh_url(backend))

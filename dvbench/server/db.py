@@ -31,8 +31,9 @@ from dvbench.server.schema import (  # pylint: disable=unused-import  # re-expor
     MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
     MIGRATION_9_TABLES, MIGRATION_10_COLUMNS,
     benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
-    measurements, metadata, owners, probes, proof_blobs, proof_claims, proofs, receipts, records,
-    schema_migrations, score_shards, settings, slots, streams, submissions, tokens)
+    measurements, metadata, owners, probe_examples, probes, proof_blobs, proof_claims, proofs,
+    receipts, records, schema_migrations, score_shards, settings, slots, streams, submissions,
+    tokens)
 from dvbench.server import store_benchmarks
 from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
@@ -159,8 +160,14 @@ def _migration_9(conn) -> None:
 
 def _migration_10(conn) -> None:
   """Proofs count the batch rows their probes opened as records arrive; the worker indexes
-  their digests (``dvbench.contamination.probed_digests``) once the proof is closed."""
+  their digests (``dvbench.contamination.probed_digests``) once the proof is closed. A
+  proof stored before counts each digest indexed for it as one opened row (the quota's
+  charge of a row covers a digest)."""
   _add_columns(conn, MIGRATION_10_COLUMNS)
+  indexed = [sa.select(sa.func.count()).where(t.c.proof_id == proofs.c.id).scalar_subquery()
+             for t in (probes, probe_examples)]
+  conn.execute(proofs.update().where(proofs.c.probed_rows.is_(None)).values(
+      probed_rows=indexed[0] + indexed[1]))
 
 
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),

@@ -456,7 +456,7 @@ def _probed(p: dict, probed_rows: int | None) -> str:
     return str(probed_rows)
   if p["state"] in ("receiving", "closed", "verifying"):
     return "counted when the server verifies the proof"
-  return "not counted: the server did not verify this proof"
+  return "not counted: the server counts them for proofs it verified"
 
 
 def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int | None,

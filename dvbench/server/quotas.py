@@ -35,8 +35,8 @@ import sqlalchemy as sa
 from dvbench.server.limits import QUOTA_FLAGS as FLAGS
 from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
-from dvbench.server.schema import (chunks, experiments, owners, probe_examples, probes,
-                                   proof_blobs, proofs, records, slots)
+from dvbench.server.schema import (chunks, experiments, owners, proof_blobs, proofs, records,
+                                   slots)
 
 STORED_BYTES_TTL = 10.0
 DIGEST_ROW_BYTES = 160  # a stored probe digest: proof id, hex digest, index entries
@@ -69,13 +69,8 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
         proof_blobs.c.proof_id.in_(owned)).distinct()).scalars().all()
     opened = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(proofs.c.probed_rows), 0))
                           .where(proofs.c.experiment_id.in_(exp))).scalar()
-    # proofs stored before rows were counted (probed_rows None): their indexed digests
-    earlier = sa.select(proofs.c.id).where(proofs.c.experiment_id.in_(exp)
-                                          & proofs.c.probed_rows.is_(None))
-    indexed = sum(conn.execute(sa.select(sa.func.count()).where(t.c.proof_id.in_(earlier))
-                               ).scalar() for t in (probes, probe_examples))
   return {"stored_bytes": held + sum(blob_size(d) for d in digests)
-          + OPENED_ROW_BYTES * opened + DIGEST_ROW_BYTES * indexed, **counts}
+          + OPENED_ROW_BYTES * opened, **counts}
 
 
 class QuotaKeeper:

@@ -28,6 +28,7 @@ from dvbench.server import run_view
 from dvbench.server.db import PROOF_STATES
 from dvbench.server.service import HEX_ID, Service, check_name
 from dvbench.server.refusals import MAX_COLUMN_INT, int_param, parse_int
+from dvbench.server.store_jobs import UNVERIFIABLE
 from dvbench.server.store_listing import ProofFilter
 from zkdv import records
 from zkdv.fields import Invalid
@@ -191,9 +192,10 @@ class PageRoutes:
       series = series_in(self.store, proof_id, window)
       curves = run_view.scalar_curves(series)
       drawn = (series["steps"][0], series["steps"][-1]) if series["steps"] else (0, -1)
-      return page.proof(_url(request), proof, summary, checks,
-                        self.store.probe_count(proof_id)
-                        if job is not None and job["state"] == "done" else None,
+      probed = self.store.probe_count(proof_id)  # indexed by the worker (index_probes)
+      indexed = probed or (job is not None and job["state"] == "done"
+                           and proof["state"] not in ("invalid", UNVERIFIABLE))
+      return page.proof(_url(request), proof, summary, checks, probed if indexed else None,
                         run_view.run_config(self.store, proof_id), curves,
                         run_view.step_marks(rows, checks),
                         [n for n in series["metrics"] if n not in curves],

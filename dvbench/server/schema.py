@@ -56,7 +56,7 @@ proofs = sa.Table(
     sa.Column("tags", sa.String(2200)),
     sa.Column("ended_at", sa.Float),
     # migration 10: the batch rows its probe records opened, counted as they are stored (the
-    # quota charges their digests before the worker indexes them); None: stored before
+    # quota charges their digests before the worker indexes them)
     sa.Column("probed_rows", sa.Integer, default=0))
 
 records = sa.Table(

@@ -134,6 +134,19 @@ class BenchmarkQueries:
           (records.c.proof_id == proof_id) & (records.c.kind == kind)
       ).order_by(records.c.position))]
 
+  def iter_records_of_kind(self, proof_id: str, kind: str, page: int = 64):
+    """``records_of_kind``, read ``page`` records a query (none held in memory at once)."""
+    after = -1
+    while True:
+      with self.engine.connect() as conn:
+        rows = conn.execute(sa.select(records.c.position, records.c.data).where(
+            (records.c.proof_id == proof_id) & (records.c.kind == kind)
+            & (records.c.position > after)).order_by(records.c.position).limit(page)).all()
+      yield from (data for _, data in rows)
+      if len(rows) < page:
+        return
+      after = rows[-1][0]
+
   # -- submissions -----------------------------------------------------------------------
 
   def add_submission(self, row: dict, shards: list[tuple[int, int]],

@@ -149,7 +149,7 @@ class CustodyQueries:
             proofs.c.id == proof_id)).first()
     last_id, last_kind = conn.execute(sa.select(records.c.record_id, records.c.kind).where(
         (records.c.proof_id == proof_id) & (records.c.position == count - 1))).first()
-    return CustodyHead(count, steps, last_id, last_kind, state, probed or 0)
+    return CustodyHead(count, steps, last_id, last_kind, state, probed)
 
   def record_position(self, conn, proof_id: str, record_id: bytes) -> int | None:
     return conn.execute(sa.select(records.c.position).where(

@@ -232,11 +232,8 @@ class JobQueries:
   def complete_proof_job(self, job_id: int, worker: str, proof_id: str, state: str,
                          failure: str | None, check_rows: list[dict], *,
                          receipt: tuple[str, int], claims: dict | None = None,
-                         strict: bool = False,
-                         probed: tuple[set[str], set[str]] = (set(), set())) -> bool:
-    """Stores the verdict, the claims and what its probes opened (``probed``: row and example
-    digests, ``contamination.probed_digests``); False (nothing written) when the lease was
-    lost.
+                         strict: bool = False) -> bool:
+    """Stores the verdict and the claims; False (nothing written) when the lease was lost.
 
     ``receipt``: the verifier's verdict and the checks it replayed. On a server-challenged
     proof the state waits with them in ``pending_verdicts``: the server process publishes
@@ -245,8 +242,6 @@ class JobQueries:
     with self.engine.begin() as conn:
       if not self._finish_job(conn, job_id, worker):
         return False
-      self.add_probes(conn, proof_id, probed[0])
-      self.add_probe_examples(conn, proof_id, probed[1])
       conn.execute(checks.delete().where(checks.c.proof_id == proof_id))
       if check_rows:
         conn.execute(checks.insert(), [{"proof_id": proof_id, **bounded_errors(r)}
@@ -355,6 +350,12 @@ class JobQueries:
 
   def add_probes(self, conn, proof_id: str, digests: set[str]) -> None:
     add_proof_digests(conn, probes, proof_id, digests)
+
+  def add_probed(self, proof_id: str, rows: set[str], examples: set[str]) -> None:
+    """Stores, in one transaction, row and example digests a proof's probes opened."""
+    with self.engine.begin() as conn:
+      self.add_probes(conn, proof_id, rows)
+      self.add_probe_examples(conn, proof_id, examples)
 
   def probe_count(self, proof_id: str) -> int:
     """The distinct batch rows a proof's probes opened, as its worker indexed them."""

@@ -215,12 +215,26 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
                  standing)
 
 
-def probed_by(store: Store, proof_id: str) -> tuple[set[str], set[str]]:
-  """What a closed proof's probes opened (``contamination.probed_digests``), read from its
-  stored check records: indexed once, here, never while records arrive."""
-  return contamination.probed_digests(
-      transport.decode_safely(raw, canonical=True, max_string=transport.MAX_RECORD_STRING)
-      for raw in store.records_of_kind(proof_id, "check"))
+INDEX_DIGESTS = 20_000  # digests a transaction of ``index_probes`` inserts at most
+
+
+def index_probes(store: Store, proof_id: str) -> None:
+  """Indexes what a verified proof's probes opened (``contamination.probed_digests``) from
+  its stored check records, before its verdict is stored: never while records arrive, and
+  only for a proof that could be submitted. Records are read a page at a time and the
+  digests inserted ``INDEX_DIGESTS`` at most a transaction (duplicates skipped: a retried
+  job inserts nothing twice), so that no proof holds the server's write lock for long."""
+  rows: set[str] = set()
+  examples: set[str] = set()
+  for raw in store.iter_records_of_kind(proof_id, "check"):
+    more_rows, more_examples = contamination.probed_digests([transport.decode_safely(
+        raw, canonical=True, max_string=transport.MAX_RECORD_STRING)])
+    rows |= more_rows
+    examples |= more_examples
+    if len(rows) + len(examples) >= INDEX_DIGESTS:
+      store.add_probed(proof_id, rows, examples)
+      rows, examples = set(), set()
+  store.add_probed(proof_id, rows, examples)
 
 
 def server_claims(report: dict, challenger_kind: str) -> dict:
@@ -298,11 +312,12 @@ def _process(store, blobs, job, worker_id, work, limits) -> tuple[bool, str]:
   """(whether the verdict was kept, the subject's state) of one job."""
   if job["kind"] == "proof":
     verdict = verify_proof(store, blobs, job["subject"], work, limits)
+    if verdict.state not in ("invalid", UNVERIFIABLE):
+      index_probes(store, job["subject"])
     receipt = (verdict.verifier_verdict, sum(r["status"] != "not replayed" for r in verdict.rows))
     return store.complete_proof_job(job["id"], worker_id, job["subject"], verdict.state,
                                     verdict.failure, verdict.rows, receipt=receipt,
-                                    claims=verdict.claims, strict=verdict.strict,
-                                    probed=probed_by(store, job["subject"])), verdict.state
+                                    claims=verdict.claims, strict=verdict.strict), verdict.state
   if job["kind"] == scoring.SHARD_JOB:
     outputs, failure = score_shard(store, blobs, job["subject"], work, limits)
     return store.complete_shard_job(job["id"], worker_id, job["subject"], outputs,
