@@ -14,6 +14,8 @@ Example::
   leaf_digests = backend.state_digests(backend.materialize(started))
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,7 +141,7 @@ class DeviceDigests(HostDigests):
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
     """As the host's, each block paired with its row hashes started on its device."""
     return [[(first, count, (block, None if l.key_impl or not l.shape
-                             else device_digest.row_leaf_words(_merkle_rows(block, count))))
+                             else _row_words(block, count)))
              for first, count, block in arrays.row_shards(x, l)]
             for x, l in zip(leaves, layouts)]
 
@@ -155,9 +157,11 @@ class DeviceDigests(HostDigests):
     return digest.byte_view(np.asarray(arrays.host_view(data.reshape(count, -1)[row])))
 
 
-def _merkle_rows(block: jax.Array, count: int) -> jax.Array:
-  """``block`` as ``[count, elements of one Merkle row]`` (``[0, 0]`` when it has no rows)."""
-  return block.reshape(count, block.size // count if count else 0)
+@functools.partial(jax.jit, static_argnums=1)
+def _row_words(block: jax.Array, count: int) -> jax.Array:
+  """The Merkle leaf words of ``block``'s ``count`` Merkle rows, in one program: an eager
+  reshape before it cost 0.4 ms of the training thread a leaf a step on a TPU."""
+  return device_digest.row_leaf_words(block.reshape(count, block.size // count if count else 0))
 
 
 def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:
