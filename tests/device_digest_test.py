@@ -66,7 +66,7 @@ class DeviceBlake3Test(parameterized.TestCase):
 
   def test_row_leaf_hashes(self):
     x = jax.random.normal(jax.random.key(0), (70, 9))
-    rows = [device_digest.words_to_bytes(w) for w in device_digest.row_leaf_words(x)]
+    rows = device_digest.rows_to_bytes(device_digest.row_leaf_words(x))
     self.assertEqual(rows, [merkle.leaf_hash(r.tobytes()) for r in np.asarray(x)])
 
   def test_a_batch_without_rows_has_no_row_hashes_on_either_backend(self):

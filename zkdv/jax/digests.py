@@ -149,7 +149,7 @@ class DeviceDigests(HostDigests):
     data, words = block
     if words is None:  # keys and scalars: hash on the host
       return super()._block_row_hashes(data, layout, count)
-    return [device_digest.words_to_bytes(w) for w in np.asarray(words)]
+    return device_digest.rows_to_bytes(words)
 
   def _row_view(self, block, count: int, row: int) -> np.ndarray:
     """One row, sliced where the block lives (only its bytes reach the host)."""
