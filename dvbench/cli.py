@@ -79,8 +79,11 @@ def _database_url(args) -> str:
 
 
 def _store(args):
-  from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
-  return Store.open(_database_url(args))
+  from dvbench.server.db import NewerSchema, Store  # pylint: disable=g-import-not-at-top
+  try:
+    return Store.open(_database_url(args))
+  except NewerSchema as e:
+    raise SystemExit(f"dvbench {args.command}: {e}") from None
 
 
 def _store_and_blobs(args):

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -90,6 +92,24 @@ class StoreTest(parameterized.TestCase):
       store.add_probes(conn, counted["id"], {"04" * 32})  # indexed: charged by its count
     self.assertEqual(quotas.usage(store, lambda digest: 0, "alice")["stored_bytes"],
                      2 * len(b"root") + (3 + 5) * quotas.OPENED_ROW_BYTES)
+
+  def test_a_database_a_newer_dvbench_migrated_is_refused(self, backend):
+    # An older worker on a newer schema would verify proofs by rules the tables no longer
+    # follow (before migration 10, without indexing their probes).
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    newer = db.MIGRATIONS[-1][0] + 1
+    with store.engine.begin() as conn:
+      conn.execute(db.schema_migrations.insert().values(version=newer, applied_at=0.0))
+    with self.assertRaisesRegex(db.NewerSchema, f"schema version {newer}, and this dvbench "
+                                f"knows versions up to {newer - 1}.*upgrade this one"):
+      db.Store.open(url)
+    cli = subprocess.run([sys.executable, "-m", "dvbench.cli", "usage", "alice",
+                          "--database-url", url, "--data", tempfile.mkdtemp()],
+                         capture_output=True, text=True)
+    self.assertNotEqual(cli.returncode, 0)
+    self.assertIn(f"dvbench usage: the database is at schema version {newer}", cli.stderr)
+    self.assertNotIn("Traceback", cli.stderr)
 
   def test_tokens_are_stored_hashed(self, backend):
     store = db.Store.open(_fresh_url(backend))

@@ -170,6 +170,10 @@ def _migration_10(conn) -> None:
       probed_rows=indexed[0] + indexed[1]))
 
 
+class NewerSchema(RuntimeError):
+  """The database was migrated by a newer dvbench than this one."""
+
+
 MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
                                           (5, _migration_5), (6, _migration_6),
@@ -260,10 +264,18 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     return store
 
   def migrate(self) -> list[int]:
-    """Applies missing migrations in order; returns the versions applied."""
+    """Applies missing migrations in order; returns the versions applied. Raises
+    ``NewerSchema`` for a database a newer dvbench migrated: this code would run on it
+    without the rules its tables now follow (e.g. a worker that does not index probes)."""
     applied = []
     with self.engine.begin() as conn:
       schema_migrations.create(conn, checkfirst=True)
+      newest = conn.execute(sa.select(sa.func.max(schema_migrations.c.version))).scalar()
+    known = MIGRATIONS[-1][0]
+    if newest is not None and newest > known:
+      raise NewerSchema(f"the database is at schema version {newest}, and this dvbench knows "
+                        f"versions up to {known}: a newer dvbench migrated it. Run the "
+                        "server and every worker with that dvbench (upgrade this one).")
     for version, step in MIGRATIONS:
       with self.engine.begin() as conn:
         done = conn.execute(sa.select(schema_migrations.c.version).where(
