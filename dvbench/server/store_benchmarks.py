@@ -129,10 +129,7 @@ class BenchmarkQueries:
 
   def records_of_kind(self, proof_id: str, kind: str) -> list[bytes]:
     """The stored records of one type (e.g. "program", "init"), in chain order."""
-    with self.engine.connect() as conn:
-      return [r[0] for r in conn.execute(sa.select(records.c.data).where(
-          (records.c.proof_id == proof_id) & (records.c.kind == kind)
-      ).order_by(records.c.position))]
+    return list(self.iter_records_of_kind(proof_id, kind))
 
   def iter_records_of_kind(self, proof_id: str, kind: str, page: int = 64):
     """``records_of_kind``, read ``page`` records a query (none held in memory at once)."""
