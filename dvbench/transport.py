@@ -58,6 +58,7 @@ def encode(envelope: dict) -> bytes:
 
 
 _SCALAR, _STRING, _CONTAINER, _REFUSED = range(4)  # what a head starts
+_RUN_ITEMS = 8  # an array this long is first tried as a run of items of one shape
 
 
 def _head(byte: int) -> tuple[int, int, int]:
@@ -102,11 +103,37 @@ def _cut_short(data: bytes, head: int) -> str:
   return f"byte {head}: the item is cut short."
 
 
+def _run_end(data: bytes, at: int, count: int, max_string: int) -> int | None:
+  """Where an array's ``count`` items starting at ``at`` end when they all share the
+  first one's head (scalars, or strings of one length, e.g. a probe's rows or an audit
+  path's digests), compared as strided slices; None when they do not (or are containers).
+  """
+  what, _, size = _HEADS[data[at]]
+  if what == _SCALAR:
+    head, length = 1, size
+  elif what == _STRING:
+    head = 1 + size
+    value = int.from_bytes(data[at + 1:at + head], "big") if size else data[at] & 31
+    if value > max_string:
+      return None
+    length = head + value
+  else:
+    return None
+  end = at + count * length
+  if end > len(data):
+    return None
+  for k in range(head):
+    if data[at + k:end:length] != data[at + k:at + k + 1] * count:
+      return None
+  return end
+
+
 def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: int) -> None:
   """Walks the heads of one CBOR item without building it (raises UnsafeCbor).
 
   Each container's items are counted when it opens, so a head that announces more than
-  ``max_items`` is refused before anything it announces is read.
+  ``max_items`` is refused before anything it announces is read. An array whose items
+  share one head is stepped over at once (``_run_end``).
   """
   end, at, items, left, outer = len(data), 0, 1, 1, []  # left: items to read at this level
   fixed_lengths = _SHORT_LENGTHS if max_string >= 23 else _SCALAR_LENGTHS
@@ -148,6 +175,11 @@ def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: in
     items += count
     if items > max_items:
       raise UnsafeCbor(f"more than {max_items} items.")
+    if major == 4 and count >= _RUN_ITEMS and at < end:
+      run_end = _run_end(data, at, count, max_string)
+      if run_end is not None:
+        at = run_end
+        continue
     outer.append(left)
     left = count
   if at != end:

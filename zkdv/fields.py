@@ -96,9 +96,14 @@ class Bytes(Spec):
       self.fail(value, where, f"at most {self.max_size} bytes")
 
   def accepts_all(self, values):
-    size, most = self.size, self.max_size
-    return all(type(v) is bytes and len(v) <= most and (size is None or len(v) == size)
-               for v in values)
+    if not values:
+      return True
+    if set(map(type, values)) != {bytes}:
+      return False
+    lengths = set(map(len, values))
+    if self.size is not None:
+      return lengths == {self.size} and self.size <= self.max_size
+    return max(lengths) <= self.max_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,12 +14,13 @@ definition the verifier checks too) before the transaction starts; the transacti
 
 Example::
 
-  parsed = [(raw, parse_record(raw, n)) for n, raw in enumerate(raws)]  # before the database
+  parsed = [(raw, parse_record(raw, n), record_id(raw))  # before the database
+            for n, raw in enumerate(raws)]
   with store.engine.begin() as conn:
     ingest = Ingest(store, conn, proof_id, ProofChallenger.of(store, proof_id))
-    ingest.expect(raw for raw, _ in parsed)
-    for n, (raw, record) in enumerate(parsed):
-      ingest.take(raw, record, n)
+    ingest.expect(rid for _, _, rid in parsed)
+    for n, (raw, record, rid) in enumerate(parsed):
+      ingest.take(raw, record, rid, n)
     ack = ingest.ack()
 """
 
@@ -33,7 +34,6 @@ from dvbench import transport
 from dvbench.server.decoding import decode
 from zkdv import challenge
 from zkdv import records
-from zkdv.transcript import record_id
 
 
 def parse_record(raw, n: int) -> dict:
@@ -127,22 +127,20 @@ class Ingest:
                    "check": self._check_answer, "resume": self._check_resume,
                    "final": self._check_final}
 
-  def expect(self, raws) -> None:
-    """Looks up at once which of the request's records are stored already."""
-    self._positions.update(self.store.record_positions(
-        self.conn, self.proof_id, [record_id(raw) for raw in raws]))
+  def expect(self, ids) -> None:
+    """Looks up at once which of the request's records (by id) are stored already."""
+    self._positions.update(self.store.record_positions(self.conn, self.proof_id, list(ids)))
 
-  def take(self, raw: bytes, record: dict, n: int) -> None:
-    """Appends record ``n`` of the request (checked by ``parse_record``) or counts it as a
-    duplicate (``expect`` it first)."""
+  def take(self, raw: bytes, record: dict, rid: bytes, n: int) -> None:
+    """Appends record ``n`` of the request (checked by ``parse_record``; ``rid`` is
+    ``record_id(raw)``) or counts it as a duplicate (``expect`` it first)."""
     try:
-      self._take(raw, record, n)
+      self._take(raw, record, rid, n)
     except HTTPException:
       self._write_answers()  # a refused answer of an earlier record is named first
       raise
 
-  def _take(self, raw: bytes, record: dict, n: int) -> None:
-    rid = record_id(raw)
+  def _take(self, raw: bytes, record: dict, rid: bytes, n: int) -> None:
     if rid in self._positions:
       self.duplicates += 1
       if record["type"] == "step":

@@ -83,7 +83,7 @@ class Ingestion:
       return {"chunk": idx, "of": count}
     if record_id(whole) != rid:
       raise HTTPException(400, "the reassembled chunks do not hash to record_id.")
-    ingest.take(whole, parse_record(whole, 0), 0)  # not stored: looked up above
+    ingest.take(whole, parse_record(whole, 0), rid, 0)  # not stored: looked up above
     return {"chunk": idx, "of": count, **ingest.ack()}
 
   def close(self, ingest: Ingest, envelope: dict) -> dict:
@@ -148,7 +148,7 @@ class EnvelopeJob:
     self.client_id = self.envelope["client_id"]
     self.challenger = ProofChallenger.of(self.store, self.proof_id)
     self.raws = self.envelope["records"] if self.envelope["kind"] == "records" else []
-    self.parsed: list[tuple[bytes, dict]] = []  # decoded, checked, not yet stored
+    self.parsed: list[tuple[bytes, dict, bytes]] = []  # decoded, checked, not yet stored
     self.taken = 0  # records of the envelope stored or counted as duplicates
     self.totals = {"stored": 0, "duplicates": 0}
     self.challenges: dict[int, dict] = {}
@@ -187,7 +187,7 @@ class EnvelopeJob:
     size, n = 0, self.taken
     while n < len(self.raws) and n - self.taken < SLICE_RECORDS and size < SLICE_BYTES:
       raw = self.raws[n]
-      self.parsed.append((raw, parse_record(raw, n)))
+      self.parsed.append((raw, parse_record(raw, n), record_id(raw)))
       size += len(raw) if isinstance(raw, bytes) else 0
       n += 1
 
@@ -195,10 +195,10 @@ class EnvelopeJob:
     """Stores parsed records for up to ``SLICE_SECONDS``; the acknowledgement once every
     record of the envelope is taken, else None."""
     deadline = time.monotonic() + SLICE_SECONDS
-    ingest.expect(raw for raw, _ in self.parsed)
+    ingest.expect(rid for _, _, rid in self.parsed)
     done = 0
-    for raw, record in self.parsed:
-      ingest.take(raw, record, self.taken + done)
+    for raw, record, rid in self.parsed:
+      ingest.take(raw, record, rid, self.taken + done)
       done += 1
       if time.monotonic() > deadline:
         break
