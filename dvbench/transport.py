@@ -16,7 +16,8 @@ larger than ``CHUNK_BYTES`` travel as chunks; resending an envelope is harmless.
 Everything a prover sends is decoded with ``decode_safely``, and only after its
 token was checked, off the server's event loop: definite lengths, no tags (so no
 shared references, sets, regular expressions or other rich objects), bounded depth,
-item count and string lengths. ``dvbench.server.validation`` then checks each field.
+item count and string lengths; a record's deterministic encoding is checked in the same
+walk, never by encoding it again. ``dvbench.server.validation`` then checks each field.
 
 Example::
 
@@ -25,6 +26,8 @@ Example::
 """
 
 import io
+import math
+import struct
 
 import cbor2
 
@@ -85,6 +88,13 @@ _HEADS = [_head(byte) for byte in range(256)]  # one table lookup a head
 _SCALAR_LENGTHS = [size if what == _SCALAR else 0 for what, _, size in _HEADS]
 _SHORT_LENGTHS = [1 + (byte & 31) if what == _STRING and byte & 31 < 24 else length
                   for byte, ((what, _, _), length) in enumerate(zip(_HEADS, _SCALAR_LENGTHS))]
+# The same where a deterministic encoding needs no look past the head: integers below 24,
+# false, true and null (and short strings).
+_CANONICAL_LENGTHS = [1 if length == 1 else 0 for length in _SCALAR_LENGTHS]
+_CANONICAL_SHORT_LENGTHS = [1 if scalar == 1 else short if scalar == 0 else 0
+                            for scalar, short in zip(_SCALAR_LENGTHS, _SHORT_LENGTHS)]
+_LEAST_ARGUMENT = {1: 24, 2: 1 << 8, 4: 1 << 16, 8: 1 << 32}  # shortest heads (RFC 8949 §4.2.1)
+_FLOAT_FORMATS = {3: ">e", 5: ">f", 9: ">d"}  # a float item's length -> its struct format
 
 
 def _refusal(data: bytes, at: int) -> str:
@@ -103,18 +113,21 @@ def _cut_short(data: bytes, head: int) -> str:
   return f"byte {head}: the item is cut short."
 
 
-def _run_end(data: bytes, at: int, count: int, max_string: int) -> int | None:
+def _run_end(data: bytes, at: int, count: int, max_string: int, canonical: bool) -> int | None:
   """Where an array's ``count`` items starting at ``at`` end when they all share the
   first one's head (scalars, or strings of one length, e.g. a probe's rows or an audit
-  path's digests), compared as strided slices; None when they do not (or are containers).
+  path's digests), compared as strided slices; None when they do not (or are containers,
+  or, with ``canonical``, items whose bytes after the head need checking).
   """
   what, _, size = _HEADS[data[at]]
   if what == _SCALAR:
+    if canonical and size > 1:  # an argument or a float: each is checked on its own
+      return None
     head, length = 1, size
   elif what == _STRING:
     head = 1 + size
     value = int.from_bytes(data[at + 1:at + head], "big") if size else data[at] & 31
-    if value > max_string:
+    if value > max_string or (canonical and size and value < _LEAST_ARGUMENT[size]):
       return None
     length = head + value
   else:
@@ -128,37 +141,101 @@ def _run_end(data: bytes, at: int, count: int, max_string: int) -> int | None:
   return end
 
 
-def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: int) -> None:
-  """Walks the heads of one CBOR item without building it (raises UnsafeCbor).
+def _not_canonical(at: int, why: str) -> UnsafeCbor:
+  return UnsafeCbor(f"byte {at}: not deterministically encoded (RFC 8949 §4.2): {why}.")
+
+
+def _fits(value: float, fmt: str) -> bool:
+  """Whether ``value`` survives a round trip through the struct float format ``fmt``."""
+  try:
+    return struct.unpack(fmt, struct.pack(fmt, value))[0] == value
+  except OverflowError:
+    return False
+
+
+def _check_canonical_scalar(data: bytes, at: int, major: int, length: int) -> None:
+  """Raises unless the scalar at ``at`` (``length`` bytes, head included) is in its
+  deterministic form: an integer in its shortest head, a float in the shortest of
+  half, single and double precision that holds it exactly (NaN as ``f9 7e 00``)."""
+  if major != 7:
+    if int.from_bytes(data[at + 1:at + length], "big") < _LEAST_ARGUMENT[length - 1]:
+      raise _not_canonical(at, "an integer in a longer head than it needs")
+    return
+  value = struct.unpack(_FLOAT_FORMATS[length], data[at + 1:at + length])[0]
+  if math.isnan(value):
+    if data[at:at + length] != b"\xf9\x7e\x00":
+      raise _not_canonical(at, "NaN other than f9 7e 00")
+  elif length > 3 and (math.isinf(value) or _fits(value, ">e")):
+    raise _not_canonical(at, "a float that half precision holds exactly")
+  elif length == 9 and _fits(value, ">f"):
+    raise _not_canonical(at, "a float that single precision holds exactly")
+
+
+def _check_key(data: bytes, at: int, length: int, previous: bytes) -> bytes:
+  """The encoded map key at ``at``, a string or an integer (``false``, ``1.0`` and ``1``
+  would be one key once decoded), which must sort after ``previous`` (shorter first,
+  then bytewise: RFC 8949 §4.2.3's length-first order, which ``cbor2`` writes)."""
+  if data[at] >> 5 == 7:
+    raise _not_canonical(at, "a map key that is not a string or an integer")
+  key = data[at:at + length]
+  if (len(key), key) <= (len(previous), previous):
+    raise _not_canonical(at, "map keys out of order or repeated")
+  return key
+
+
+def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: int,
+                     canonical: bool = False) -> None:
+  """Walks the heads of one CBOR item without building it (raises UnsafeCbor); with
+  ``canonical``, refuses any encoding but the deterministic one ``cbor2`` writes
+  (``canonical=True``): shortest heads and floats, map keys (strings or integers)
+  in order, once each.
 
   Each container's items are counted when it opens, so a head that announces more than
   ``max_items`` is refused before anything it announces is read. An array whose items
   share one head is stepped over at once (``_run_end``).
   """
   end, at, items, left, outer = len(data), 0, 1, 1, []  # left: items to read at this level
-  fixed_lengths = _SHORT_LENGTHS if max_string >= 23 else _SCALAR_LENGTHS
+  keys, outer_keys = None, []  # in a map: the last key's encoding (b"": none yet)
+  if canonical:
+    fixed_lengths = _CANONICAL_SHORT_LENGTHS if max_string >= 23 else _CANONICAL_LENGTHS
+  else:
+    fixed_lengths = _SHORT_LENGTHS if max_string >= 23 else _SCALAR_LENGTHS
   while True:
     if not left:
       if not outer:
         break
-      left = outer.pop()
+      left, keys = outer.pop(), outer_keys.pop()
       continue
     left -= 1
     if at >= end:
       raise UnsafeCbor(f"byte {at}: the item is cut short.")
+    is_key = keys is not None and left % 2
     fixed = fixed_lengths[data[at]]
     if fixed:  # a scalar, or a string shorter than 24 bytes
       at += fixed
       if at > end:
         raise UnsafeCbor(_cut_short(data, at - fixed))
+      if is_key:
+        keys = _check_key(data, at - fixed, fixed, keys)
       continue
     what, major, size = _HEADS[data[at]]
     if what == _REFUSED:
       raise UnsafeCbor(_refusal(data, at))
+    if what == _SCALAR:  # canonical: an integer with an argument, or a float
+      if at + size > end:
+        raise UnsafeCbor(f"byte {at}: the item is cut short.")
+      _check_canonical_scalar(data, at, major, size)
+      if is_key:
+        keys = _check_key(data, at, size, keys)
+      at += size
+      continue
+    head = at
     if size:
       if at + 1 + size > end:
         raise UnsafeCbor(f"byte {at}: the item is cut short.")
       value = int.from_bytes(data[at + 1:at + 1 + size], "big")
+      if canonical and value < _LEAST_ARGUMENT[size]:
+        raise _not_canonical(at, "a length in a longer head than it needs")
     else:
       value = data[at] & 31
     at += 1 + size
@@ -168,7 +245,11 @@ def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: in
       at += value
       if at > end:
         raise UnsafeCbor(f"byte {at - value}: a string of {value} bytes is cut short.")
+      if is_key:
+        keys = _check_key(data, head, at - head, keys)
       continue
+    if is_key:
+      raise _not_canonical(head, "a map key that is not a string or an integer")
     if len(outer) >= max_depth:
       raise UnsafeCbor(f"byte {at}: nested deeper than {max_depth} levels.")
     count = value * (2 if major == 5 else 1)
@@ -176,33 +257,32 @@ def _check_structure(data: bytes, max_depth: int, max_items: int, max_string: in
     if items > max_items:
       raise UnsafeCbor(f"more than {max_items} items.")
     if major == 4 and count >= _RUN_ITEMS and at < end:
-      run_end = _run_end(data, at, count, max_string)
+      run_end = _run_end(data, at, count, max_string, canonical)
       if run_end is not None:
         at = run_end
         continue
     outer.append(left)
-    left = count
+    outer_keys.append(keys)
+    left, keys = count, (b"" if canonical and major == 5 else None)
   if at != end:
     raise UnsafeCbor(f"{end - at} bytes follow the item.")
 
 
 def decode_safely(data: bytes, *, canonical: bool = False, max_depth: int = MAX_DEPTH,
                   max_items: int = MAX_ITEMS, max_string: int = MAX_STRING):
-  """The one CBOR item in ``data``; with ``canonical``, it must be encoded deterministically.
+  """The one CBOR item in ``data``; with ``canonical``, it must be encoded deterministically
+  (as ``cbor2.dumps(item, canonical=True)`` writes it).
 
   Raises UnsafeCbor naming what is wrong, e.g.
   ``decode_safely(b"\\xc1\\x00")`` -> "byte 0: CBOR tags are not accepted."
   """
   if not isinstance(data, bytes):
     raise UnsafeCbor("expected a byte string.")
-  _check_structure(data, max_depth, max_items, max_string)
+  _check_structure(data, max_depth, max_items, max_string, canonical)
   try:
-    item = cbor2.loads(data)
+    return cbor2.loads(data)
   except (cbor2.CBORDecodeError, ValueError, TypeError, RecursionError) as e:
     raise UnsafeCbor(f"not valid CBOR: {e}") from None
-  if canonical and cbor2.dumps(item, canonical=True) != data:
-    raise UnsafeCbor("not deterministically encoded (RFC 8949 §4.2).")
-  return item
 
 
 def blob_refs(record: dict) -> set[str]:

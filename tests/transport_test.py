@@ -1,7 +1,9 @@
 """The safe decoding of what a prover sends: every head the walk refuses, named; every value
 a canonical encoder writes, accepted and decoded as written."""
 
+import random
 import re
+import struct
 from unittest import mock
 
 from absl.testing import absltest
@@ -23,6 +25,80 @@ RUNS = cbor2.dumps({"probes": [[0, 1, [bytes([n]) * 5 for n in range(9)],
                                [1, 0, [bytes([n]) * 2 for n in range(10)], []]],
                     "scores": [0.25 * n for n in range(8)], "steps": [7] * 12},
                    canonical=True)
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+  """A value of every kind a record may hold, nested, with maps of string, byte string
+  and integer keys."""
+  kind = rng.randrange(10 if depth < 3 else 7)
+  if kind == 0:
+    return rng.choice([0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1,
+                       rng.randrange(-2**64, 2**64)])
+  if kind == 1:
+    return rng.choice([0.0, -0.0, 1.5, 65504.0, 2.0**-24, 0.1, 1e300, float("inf"),
+                       float("nan"), struct.unpack(">f", rng.randbytes(4))[0],
+                       struct.unpack(">e", rng.randbytes(2))[0],
+                       struct.unpack(">d", rng.randbytes(8))[0]])
+  if kind == 2:
+    return rng.randbytes(rng.choice([0, 3, 23, 24, 300]))
+  if kind == 3:
+    return "".join(rng.choice("aé€😀") for _ in range(rng.choice([0, 5, 30])))
+  if kind in (4, 5, 6):
+    return rng.choice([True, False, None])
+  if kind in (7, 8):
+    return [_random_value(rng, depth + 1) for _ in range(rng.choice([0, 2, 9]))]
+  return {rng.choice([rng.randrange(-300, 300), rng.randbytes(rng.randrange(3)),
+                      "k" * rng.randrange(30)]): _random_value(rng, depth + 1)
+          for _ in range(rng.randrange(6))}
+
+
+def _non_canonical_variants(data: bytes) -> list[bytes]:
+  """Encodings of the same values in longer heads or wider floats, and with two map
+  entries swapped: each head widened in turn."""
+  variants = []
+  for at, byte in enumerate(data[:200]):
+    major, info = byte >> 5, byte & 31
+    if major in (0, 1, 2, 3, 4, 5) and info < 24:
+      variants.append(data[:at] + bytes([major << 5 | 24, info]) + data[at + 1:])
+    if major in (0, 1, 2, 3, 4, 5) and info == 24:
+      variants.append(data[:at] + bytes([major << 5 | 25, 0]) + data[at + 1:])
+    if byte == 0xf9 and at + 3 <= len(data):
+      value = struct.unpack(">e", data[at + 1:at + 3])[0]
+      variants.append(data[:at] + b"\xfa" + struct.pack(">f", value) + data[at + 3:])
+      variants.append(data[:at] + b"\xf9" + bytes([data[at + 1] ^ 1, data[at + 2]])
+                      + data[at + 3:])
+    if byte == 0xfa and at + 5 <= len(data):
+      value = struct.unpack(">f", data[at + 1:at + 5])[0]
+      variants.append(data[:at] + b"\xfb" + struct.pack(">d", value) + data[at + 5:])
+  return variants
+
+
+def _keys_are_strings_or_integers(item) -> bool:
+  if isinstance(item, list):
+    return all(map(_keys_are_strings_or_integers, item))
+  if isinstance(item, dict):
+    return all(type(k) in (str, bytes, int) and _keys_are_strings_or_integers(v)
+               for k, v in item.items())
+  return True
+
+
+def _reference(data: bytes) -> str:
+  """Accepted or refused as canonical by decoding and encoding again, and comparing (map
+  keys other than strings and integers refused)."""
+  try:
+    item = transport.decode_safely(data)
+  except transport.UnsafeCbor:
+    return "refused"
+  same = cbor2.dumps(item, canonical=True) == data
+  return "accepted" if same and _keys_are_strings_or_integers(item) else "refused"
+
+
+def _canonical_outcome(data: bytes) -> str:
+  try:
+    transport.decode_safely(data, canonical=True)
+  except transport.UnsafeCbor:
+    return "refused"
+  return "accepted"
 
 
 def _outcome(data: bytes) -> str:
@@ -99,6 +175,51 @@ class DecodeSafelyTest(parameterized.TestCase):
     self.assertEqual(with_runs, item_by_item)
     self.assertGreater(with_runs.count("accepted"), 50)
     self.assertGreater(len(set(with_runs)), 20)
+
+  def test_the_canonical_walk_decides_as_encoding_again_and_comparing(self):
+    """Random values, their canonical encodings, each head widened, floats widened,
+    NaN payloads changed, every one-byte change and cut: the walk accepts exactly what
+    a decoder that encodes again and compares accepts."""
+    rng = random.Random(20261206)
+    cases = []
+    for _ in range(300):
+      data = cbor2.dumps(_random_value(rng), canonical=True)
+      cases.append(data)
+      cases += _non_canonical_variants(data)
+      at = rng.randrange(len(data))
+      cases.append(data[:at] + bytes([rng.randrange(256)]) + data[at + 1:])
+      cases.append(data[:at])
+    cases += [cbor2.dumps(v) for v in ({"b": 1, "a": 2}, {"aa": 1, "b": 2}, {2: 0, 1: 0},
+                                       [1.5] * 9, [2**40] * 9, [b"x" * 30] * 9)]
+    cases += [b"\xa2\x61a\x00\x61a\x01", b"\xa2\x01\x00\xf5\x00", b"\xa1\xf9\x3c\x00\x00",
+              b"\xa1\x81\x00\x00", b"\x89" + b"\x18\x05" * 9, b"\x89" + b"\x58\x01x" * 9]
+    walked = [_canonical_outcome(data) for data in cases]
+    differ = [(data.hex(), w) for data, w in zip(cases, walked) if w != _reference(data)]
+    self.assertEqual(differ[:3], [])
+    self.assertGreater(walked.count("accepted"), 300)
+    self.assertGreater(walked.count("refused"), 1000)
+
+  @parameterized.named_parameters(
+      ("long_integer", b"\x18\x05", "byte 0: not deterministically encoded (RFC 8949 §4.2): "
+       "an integer in a longer head than it needs."),
+      ("long_length", b"\x58\x01x", "byte 0: not deterministically encoded (RFC 8949 §4.2): "
+       "a length in a longer head than it needs."),
+      ("wide_float", b"\xfa\x3f\xc0\x00\x00", "byte 0: not deterministically encoded "
+       "(RFC 8949 §4.2): a float that half precision holds exactly."),
+      ("double_of_a_single", b"\xfb" + struct.pack(">d", 0.1015625 + 2**-20),
+       "a float that single precision holds exactly."),
+      ("nan_payload", b"\xf9\x7e\x01", "NaN other than f9 7e 00."),
+      ("keys_out_of_order", b"\xa2\x61b\x00\x61a\x00", "byte 4: not deterministically "
+       "encoded (RFC 8949 §4.2): map keys out of order or repeated."),
+      ("repeated_key", b"\xa2\x61a\x00\x61a\x01", "map keys out of order or repeated."),
+      ("bool_key", b"\xa1\xf5\x00", "a map key that is not a string or an integer."),
+      ("array_key", b"\xa1\x81\x00\x00", "a map key that is not a string or an integer."),
+      ("in_a_run", b"\x89" + b"\x18\x05" * 9, "byte 1: not deterministically encoded"),
+  )
+  def test_a_non_canonical_encoding_is_named(self, data, message):
+    with self.assertRaisesRegex(transport.UnsafeCbor, re.escape(message)):
+      transport.decode_safely(data, canonical=True)
+    transport.decode_safely(data)  # well-formed all the same
 
   def test_items_count_across_levels(self):
     ok = cbor2.dumps([[0] * 3] * 3)  # 1 + 3 + 9 items
