@@ -30,6 +30,7 @@ import math
 import struct
 
 import cbor2
+import numpy as np
 
 from zkdv import records
 from zkdv.transcript import record_id  # pylint: disable=unused-import  # re-exported
@@ -116,13 +117,11 @@ def _cut_short(data: bytes, head: int) -> str:
 def _run_end(data: bytes, at: int, count: int, max_string: int, canonical: bool) -> int | None:
   """Where an array's ``count`` items starting at ``at`` end when they all share the
   first one's head (scalars, or strings of one length, e.g. a probe's rows or an audit
-  path's digests), compared as strided slices; None when they do not (or are containers,
-  or, with ``canonical``, items whose bytes after the head need checking).
+  path's digests), compared as strided slices; None when they do not, when they are
+  containers, or, with ``canonical``, when one is not in its deterministic form.
   """
-  what, _, size = _HEADS[data[at]]
+  what, major, size = _HEADS[data[at]]
   if what == _SCALAR:
-    if canonical and size > 1:  # an argument or a float: each is checked on its own
-      return None
     head, length = 1, size
   elif what == _STRING:
     head = 1 + size
@@ -138,7 +137,27 @@ def _run_end(data: bytes, at: int, count: int, max_string: int, canonical: bool)
   for k in range(head):
     if data[at + k:end:length] != data[at + k:at + k + 1] * count:
       return None
+  if canonical and what == _SCALAR and length > 1 and not _canonical_scalars(
+      data, at, count, major, length):
+    return None  # the item-by-item walk names the first one
   return end
+
+
+def _canonical_scalars(data: bytes, at: int, count: int, major: int, length: int) -> bool:
+  """Whether ``count`` scalars of one head at ``at`` (integers with an argument, or floats
+  of one width) are each in their deterministic form, as ``_check_canonical_scalar``
+  decides one at a time."""
+  payload = np.frombuffer(data, np.uint8, count * length, at).reshape(count, length)[:, 1:]
+  if major != 7:
+    return bool(payload.copy().view(f">u{length - 1}").min() >= _LEAST_ARGUMENT[length - 1])
+  if length == 3:  # half precision: NaN only as 7e 00
+    bits = payload.copy().view(">u2").astype(np.uint32)
+    nan = ((bits & 0x7c00) == 0x7c00) & ((bits & 0x3ff) != 0)
+    return bool(np.all(~nan | (bits == 0x7e00)))
+  values = payload.copy().view(">f4" if length == 5 else ">f8").astype(np.float64)
+  narrower = np.float16 if length == 5 else np.float32
+  with np.errstate(over="ignore", invalid="ignore"):
+    return bool(np.all(np.isfinite(values) & (values.astype(narrower) != values)))
 
 
 def _not_canonical(at: int, why: str) -> UnsafeCbor:

@@ -30,7 +30,7 @@ RUNS = cbor2.dumps({"probes": [[0, 1, [bytes([n]) * 5 for n in range(9)],
 def _random_value(rng: random.Random, depth: int = 0):
   """A value of every kind a record may hold, nested, with maps of string, byte string
   and integer keys."""
-  kind = rng.randrange(10 if depth < 3 else 7)
+  kind = rng.randrange(11 if depth < 3 else 7)
   if kind == 0:
     return rng.choice([0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1,
                        rng.randrange(-2**64, 2**64)])
@@ -47,6 +47,13 @@ def _random_value(rng: random.Random, depth: int = 0):
     return rng.choice([True, False, None])
   if kind in (7, 8):
     return [_random_value(rng, depth + 1) for _ in range(rng.choice([0, 2, 9]))]
+  if kind == 9:  # a run: scalars of one head, but for the odd one
+    fmt, size = rng.choice([(">e", 2), (">f", 4), (">d", 8)])
+    run = [struct.unpack(fmt, rng.randbytes(size))[0] for _ in range(9)]
+    if rng.randrange(2):
+      run = [rng.randrange(256, 65536) for _ in range(9)]
+    run[rng.randrange(9)] = rng.choice([run[0], 1.5, 300, float("nan")])
+    return run
   return {rng.choice([rng.randrange(-300, 300), rng.randbytes(rng.randrange(3)),
                       "k" * rng.randrange(30)]): _random_value(rng, depth + 1)
           for _ in range(rng.randrange(6))}
@@ -191,6 +198,11 @@ class DecodeSafelyTest(parameterized.TestCase):
       cases.append(data[:at])
     cases += [cbor2.dumps(v) for v in ({"b": 1, "a": 2}, {"aa": 1, "b": 2}, {2: 0, 1: 0},
                                        [1.5] * 9, [2**40] * 9, [b"x" * 30] * 9)]
+    double = b"\xfb" + struct.pack(">d", 0.1)
+    cases += [b"\x89" + double * 8 + b"\xfb" + struct.pack(">d", 0.5), b"\x89" + double * 9,
+              b"\x89" + b"\xf9\x7e\x00" * 8 + b"\xf9\x7e\x01", b"\x89" + b"\xf9\x7e\x00" * 9,
+              b"\x89" + b"\x19\x01\x00" * 8 + b"\x19\x00\x05",
+              b"\x89" + b"\xfa\x7f\x80\x00\x00" * 9]
     cases += [b"\xa2\x61a\x00\x61a\x01", b"\xa2\x01\x00\xf5\x00", b"\xa1\xf9\x3c\x00\x00",
               b"\xa1\x81\x00\x00", b"\x89" + b"\x18\x05" * 9, b"\x89" + b"\x58\x01x" * 9]
     walked = [_canonical_outcome(data) for data in cases]
