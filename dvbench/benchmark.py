@@ -216,7 +216,7 @@ class Benchmark:
     while decoder.fp.tell() < len(data):
       probed.update((contamination.row_digest(row), row)
                     for entry in records.probe_entries(decoder.decode())
-                    for row in records.probed_rows(entry[2]))
+                    for row in records.probed_rows(entry))
     return list(probed.values())
 
   def submit(self, proof_id: str, checkpoint, training_set: TrainingSet | None = None) -> dict:

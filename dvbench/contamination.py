@@ -69,8 +69,8 @@ def probed_rows(record: dict) -> list[tuple[int, int, list[bytes]]]:
   """Per probe of a probe check record (checked against ``zkdv.records``): its batch leaf,
   the index of its first leading-axis row and the ``row_digest`` of each row it opens (a
   group of g rows, Merkle row r, opens rows r*g to r*g+g-1). Any other record: ``[]``."""
-  return [(leaf, row * len(rows), _row_digests(records.probed_rows(rows)))
-          for leaf, row, rows, _ in records.probe_entries(record)]
+  return [(entry[0], entry[1] * entry[2], _row_digests(records.probed_rows(entry)))
+          for entry in records.probe_entries(record)]
 
 
 _SHORT_ROW = 64  # bytes: a row this short is looked up before it is hashed

@@ -631,7 +631,7 @@ class ContaminationTest(absltest.TestCase):
     self.assertLen(found, 16)  # every example's digest and every token row's
     # A probe of tokens row 2 (single rows) and of labels group 0 (rows 0-3, one row each).
     record = {"type": "check", "kind": "probe", "probes": [
-        [0, 2, [tokens[2].tobytes()], []], [1, 0, [l.tobytes() for l in labels[:4]], []]]}
+        [0, 2, 1, tokens[2].tobytes(), []], [1, 0, 4, labels[:4].tobytes(), []]]}
     opened = contamination.probed_rows(record)
     (example,) = contamination.probed_examples(opened)
     self.assertEqual(found[example], 2)

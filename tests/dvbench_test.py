@@ -220,7 +220,7 @@ class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):
     proof_id = client.experiment("your-name/wide-rows").upload(local)
     self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "self-audited")
     rows = {row for r in testing.records_of(local, "check")
-            for entry in records.probe_entries(r) for row in records.probed_rows(entry[2])}
+            for entry in records.probe_entries(r) for row in records.probed_rows(entry)}
     self.assertNotEmpty(rows)
     self.assertEqual({len(row) for row in rows}, {(1 << 20) + 4})
     # The server's records hold the row whole (Benchmark.probed_rows reads them back).
@@ -236,7 +236,7 @@ class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):
     store = self.store()
     self.assertEqual(store.probed_rows(proof_id), opened)
     self.assertEqual(store.proof(proof_id)["probed_rows"], sum(
-        len(entry[2]) for r in testing.records_of(local, "check")
+        len(records.probed_rows(entry)) for r in testing.records_of(local, "check")
         for entry in records.probe_entries(r)))
     page = client.http.request("GET", f"/proofs/{proof_id}").text
     self.assertIn(f"<td id='probed-rows'>{len(opened)}</td>", page)

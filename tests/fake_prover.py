@@ -172,7 +172,7 @@ class FakeProver:
       fields |= {"post_state_blobs": [put(b"post-state of %d" % step)]}
     else:
       fields |= {"batch_roots": [digest(b"root")],
-                 "probes": [[0, 0, [b"row 0 of %d" % step], []]]}
+                 "probes": [[0, 0, 1, b"row 0 of %d" % step, []]]}
     return self.chain(fields)
 
   def answer(self, decision: challenge.Decision, first: int | None = None) -> None:

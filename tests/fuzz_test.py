@@ -208,7 +208,7 @@ class FuzzTest(absltest.TestCase):
     fields = {"step": self.chain.step_fields(),
               "check": {"type": "check", "step": max(self.prover.steps - 1, 0),
                         "kind": self.rng.choice(["update", "state", "probe", "start"]),
-                        "probes": [[0, 0, [b"row"], []]], "batch_roots": [bytes(32)]},
+                        "probes": [[0, 0, 1, b"row", []]], "batch_roots": [bytes(32)]},
               "final": {"type": "final", "steps": self.prover.steps + 1, "status": "clean"},
               }.get(kind, {"type": kind})
     fields = {**fields, "prev": self.prover.last_id}

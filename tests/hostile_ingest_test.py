@@ -111,7 +111,7 @@ class DatabaseCases:
         ({"type": "check", "step": -top, "kind": "update"}, "record 0 (check).step"),
         ({"type": "final", "steps": 2**63, "status": "clean"}, "record 0 (final).steps"),
         ({"type": "check", "step": 0, "kind": "probe", "batch_roots": [],
-          "probes": [[0, top, [b"row"], []]]}, "record 0 (check).probes[0][1]"),
+          "probes": [[0, top, 1, b"row", []]]}, "record 0 (check).probes[0][1]"),
         ({"type": "check", "step": 0, "kind": "probe", "batch_roots": [],
           "probes": ["::/0"]}, "record 0 (check).probes[0]"),
     ]

@@ -178,7 +178,7 @@ class MultiProcessLiveTest(absltest.TestCase):
     merkle_rows = [ROWS // l.get("row_group", 1) for l in layouts]  # half on each process
     self.assertEqual(merkle_rows, [PROCESSES] * 2)
     for c in probes:
-      self.assertCountEqual([(leaf, row) for leaf, row, _, _ in c["probes"]],
+      self.assertCountEqual([(leaf, row) for leaf, row, *_ in c["probes"]],
                             [(leaf, row) for leaf in (0, 1) for row in range(merkle_rows[leaf])])
     code, report = testing.zkdv_verify(folder, "--server-key", self.key, "--strict")
     self.assertEqual((code, report["verdict"]), (0, "verified"), report)

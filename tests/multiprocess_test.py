@@ -233,7 +233,7 @@ class MultiProcessTest(absltest.TestCase):
       rows = [8 // l.get("row_group", 1) for l in programs[0]["batch_layout"]]
       self.assertTrue(all(n >= 2 for n in rows), programs[0]["batch_layout"])
       for c in probes:
-        self.assertCountEqual([(leaf, row) for leaf, row, _, _ in c["probes"]],
+        self.assertCountEqual([(leaf, row) for leaf, row, *_ in c["probes"]],
                               [(leaf, row) for leaf in (0, 1) for row in range(rows[leaf])])
       # Each kernel is committed as two column pieces, one held by each process.
       kernel = next(i for i, l in enumerate(programs[0]["state_layout"])

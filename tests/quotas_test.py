@@ -18,6 +18,7 @@ from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import postgres
 from tests.fake_prover import FakeProver
+from zkdv import records
 
 _STORED_BYTES = 100_000
 _QUOTAS = ("--quota-stored-gb", str(_STORED_BYTES / (1 << 30)), "--max-slots-per-hour", "4",
@@ -113,7 +114,8 @@ class QuotaCases:
     rows = [i.to_bytes(3, "little") for i in range(2000)]
     response = prover.send(prover.chain({"type": "check", "step": 0, "kind": "probe",
                                          "batch_roots": [bytes(32)],
-                                         "probes": [[0, 0, rows, []]]}))
+                                         "probes": [[0, 0, len(rows), b"".join(rows),
+                                                     []]]}))
     self.assertEqual(response.status_code, 200, response.text)
     record_bytes = len(prover.records[-1])
     self.assertLess(record_bytes, _STORED_BYTES // 10)
@@ -123,6 +125,20 @@ class QuotaCases:
     store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
     self.assertEqual(store.proof(prover.proof_id)["probed_rows"], len(rows))
     self.assertEqual(store.probe_count(prover.proof_id), 0)  # indexed by the worker, later
+
+  def test_a_row_count_its_bytes_do_not_carry_is_not_charged(self):
+    # Attack: an entry says how many rows its bytes join. Counted as said, 4,096 entries
+    # of 2^20 rows of no bytes (40 KB of record) would charge 2^32 rows, past a 32-bit
+    # column, and another owner's rows could not be told from them.
+    prover = FakeProver(self.server.url, self.server.token("pim"), "pim/run").start()
+    prover.run(steps=1, skip_answer=(0,))
+    entries = [[0, 0, records.MAX_RECORD_ITEMS, b"", []]] * 4096
+    response = prover.send(prover.chain({"type": "check", "step": 0, "kind": "probe",
+                                         "batch_roots": [bytes(32)], "probes": entries}))
+    self.assertEqual(response.status_code, 200, response.text)
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    self.assertEqual(store.proof(prover.proof_id)["probed_rows"], 0)
+    self.assertLess(int(self.usage("pim")["stored_bytes"][0]), _STORED_BYTES)  # its bytes
 
   def usage(self, owner: str) -> dict[str, list[str]]:
     """``dvbench usage OWNER``: per quota, [used, limit]."""

@@ -296,8 +296,8 @@ class NestedPathTest(parameterized.TestCase):
        "body.x[1][2]: an integer in [0, 10), got 11."),
       ("row_item", fields.ListOf(fields.Row((fields.Int(), fields.Bytes(4)))),
        [[0, b"abcd"], [1, b"abc"]], "body.x[1][1]: 4 bytes, got bytes of length 3."),
-      ("either_item", fields.ListOf(records.PROBED_ROW), [b"ab", [b"a", b"b"], [b"a"]],
-       "body.x[2]: a row's bytes, or a list of chunks"))
+      ("either_item", fields.ListOf(records.PROBED_BYTES), [b"ab", [b"a", b"b"], [b"a"]],
+       "body.x[2]: a Merkle row's bytes, or a list of chunks"))
   def test_the_failing_item_is_named_by_its_path(self, spec, value, named):
     with self.assertRaisesRegex(fields.Invalid, "^" + re.escape(named)):
       spec.check(value, "body.x")
@@ -333,7 +333,7 @@ class NestedPathTest(parameterized.TestCase):
 
   def test_a_probe_check_whose_unlisted_field_is_unbounded_is_refused(self):
     record = {"type": "check", "kind": "probe", "step": 0, "prev": bytes(32),
-              "batch_roots": [bytes(32)], "probes": [[0, 0, [b"row"], []]],
+              "batch_roots": [bytes(32)], "probes": [[0, 0, 1, b"row", []]],
               "zz_extra": {"a": "x" * (fields.MAX_TEXT + 1)}}
     with self.assertRaisesRegex(fields.Invalid, r"r \(check\)\.zz_extra\.a: a string of"):
       records.check_record(record, "r")
@@ -342,27 +342,36 @@ class NestedPathTest(parameterized.TestCase):
 
 
 class ProbedRowsTest(absltest.TestCase):
-  """A probed Merkle row travels inline: one byte string per leading-axis row, a row wider
-  than a record's byte strings as chunks."""
+  """A probed Merkle row travels inline: its leading-axis rows' bytes joined in one byte
+  string with their count, a row wider than a record's byte strings as chunks."""
 
   def test_rows_round_trip_and_wide_rows_are_chunked(self):
     group = bytes(range(12))
-    self.assertEqual(records.probe_rows(group, 3), [group[0:4], group[4:8], group[8:12]])
-    self.assertEqual(records.probe_rows(b"", 3), [b"", b"", b""])  # rows of no bytes
-    with mock.patch.object(records, "MAX_STRING_BYTES", 3):
-      chunked = records.probe_rows(group, 2)
-    self.assertEqual(chunked, [[group[0:3], group[3:6]], [group[6:9], group[9:12]]])
+    entry = records.probe_entry(1, 5, group, 3, [bytes(32)])
+    self.assertEqual(entry, [1, 5, 3, group, [bytes(32)]])
+    self.assertEqual(records.probed_rows(entry), [group[0:4], group[4:8], group[8:12]])
+    self.assertEqual(records.probed_rows(records.probe_entry(0, 0, b"", 3, [])),
+                     [b"", b"", b""])  # rows of no bytes
+    with mock.patch.object(records, "MAX_STRING_BYTES", 5):
+      chunked = records.probe_entry(0, 0, group, 2, [])
+    self.assertEqual(chunked[3], [group[0:5], group[5:10], group[10:12]])
+    self.assertEqual(records.probed_bytes(chunked), group)
     self.assertEqual(records.probed_rows(chunked), [group[:6], group[6:]])
 
   def test_rows_of_a_uint8_view_are_bytes_with_their_zero_bytes(self):
     labels = np.array([0, 256, 7, 0], np.int32)  # rows ending in, and made of, zero bytes
     view = labels.view(np.uint8)[4:]  # a view that starts inside the buffer
-    rows = records.probe_rows(view, 3)
+    entry = records.probe_entry(0, 0, view, 3, [])
+    self.assertIs(type(entry[3]), bytes)
+    rows = records.probed_rows(entry)
     self.assertEqual(rows, [labels[1:2].tobytes(), labels[2:3].tobytes(), bytes(4)])
-    self.assertEqual({type(r) for r in rows}, {bytes})
-    self.assertEqual(cbor2.loads(transcript.encode_record({"rows": rows}))["rows"], rows)
-    uneven = bytes(range(7))  # not whole rows: the rows the slices hold, the rest left out
-    self.assertEqual(records.probe_rows(uneven, 3), [b"\x00\x01", b"\x02\x03", b"\x04\x05"])
+    self.assertEqual(cbor2.loads(transcript.encode_record({"e": entry}))["e"], entry)
+
+  def test_rows_are_counted_against_quotas_at_most_one_a_byte(self):
+    self.assertEqual(records.opened_row_count([0, 0, 3, bytes(12), []]), 3)
+    self.assertEqual(records.opened_row_count([0, 0, 3, [bytes(1), bytes(1)], []]), 2)
+    # a count the bytes do not carry costs nothing: rows of no bytes are all one digest
+    self.assertEqual(records.opened_row_count([0, 0, 1 << 20, b"", []]), 0)
 
   def test_a_step_whose_probes_outgrow_a_record_is_refused(self):
     images = LeafLayout("x", "float32", (1024, 224, 224, 3))  # 588 KiB a row
@@ -370,22 +379,26 @@ class ProbedRowsTest(absltest.TestCase):
     with self.assertRaisesRegex(records.Invalid, r"1024 rows \(616562688 bytes"):
       records.check_probe_size([images], 1.0)
     labels = LeafLayout("y", "uint8", (1 << 20,), row_group=16384)
-    with self.assertRaisesRegex(records.Invalid, "choose a smaller probe_ratio"):
-      records.check_probe_size([labels], 1.0)
-    records.check_probe_size([labels], 0.5)
+    records.check_probe_size([labels], 1.0)  # 64 Merkle rows of 16 KiB: 64 byte strings
     with self.assertRaisesRegex(records.Invalid, "524288 rows"):  # each with a dataset path
       records.check_probe_size([labels], 0.5, path_depth=21)
+    with self.assertRaisesRegex(records.Invalid, "choose a smaller probe_ratio"):
+      records.check_probe_size([labels], 0.02, path_depth=60)
 
   def test_the_schema_takes_rows_and_chunk_lists_only(self):
     probe = {"type": "check", "step": 0, "kind": "probe", "batch_roots": [bytes(32)],
              "prev": bytes(32)}
     wide = bytes(records.MAX_STRING_BYTES)
-    for rows in ([b"row"], [[wide, b"rest"]], [b"a", [wide, wide]]):
-      records.check_record({**probe, "probes": [[0, 0, rows, []]]}, "record 1")
-    for rows, named in (([], "probes[0][2]"), ([[b"one chunk"]], "probes[0][2][0]"),
-                        ([wide + b"x"], "probes[0][2][0]"), ([7], "probes[0][2][0]")):
+    for count, data in ((1, b"row"), (2, [wide, b"re"]), (3, b""), (2, [wide, wide])):
+      records.check_record({**probe, "probes": [[0, 0, count, data, []]]}, "record 1")
+    for count, data, named in (
+        (1, [], "probes[0][3]"), (1, [b"one chunk"], "probes[0][3]"),
+        (1, wide + b"x", "probes[0][3]"), (1, 7, "probes[0][3]"), (1, [b"a"] * 257, "probes[0][3]"),
+        (0, b"", "probes[0][2]"), (records.MAX_RECORD_ITEMS + 1, b"", "probes[0][2]"),
+        (3, b"ab", "probes[0]: 2 bytes do not split into 3 rows"),
+        (2, [wide, b"r"], "probes[0]: 1048577 bytes do not split into 2 rows")):
       with self.assertRaisesRegex(records.Invalid, re.escape(f"(check).{named}")):
-        records.check_record({**probe, "probes": [[0, 0, rows, []]]}, "record 1")
+        records.check_record({**probe, "probes": [[0, 0, count, data, []]]}, "record 1")
 
 
 if __name__ == "__main__":

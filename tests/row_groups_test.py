@@ -1,7 +1,7 @@
 """Format 4 row groups: where a batch's rows are small, a Merkle leaf of its row tree holds
 several of them (``digest.row_group_for``), so committing a batch takes a few hashes
-instead of one per row. A probe opens a whole group inline, one byte string per row (the
-server names each row by its own BLAKE3)."""
+instead of one per row. A probe opens a whole group inline, its rows' bytes joined with
+their count (the server splits them and names each row by its own BLAKE3)."""
 
 import functools
 
@@ -16,6 +16,7 @@ from tests import testing
 from tests.verify_test import VerifierTestCase, first, rechained
 from zkdv import digest
 from zkdv import errors
+from zkdv import records
 from zkdv import transcript
 from zkdv import verify
 from zkdv.digest import LeafLayout
@@ -84,10 +85,12 @@ class RowGroupsTest(VerifierTestCase):
               if r["kind"] == "probe"]
     self.assertLen(probes, STEPS)
     for record in probes:
-      (leaf, group, opened, proof), = record["probes"]
+      (entry,) = record["probes"]
+      leaf, group, count, opened, proof = entry
       rows = batch(record["step"])[group * 16:(group + 1) * 16]
-      self.assertEqual((leaf, len(proof)), (0, 1))
-      self.assertEqual(opened, [r.tobytes() for r in rows])  # inline, one per row
+      self.assertEqual((leaf, count, len(proof)), (0, 16, 1))
+      self.assertEqual(opened, rows.tobytes())  # inline, one byte string
+      self.assertEqual(records.probed_rows(entry), [r.tobytes() for r in rows])
       # The server matches each row's digest against benchmark and training-set rows.
       self.assertEqual(contamination.probed_rows(record), [
           (0, group * 16, [blake3.blake3(r.tobytes()).digest() for r in rows])])
@@ -97,9 +100,9 @@ class RowGroupsTest(VerifierTestCase):
     proof.start(probe_ratio=1.0)
     state = testing.classifier_state(proof)
     train_step = proof.jit(testing.classifier_step, donate_argnums=0)
-    with self.assertRaisesRegex(errors.StepInputError, r"a step's probes would open 1048576 "
-                                r"rows .* choose a smaller probe_ratio"):
-      train_step(state, jax.numpy.zeros((1 << 20, 5), np.uint32))
+    with self.assertRaisesRegex(errors.StepInputError, r"a step's probes would open 4194304 "
+                                r"rows \(167772160 bytes.* choose a smaller probe_ratio"):
+      train_step(state, jax.numpy.zeros((1 << 22, 10), np.uint32))
     state = train_step(state, jax.numpy.asarray(batch(0)))  # nothing was taken: it goes on
     report = verify.verify(proof.finish())
     self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, ROWS))
@@ -107,16 +110,16 @@ class RowGroupsTest(VerifierTestCase):
   def test_a_row_wider_than_a_record_string_travels_as_chunks_and_verifies(self):
     path = testing.wide_rows_transcript()
     (probe, *_) = [r for r in testing.records_of(path, "check") if r["kind"] == "probe"]
-    ((_, _, (chunks,), _),) = probe["probes"]
-    self.assertEqual([len(c) for c in chunks], [1 << 20, 4])
+    ((_, _, count, chunks, _),) = probe["probes"]
+    self.assertEqual((count, [len(c) for c in chunks]), (1, [1 << 20, 4]))
     report = verify.verify(path)
     self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, 2))
 
   def test_rows_swapped_within_a_group_are_caught(self):
     def swap(records):
       probe = first(records, "check", kind="probe")
-      rows = probe["probes"][0][2]
-      probe["probes"][0][2] = [rows[1], rows[0], *rows[2:]]
+      data, width = probe["probes"][0][3], WIDTH * 4  # 1 KiB rows
+      probe["probes"][0][3] = data[width:2 * width] + data[:width] + data[2 * width:]
       return records
     report = self.assert_fails(rechained(swap, grouped_transcript()), "probe")
     self.assertIn("not in the committed batch", report.dumps())
@@ -124,7 +127,7 @@ class RowGroupsTest(VerifierTestCase):
   def test_a_group_opened_as_one_row_is_malformed(self):
     def one_row(records):
       probe = first(records, "check", kind="probe")
-      probe["probes"][0][2] = [b"".join(probe["probes"][0][2])]
+      probe["probes"][0][2] = 1  # the group's bytes said to be one row
       return records
     report = self.assert_fails(rechained(one_row, grouped_transcript()), "probe")
     self.assertIn("malformed probe entry", report.dumps())

@@ -82,7 +82,7 @@ def new_proof(name: str, update_p: float = 1.0, state_p: float = 0.0,
 def wide_rows_transcript(steps: int = 2, **proof_config) -> pathlib.Path:
   """The tutorial's classifier on rows wider than a record's byte strings (1 MiB + 4 bytes:
   the tutorial's 5 columns, then zeros), every step probed: its probed rows travel as
-  chunks (``zkdv.records.probe_rows``)."""
+  chunks (``zkdv.records.probe_entry``)."""
   proof = new_proof("wide-rows", update_p=1.0, **proof_config)
   proof.start(probe_ratio=0.5)
   state = classifier_state(proof)

@@ -175,8 +175,9 @@ def _answer(writer, decision, segment_decision, segment, x, post, trees) -> None
   if rows:
     writer.append({"type": "check", "step": decision.step, "kind": "probe",
                    "batch_roots": [digest.tree_root(t) for t in trees],
-                   "probes": [[0, r, records.probe_rows(digest.byte_view(x[r]), 1),
-                               merkle.inclusion_proof(trees[0], r)] for r in rows]})
+                   "probes": [records.probe_entry(0, r, digest.byte_view(x[r]), 1,
+                                                  merkle.inclusion_proof(trees[0], r))
+                              for r in rows]})
 
 
 def write_receipt(folder: pathlib.Path, server: _Dvbench, verdict="verified", **changes):
@@ -412,15 +413,19 @@ class ProbeTamperTest(VerifierTestCase):
       ("dropped_probe", lambda c: c["probes"].pop()),
       ("moved_probe", lambda c: c["probes"][0].__setitem__(1, (c["probes"][0][1] + 1) % 4)),
       ("duplicated_probe", lambda c: c["probes"].__setitem__(1, c["probes"][0])),
-      ("bad_proof", lambda c: c["probes"][0][3].__setitem__(0, bytes(32))),
+      ("bad_proof", lambda c: c["probes"][0][4].__setitem__(0, bytes(32))),
       ("bad_roots", lambda c: c["batch_roots"].__setitem__(0, bytes(32))),
       ("row_out_of_range", lambda c: c["probes"][0].__setitem__(1, 2**40), "schema"),
-      ("flipped_row", lambda c: c["probes"][0][2].__setitem__(
-          0, bytes([c["probes"][0][2][0][0] ^ 1]) + c["probes"][0][2][0][1:])),
-      ("short_row", lambda c: c["probes"][0][2].__setitem__(0, c["probes"][0][2][0][:-1])),
-      ("row_as_digest", lambda c: c["probes"][0].__setitem__(2, [bytes(32)])),
-      ("row_in_one_chunk_list", lambda c: c["probes"][0][2].__setitem__(
-          0, [c["probes"][0][2][0]]), "schema"),
+      ("flipped_row", lambda c: c["probes"][0].__setitem__(
+          3, bytes([c["probes"][0][3][0] ^ 1]) + c["probes"][0][3][1:])),
+      ("short_row", lambda c: c["probes"][0].__setitem__(3, c["probes"][0][3][:-1])),
+      ("row_as_digest", lambda c: c["probes"][0].__setitem__(3, bytes(32))),
+      ("row_in_one_chunk_list", lambda c: c["probes"][0].__setitem__(
+          3, [c["probes"][0][3]]), "schema"),
+      # the same bytes said to be two rows: the leaf groups one row in a Merkle row
+      ("row_split_in_two", lambda c: c["probes"][0].__setitem__(2, 2)),
+      ("rows_of_two_widths", lambda c: c["probes"][0].__setitem__(
+          2, len(c["probes"][0][3]) + 1), "schema"),
   )
   def test_edited_probes_fail(self, change, code="probe"):
     def edit(records):
@@ -440,10 +445,10 @@ class ProbeTamperTest(VerifierTestCase):
   def test_a_short_row_is_named(self):
     def edit(records):
       probe = first(records, "check", kind="probe", step=2)["probes"][0]
-      probe[2][0] = probe[2][0][:-4]
+      probe[3] = probe[3][:-4]
       return records
     report = self.assert_fails(rechained(edit), "probe")
-    self.assertIn("its data row 0 is", report.dumps())
+    self.assertIn("its data rows are", report.dumps())
 
   def test_hostile_row_counts_are_refused_before_drawing(self):
     huge = digest.LeafLayout("[0]", "float32", (2**39, 1))

@@ -17,8 +17,6 @@ Example::
 
 import re
 
-import numpy as np
-
 from zkdv import challenge
 from zkdv import data
 from zkdv import errors
@@ -104,14 +102,17 @@ DIGEST = Bytes()
 DIGESTS = ListOf(DIGEST)
 PIECES = ListOf(ListOf(Optional(DIGEST)))  # per leaf, the digest of each piece
 # A byte string inside a record is at most this long (the server decodes records with this
-# bound); a probed row wider than it travels as a list of chunks of at most this many bytes.
+# bound); a probed Merkle row wider than it travels as a list of chunks of at most this many
+# bytes.
 MAX_STRING_BYTES = 1 << 20
 # A record travels whole or in chunks; DVBench takes none larger, nor of more CBOR items.
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 MAX_RECORD_ITEMS = 1 << 20
 _CHUNK = Bytes(None, MAX_STRING_BYTES)
-PROBED_ROW = Either(_CHUNK, ListOf(_CHUNK, 256, min_len=2),
-                    f"a row's bytes, or a list of chunks of at most {MAX_STRING_BYTES} bytes")
+PROBED_BYTES = Either(_CHUNK, ListOf(_CHUNK, 256, min_len=2),
+                      f"a Merkle row's bytes, or a list of chunks of at most "
+                      f"{MAX_STRING_BYTES} bytes")
+ROW_COUNT = Int(1, MAX_RECORD_ITEMS + 1)  # the leading-axis rows of a probed Merkle row
 LAYOUTS = ListOf(Map())  # each parsed by zkdv.programs.parse_layouts
 NAME = Text(400)
 NAMES = ListOf(NAME, 4096)
@@ -193,9 +194,10 @@ CHECK_FIELDS: dict[str, dict[str, Field]] = {
                # per step of the segment, per dataset leaf, per row: its dataset audit path
                "data_paths": Field(ListOf(ListOf(ListOf(ListOf(DIGEST, 64)))))},
     "state": {"post_state_blobs": Field(DIGESTS, REQUIRED)},
-    # [leaf, Merkle row, its leading-axis rows inline (``probed_rows``), inclusion proof]
+    # [leaf, Merkle row, its number of leading-axis rows, its bytes inline (``probe_entry``),
+    # inclusion proof]
     "probe": {"batch_roots": Field(DIGESTS, REQUIRED),
-              "probes": Field(ListOf(Row((INDEX, INDEX, ListOf(PROBED_ROW, min_len=1),
+              "probes": Field(ListOf(Row((INDEX, INDEX, ROW_COUNT, PROBED_BYTES,
                                           ListOf(DIGEST, 64)))), REQUIRED),
               # per probe, per data row it opens: its audit path in the dataset tree
               "data_paths": Field(ListOf(ListOf(ListOf(DIGEST, 64))))},
@@ -210,20 +212,39 @@ def discarded_steps(after: int, step: int) -> range:
   return range(after + 1, step)
 
 
-def probe_rows(merkle_row, row_group: int) -> list:
-  """A probed Merkle row (bytes or a uint8 view) as a probe entry carries it: its
-  ``row_group`` leading-axis rows, each inline, or as chunks when wider than a record's
-  byte strings may be. Example: ``probe_rows(b"abcd", 2)`` is ``[b"ab", b"cd"]``."""
-  data = memoryview(merkle_row).cast("B")
-  width = len(data) // row_group
-  if 0 < width <= MAX_STRING_BYTES and width * row_group == len(data):  # numpy: 5x faster
-    return np.frombuffer(data, f"V{width}").tolist()
-  data = data.tobytes()
-  rows = [data[i * width:(i + 1) * width] for i in range(row_group)]
-  if width <= MAX_STRING_BYTES:
-    return rows
-  return [[r[i:i + MAX_STRING_BYTES] for i in range(0, width, MAX_STRING_BYTES)]
-          for r in rows]
+def probe_entry(leaf: int, row: int, merkle_row, row_group: int, proof: list) -> list:
+  """The probe entry that opens Merkle row ``row`` of batch leaf ``leaf``: its bytes (bytes
+  or a uint8 view), its ``row_group`` leading-axis rows joined, inline as one byte string,
+  or as chunks when wider than a record's byte strings may be, with its inclusion ``proof``.
+  Example: ``probe_entry(1, 0, b"abcd", 2, [])`` is ``[1, 0, 2, b"abcd", []]``."""
+  data = bytes(memoryview(merkle_row).cast("B"))
+  if len(data) > MAX_STRING_BYTES:
+    data = [data[i:i + MAX_STRING_BYTES] for i in range(0, len(data), MAX_STRING_BYTES)]
+  return [leaf, row, row_group, data, proof]
+
+
+def probed_bytes(entry: list) -> bytes:
+  """A probe entry's Merkle row (schema-checked), joined from its chunks."""
+  data = entry[3]
+  return data if isinstance(data, bytes) else b"".join(data)
+
+
+def opened_row_count(entry: list) -> int:
+  """The data rows a probe entry (checked by ``check_record``) opens, as quotas count them:
+  its row count, but no more than one per byte it carries (rows of no bytes count none),
+  so a count costs what its bytes cost. Example: ``opened_row_count([1, 0, 2, b"", []])``
+  is 0."""
+  data = entry[3]
+  return min(entry[2], len(data) if isinstance(data, bytes) else sum(map(len, data)))
+
+
+def probed_rows(entry: list) -> list[bytes]:
+  """The leading-axis rows a probe entry (checked by ``check_record``) opens; the inverse
+  of ``probe_entry``. Example: ``probed_rows([1, 0, 2, b"abcd", []])`` is
+  ``[b"ab", b"cd"]``."""
+  data, count = probed_bytes(entry), entry[2]
+  width = len(data) // count
+  return [data[i * width:(i + 1) * width] for i in range(count)]
 
 
 def probe_entries(record: dict) -> list:
@@ -247,20 +268,15 @@ def check_probe_size(layouts, ratio: float, path_depth: int = 0) -> None:
     entries += count
     rows += count * layout.row_group
     nbytes += count * (layout.nbytes // max(layout.rows, 1))
-  per_row = 1 + (path_depth + 1 if path_depth else 0)  # the row, its path's items
+  # per data row its dataset path's items; per entry its own items, proof and chunks
+  items = (rows * (path_depth + 1 if path_depth else 0) + entries * (9 + 64)
+           + nbytes // MAX_STRING_BYTES)
   nbytes += rows * 34 * path_depth
-  items = rows * per_row + entries * (7 + 64)  # an entry's own items and proof, at most
   if items > MAX_RECORD_ITEMS or nbytes > MAX_RECORD_BYTES // 2:
     raise Invalid(f"at probe ratio {ratio}, a step's probes would open {rows} rows "
                   f"({nbytes} bytes, {items} CBOR items with their proofs), more than one "
                   f"record holds ({MAX_RECORD_ITEMS} items, {MAX_RECORD_BYTES // 2} bytes "
                   "of rows): choose a smaller probe_ratio.")
-
-
-def probed_rows(entry_rows: list) -> list[bytes]:
-  """The leading-axis rows a probe entry opens (its third item, schema-checked), each
-  joined from its chunks; the inverse of ``probe_rows``."""
-  return [row if isinstance(row, bytes) else b"".join(row) for row in entry_rows]
 
 
 def check_data(record: dict, where: str) -> None:
@@ -274,9 +290,20 @@ def check_data(record: dict, where: str) -> None:
     raise Invalid(f"{where}: {e}.") from None
 
 
-# The rules across a record's fields, applied once each field matches (``zkdv.programs``).
+def check_probes(record: dict, where: str) -> None:
+  """The rule across a probe entry's items: its bytes split evenly into its rows."""
+  for n, entry in enumerate(record["probes"]):
+    count, data = entry[2], entry[3]
+    size = len(data) if isinstance(data, bytes) else sum(map(len, data))
+    if size % count:
+      raise Invalid(f"{where}.probes[{n}]: {size} bytes do not split into {count} rows of "
+                    "one width.")
+
+
+# The rules across a record's fields, applied once each field matches (``zkdv.programs``),
+# by record type, and by check kind.
 ACROSS_FIELDS = {"program": programs.check_program, "init": programs.check_init,
-                 "data": check_data}
+                 "data": check_data, ("check", "probe"): check_probes}
 
 RUN_FIELDS = ("run_name", "tags", "run_config")
 
@@ -348,8 +375,9 @@ def check_record(record, where: str) -> str:
     check_fields(record, fields_of(record), where, strict=True)
   except UnknownField as e:  # every listed field matched: the rules across them apply
     unknown = e
-  if kind in ACROSS_FIELDS:
-    ACROSS_FIELDS[kind](record, where)
+  across = ACROSS_FIELDS.get((kind, record["kind"]) if kind == "check" else kind)
+  if across is not None:
+    across(record, where)
   if unknown is not None:
     raise unknown
   return kind

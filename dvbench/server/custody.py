@@ -155,7 +155,7 @@ class Ingest:
         self.head, records=self.head.records + 1,
         steps=self.head.steps + (record["type"] == "step"), last_id=rid,
         last_kind=record["type"], probed_rows=self.head.probed_rows + sum(
-            len(rows) for _, _, rows, _ in records.probe_entries(record)))
+            map(records.opened_row_count, records.probe_entries(record))))
     if record["type"] == "step":
       ends_segment = isinstance(record.get("post_state"), bytes)
       first = record["index"] - self._open_segment  # counted by _check_step

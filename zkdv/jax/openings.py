@@ -157,8 +157,8 @@ class Openings:
         data = row_data.get((leaf, row))
         if data is None:  # a pending decision: the row comes from the opened batch
           data = _row_bytes(job.opened[program.batch_indices[leaf]], layout.rows, row)
-        probes.append([leaf, row, records.probe_rows(data, layout.row_group),
-                       merkle.inclusion_proof(tree_levels[leaf], row)])
+        probes.append(records.probe_entry(leaf, row, data, layout.row_group,
+                                          merkle.inclusion_proof(tree_levels[leaf], row)))
     if not probes:
       return
     self.writer.append({"type": "check", "step": job.index, "kind": "probe",

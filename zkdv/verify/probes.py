@@ -1,10 +1,10 @@
 """Data probes: the rows a challenge selects, each proven in its leaf's row tree.
 
 A probe check record carries the batch's row roots (which must make up the
-step's batch digest) and, per probed row, ``[leaf, row, rows, merkle proof]``
-(``zkdv.merkle``), ``rows`` inline: a Merkle row of a leaf with ``row_group`` g is g
-leading-axis rows, opened as a list of g byte strings (``zkdv.records.probed_rows``);
-the verifier keeps their hashes, not their bytes, once it has read them (``kept``). The
+step's batch digest) and, per probed Merkle row, ``[leaf, row, g, bytes, merkle proof]``
+(``zkdv.merkle``), ``bytes`` inline: a Merkle row of a leaf with ``row_group`` g is g
+leading-axis rows, opened as their bytes joined (``zkdv.records.probe_entry``); the
+verifier keeps their hashes, not their bytes, once it has read them (``kept``). The
 rows must be exactly those ``Decision.probe_rows`` selects; the count is compared before
 any row is drawn, so hostile sizes cost nothing.
 
@@ -26,43 +26,45 @@ from zkdv.verify.report import CheckOutcome
 
 @dataclasses.dataclass(frozen=True)
 class OpenedRows:
-  """A probe entry's rows as the verifier keeps them once read (``kept``): their widths
-  and leaf hashes, not their bytes, which a long run's transcript may hold more of than
+  """A probe entry's Merkle row as the verifier keeps it once read (``kept``): its size
+  and leaf hashes, not its bytes, which a long run's transcript may hold more of than
   memory."""
 
-  widths: tuple[int, ...]
-  merkle_leaf: bytes  # merkle.leaf_hash of the Merkle row: its rows joined
+  rows: int  # the leading-axis rows it says it joins
+  nbytes: int
+  merkle_leaf: bytes  # merkle.leaf_hash of the Merkle row
   row_leaves: tuple[bytes, ...]  # merkle.leaf_hash of each row, where a dataset is declared
 
 
 def kept(record: dict, dataset: bool) -> dict:
-  """A probe check record (checked against ``zkdv.records``) with each entry's inline rows
-  replaced by their ``OpenedRows``; ``dataset``: a data record declares the dataset the
-  rows are checked against."""
+  """A probe check record (checked against ``zkdv.records``) with each entry's inline
+  bytes replaced by their ``OpenedRows``; ``dataset``: a data record declares the dataset
+  the rows are checked against."""
   entries = []
-  for leaf, row, inline, proof in record["probes"]:
-    rows = records.probed_rows(inline)
-    opened = OpenedRows(tuple(len(r) for r in rows), merkle.leaf_hash(b"".join(rows)),
-                        tuple(merkle.leaf_hash(r) for r in rows) if dataset else ())
+  for entry in record["probes"]:
+    leaf, row, count, _, proof = entry
+    data = records.probed_bytes(entry)
+    opened = OpenedRows(count, len(data), merkle.leaf_hash(data),
+                        tuple(merkle.leaf_hash(r) for r in records.probed_rows(entry))
+                        if dataset else ())
     entries.append([leaf, row, opened, proof])
   return {**record, "probes": entries}
 
 
 def _entry_ok(entry, layouts) -> bool:
-  """Whether a probe entry (``kept``) names a Merkle row of a batch leaf and opens one
-  inline row per leading-axis row of it."""
+  """Whether a probe entry (``kept``) names a Merkle row of a batch leaf and opens as many
+  leading-axis rows as the leaf groups in one."""
   leaf, row, opened, _ = entry
   return (leaf < len(layouts) and row < layouts[leaf].rows
-          and len(opened.widths) == layouts[leaf].row_group)
+          and opened.rows == layouts[leaf].row_group)
 
 
 def _row_proven(ctx, entry, layout, root, where) -> bool:
   leaf, row, opened, proof = entry
   width = layout.nbytes // max(layout.rows, 1) // layout.row_group
-  wrong = next((j for j, w in enumerate(opened.widths) if w != width), None)
-  if wrong is not None:
-    ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: its data row "
-                    f"{wrong} is {opened.widths[wrong]} bytes, the leaf's rows are {width}.")
+  if opened.nbytes != width * opened.rows:
+    ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: its data rows "
+                    f"are {opened.nbytes // opened.rows} bytes, the leaf's rows are {width}.")
     return False
   if not merkle.verify_inclusion(opened.merkle_leaf, row, layout.rows, proof, root):
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path} (leaf {leaf}) is "
@@ -107,7 +109,7 @@ def probe_check(ctx: Verification, check, step, program, where: str) -> CheckOut
   if not _rows_chosen(ctx, step, layouts, opened, where):
     return outcome
   if all([_row_proven(ctx, e, layouts[e[0]], roots[e[0]], where) for e in entries]):
-    ctx.report.probed_rows += sum(layouts[e[0]].row_group for e in entries)  # data rows
+    ctx.report.probed_rows += sum(e[2].rows for e in entries)  # data rows
     if order.probed_rows_in_dataset(ctx, step, program, entries, fields, where):
       outcome.status = "verified"
   return outcome
