@@ -13,8 +13,9 @@ that database, in a process of its own, with the server's own ingestion
 the same challenges, nothing else on the cores. Rows alternate: this tree's ingestion,
 ``--before TREE``'s (a checkout of an earlier commit, e.g. ``git worktree add
 /tmp/before COMMIT``), and a naive baseline, the same records appended to a transcript
-file (``TranscriptWriter``: encoding and writing, no checks). Medians of ``--repeats``; the table
-comes last.
+file (``TranscriptWriter``: encoding and writing, no checks). ``--before`` trains and
+captures again with that tree's code, and replays its own envelopes (a tree may write
+another transcript format). Medians of ``--repeats``; the table comes last.
 """
 
 import argparse
@@ -125,14 +126,14 @@ def write_file(stem: str) -> float:
   return seconds / sum(record["type"] == "step" for record in records)
 
 
-def measured(how: str, stem: pathlib.Path, tree: str | None) -> float:
-  """``how`` (replay, file) of a capture, in a fresh process running ``tree``'s code
-  (this file, with that tree's packages first on the path)."""
+def measured(how: str, stem: pathlib.Path, tree: str | None, *more: str) -> str:
+  """The last word ``how`` (replay, file, capture) of a capture prints, run in a fresh
+  process with ``tree``'s code (this file, with that tree's packages first on the path)."""
   tree = tree or str(pathlib.Path(__file__).parents[1])
-  out = subprocess.run([sys.executable, __file__, f"--{how}", str(stem)], cwd=tree,
+  out = subprocess.run([sys.executable, __file__, f"--{how}", str(stem), *more], cwd=tree,
                        env=dict(os.environ, PYTHONPATH=tree), check=True,
                        capture_output=True, text=True).stdout
-  return float(out.split()[-1])
+  return out.split()[-1]
 
 
 def main(argv=None):
@@ -142,22 +143,30 @@ def main(argv=None):
   parser.add_argument("--before", default=None, help="a source tree to compare against")
   parser.add_argument("--replay", help=argparse.SUPPRESS)
   parser.add_argument("--file", help=argparse.SUPPRESS)
+  parser.add_argument("--capture", nargs=2, help=argparse.SUPPRESS)  # ROW FOLDER
   args = parser.parse_args(argv)
   if args.replay or args.file:
     print(replay(args.replay) if args.replay else write_file(args.file))
     return
+  if args.capture:
+    print(capture(args.capture[0], args.steps, pathlib.Path(args.capture[1])))
+    return
   folder = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-ingest-replay-"))
   try:
-    stems = {row: capture(row, args.steps, folder) for row in CAPTURES}
-    ways = [("file", "a transcript file (TranscriptWriter)", None),
-            ("replay", "dvbench ingestion (this tree)", None)]
-    if args.before:
-      ways.append(("replay", "dvbench ingestion (before)", args.before))
+    trees = {"this tree": None, **({"before": args.before} if args.before else {})}
+    stems = {}
+    for name, tree in trees.items():
+      (folder / name.replace(" ", "-")).mkdir()
+      for row in CAPTURES:
+        stems[row, name] = measured("capture", row, tree, str(folder / name.replace(" ", "-")),
+                                    f"--steps={args.steps}")
+    ways = [("file", "a transcript file (TranscriptWriter)", "this tree"),
+            *(("replay", f"dvbench ingestion ({name})", name) for name in trees)]
     times = {(row, label): [] for row in CAPTURES for _, label, _ in ways}
     for _ in range(args.repeats):  # alternating
       for row in CAPTURES:
-        for how, label, tree in ways:
-          times[row, label].append(measured(how, stems[row], tree))
+        for how, label, name in ways:
+          times[row, label].append(float(measured(how, stems[row, name], trees[name])))
   finally:
     shutil.rmtree(folder, ignore_errors=True)
   base = {row: common.median(times[row, ways[1][1]]) for row in CAPTURES}

@@ -146,9 +146,16 @@ class Decision:
   update: bool
   state: bool
   probe_ratio: float
+  # (leaf, rows) -> its probed rows, drawn once: a step's commitment and its answer both ask
+  _drawn: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                   compare=False)
 
   def probe_rows(self, leaf: int, rows: int) -> list[int]:
-    return probe_rows(self.challenge, leaf, rows, self.probe_ratio)
+    drawn = self._drawn.get((leaf, rows))
+    if drawn is None:
+      drawn = self._drawn[leaf, rows] = tuple(probe_rows(self.challenge, leaf, rows,
+                                                         self.probe_ratio))
+    return list(drawn)
 
   def leaf_probe_rows(self, leaf: int, layout) -> list[int]:
     """The rows of batch leaf ``leaf`` (its ``zkdv.digest.LeafLayout``) opened as probes.
