@@ -19,6 +19,7 @@ from absl.testing import absltest
 from dvbench.server import worker
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
+from tests import postgres
 from tests import testing
 from tests.fake_prover import FakeProver, digest
 from zkdv import challenge
@@ -35,11 +36,12 @@ class ServerChallengeTestCase(absltest.TestCase):
   """One server (update check probability at least 0.5, no workers) per test class."""
 
   workers = 0
+  database_url = None  # SQLite in the server's data folder
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=cls.workers, extra_args=(
+    cls.server = LocalServer(workers=cls.workers, database_url=cls.database_url, extra_args=(
         "--min-update-check-probability", "0.5", "--max-window", "16")).start()
     cls.token = cls.server.token("alice")
     cls.mallory = cls.server.token("mallory")
@@ -67,7 +69,7 @@ class ServerChallengeTestCase(absltest.TestCase):
       self.assertIn(fragment, response.json()["error"])
 
   def store(self) -> Store:
-    return Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")
+    return Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
 
 
 class FakedStepsTest(ServerChallengeTestCase):
@@ -198,6 +200,38 @@ class CustodyTest(ServerChallengeTestCase):
     early = prover.chain({"type": "check", "step": 2, "kind": "state", "post_state_blobs": []})
     self.assertRefused(prover.send(early), 409, "before its step record")
 
+  def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):
+    prover = self.prover().start()
+    prover.run(steps=2)
+    late = prover.chain({"type": "check", "step": 1, "kind": "start", "pre_state_pieces": []})
+    self.assertRefused(prover.send(late), 409, "only step 0 starts a proof")
+    odd = prover.chain({"type": "check", "step": 0, "kind": "everything"})
+    self.assertRefused(prover.send(odd), 400, "(check).kind: one of")
+    start = prover.chain({"type": "check", "step": 0, "kind": "start", "pre_state_pieces": []})
+    self.assertEqual(prover.send(start).status_code, 200)
+
+  def test_unsafe_or_non_deterministic_records_are_refused(self):
+    prover = self.prover().start()
+    tagged = cbor2.dumps(cbor2.CBORTag(1, 0))
+    self.assertRefused(prover.send(tagged), 400, "tags are not accepted")
+    unsorted = cbor2.dumps({"type": "step", "index": 0, "prev": prover.last_id})
+    self.assertRefused(prover.send(unsorted), 400, "deterministically")
+    deep = encode_record({"type": "check", "prev": prover.last_id,
+                          "result": [[[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]]})
+    self.assertRefused(prover.send(deep), 400, "deeper than")
+    self.assertLen(self.get(f"/api/v1/proofs/{prover.proof_id}/records").json(), 1)
+
+  def test_no_assert_on_request_data_in_the_server(self):
+    for path in (REPO / "dvbench" / "server").glob("*.py"):
+      tree = ast.parse(path.read_text())
+      asserts = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+      self.assertEqual(asserts, [], f"{path.name} validates with assert at lines {asserts}")
+
+
+class AnswersTest(ServerChallengeTestCase):
+  """A check is answered once: a second answer is refused, and an envelope's answers to
+  earlier envelopes' steps are marked together or not at all."""
+
   def test_a_second_answer_to_a_check_is_refused_in_its_steps_envelope_and_later(self):
     # Answers to a step stored in the same envelope are counted before the envelope's
     # challenges are written; a second answer is refused there and in a later envelope.
@@ -280,32 +314,9 @@ class CustodyTest(ServerChallengeTestCase):
     self.assertEqual(answered, {0: (False, False), 1: (True, False), 2: (False, True),
                                 3: (False, False)})
 
-  def test_a_start_check_links_step_0_only_and_any_other_kind_is_refused(self):
-    prover = self.prover().start()
-    prover.run(steps=2)
-    late = prover.chain({"type": "check", "step": 1, "kind": "start", "pre_state_pieces": []})
-    self.assertRefused(prover.send(late), 409, "only step 0 starts a proof")
-    odd = prover.chain({"type": "check", "step": 0, "kind": "everything"})
-    self.assertRefused(prover.send(odd), 400, "(check).kind: one of")
-    start = prover.chain({"type": "check", "step": 0, "kind": "start", "pre_state_pieces": []})
-    self.assertEqual(prover.send(start).status_code, 200)
 
-  def test_unsafe_or_non_deterministic_records_are_refused(self):
-    prover = self.prover().start()
-    tagged = cbor2.dumps(cbor2.CBORTag(1, 0))
-    self.assertRefused(prover.send(tagged), 400, "tags are not accepted")
-    unsorted = cbor2.dumps({"type": "step", "index": 0, "prev": prover.last_id})
-    self.assertRefused(prover.send(unsorted), 400, "deterministically")
-    deep = encode_record({"type": "check", "prev": prover.last_id,
-                          "result": [[[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]]})
-    self.assertRefused(prover.send(deep), 400, "deeper than")
-    self.assertLen(self.get(f"/api/v1/proofs/{prover.proof_id}/records").json(), 1)
-
-  def test_no_assert_on_request_data_in_the_server(self):
-    for path in (REPO / "dvbench" / "server").glob("*.py"):
-      tree = ast.parse(path.read_text())
-      asserts = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
-      self.assertEqual(asserts, [], f"{path.name} validates with assert at lines {asserts}")
+class PostgresAnswersTest(postgres.OnPostgres, AnswersTest):
+  """The same answers with the server's store on PostgreSQL."""
 
 
 class RootBindingTest(ServerChallengeTestCase):

@@ -260,17 +260,14 @@ class CustodyQueries:
       return self.challenges_of(conn, proof_id)
 
   def answer_challenges(self, conn, proof_id: str, kind: str, steps: list[int]) -> set[int]:
-    """Marks the ``kind`` check of each of ``steps`` answered, unless one of them was
-    already (or has no challenge): then marks none and returns those."""
+    """Marks the ``kind`` check of each of ``steps`` answered, in one statement; returns
+    those that were already (or have no challenge), which the caller refuses, rolling
+    the transaction back."""
     flag = challenges.c[f"answered_{kind}"]
-    open_steps = set(conn.execute(sa.select(challenges.c.step).where(
-        (challenges.c.proof_id == proof_id) & challenges.c.step.in_(steps) & ~flag)).scalars())
-    refused = set(steps) - open_steps
-    if not refused:
-      conn.execute(challenges.update().where(
-          (challenges.c.proof_id == proof_id) & challenges.c.step.in_(steps)
-      ).values({flag: True}))
-    return refused
+    marked = conn.execute(challenges.update().where(
+        (challenges.c.proof_id == proof_id) & challenges.c.step.in_(steps) & ~flag
+    ).values({flag: True}).returning(challenges.c.step)).scalars()
+    return set(steps).difference(marked)
 
   # -- blobs uploaded for a proof ----------------------------------------------------------
 
