@@ -30,6 +30,7 @@ from zkdv import challenge
 from zkdv import data as data_lib
 from zkdv import errors
 from zkdv import inspect as inspect_lib
+from zkdv import merkle
 from zkdv import verify
 from zkdv.jax import sampler
 
@@ -209,6 +210,23 @@ class DataOrderTest(parameterized.TestCase):
     finding = _finding(report, code)
     self.assertIsNotNone(finding, [f"{f.code}: {f.message}" for f in report.findings])
     self.assertIn(says, finding.message)
+
+  def test_a_row_count_its_bytes_do_not_carry_costs_the_verifier_nothing(self):
+    # Attack: a probe entry says how many rows its bytes join. Split and hashed as said
+    # before the count was compared with the leaf's grouping, two entries of 2^20 rows of
+    # no bytes (20 bytes of record, which the server stores) made the verifier hash and
+    # keep 2^21 row digests; about 150 exhausted a worker's memory, never judged invalid.
+    def padded(records):
+      probe = next(r for r in records if r.get("kind") == "probe")
+      probe["probes"] += [[0, 0, 1 << 20, b"", []]] * 2
+      return records
+    edited = resume_test._rewrite(self.honest, padded)  # pylint: disable=protected-access
+    with mock.patch.object(merkle, "leaf_hash", wraps=merkle.leaf_hash) as hashed:
+      report = verify.verify(edited)
+    self.assertLess(hashed.call_count, 1 << 12)  # the honest rows' and paths' hashes
+    self.assertEqual(report.verdict, "invalid")
+    self.assertIn("malformed probe entry [0, 0, OpenedRows(rows=1048576",
+                  _finding(report, "probe").message)
 
   @parameterized.named_parameters(
       ("a_batch_larger_than_the_dataset", "batch_size", ROWS + 1,

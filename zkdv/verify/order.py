@@ -139,7 +139,8 @@ def probed_rows_in_dataset(ctx: Verification, step, program, entries, fields,
       ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: one dataset "
                       f"audit path per data row ({group}) expected.")
       return False
-    for j, (row_leaf, path) in enumerate(zip(opened.row_leaves, entry_paths, strict=True)):
+    for j, path in enumerate(entry_paths):  # one per row: _entry_ok and _row_proven held
+      row_leaf = opened.row_leaf(j)
       at = row * group + j
       if mapping[leaf] is None or not 0 <= at < len(rows):
         ctx.report.fail("data_row", where, f"probe of row {row} of {layout.path}: not a row "

@@ -33,22 +33,43 @@ class OpenedRows:
   rows: int  # the leading-axis rows it says it joins
   nbytes: int
   merkle_leaf: bytes  # merkle.leaf_hash of the Merkle row
-  row_leaves: tuple[bytes, ...]  # merkle.leaf_hash of each row, where a dataset is declared
+  # merkle.leaf_hash of each row, where a dataset is declared and the entry is shaped as
+  # its leaf (rows of no bytes: none, each is EMPTY_ROW_LEAF)
+  row_leaves: tuple[bytes, ...]
+
+  def row_leaf(self, j: int) -> bytes:
+    return self.row_leaves[j] if self.nbytes else EMPTY_ROW_LEAF
 
 
-def kept(record: dict, dataset: bool) -> dict:
+EMPTY_ROW_LEAF = merkle.leaf_hash(b"")
+
+
+def kept(record: dict, layouts, dataset: bool) -> dict:
   """A probe check record (checked against ``zkdv.records``) with each entry's inline
-  bytes replaced by their ``OpenedRows``; ``dataset``: a data record declares the dataset
-  the rows are checked against."""
+  bytes replaced by their ``OpenedRows``; ``layouts``: the step's batch layouts;
+  ``dataset``: a data record declares the dataset the rows are checked against. An
+  entry's rows are hashed one by one only where it is shaped as its leaf (``_shaped``),
+  so a count its bytes do not carry costs nothing."""
   entries = []
   for entry in record["probes"]:
     leaf, row, count, _, proof = entry
     data = records.probed_bytes(entry)
-    opened = OpenedRows(count, len(data), merkle.leaf_hash(data),
-                        tuple(merkle.leaf_hash(r) for r in records.probed_rows(entry))
-                        if dataset else ())
+    opened = OpenedRows(count, len(data), merkle.leaf_hash(data), ())
+    if dataset and data and leaf < len(layouts) and _shaped(opened, layouts[leaf]):
+      opened = dataclasses.replace(opened, row_leaves=tuple(
+          merkle.leaf_hash(r) for r in records.probed_rows(entry)))
     entries.append([leaf, row, opened, proof])
   return {**record, "probes": entries}
+
+
+def _row_width(layout) -> int:
+  return layout.nbytes // max(layout.rows, 1) // layout.row_group
+
+
+def _shaped(opened: OpenedRows, layout) -> bool:
+  """Whether an entry opens ``layout``'s ``row_group`` rows of its row width."""
+  return (opened.rows == layout.row_group
+          and opened.nbytes == _row_width(layout) * opened.rows)
 
 
 def _entry_ok(entry, layouts) -> bool:
@@ -61,10 +82,10 @@ def _entry_ok(entry, layouts) -> bool:
 
 def _row_proven(ctx, entry, layout, root, where) -> bool:
   leaf, row, opened, proof = entry
-  width = layout.nbytes // max(layout.rows, 1) // layout.row_group
-  if opened.nbytes != width * opened.rows:
+  if not _shaped(opened, layout):
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path}: its data rows "
-                    f"are {opened.nbytes // opened.rows} bytes, the leaf's rows are {width}.")
+                    f"are {opened.nbytes // opened.rows} bytes, the leaf's rows are "
+                    f"{_row_width(layout)}.")
     return False
   if not merkle.verify_inclusion(opened.merkle_leaf, row, layout.rows, proof, root):
     ctx.report.fail("probe", where, f"probe of row {row} of {layout.path} (leaf {leaf}) is "

@@ -386,7 +386,9 @@ def _read_check(model, parsed, where, report) -> None:
     report.fail("schema", where, f"a second {kind} check of step {step}.")
     return
   if kind == "probe":  # its rows' hashes, not their bytes
-    rec = probes.kept(rec, dataset=model.data is not None)
+    program = model.program_of(model.steps[step])
+    rec = probes.kept(rec, () if program is None else program.batch,
+                      dataset=model.data is not None)
   model.checks[(step, kind)] = Check(step, kind, rec, where)
 
 
