@@ -396,6 +396,10 @@ class ProbedRowsTest(absltest.TestCase):
         (1, wide + b"x", "probes[0][3]"), (1, 7, "probes[0][3]"), (1, [b"a"] * 257, "probes[0][3]"),
         (0, b"", "probes[0][2]"), (records.MAX_RECORD_ITEMS + 1, b"", "probes[0][2]"),
         (3, b"ab", "probes[0]: 2 bytes do not split into 3 rows"),
+        # one encoding of a Merkle row: chunks only past MAX_STRING_BYTES, cut as written
+        (1, [b"", wide], "probes[0][3]: chunks of 1048576 bytes each but the last"),
+        (2, [b"a", b"b"], "probes[0][3]: chunks of 1048576 bytes each but the last"),
+        (1, [wide, b""], "probes[0][3]: chunks of 1048576 bytes each but the last"),
         (2, [wide, b"r"], "probes[0]: 1048577 bytes do not split into 2 rows")):
       with self.assertRaisesRegex(records.Invalid, re.escape(f"(check).{named}")):
         records.check_record({**probe, "probes": [[0, 0, count, data, []]]}, "record 1")

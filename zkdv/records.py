@@ -291,9 +291,16 @@ def check_data(record: dict, where: str) -> None:
 
 
 def check_probes(record: dict, where: str) -> None:
-  """The rule across a probe entry's items: its bytes split evenly into its rows."""
+  """The rules across a probe entry's items: its bytes split evenly into its rows, and
+  chunks are cut as ``probe_entry`` cuts them (each of ``MAX_STRING_BYTES`` but the last),
+  so a Merkle row has one encoding."""
   for n, entry in enumerate(record["probes"]):
     count, data = entry[2], entry[3]
+    if not isinstance(data, bytes) and not (
+        all(len(c) == MAX_STRING_BYTES for c in data[:-1]) and data[-1]):
+      raise Invalid(f"{where}.probes[{n}][3]: chunks of {MAX_STRING_BYTES} bytes each but "
+                    f"the last (1 to {MAX_STRING_BYTES}), got chunks of "
+                    f"{[len(c) for c in data][:8]} bytes.")
     size = len(data) if isinstance(data, bytes) else sum(map(len, data))
     if size % count:
       raise Invalid(f"{where}.probes[{n}]: {size} bytes do not split into {count} rows of "
