@@ -403,6 +403,8 @@ class ProbedRowsTest(absltest.TestCase):
         (2, [wide, b"r"], "probes[0]: 1048577 bytes do not split into 2 rows")):
       with self.assertRaisesRegex(records.Invalid, re.escape(f"(check).{named}")):
         records.check_record({**probe, "probes": [[0, 0, count, data, []]]}, "record 1")
+    with self.assertRaisesRegex(records.Invalid, re.escape("(check).probes[0]: a list of 5")):
+      records.check_record({**probe, "probes": [[0, 0, [b"row"], []]]}, "record 1")  # format 8
 
 
 if __name__ == "__main__":

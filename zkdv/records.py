@@ -229,13 +229,18 @@ def probed_bytes(entry: list) -> bytes:
   return data if isinstance(data, bytes) else b"".join(data)
 
 
+def _probed_size(entry: list) -> int:
+  """The bytes of a probe entry's Merkle row (schema-checked), without joining them."""
+  data = entry[3]
+  return len(data) if isinstance(data, bytes) else sum(map(len, data))
+
+
 def opened_row_count(entry: list) -> int:
   """The data rows a probe entry (checked by ``check_record``) opens, as quotas count them:
   its row count, but no more than one per byte it carries (rows of no bytes count none),
   so a count costs what its bytes cost. Example: ``opened_row_count([1, 0, 2, b"", []])``
   is 0."""
-  data = entry[3]
-  return min(entry[2], len(data) if isinstance(data, bytes) else sum(map(len, data)))
+  return min(entry[2], _probed_size(entry))
 
 
 def probed_rows(entry: list) -> list[bytes]:
@@ -301,7 +306,7 @@ def check_probes(record: dict, where: str) -> None:
       raise Invalid(f"{where}.probes[{n}][3]: chunks of {MAX_STRING_BYTES} bytes each but "
                     f"the last (1 to {MAX_STRING_BYTES}), got chunks of "
                     f"{[len(c) for c in data][:8]} bytes.")
-    size = len(data) if isinstance(data, bytes) else sum(map(len, data))
+    size = _probed_size(entry)
     if size % count:
       raise Invalid(f"{where}.probes[{n}]: {size} bytes do not split into {count} rows of "
                     "one width.")
