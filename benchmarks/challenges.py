@@ -113,7 +113,7 @@ def main(argv=None):
     tables = [row for b in args.batch
               for row in measure(b, args.p, args.window, args.rounds, args.block)]
   finally:
-    server.stop()
+    server.close()
   common.print_table(
       f"Live challenges on the MLP, p={args.p}, window {args.window}, "
       f"{args.rounds * args.block} steps "

@@ -40,6 +40,8 @@ from zkdv import data as data_lib
 from zkdv import digest
 from zkdv import merkle
 
+from benchmarks import scratch
+
 
 def _per_batch(iterator, steps: int) -> float:
   next(iterator)  # the first batch builds what the loader needs
@@ -225,4 +227,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with scratch.run_folder("zkdv-data-order-"):
+    main()

@@ -74,7 +74,7 @@ def main() -> None:
           rows.append((length, p, k, hits / args.runs, expected / args.runs,
                        (1 - p) ** k, (hits - expected) / error))
   finally:
-    server.stop()
+    server.close()
   print(f"runs per row: {args.runs}")
   print("| L | p | k faked | caught | predicted | per-step checks 1-(1-p)^k | z |")
   print("|---|---|---|---|---|---|---|")

@@ -70,7 +70,7 @@ class Target:
     return seconds, len(latencies), latencies
 
   def stop(self):
-    self.server.stop()
+    self.server.close()
 
 
 def main(argv=None):

@@ -42,7 +42,7 @@ def main(argv=None):
             run(client, "faked", args.steps, args.segment_length, fake_at=args.steps // 2)]
     client.close()
   finally:
-    server.stop()
+    server.close()
   common.print_table(
       "Full replay of the tutorial model by a DVBench worker",
       ["run", "steps", "L", "segments opened", "state", "full replay", "train s",

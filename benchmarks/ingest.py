@@ -115,7 +115,7 @@ class Target:
 
   def stop(self):
     self.client.close()
-    self.server.stop()
+    self.server.close()
 
 
 def read_until_stdin_closes(url: str, proof_id: str) -> None:

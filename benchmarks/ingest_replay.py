@@ -72,7 +72,7 @@ def capture(row: str, steps: int, folder: pathlib.Path) -> pathlib.Path:
     runner.proof.finish()
   finally:
     upload.Uploader._create_proof, upload.Uploader._envelope = create, envelope
-    server.stop()
+    server.close()
   with open(f"{stem}.pkl", "wb") as f:
     pickle.dump({"proof_id": proof_id, "bodies": bodies}, f)
   return stem

@@ -195,7 +195,7 @@ def one_run(args) -> tuple[str, list[list]]:
       from benchmarks import live_processes  # pylint: disable=g-import-not-at-top
       rows += live_processes.rows(args, server.url, os.environ["DVBENCH_TOKEN"])
   finally:
-    server.stop()
+    server.close()
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
   title = (f"Live path, p={args.p}, probe ratio {args.probe_ratio}, window {args.window}, "

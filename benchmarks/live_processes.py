@@ -17,6 +17,8 @@ import tempfile
 
 from dvbench.server import local
 
+from benchmarks import scratch
+
 ROWS = ("jax.jit", "offline, probes", "live, probes")
 LOCAL_DEVICES = 2
 # Every row waits for its last step after this many: with more dispatched ahead, plain
@@ -64,7 +66,7 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
     return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
 
   model, params, batch = live.workload("small", 256)
-  folder = tempfile.mkdtemp(prefix="zkdv-live-processes-")
+  folder = tempfile.mkdtemp()
 
   def setup(row: str):
     kwargs = dict(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
@@ -123,4 +125,5 @@ def _train(index: int, port: int, processes: int, p: float, probe_ratio: float, 
 
 
 if __name__ == "__main__":
-  _train(*map(int, sys.argv[1:4]), *map(float, sys.argv[4:6]), *map(int, sys.argv[6:9]))
+  with scratch.run_folder("zkdv-live-processes-"):
+    _train(*map(int, sys.argv[1:4]), *map(float, sys.argv[4:6]), *map(int, sys.argv[6:9]))

@@ -32,6 +32,8 @@ import time
 from dvbench.server import sandbox
 from dvbench.server import sandbox_mounts
 
+from benchmarks import scratch
+
 _READS = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read_file, read_dir
 
 
@@ -109,4 +111,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with scratch.run_folder("zkdv-sandbox-start-"):
+    main()

@@ -175,6 +175,9 @@ class SupervisionTest(absltest.TestCase):
     self.assertEqual(jobs[1]["attempts"], 2)  # the killed attempt, then one that finished
     self.assert_only_live_workers_have_folders(server)
     self.end_leaving_no_process(server, server.stop)
+    self.assertTrue((server.data / "dvbench.db").is_file())  # stop() keeps it for a restart
+    server.close()
+    self.assertFalse(server.data.exists())  # close() removes the data folder it made
 
   def test_a_job_that_kills_its_workers_is_given_up_with_the_reason(self):
     server = self.server("--max-attempts", "2", workers=1)

@@ -2,14 +2,15 @@
 
 Example::
 
-  server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "0.5")).start()
-  token = server.token("alice")
-  ...
-  server.stop()
+  with LocalServer(workers=1, extra_args=("--min-update-check-probability", "0.5")) as server:
+    token = server.token("alice")
+    ...
+  # stopped, and the data folder it made removed (``stop()`` alone keeps it for a restart)
 """
 
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ class LocalServer:
   def __init__(self, workers: int = 1, lease_seconds: float = 10.0, max_body_mb: int = 64,
                data: pathlib.Path | None = None, port: int | None = None,
                database_url: str | None = None, extra_args: tuple[str, ...] = ()):
+    self.made_data = data is None  # removed by ``close()``; a folder given is the caller's
     self.data = data or pathlib.Path(tempfile.mkdtemp(prefix="dvbench-test-"))
     self.port = port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
@@ -42,6 +44,16 @@ class LocalServer:
     if database_url:
       self.args += ["--database-url", database_url]
     self.process = None
+
+  def __enter__(self) -> "LocalServer":
+    try:
+      return self.start()
+    except BaseException:
+      self.close()
+      raise
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def start(self) -> "LocalServer":
     self.process = subprocess.Popen(
@@ -82,3 +94,9 @@ class LocalServer:
         self.process.wait(15)
       except subprocess.TimeoutExpired:
         self.kill()
+
+  def close(self) -> None:
+    """Stops the server and removes its data folder if this object made it."""
+    self.stop()
+    if self.made_data:
+      shutil.rmtree(self.data, ignore_errors=True)
