@@ -1,7 +1,8 @@
 """Contamination by whole example: the digests that identify an evaluation example.
 
 An example is the tuple of every leaf's row at one index (tokens and their label, an image
-and its mask). A probed training example matches an evaluation example when
+and its mask), leaves of empty rows left out. A probed training example matches an
+evaluation example when
 
 - the rows at one index of every probed batch leaf equal, leaf for leaf, an evaluation
   example's rows (``example_digest`` of both), or
@@ -53,6 +54,7 @@ def evaluation_digests(leaves: list[np.ndarray]) -> dict[str, int]:
   """``{hex digest: example index}`` for an evaluation set given per leaf as ``(rows, bytes
   per row)`` uint8 arrays: every example's digest and the rows of its identifying leaves
   (all rows of a single leaf). The first example wins a digest two examples share."""
+  leaves = [leaf for leaf in leaves if leaf.shape[1]]  # empty rows: no part of an example
   digests = [[row_digest(r.tobytes()) for r in leaf] for leaf in leaves]
   found: dict[str, int] = {}
   for leaf, rows in zip(digests, leaves):
@@ -66,11 +68,17 @@ def evaluation_digests(leaves: list[np.ndarray]) -> dict[str, int]:
 
 
 def probed_rows(record: dict) -> list[tuple[int, int, list[bytes]]]:
-  """Per probe of a probe check record (checked against ``zkdv.records``): its batch leaf,
-  the index of its first leading-axis row and the ``row_digest`` of each row it opens (a
-  group of g rows, Merkle row r, opens rows r*g to r*g+g-1). Any other record: ``[]``."""
-  return [(entry[0], entry[1] * entry[2], _row_digests(records.probed_rows(entry)))
-          for entry in records.probe_entries(record)]
+  """Per probe of a probe check record (checked against ``zkdv.records``) that opens rows
+  with bytes: its batch leaf, the index of its first leading-axis row and the
+  ``row_digest`` of each row it opens (a group of g rows, Merkle row r, opens rows r*g to
+  r*g+g-1). A leaf of empty rows identifies nothing and is no part of an example. Any other
+  record: ``[]``."""
+  opened = []
+  for entry in records.probe_entries(record):
+    rows = records.probed_rows(entry)
+    if rows:
+      opened.append((entry[0], entry[1] * entry[2], _row_digests(rows)))
+  return opened
 
 
 _SHORT_ROW = 64  # bytes: a row this short is looked up before it is hashed

@@ -638,6 +638,26 @@ class ContaminationTest(absltest.TestCase):
     self.assertEqual(contamination.probed_examples(opened[:1]),
                      set())  # one leaf probed: its rows are the probed rows
 
+  def test_a_leaf_of_empty_rows_hides_no_example(self):
+    # Attack: whole examples take the rows of every probed leaf, so one more batch leaf of
+    # empty rows (no bytes to commit, none to open) changed every example's digest, and
+    # examples that no leaf identifies alone were never found.
+    tokens = np.arange(16, dtype=np.int32).reshape(8, 2)  # 8 bytes a row: not identifying
+    labels = np.asarray([0, 1, 2] * 2 + [0, 1], np.int32)
+    as_rows = lambda a: a.reshape(len(a), -1).view(np.uint8)  # pylint: disable=g-long-lambda
+    found = contamination.evaluation_digests([as_rows(tokens), as_rows(labels)])
+    self.assertEqual(found, contamination.evaluation_digests(
+        [as_rows(tokens), as_rows(labels), np.zeros((8, 0), np.uint8)]))
+    record = {"type": "check", "kind": "probe", "probes": [
+        [0, 0, 8, tokens.tobytes(), []], [1, 0, 8, labels.tobytes(), []],
+        [2, 0, 8, b"", []]]}  # the empty leaf: all 8 rows opened, no bytes
+    rows, examples = contamination.probed_digests([record])
+    self.assertEqual(sorted(found[d] for d in examples), list(range(8)))
+    self.assertFalse(rows & set(found))  # neither tokens nor labels identify alone
+    # 2**20 empty rows a Merkle row: nothing is built for them
+    self.assertEqual(contamination.probed_rows(
+        {"type": "check", "kind": "probe", "probes": [[0, 0, 1 << 20, b"", []]]}), [])
+
 
 class TrainingSetTest(absltest.TestCase):
 

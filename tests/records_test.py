@@ -350,8 +350,8 @@ class ProbedRowsTest(absltest.TestCase):
     entry = records.probe_entry(1, 5, group, 3, [bytes(32)])
     self.assertEqual(entry, [1, 5, 3, group, [bytes(32)]])
     self.assertEqual(records.probed_rows(entry), [group[0:4], group[4:8], group[8:12]])
-    self.assertEqual(records.probed_rows(records.probe_entry(0, 0, b"", 3, [])),
-                     [b"", b"", b""])  # rows of no bytes
+    # rows of no bytes open nothing, however many the entry counts
+    self.assertEqual(records.probed_rows(records.probe_entry(0, 0, b"", 1 << 20, [])), [])
     with mock.patch.object(records, "MAX_STRING_BYTES", 5):
       chunked = records.probe_entry(0, 0, group, 2, [])
     self.assertEqual(chunked[3], [group[0:5], group[5:10], group[10:12]])
@@ -372,6 +372,8 @@ class ProbedRowsTest(absltest.TestCase):
     self.assertEqual(records.opened_row_count([0, 0, 3, [bytes(1), bytes(1)], []]), 2)
     # a count the bytes do not carry costs nothing: rows of no bytes are all one digest
     self.assertEqual(records.opened_row_count([0, 0, 1 << 20, b"", []]), 0)
+    self.assertEqual((records.counted_rows(5, 20), records.counted_rows(5, 3),
+                      records.counted_rows(1 << 20, 0)), (5, 3, 0))
 
   def test_a_step_whose_probes_outgrow_a_record_is_refused(self):
     images = LeafLayout("x", "float32", (1024, 224, 224, 3))  # 588 KiB a row

@@ -115,6 +115,30 @@ class RowGroupsTest(VerifierTestCase):
     report = verify.verify(path)
     self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, 2))
 
+  def test_a_leaf_of_empty_rows_opens_no_rows(self):
+    # Attack: a batch leaf whose rows hold no bytes costs nothing to commit or to open, yet
+    # each of its probe entries named a Merkle row of rows (up to 2**20). The report counted
+    # them as opened, and the contamination index built and hashed each one.
+    proof = testing.new_proof("empty-rows", update_p=1.0)
+    proof.start(probe_ratio=1.0)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(lambda state, rows, empty: testing.classifier_step(state, rows),
+                           donate_argnums=0)
+    for step in range(2):
+      state = train_step(state, jax.numpy.asarray(batch(step)),
+                         jax.numpy.zeros((ROWS, 0), np.float32))
+    path = proof.finish()
+    report = verify.verify(path)
+    self.assertEqual((report.verdict, report.probed_rows), (verify.VERIFIED, 2 * ROWS))
+    for record in testing.records_of(path, "check"):
+      if record["kind"] != "probe":
+        continue
+      empty = [e for e in record["probes"] if e[0] == 1]
+      self.assertEqual([e[2:4] for e in empty], [[ROWS, b""]])  # all rows, no bytes
+      self.assertEqual((records.opened_row_count(empty[0]), records.probed_rows(empty[0])),
+                       (0, []))
+      self.assertEqual({leaf for leaf, _, _ in contamination.probed_rows(record)}, {0})
+
   def test_rows_swapped_within_a_group_are_caught(self):
     def swap(records):
       probe = first(records, "check", kind="probe")

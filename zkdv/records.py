@@ -235,19 +235,26 @@ def _probed_size(entry: list) -> int:
   return len(data) if isinstance(data, bytes) else sum(map(len, data))
 
 
+def counted_rows(rows: int, nbytes: int) -> int:
+  """The data rows that ``rows`` rows of ``nbytes`` bytes in all count as (quotas, reports):
+  no more than one per byte, so rows of no bytes count none and a count costs what its
+  bytes cost. Example: ``counted_rows(2**20, 0)`` is 0."""
+  return min(rows, nbytes)
+
+
 def opened_row_count(entry: list) -> int:
-  """The data rows a probe entry (checked by ``check_record``) opens, as quotas count them:
-  its row count, but no more than one per byte it carries (rows of no bytes count none),
-  so a count costs what its bytes cost. Example: ``opened_row_count([1, 0, 2, b"", []])``
-  is 0."""
-  return min(entry[2], _probed_size(entry))
+  """The data rows a probe entry (checked by ``check_record``) opens, as quotas count them
+  (``counted_rows``). Example: ``opened_row_count([1, 0, 2, b"", []])`` is 0."""
+  return counted_rows(entry[2], _probed_size(entry))
 
 
 def probed_rows(entry: list) -> list[bytes]:
   """The leading-axis rows a probe entry (checked by ``check_record``) opens; the inverse
-  of ``probe_entry``. Example: ``probed_rows([1, 0, 2, b"abcd", []])`` is
-  ``[b"ab", b"cd"]``."""
+  of ``probe_entry``. Rows of no bytes open nothing (``counted_rows``): an entry without
+  bytes has none. Example: ``probed_rows([1, 0, 2, b"abcd", []])`` is ``[b"ab", b"cd"]``."""
   data, count = probed_bytes(entry), entry[2]
+  if not data:
+    return []
   width = len(data) // count
   return [data[i * width:(i + 1) * width] for i in range(count)]
 

@@ -130,7 +130,7 @@ def probe_check(ctx: Verification, check, step, program, where: str) -> CheckOut
   if not _rows_chosen(ctx, step, layouts, opened, where):
     return outcome
   if all([_row_proven(ctx, e, layouts[e[0]], roots[e[0]], where) for e in entries]):
-    ctx.report.probed_rows += sum(e[2].rows for e in entries)  # data rows
+    ctx.report.probed_rows += sum(records.counted_rows(e[2].rows, e[2].nbytes) for e in entries)
     if order.probed_rows_in_dataset(ctx, step, program, entries, fields, where):
       outcome.status = "verified"
   return outcome
