@@ -323,6 +323,12 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     page = httpx.get(f"{self.server.url}/benchmarks/{repeated.name}").text
     self.assertIn("unranked: contaminated: 4 evaluation examples were probed", page)
     # The public digests: every example's, and the rows of identifying leaves only.
+    # Its programs are not pinned: a batch leaf the evaluation set lacks would leave only
+    # identifying leaves to match, and the recipe says so.
+    self.assertIn("the batch's leaves: a run whose batches carry a leaf the evaluation set "
+                  "lacks has no whole example in common with it; only identifying leaves "
+                  "(distinct rows of 16 bytes or more) are matched then",
+                  labels_apart.info()["left_open"])
     listed = httpx.get(f"{self.server.url}/api/v1/benchmarks/{labels_apart.name}/rows").json()
     self.assertLen(listed, 2 * len(EVAL_ROWS))  # 8 examples, 8 token rows; no label rows
     self.assertNotIn(blake3.blake3(np.int32(1).tobytes()).hexdigest(), listed)

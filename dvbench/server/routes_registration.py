@@ -204,6 +204,11 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
         "bytes), unseen by probes" if budget >= eval_bytes else
         f"the training program: any, and a program may embed up to {budget} bytes of "
         f"constants, {budget / eval_bytes:.3g} of the evaluation set's {eval_bytes} bytes")
+    if len(definition["data_layout"]) > 1:
+      open_.append("the batch's leaves: a run whose batches carry a leaf the evaluation set "
+                   "lacks has no whole example in common with it; only identifying leaves "
+                   f"(distinct rows of {contamination.MIN_IDENTIFYING_BYTES} bytes or more) "
+                   "are matched then")
   if definition["training_set"] is None:
     open_.append("the training set: probed rows are compared with the evaluation set only")
   elif definition["data_order"] is None:
