@@ -20,10 +20,12 @@ from dvbench import contamination
 from dvbench.benchmark import TrainingSet, export_evaluation
 from dvbench.measurement import tree_layouts
 from dvbench.server import labels
+from dvbench.server import routes_registration
 from tests.dvbench_test import DVBenchTestCase, local_transcript
 from tests.fake_prover import FakeProver
 from tests.measurement_test import Rows, _model, browse, train, tutorial_steps_batch
 from zkdv import merkle
+from zkdv.digest import LeafLayout
 
 # Rows of 4 tokens and a label (the first token), none of them a row of the tutorial batch.
 EVAL_ROWS = np.asarray([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1, 0, 1, 1],
@@ -663,6 +665,17 @@ class ContaminationTest(absltest.TestCase):
     # 2**20 empty rows a Merkle row: nothing is built for them
     self.assertEqual(contamination.probed_rows(
         {"type": "check", "kind": "probe", "probes": [[0, 0, 1 << 20, b"", []]]}), [])
+
+  def test_the_recipe_names_the_leaves_whole_examples_need_where_they_count(self):
+    definition = {"training_set": None, "data_order": None, "init_program": None,
+                  "base_checkpoint": None, "min_probe_ratio": None}
+    tokens, labels = LeafLayout("t", "int32", (8, 2)), LeafLayout("y", "int32", (8,))
+    empty = LeafLayout("e", "float32", (8, 0))
+    said = lambda leaves: " ".join(routes_registration.left_open(  # pylint: disable=g-long-lambda
+        {**definition, "data_layout": leaves}, None))
+    self.assertIn("the batch's leaves: a run whose batches carry a leaf", said([tokens, labels]))
+    # one leaf with bytes: its rows are the examples, no whole example to miss
+    self.assertNotIn("the batch's leaves", said([tokens, empty]))
 
 
 class TrainingSetTest(absltest.TestCase):

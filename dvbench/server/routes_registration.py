@@ -204,7 +204,7 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
         "bytes), unseen by probes" if budget >= eval_bytes else
         f"the training program: any, and a program may embed up to {budget} bytes of "
         f"constants, {budget / eval_bytes:.3g} of the evaluation set's {eval_bytes} bytes")
-    if len(definition["data_layout"]) > 1:
+    if sum(1 for layout in definition["data_layout"] if layout.nbytes) > 1:  # as examples
       open_.append("the batch's leaves: a run whose batches carry a leaf the evaluation set "
                    "lacks has no whole example in common with it; only identifying leaves "
                    f"(distinct rows of {contamination.MIN_IDENTIFYING_BYTES} bytes or more) "
