@@ -2,7 +2,8 @@
 
   python -m benchmarks.live [--quick] [--workloads small mlp tiny] [--batch 128 256 1024]
                             [--rounds 4] [--block 64] [--p 0.01] [--probe-ratio 0.01]
-                            [--processes 2] [--runs 5]
+                            [--processes 2] [--runs 5] [--server-nice 19]
+                            [--server-cpus 1]
 
 Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``;
 ``proof.jit`` offline (self-sampled checks at p, no upload) without and with probes;
@@ -21,7 +22,10 @@ proof's grow to half the server's window, at most its longest segment (32 by def
 its window grows. Workloads: ``small`` (MLP 784-128-10, batch 256, where a fixed cost
 per step shows), ``mlp`` (784-1024x4-10, Adam, at each ``--batch``) and ``tiny`` (the
 tutorial's model). ``--processes P`` adds the small MLP trained in P local processes,
-offline and live in the same run (``benchmarks.live_processes``). ``--runs N`` repeats
+offline and live in the same run (``benchmarks.live_processes``). ``--server-nice 19``
+runs the loopback server at the lowest priority; ``--server-cpus 1`` runs it on CPU 1 and
+training on the other CPUs, so that training pays only its own side of the live path, as
+beside a server on another machine. ``--runs N`` repeats
 the whole measurement in N fresh processes and ends with a table of each row's median
 ratio over them and its range. The table comes last.
 """
@@ -164,6 +168,10 @@ def parse_args(argv):
   parser.add_argument("--server-nice", type=int, default=0,
                       help="the server's niceness (its process group's): 19 leaves the "
                            "cores to training first, as a server on another machine would")
+  parser.add_argument("--server-cpus", type=int, nargs="+", default=None,
+                      help="CPUs the server runs on, training on the others (as a server on "
+                           "another machine: training keeps its cores and pays only its own "
+                           "side of the live path)")
   parser.add_argument("--processes", type=int, default=1,
                       help="also the small MLP in this many processes (jax.distributed, gloo)")
   parser.add_argument("--runs", type=int, default=1,
@@ -183,8 +191,11 @@ def one_run(args) -> tuple[str, list[list]]:
   cases = [(name, b) for name in args.workloads
            for b in (args.batch if name == "mlp" else [256])]
   from dvbench.server.local import LocalServer  # pylint: disable=g-import-not-at-top
+  training_cpus = split_cores(args.server_cpus)
   server = LocalServer(workers=0, extra_args=(  # the proofs' own probe ratio, 0 or not
       "--min-update-check-probability", str(args.p), "--min-probe-ratio", "0")).start()
+  if training_cpus:  # the server and the processes it started keep the CPUs they had
+    os.sched_setaffinity(0, training_cpus)
   try:
     if args.server_nice:
       os.setpriority(os.PRIO_PGRP, server.process.pid, args.server_nice)
@@ -201,8 +212,24 @@ def one_run(args) -> tuple[str, list[list]]:
   title = (f"Live path, p={args.p}, probe ratio {args.probe_ratio}, window {args.window}, "
            f"{args.rounds} rounds of at least {args.block} steps, {jax.devices()[0].platform}, "
            f"load {' '.join(load)}" + (f", server at nice {args.server_nice}"
-                                       if args.server_nice else ""))
+                                       if args.server_nice else "")
+           + (f", server on CPUs {args.server_cpus}, training on the others"
+              if args.server_cpus else ""))
   return title, rows
+
+
+def split_cores(server_cpus: list[int] | None) -> set[int] | None:
+  """The CPUs training keeps once the server runs on ``server_cpus``; this process runs
+  on ``server_cpus`` until the server has started (its processes inherit them). Called
+  before JAX starts its backend, which sizes its thread pool by the CPUs it may use."""
+  if not server_cpus:
+    return None
+  cpus = os.sched_getaffinity(0)
+  training = cpus - set(server_cpus)
+  if not set(server_cpus) <= cpus or not training:
+    raise SystemExit(f"--server-cpus {server_cpus}: choose some, not all, of CPUs {sorted(cpus)}")
+  os.sched_setaffinity(0, server_cpus)
+  return training
 
 
 def repeated_runs(argv: list[str], runs: int) -> list[list[list]]:
@@ -240,7 +267,8 @@ def main(argv=None):
     common.print_table(
         f"Live path over {args.runs} runs in fresh processes ({args.rounds} rounds of at least "
         f"{args.block} steps each" + (f", server at nice {args.server_nice}"
-                                      if args.server_nice else "") + ")",
+                                      if args.server_nice else "")
+        + (f", server on CPUs {args.server_cpus}" if args.server_cpus else "") + ")",
         ["workload", "configuration", "median step ms", "median ratio to jax.jit",
          "range", "each run"], summary(results))
     return
