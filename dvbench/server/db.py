@@ -204,6 +204,8 @@ def _sqlite_pragmas(dbapi_conn, _):
   cur.close()
 
 
+_PROOF = (sa.select(proofs, experiments.c.full_name.label("experiment"))
+          .select_from(proofs.join(experiments)).where(proofs.c.id == sa.bindparam("proof")))
 _WRITE = "dvbench_write"
 _PG_WRITE_LOCK = 0x6476624E  # the advisory lock key every PostgreSQL write transaction takes
 
@@ -344,9 +346,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
 
   def proof(self, proof_id: str) -> dict | None:
     with self.engine.connect() as conn:
-      row = conn.execute(sa.select(proofs, experiments.c.full_name.label("experiment"))
-                         .select_from(proofs.join(experiments))
-                         .where(proofs.c.id == proof_id)).mappings().first()
+      row = conn.execute(_PROOF, {"proof": proof_id}).mappings().first()
     return dict(row) if row else None
 
   def list_proofs(self, experiment_id: int | None = None, limit: int = 1000) -> list[dict]:

@@ -38,6 +38,36 @@ def add_proof_digests(conn, table, proof_id: str, digests: set[str]) -> None:
                  [{"proof_id": proof_id, "digest": d} for d in sorted(digests)])
 
 
+# The statements an envelope runs, built once with bound parameters: building a statement
+# (its clauses and cache key) cost more CPU than running it, about 150 us of a stream
+# position's 195 (benchmarks/RESULTS.md).
+_P = sa.bindparam
+_OF_STREAM = (streams.c.proof_id == _P("proof")) & (streams.c.client_id == _P("client"))
+_STREAM_POSITION = sa.select(streams.c.next_seq, streams.c.last_ack).where(_OF_STREAM)
+_ADVANCE_STREAM = streams.update().where(_OF_STREAM).values(
+    next_seq=_P("new_seq"), last_ack=_P("new_ack"))
+_HEAD = sa.select(proofs.c.records, proofs.c.steps, proofs.c.state, proofs.c.probed_rows
+                  ).where(proofs.c.id == _P("proof"))
+_RECORD_AT = sa.select(records.c.record_id, records.c.kind).where(
+    (records.c.proof_id == _P("proof")) & (records.c.position == _P("at")))
+_RECORD_POSITIONS = sa.select(records.c.record_id, records.c.position).where(
+    (records.c.proof_id == _P("proof")) & records.c.record_id.in_(_P("ids", expanding=True)))
+_TAIL = sa.select(records.c.kind, records.c.data).where(
+    (records.c.proof_id == _P("proof")) & records.c.kind.in_(("step", "resume"))
+).order_by(records.c.position.desc()).limit(_P("limit"))
+_ADVANCE_HEAD = proofs.update().where(proofs.c.id == _P("proof")).values(
+    records=_P("new_records"), steps=_P("new_steps"), probed_rows=_P("new_probed_rows"),
+    updated_at=_P("now"))
+_ANSWER = {kind: challenges.update().where(
+    (challenges.c.proof_id == _P("proof")) & challenges.c.step.in_(_P("steps", expanding=True))
+    & ~challenges.c[f"answered_{kind}"]).values({f"answered_{kind}": True}
+                                                ).returning(challenges.c.step)
+           for kind in challenge.ANSWER_KINDS}
+_CHALLENGER = (sa.select(challengers, slots.c.challenge_key, slots.c.policy.label("slot_policy"))
+               .select_from(challengers.outerjoin(slots, slots.c.nonce == challengers.c.nonce))
+               .where(challengers.c.proof_id == _P("proof")))
+
+
 class RecordTooLarge(ValueError):
   """A chunked record larger than the server takes."""
 
@@ -84,8 +114,7 @@ class CustodyQueries:
   # -- the stream --------------------------------------------------------------------
 
   def stream_position(self, conn, proof_id: str, client_id: str) -> tuple[int, str | None]:
-    row = conn.execute(sa.select(streams.c.next_seq, streams.c.last_ack).where(
-        (streams.c.proof_id == proof_id) & (streams.c.client_id == client_id))).first()
+    row = conn.execute(_STREAM_POSITION, {"proof": proof_id, "client": client_id}).first()
     return (row[0], row[1]) if row else (0, None)
 
   def advance_stream(self, conn, proof_id: str, client_id: str, seq: int, ack: str) -> None:
@@ -93,9 +122,8 @@ class CustodyQueries:
       conn.execute(streams.insert().values(proof_id=proof_id, client_id=client_id,
                                            next_seq=1, last_ack=ack))
     else:
-      conn.execute(streams.update().where(
-          (streams.c.proof_id == proof_id) & (streams.c.client_id == client_id)
-      ).values(next_seq=seq + 1, last_ack=ack))
+      conn.execute(_ADVANCE_STREAM, {"proof": proof_id, "client": client_id,
+                                     "new_seq": seq + 1, "new_ack": ack})
 
   def put_chunk(self, conn, proof_id: str, record_id: bytes, idx: int, count: int,
                 data: bytes, max_bytes: int) -> bytes | None:
@@ -144,11 +172,8 @@ class CustodyQueries:
           records.c.proof_id == proof_id).order_by(records.c.position))]
 
   def custody_head(self, conn, proof_id: str) -> CustodyHead:
-    count, steps, state, probed = conn.execute(sa.select(
-        proofs.c.records, proofs.c.steps, proofs.c.state, proofs.c.probed_rows).where(
-            proofs.c.id == proof_id)).first()
-    last_id, last_kind = conn.execute(sa.select(records.c.record_id, records.c.kind).where(
-        (records.c.proof_id == proof_id) & (records.c.position == count - 1))).first()
+    count, steps, state, probed = conn.execute(_HEAD, {"proof": proof_id}).first()
+    last_id, last_kind = conn.execute(_RECORD_AT, {"proof": proof_id, "at": count - 1}).first()
     return CustodyHead(count, steps, last_id, last_kind, state, probed)
 
   def record_position(self, conn, proof_id: str, record_id: bytes) -> int | None:
@@ -159,8 +184,8 @@ class CustodyQueries:
     """Positions of those of ``record_ids`` the proof stores (one query per 500 ids)."""
     ids, found = sorted(set(record_ids)), {}
     for i in range(0, len(ids), 500):
-      found.update(conn.execute(sa.select(records.c.record_id, records.c.position).where(
-          (records.c.proof_id == proof_id) & records.c.record_id.in_(ids[i:i + 500]))).all())
+      found.update(conn.execute(_RECORD_POSITIONS,
+                                {"proof": proof_id, "ids": ids[i:i + 500]}).all())
     return found
 
   def segment_tail(self, conn, proof_id: str, limit: int) -> tuple[int, int | None]:
@@ -170,9 +195,7 @@ class CustodyQueries:
     ``resume`` starts a new one), and the index of the last step whose committed
     post-state a run goes on from (the last step carrying a ``post_state``, or the
     ``after`` of a ``resume`` stored after it; None when no step committed one)."""
-    rows = conn.execute(sa.select(records.c.kind, records.c.data).where(
-        (records.c.proof_id == proof_id) & records.c.kind.in_(("step", "resume")))
-                        .order_by(records.c.position.desc()).limit(limit + 1)).all()
+    rows = conn.execute(_TAIL, {"proof": proof_id, "limit": limit + 1}).all()
     open_steps = 0
     for kind, data in rows:  # stored records were decoded and checked at ingestion
       record = cbor2.loads(data)
@@ -200,9 +223,9 @@ class CustodyQueries:
     conn.execute(records.insert(), [
         {"proof_id": proof_id, "position": first + i, "record_id": rid, "kind": kind,
          "data": data} for i, (rid, kind, data) in enumerate(new)])
-    conn.execute(proofs.update().where(proofs.c.id == proof_id).values(
-        records=head.records, steps=head.steps, probed_rows=head.probed_rows,
-        updated_at=time.time()))
+    conn.execute(_ADVANCE_HEAD, {"proof": proof_id, "new_records": head.records,
+                                 "new_steps": head.steps, "new_probed_rows": head.probed_rows,
+                                 "now": time.time()})
 
   def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
     add_proof_digests(conn, blob_refs, proof_id, digests)
@@ -230,11 +253,8 @@ class CustodyQueries:
 
   def challenger(self, proof_id: str) -> dict | None:
     """``{"kind", "nonce", "policy", "challenge_key", "slot_policy"}`` of a proof."""
-    query = (sa.select(challengers, slots.c.challenge_key, slots.c.policy.label("slot_policy"))
-             .select_from(challengers.outerjoin(slots, slots.c.nonce == challengers.c.nonce))
-             .where(challengers.c.proof_id == proof_id))
     with self.engine.connect() as conn:
-      row = conn.execute(query).mappings().first()
+      row = conn.execute(_CHALLENGER, {"proof": proof_id}).mappings().first()
     return dict(row) if row else None
 
   # -- challenges ------------------------------------------------------------------------
@@ -263,10 +283,7 @@ class CustodyQueries:
     """Marks the ``kind`` check of each of ``steps`` answered, in one statement; returns
     those that were already (or have no challenge), which the caller refuses, rolling
     the transaction back."""
-    flag = challenges.c[f"answered_{kind}"]
-    marked = conn.execute(challenges.update().where(
-        (challenges.c.proof_id == proof_id) & challenges.c.step.in_(steps) & ~flag
-    ).values({flag: True}).returning(challenges.c.step)).scalars()
+    marked = conn.execute(_ANSWER[kind], {"proof": proof_id, "steps": steps}).scalars()
     return set(steps).difference(marked)
 
   # -- blobs uploaded for a proof ----------------------------------------------------------
