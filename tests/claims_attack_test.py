@@ -25,6 +25,7 @@ from absl.testing import absltest
 
 import dvbench
 import zkdv
+from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import testing
 from tests.fake_prover import FakeProver
@@ -222,6 +223,24 @@ class RetriesTest(absltest.TestCase):
     fields = receipt.open_receipt(signed, key)
     self.assertEqual((fields["attempts"]["slots"],
                       fields["attempts"]["after_unanswered_challenge"]), (n + 1, caught))
+
+  def test_a_dropped_attempt_still_counts_once_the_server_marks_it_crashed(self):
+    # A dropped proof falls silent; the server's sweep (--crash-after) makes it crashed.
+    # Counting only proofs still receiving, invalid or abandoned, the receipt of the next
+    # attempt said "0 stopped right after an unanswered challenge".
+    token = self.server.token("trudy")
+    for n in range(MAX_RETRIES):
+      prover, challenged = self.attempt(token, f"trudy/throwaway-{n}")
+      if challenged:
+        break
+    self.assertTrue(challenged, "no attempt's fake was challenged")
+    store = Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")
+    crashed, _ = store.settle_silent_proofs(silent_seconds=0.0)  # the sweep, run now
+    self.assertIn(prover.proof_id, crashed)
+    shown = httpx.get(f"{self.server.url}/api/v1/experiments/trudy/throwaway-{n}").json()
+    self.assertEqual(shown["attempts"]["by_outcome"], {"crashed": n + 1})
+    self.assertEqual(shown["attempts"]["after_unanswered_challenge"], 1)
+    self.assertIn("1 stopped right after an unanswered challenge", shown["attempts"]["summary"])
 
   def test_slots_per_owner_are_rate_limited_with_a_typed_429(self):
     http = httpx.Client(base_url=self.server.url, headers={

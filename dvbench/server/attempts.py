@@ -26,6 +26,10 @@ _HOUR = 3600.0
 # What an attempt's proof state counts as: its own state once settled, or "unfinished".
 UNFINISHED = "unfinished"  # a slot never used, or a proof still receiving or verifying
 _RUNNING = ("receiving", "closed", "verifying")
+# The states of a proof that may have stopped on a challenge it did not answer: still
+# receiving, refused at close, or fallen silent (crashed: --crash-after, and abandoned
+# later: what every dropped proof becomes; an honest preemption, resumed, is receiving).
+_STOPPED_STATES = ("receiving", "invalid", "crashed", "abandoned")
 
 
 def _owner_slots(owner: str):
@@ -47,14 +51,14 @@ def owner_attempts(store, owner: str, conn=None) -> dict:
   """``{"owner", "slots", "by_outcome": {outcome: n}, "after_unanswered_challenge"}``:
   every slot issued to ``owner``, by what became of it (a settled proof's state, or
   ``unfinished``), and how many proofs stopped right after a challenge they did not
-  answer (dropped, abandoned or refused at close). ``conn``: read inside that transaction
-  (it sees the state it set)."""
+  answer (dropped, crashed, abandoned or refused at close). ``conn``: read inside that
+  transaction (it sees the state it set)."""
   if conn is None:
     with store.engine.connect() as c:
       return owner_attempts(store, owner, c)
   rows = conn.execute(_owner_slots(owner)).all()
   stopped = _unanswered(conn, [r.id for r in rows if r.id is not None
-                               and r.state in ("receiving", "invalid", "abandoned")])
+                               and r.state in _STOPPED_STATES])
   by_outcome = {}
   for row in rows:
     outcome = UNFINISHED if row.state is None or row.state in _RUNNING else row.state
