@@ -6,6 +6,7 @@ killed mid-segment, once resumed from a checkpoint whose state was altered (refu
 once resumed as saved; the tests judge the outcomes and attack the resume record.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -25,6 +26,7 @@ from flax import serialization
 import dvbench
 import zkdv
 from dvbench import transport
+from dvbench.server import labels
 from dvbench.server.local import LocalServer
 from tests import benchmark_test
 from tests import resume_trainer
@@ -342,6 +344,13 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertEqual({c.name: c.status for c in report.claims},
                      {c.name: verify.HOLDS for c in report.claims})
     self.assertIn("dvbench", report.claim("challenges").detail)
+    # Step 6 ran and was discarded: the run's training is the 12 other steps, and no claim
+    # counts step 6 among them (a run resumed again and again from one state did).
+    replays = report.claim("replays")
+    self.assertEqual((replays.facts["steps"], replays.facts["steps_discarded"]), (12, 1))
+    self.assertIn("over 12 steps at p=1", replays.detail)
+    self.assertIn("a resume discarded 1 more step, run after the last committed state: not "
+                  "replayed", replays.detail)
     params = orbax.StandardCheckpointer().restore(
         self.checkpoint / str(resume_trainer.ITERATIONS - 1))["params"]
     owner = dvbench.Client(self.server.url, self.server.token("alice"))
@@ -353,6 +362,7 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertEqual(entry["state"], "scored", entry)
     board, = bench.leaderboard()
     self.assertEqual((board["rank"], board["proof_id"]), (1, self.proof_id), board)
+    self.assertEqual((board["steps"], board["steps_discarded"]), (12, 1), board)
 
   def test_attack_a_discarded_step_whose_probes_went_unanswered_is_missing(self):
     # The prover saw the rows the server drew for step 6, left them unanswered and resumed.
@@ -410,6 +420,29 @@ class ResumedDataOrderTest(absltest.TestCase):
     rows = [r["data_rows"] for r in testing.records_of(folder, "step")]
     self.assertEqual(rows[7], rows[6])  # step 6 was discarded: step 7 draws its batch again
     self.assertLen(set(rows[:7]), 7)
+
+
+class DiscardedStepsLabelTest(absltest.TestCase):
+  """What a full replay's label says of a run resumed from one state three times."""
+
+  def test_a_full_replay_counts_only_the_steps_the_run_kept(self):
+    # Steps 0..7 committed, 8..25 ran in open segments three resumes discarded, 26..33 kept.
+    ends = (7, 33)  # the two segments' ends, each challenged and replayed
+    rows = [{"step": i, "needs_update": i in ends, "answered_update": i in ends,
+             "needs_state": False, "answered_state": False, "needs_probe": False,
+             "answered_probe": False} for i in range(34)]
+    checks = [{"kind": "update", "status": "verified", "step": i} for i in ends]
+    claims = {"claims": {labels.FULL_REPLAY: "holds", labels.DISCARDED_STEPS: "18"},
+              "strict": True}
+    summary = labels.challenge_summary(
+        {"state": "verified", "failure": None},
+        {"kind": "dvbench", "policy": json.dumps({"update_check_probability": 1.0})},
+        rows, checks, claims=claims)
+    self.assertEqual(summary["server_challenges"]["discarded"], 18)
+    # Before, it said "every one of 34 steps re-executed".
+    self.assertIn("every one of 16 steps re-executed by the server's workers from the "
+                  "attested start (2 segments); a resume discarded 18 more steps, not replayed",
+                  summary["label"])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ REPLAYED_STATES = claims_lib.REPLAYED_STATES  # their server-chosen update check
 # What a start that holds came from, stored beside the claims: the init program's hex id and,
 # for a start from a base checkpoint (proof.init_from), its declared params digest.
 INIT_PROGRAM, BASE_CHECKPOINT = "init_program", "base_checkpoint"
-STORED_FACTS = (FULL_REPLAY, INIT_PROGRAM, BASE_CHECKPOINT, DATA_ORDER)
+# How many stored steps a resume discarded (they ran after the last committed state; no
+# segment of theirs ended, so none was replayed), when any did: str(int).
+DISCARDED_STEPS = "discarded_steps"
+STORED_FACTS = (FULL_REPLAY, INIT_PROGRAM, BASE_CHECKPOINT, DATA_ORDER, DISCARDED_STEPS)
 
 
 def _counts(rows: list[dict], checks: list[dict]) -> dict:
@@ -72,9 +75,12 @@ def label(state: str, chooser: str, p: float, counts: dict, failure: str | None,
     return SELF_AUDITED if state == "self-audited" else f"{state}; {SELF_AUDITED}"
   standing = standing or claims_lib.Standing(state)
   if state == claims_lib.VERIFIED_ALL and full_replay:
-    return (f"{standing.label} (full replay): every one of {counts['steps']} steps re-executed "
+    kept = counts["steps"] - counts["discarded"]
+    n = counts["discarded"]
+    dropped = f"; a resume discarded {n} more step{'s' * (n > 1)}, not replayed" if n else ""
+    return (f"{standing.label} (full replay): every one of {kept} steps re-executed "
             f"by the server's workers from the attested start ({counts['update_replayed']} "
-            "segments)")
+            f"segments){dropped}")
   if state in REPLAYED_STATES:
     return (f"{standing.label}: {counts['update_replayed']} "
             f"server-chosen update checks replayed at p = {p:g}; one faked segment escapes "
@@ -97,6 +103,20 @@ def start_facts(report: dict, claims: dict) -> dict:
     return {}
   facts = next(c.get("facts") or {} for c in report["claims"] if c["name"] == "start")
   return {k: facts[k] for k in (INIT_PROGRAM, BASE_CHECKPOINT) if facts.get(k)}
+
+
+def discarded_facts(report: dict) -> dict:
+  """``{DISCARDED_STEPS: "n"}`` of a verifier's report whose replays claim counts steps a
+  resume discarded; {} when none were."""
+  facts = next((c.get("facts") or {} for c in report.get("claims", [])
+                if c["name"] == "replays"), {})
+  n = facts.get("steps_discarded")
+  return {DISCARDED_STEPS: str(n)} if isinstance(n, int) and n > 0 else {}
+
+
+def discarded_steps(claims: dict | None) -> int:
+  """How many of a proof's stored steps a resume discarded, from its stored claims."""
+  return int((claims or {}).get("claims", {}).get(DISCARDED_STEPS, 0))
 
 
 def data_facts(report: dict, claims: dict) -> dict:
@@ -144,7 +164,7 @@ def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
   chooser = challenger["kind"] if challenger else "self"
   policy = json.loads(challenger["policy"]) if challenger else None
   p = policy["update_check_probability"] if policy else 0.0
-  counts = _counts(rows, checks)
+  counts = {**_counts(rows, checks), "discarded": discarded_steps(claims)}
   full = chooser == "dvbench" and proof["state"] == "verified" and is_full_replay(claims)
   standing = stored_standing(proof["state"], claims)
   short = standing.shortfalls

@@ -72,7 +72,9 @@ def audit(store, proof_id: str) -> dict:
           "start_attested": any(c["kind"] == "start" and c["status"] == "verified"
                                 for c in checks),
           "attempts": summary.get("attempts"),
-          "proof_state": proof["state"], "steps": proof["steps"],
+          "proof_state": proof["state"],
+          "steps": proof["steps"] - summary["server_challenges"]["discarded"],
+          "steps_discarded": summary["server_challenges"]["discarded"],
           **labels.data_standing(store.proof_claims(proof_id)), **_strictness(store, proof_id)}
 
 

@@ -211,6 +211,7 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
     claims[labels.FULL_REPLAY] = "holds"  # every step re-executed from the attested start
   claims.update(labels.start_facts(report, claims))
   claims.update(labels.data_facts(report, claims))
+  claims.update(labels.discarded_facts(report))
   return Verdict(standing.state, report["verdict"], None, rows, claims, standing.ranked,
                  standing)
 

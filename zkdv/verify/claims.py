@@ -114,18 +114,23 @@ def _replays(ctx: Verification) -> Claim:
   segments = {s.last: s.length for s in ctx.model.segments}
   steps_replayed = sum(segments.get(c.step, 0) for c in replayed)
   full = full_replay(ctx, replayed)
+  discarded = sum(map(ctx.model.discarded, (s.index for s in ctx.model.steps)))
+  kept = len(ctx.model.steps) - discarded  # the run's training: what a resume left
   facts = {"count": len(replayed), "p": p, "escape_probability": challenge.escape_probability(p),
-           "exact": exact, "steps": len(ctx.model.steps), "segment_length": k,
+           "exact": exact, "steps": kept, "steps_discarded": discarded, "segment_length": k,
            "segments": len(segments), "steps_replayed": steps_replayed, "full_replay": full}
   how = "bit for bit" if exact else "within tolerance"
   if full:
-    detail = (f"full replay: all {len(ctx.model.steps)} steps re-executed {how} in "
-              f"{len(segments)} segments, chained from the attested start")
+    detail = (f"full replay: all {kept} steps re-executed {how} in {len(segments)} segments, "
+              f"chained from the attested start")
   else:
     detail = (f"{len(replayed)} challenged segments ({steps_replayed} steps) replayed {how} "
-              f"of {len(segments)} segments over {len(ctx.model.steps)} steps at p={p:g}, "
+              f"of {len(segments)} segments over {kept} steps at p={p:g}, "
               f"segments of up to {k} steps; one faked step escapes with probability "
               f"{1 - p:g}")
+  if discarded:
+    detail += (f"; a resume discarded {discarded} more step{'s' * (discarded > 1)}, run after "
+               "the last committed state: not replayed, and not what the run goes on from")
   if not ctx.decisions.known:
     return Claim("replays", COULD_NOT_VERIFY, f"{detail}; whether every challenge was "
                  f"answered could not be verified ({ctx.decisions.unknown})", facts)
