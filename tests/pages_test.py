@@ -112,6 +112,19 @@ class ChartsTest(parameterized.TestCase):
     self.assertLess(many.count(","), 2 * charts.MAX_POINTS)  # thinned, the marked step kept
     self.assertIn("data-step='77777'", many)
 
+  def test_steps_a_resume_discarded_are_dots_off_the_curve(self):
+    # Steps 2 and 3 ran after the last committed state (step 1), then the run resumed from
+    # it at step 4: the curve goes from step 1 to step 4, and 2 and 3 are grey dots.
+    points = [(i, float(10 - i)) for i in range(6)]
+    svg = charts.metric_chart("loss", points, {2: "discarded", 3: "discarded", 5: "verified"})
+    curve = re.search(r"class='curve'[^>]*points='([^']*)'", svg).group(1).split()
+    self.assertLen(curve, 4)  # steps 0, 1, 4, 5: before, the curve drew all six
+    self.assertEqual(len(re.findall(r"class='mark discarded'", svg)), 2)
+    self.assertIn("data-step='2'", svg)
+    self.assertIn("discarded by a resume: not the run&#x27;s training", svg)
+    whole = charts.metric_chart("loss", points, {5: "verified"})
+    self.assertLen(re.search(r"class='curve'[^>]*points='([^']*)'", whole).group(1).split(), 6)
+
 
 class PagesTest(absltest.TestCase):
 

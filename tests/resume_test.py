@@ -363,6 +363,9 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     board, = bench.leaderboard()
     self.assertEqual((board["rank"], board["proof_id"]), (1, self.proof_id), board)
     self.assertEqual((board["steps"], board["steps_discarded"]), (12, 1), board)
+    marks = httpx.get(f"{self.server.url}/api/v1/proofs/{self.proof_id}/metrics").json()["marks"]
+    self.assertEqual(marks["6"], "discarded")  # off the charts' curve
+    self.assertEqual([s for s, m in marks.items() if m == "discarded"], ["6"])
 
   def test_attack_a_discarded_step_whose_probes_went_unanswered_is_missing(self):
     # The prover saw the rows the server drew for step 6, left them unanswered and resumed.

@@ -20,7 +20,9 @@ MARK_STYLES = {  # mark -> (legend text, fill, stroke)
     "verified": ("replayed by the server, verified", "#1a7f37", "#1a7f37"),
     "failed": ("replayed by the server, failed", "#cf222e", "#cf222e"),
     "challenged": ("challenged, not replayed yet", "#ffffff", "#57606a"),
+    "discarded": ("discarded by a resume: not the run's training", "#d0d7de", "#8c959f"),
 }
+OFF_CURVE = ("discarded",)  # marks whose steps the curve leaves out (dots only)
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -104,7 +106,8 @@ def _thin(points: list[tuple[int, float]], keep: set[int]) -> list[tuple[int, fl
 
 
 def metric_chart(name: str, points: list[tuple[int, float]], marks: dict[int, str]) -> str:
-  """A metric's committed values over steps, with the challenged steps marked.
+  """A metric's committed values over steps, with the challenged steps marked (steps a
+  resume discarded as dots off the curve).
 
   Non-finite values are left out of the curve and counted in the legend.
   """
@@ -119,7 +122,7 @@ def metric_chart(name: str, points: list[tuple[int, float]], marks: dict[int, st
   x_ticks = [t for t in x_ticks if t == int(t)] or x_ticks
   y_ticks = nice_ticks(min(values), max(values), 5)
   frame = _Frame(x_ticks, y_ticks)
-  drawn = _thin(finite, set(marks))
+  drawn = [p for p in _thin(finite, set(marks)) if marks.get(p[0]) not in OFF_CURVE]
   path = " ".join(f"{frame.x(s):.1f},{frame.y(v):.1f}" for s, v in drawn)
   dots = []
   for step, value in finite:

@@ -197,7 +197,8 @@ class PageRoutes:
                            and proof["state"] not in ("invalid", UNVERIFIABLE))
       return page.proof(_url(request), proof, summary, checks, probed if indexed else None,
                         run_view.run_config(self.store, proof_id), curves,
-                        run_view.step_marks(rows, checks),
+                        run_view.step_marks(rows, checks,
+                                            run_view.resumed_away(self.store, proof_id)),
                         [n for n in series["metrics"] if n not in curves],
                         self.store.receipt(proof_id) is not None, drawn,
                         checks_after, following, table, zoom_of(request, window, zoomed))
@@ -218,7 +219,8 @@ class PageRoutes:
       self.service.proof_or_404(proof_id)
       series = run_view.metric_series(self.store, proof_id, start=start)
       marks = run_view.step_marks(self.store.challenge_rows(proof_id),
-                                  self.store.proof_checks(proof_id))
+                                  self.store.proof_checks(proof_id),
+                                  run_view.resumed_away(self.store, proof_id))
       return {"proof_id": proof_id, **series,
               "marks": {str(s): m for s, m in sorted(marks.items())}}
     return JSONResponse(await run_in_threadpool(gather))

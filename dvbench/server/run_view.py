@@ -9,7 +9,8 @@ Example::
 
   config = run_config(store, proof_id)            # root and program summaries
   series = metric_series(store, proof_id)          # {"steps": [...], "metrics": {...}}
-  marks = step_marks(store.challenge_rows(proof_id), store.proof_checks(proof_id))
+  marks = step_marks(store.challenge_rows(proof_id), store.proof_checks(proof_id),
+                     resumed_away(store, proof_id))
 """
 
 import re
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 
 from dvbench.server.schema import records
 from zkdv import metrics
+from zkdv.records import discarded_steps
 
 MAX_FIELD = 200  # characters of a prover-written string shown on a page
 MAX_ENTRIES = 40  # entries of a prover-written map or list shown on a page
@@ -159,11 +161,20 @@ def scalar_curves(series: dict) -> dict[str, list[tuple[int, float]]]:
   return curves
 
 
-def step_marks(challenge_rows: list[dict], checks: list[dict]) -> dict[int, str]:
+def resumed_away(store, proof_id: str) -> set[int]:
+  """The steps the proof's resume records discarded: they ran after the last committed
+  state, and the run went on from that state instead (``zkdv.records.discarded_steps``)."""
+  return {step for record in _records(store, proof_id, "resume")
+          for step in discarded_steps(record["after"], record["step"])}
+
+
+def step_marks(challenge_rows: list[dict], checks: list[dict],
+               discarded: set[int] = frozenset()) -> dict[int, str]:
   """step -> "verified", "failed" or "challenged" for the steps with an update check:
-  replayed by the server (and how it came out) or chosen and not replayed yet."""
+  replayed by the server (and how it came out) or chosen and not replayed yet; and
+  "discarded" for the steps a resume discarded (``resumed_away``)."""
   marks = {r["step"]: "challenged" for r in challenge_rows if r.get("needs_update")}
   for c in checks:
     if c["kind"] == "update":
       marks[c["step"]] = "verified" if c["status"] == "verified" else "failed"
-  return marks
+  return {**marks, **dict.fromkeys(discarded, "discarded")}
