@@ -13,9 +13,11 @@ import tempfile
 import cbor2
 from absl.testing import absltest
 
+from dvbench.server import worker
 from tests.verify_test import _Dvbench, good_transcript, write_transcript
 from zkdv import __version__, cli
 from zkdv import transcript
+from zkdv import verify as verify_lib
 
 
 def zkdv(*args) -> subprocess.CompletedProcess:
@@ -62,6 +64,30 @@ class VerifyCliTest(absltest.TestCase):
     self.assertEqual(replays["facts"]["p"], 1.0)
     self.assertEqual(replays["facts"]["escape_probability"], 0.0)
     self.assertEqual(report["unmet"], [])
+
+  def test_progress_file_names_the_check_running_for_a_worker_out_of_time(self):
+    path = good_transcript()
+    started = []
+    report = verify_lib.verify(path, on_check=lambda kind, step: started.append((kind, step)))
+    self.assertEqual(started, [(c.kind, c.step) for c in report.checks])
+    self.assertNotEmpty(started)
+    progress = pathlib.Path(tempfile.mkdtemp()) / worker.PROGRESS_FILE
+    self.assertEqual(zkdv_here("verify", path, "--progress-file", progress, "--quiet").returncode,
+                     0)
+    kind, step = started[-1]
+    self.assertEqual(progress.read_text(), f"{kind} {step}\n")  # the last one started
+    # What the server's failure text adds, from the file its verifier child wrote; nothing
+    # from a file that says anything else (the child runs the prover's program).
+    self.assertEqual(worker.replaying(progress),
+                     f" The time ran out in the {kind} check of step {step}, which runs the "
+                     "prover's own program (a step that replays for longer than the proof's "
+                     "time allows).")
+    for text in ("", "update 3", "update 3\nupdate 4\n", "replay 3\n", "update -3\n",
+                 "update 3\n" + " " * 100, "update 1234567890123\n", "upd\xe4te 3\n"):
+      progress.write_text(text, encoding="latin-1")
+      self.assertEqual(worker.replaying(progress), "", repr(text))
+    progress.unlink()
+    self.assertEqual(worker.replaying(progress), "")
 
   def test_server_key_from_hex_or_file_and_challenge_key_file(self):
     server = _Dvbench()

@@ -308,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="the challenge key K in hex (DVBench's own workers, before a receipt): "
                  "re-derives the challenges, but the chain's binding and the challenges "
                  "claim could not be verified (only a signed receipt shows them)")
+  v.add_argument("--progress-file", metavar="FILE",
+                 help="write 'KIND STEP' of the check being run into FILE as each starts "
+                 "(what a verification stopped for its time was replaying)")
   v.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                  help="replay segments' update checks in N processes (same report; pays "
                  "where one replay leaves cores idle)")
@@ -321,6 +324,14 @@ def _parser() -> argparse.ArgumentParser:
   i.add_argument("--stablehlo", metavar="OUT", help="write each program's StableHLO text "
                  "into the folder OUT")
   return parser
+
+
+def _check_file(path: str):
+  """``on_check`` writing ``KIND STEP`` into ``path``, replacing what it held."""
+  def write(kind: str, step: int) -> None:
+    with open(path, "w", encoding="ascii") as f:
+      f.write(f"{kind} {step}\n")
+  return write
 
 
 def _jobs(text: str) -> int:
@@ -372,7 +383,8 @@ def _main(argv=None) -> int:
         strict=args.strict, server_key=args.server_key, challenge_key=args.challenge_key_file,
         tolerance=Tolerance(*args.tolerance) if args.tolerance else None,
         progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None,
-        jobs=args.jobs)
+        jobs=args.jobs,
+        on_check=_check_file(args.progress_file) if args.progress_file else None)
   if args.json:
     print(report.dumps())
   elif not args.quiet:

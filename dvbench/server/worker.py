@@ -22,7 +22,8 @@ without a report, or reports that the verifier itself failed (``fault``, exit
 after ``max_attempts`` given up as ``unverifiable`` ("could not verify:
 <cause>", ``store_jobs``). Only a report's findings make a proof ``invalid``.
 A verification that exceeds its time limit is not retried: it is
-``unverifiable`` at once. Public failure text names the cause without server
+``unverifiable`` at once, its failure naming the check it was running (the
+verifier's ``--progress-file``). Public failure text names the cause without server
 paths or the child's output; those (and the verifier's traceback) go to the
 worker's log.
 
@@ -38,6 +39,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import stat
@@ -67,6 +69,8 @@ DEFAULT_TIME_LIMIT = 900  # seconds: the most any one verification may take
 DEFAULT_TIME_PER_CHECK = 10.0  # seconds per check record, on top of TIME_BASE
 TIME_BASE = 60.0  # seconds: starting the verifier, loading and compiling programs
 TIME_LIMIT_TEXT = "exceeded the time limit"  # in every failure text of a child out of time
+PROGRESS_FILE = "progress"  # in the child's folder: the check it is running (zkdv verify)
+_PROGRESS = re.compile(r"(update|state|probe|start) (\d{1,12})\n")  # zkdv.verify's check kinds
 
 
 class VerifierFault(Exception):
@@ -100,6 +104,21 @@ class Verdict:
   claims: dict | None = None  # {claim: status}, as the server holds them (server_claims)
   strict: bool = False  # every claim holds with exact replays: what rankings require
   standing: claims_lib.Standing | None = None  # the state and what keeps it from verified
+
+
+def replaying(progress: pathlib.Path) -> str:
+  """What the verifier was running when it ran out of time, from its ``--progress-file``
+  (it writes ``KIND STEP``; anything else, or none, says nothing)."""
+  try:
+    text = progress.read_text(encoding="ascii") if progress.stat().st_size < 64 else ""
+  except (OSError, UnicodeDecodeError):
+    return ""
+  found = _PROGRESS.fullmatch(text)
+  if found is None:
+    return ""
+  kind, step = found.groups()
+  return (f" The time ran out in the {kind} check of step {step}, which runs the prover's "
+          "own program (a step that replays for longer than the proof's time allows).")
 
 
 def _died(returncode: int, limits: Limits, seconds: int) -> str:
@@ -179,7 +198,8 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
   with open(folder / RECORDS_FILE, "wb") as f:
     for data in store.record_data(proof_id):
       f.write(data)
-  command = [sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json"]
+  command = [sys.executable, "-m", "zkdv.cli", "verify", str(folder), "--json",
+             "--progress-file", str(folder / PROGRESS_FILE)]
   if challenger["kind"] == "dvbench":
     key_file = work / "challenge_key"  # outside the child's folder: it reads, never writes
     key_file.write_text(challenger["challenge_key"].hex())
@@ -187,7 +207,8 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
   report, failure = run_confined(command, work, limits,
                                  limits.for_checks(store.check_record_count(proof_id)))
   if report is None and TIME_LIMIT_TEXT in failure:  # running it again takes as long
-    return Verdict(UNVERIFIABLE, "could not verify", f"could not verify: {failure}", [])
+    return Verdict(UNVERIFIABLE, "could not verify",
+                   f"could not verify: {failure}{replaying(folder / PROGRESS_FILE)}", [])
   if report is None or (report.get("fault") and report["verdict"] != "invalid"):
     # A finding recorded before the verifier failed still makes the proof invalid.
     raise VerifierFault(failure or _public(f"the verifier failed: {report['fault']}", work))

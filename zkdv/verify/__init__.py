@@ -59,7 +59,8 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
            required=DEFAULT_REQUIRED, strict: bool = False,
            server_key: bytes | None = None, challenge_key: bytes | None = None,
            progress: Callable[[int, int], None] | None = None,
-           read_ahead: bool | None = None, jobs: int = 1) -> Report:
+           read_ahead: bool | None = None, jobs: int = 1,
+           on_check: Callable[[str, int], None] | None = None) -> Report:
   """Verifies the transcript at ``path`` (a folder or its records file).
 
   ``server_key`` (32 bytes) checks ``receipt.cbor`` beside the records;
@@ -69,8 +70,9 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
   ``read_ahead`` reads and hashes the next check's openings on a thread while
   the current check replays (None: where there are more than two cores).
   ``jobs`` > 1 replays a segmented transcript's update checks in that many
-  processes (same report). Raises ValueError only for bad arguments, never for
-  a bad transcript.
+  processes (same report). ``on_check(kind, step)`` is called as each check
+  starts in this process (what a verification out of time was doing). Raises
+  ValueError only for bad arguments, never for a bad transcript.
   """
   if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= 256:
     raise ValueError(f"jobs must be an int in [1, 256], got {jobs!r}.")
@@ -86,7 +88,7 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
     ctx.blobs = blobs.BlobReader(transcript.records_path(path).parent, read_ahead)
     try:
       _run(ctx, contents, transcript.records_path(path).parent, server_key, challenge_key,
-           progress, jobs)
+           progress, jobs, on_check)
     except Exception as e:  # pylint: disable=broad-except  # a fault, not a finding
       _fault(ctx.report, e)
     finally:
@@ -114,7 +116,7 @@ def _fault(report: Report, error: Exception) -> None:
 
 
 def _run(ctx: Verification, contents, folder, server_key, challenge_key, progress,
-         jobs) -> None:
+         jobs, on_check) -> None:
   report = ctx.report
   ctx.model = structure.read(contents, folder, report)
   if ctx.model is None or ctx.model.root is None:
@@ -133,7 +135,7 @@ def _run(ctx: Verification, contents, folder, server_key, challenge_key, progres
     ctx.programs.load(program)
   decisions.require_answers(ctx, ctx.decisions)
   start.require_start(ctx)
-  schedule.run_checks(ctx, progress, jobs)
+  schedule.run_checks(ctx, progress, jobs, on_check)
   _enough_replays(ctx)
   receipt.compare_verdicts(ctx)
 

@@ -14,9 +14,10 @@ from zkdv.verify.blobs import wanted_blobs
 from zkdv.verify.context import Verification
 
 
-def run_checks(ctx: Verification, progress=None, jobs: int = 1) -> None:
+def run_checks(ctx: Verification, progress=None, jobs: int = 1, on_check=None) -> None:
   """Every check record, in transcript order, through its kind's checker; with
-  ``jobs`` > 1, segments' update checks replay in that many processes."""
+  ``jobs`` > 1, segments' update checks replay in that many processes.
+  ``on_check(kind, step)`` is told of each check this process starts."""
   ordered = checks.ordered_checks(ctx.model)
   programs = [ctx.model.program_of(ctx.model.steps[c.step]) for c in ordered]
   replayed = {}
@@ -40,6 +41,8 @@ def run_checks(ctx: Verification, progress=None, jobs: int = 1) -> None:
       following = next((m for m in range(n + 1, len(ordered)) if m not in replayed), None)
       if following is not None and programs[following] is not None:  # read while replaying
         ctx.blobs.prefetch(wanted_blobs(ordered[following], programs[following]))
+      if on_check:
+        on_check(check.kind, check.step)
       outcome = checks.CHECKERS[check.kind](ctx, check, step, program, where)
     if outcome is not None:
       ctx.report.checks.append(dataclasses.replace(
