@@ -18,6 +18,8 @@ from absl.testing import absltest
 from flax import serialization
 
 import dvbench
+from dvbench.server import quotas
+from dvbench.server import routes_measurements
 from tests.dvbench_test import DVBenchTestCase
 from tests.fake_prover import FakeProver
 from tests import tutorial_steps
@@ -196,6 +198,26 @@ class MeasurementTest(DVBenchTestCase):
     with self.assertRaisesRegex(dvbench.errors.ApiError, "409.*already opened"):
       http.request("POST", f"/api/v1/measurements/{row['id']}/openings",
                    content=cbor2.dumps([[i, []] for i in row["open"]]))
+
+  def test_a_measurement_record_is_bounded_and_counted_as_stored_bytes(self):
+    measurement, value = self.submit("your-name/short", self.short_checkpoint)
+    store = self.store()
+    before = quotas.usage(store, lambda digest: 0, "your-name")["stored_bytes"]
+    row = measurement.submit("accuracy", value)
+    record = store.measurement(row["id"])["record"]
+    after = quotas.usage(store, lambda digest: 0, "your-name")["stored_bytes"]
+    self.assertEqual(after - before, len(record))  # before: 0, measurements were not counted
+    shown = store.list_measurements(experiment_id=store.experiment("your-name/short")["id"])
+    self.assertEqual([m["id"] for m in shown], [row["id"]])
+    self.assertNotIn("record", shown[0])  # pages never load a record
+    http, path = self.client.http, "/api/v1/experiments/your-name/short/measurements"
+    padded = cbor2.dumps({**cbor2.loads(record), "padding": b"x" * 1000}, canonical=True)
+    with self.assertRaisesRegex(dvbench.errors.ApiError, r"400.*unknown fields \['padding'\]"):
+      http.request("POST", path, content=padded)
+    oversized = b"x" * (routes_measurements.MAX_MEASUREMENT_BYTES + 1)
+    with self.assertRaisesRegex(dvbench.errors.ApiError,
+                                f"413.*over the {routes_measurements.MAX_MEASUREMENT_BYTES}"):
+      http.request("POST", path, content=oversized)
 
   def test_checkpoint_trained_further_is_refused(self):
     params = serialization.msgpack_restore(self.checkpoint.read_bytes())

@@ -87,6 +87,22 @@ class QuotaCases:
     self.assertEqual(provers[0].finish().json()["state"], "closed")
     self.assertEqual(third.post_root(third.root(third.slot(), "p2")).status_code, 201)
 
+  def test_a_measurement_record_is_stored_bytes(self):
+    # A measurement's record is stored whole; it was charged to no quota, so one owner
+    # stored 1.2 GB of padded measurements against a 20 MB quota.
+    http = self.client("mona")
+    self.assertEqual(http.post("/api/v1/experiments", json={"name": "mona/m"}).status_code, 200)
+    n = 1500
+    record = {"type": "measurement", "metric": "accuracy", "value": 0.5, "proof_id": "0" * 64,
+              "checkpoint": bytes(32), "batches": [[bytes(32), bytes(32)]] * n,
+              "evaluate": bytes(32), "params_blobs": [], "outputs": [[bytes(32)]] * n,
+              "aggregate": None, "params_layout": [], "batch_layout": [],
+              "output_layout": [], "sample": 0.25}
+    body = cbor2.dumps(record, canonical=True)
+    self.assertGreater(len(body), _STORED_BYTES)
+    self.assertQuota(http.post("/api/v1/experiments/mona/m/measurements", content=body), 403,
+                     "stored_bytes", 0, _STORED_BYTES, "--quota-stored-gb")
+
   def test_stored_bytes_and_usage(self):
     prover = FakeProver(self.server.url, self.server.token("dora"), "dora/run").start()
     data = os.urandom(_STORED_BYTES // 2)

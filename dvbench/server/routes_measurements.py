@@ -22,29 +22,41 @@ from dvbench.server import labels
 from dvbench.server.decoding import decode
 from dvbench.server.service import NAME, Service
 from zkdv import challenge
-from zkdv.fields import (FREE, Bool, Field, Float, Int, Invalid, ListOf, Optional, Row, Text,
+from zkdv.fields import (Bool, Field, Float, Int, Invalid, ListOf, Optional, Row, Text,
                          check_fields)
-from zkdv.records import DIGEST, DIGESTS
+from zkdv.records import DIGEST, DIGESTS, LAYOUTS
 from zkdv.transcript import record_id
 
 MIN_SAMPLE = 0.25
+MAX_BATCHES = 1 << 16  # committed batches of one measurement
+# A measurement record is digests and layouts: about 110 bytes a batch. Its bytes count
+# against the owner's stored_bytes quota.
+MAX_MEASUREMENT_BYTES = 16 << 20
 _NOT_A_MEASUREMENT = "the body is not a measurement record (see dvbench.measurement)"
 _REQ = True
 MEASUREMENT_FIELDS = {
-    "metric": Field(Text(100, min_len=1), _REQ), "value": Field(Float(), _REQ),
-    "higher_is_better": Field(Bool()), "proof_id": Field(Text(64), _REQ),
-    "checkpoint": Field(DIGEST, _REQ), "batches": Field(ListOf(FREE, min_len=1), _REQ),
+    "type": Field(Text(20)), "metric": Field(Text(100, min_len=1), _REQ),
+    "value": Field(Float(), _REQ), "higher_is_better": Field(Bool()),
+    "proof_id": Field(Text(64), _REQ), "checkpoint": Field(DIGEST, _REQ),
+    "batches": Field(ListOf(Row((DIGEST, DIGEST)), MAX_BATCHES, min_len=1), _REQ),
     "evaluate": Field(DIGEST, _REQ), "params_blobs": Field(DIGESTS, _REQ),
-    "outputs": Field(ListOf(DIGESTS), _REQ), "aggregate": Field(Optional(DIGEST), _REQ),
+    "outputs": Field(ListOf(DIGESTS, MAX_BATCHES), _REQ),
+    "aggregate": Field(Optional(DIGEST), _REQ),
+    "params_layout": Field(LAYOUTS, _REQ), "batch_layout": Field(LAYOUTS, _REQ),
+    "output_layout": Field(LAYOUTS, _REQ),
     "sample": Field(Float(MIN_SAMPLE, 1.0, "the fraction of batches the server opens"), _REQ)}
 OPENINGS = ListOf(Row((Int(), DIGESTS)))
 
 
 def parse_measurement(body: bytes) -> tuple[dict, list[bytes]]:
   """(record, every blob digest it references); 400 naming the first wrong field."""
+  if len(body) > MAX_MEASUREMENT_BYTES:
+    raise HTTPException(413, f"{_NOT_A_MEASUREMENT}: {len(body)} bytes, over the "
+                        f"{MAX_MEASUREMENT_BYTES} a measurement takes ({MAX_BATCHES} batches "
+                        "at most).")
   record = decode(body, "the measurement")
   try:
-    check_fields(record, MEASUREMENT_FIELDS, "measurement")
+    check_fields(record, MEASUREMENT_FIELDS, "measurement", strict=True)
   except Invalid as e:
     raise HTTPException(400, f"{_NOT_A_MEASUREMENT}: {e}") from None
   if not NAME.fullmatch(record["metric"]):
@@ -72,6 +84,7 @@ class MeasurementRoutes:
     def create():
       exp = self.service.writable_experiment(request, owner, name)
       record, refs = parse_measurement(body)
+      self.service.quota.check_storage(owner, len(body))
       proof_id, checkpoint = record["proof_id"], record["checkpoint"]
       proof = self.store.proof(proof_id)
       if proof is None or proof["experiment_id"] != exp["id"]:

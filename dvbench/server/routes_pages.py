@@ -115,7 +115,7 @@ class PageRoutes:
         series = run_view.metric_series(self.store, proofs[0]["id"],
                                         start=proofs[0]["steps"] - 1, limit=1)
         latest = {name: column[-1] for name, column in series["metrics"].items()}
-      measurements = [m for m in self.store.list_measurements() if m["experiment"] == full]
+      measurements = self.store.list_measurements(experiment_id=exp["id"])
       return page.experiment(_url(request), full, proofs, latest, measurements,
                              attempts.describe(
                                  attempts.owner_attempts(self.store, full.split("/")[0]),

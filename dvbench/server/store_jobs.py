@@ -338,13 +338,18 @@ class JobQueries:
           measurements.c.id == measurement_id)).mappings().first()
     return dict(row) if row else None
 
-  def list_measurements(self, limit: int = 1000) -> list[dict]:
-    """The first ``limit`` measurements by metric, then age (what one page shows)."""
-    query = (sa.select(measurements, experiments.c.full_name.label("experiment"),
+  def list_measurements(self, limit: int = 1000,
+                        experiment_id: int | None = None) -> list[dict]:
+    """The first ``limit`` measurements by metric, then age (what one page shows), of one
+    experiment or all; without their records (up to 16 MiB each)."""
+    shown = [c for c in measurements.c if c.name != "record"]
+    query = (sa.select(*shown, experiments.c.full_name.label("experiment"),
                        proofs.c.state.label("proof_state"), proofs.c.steps)
              .select_from(measurements.join(experiments).join(
                  proofs, proofs.c.id == measurements.c.proof_id))
              .order_by(measurements.c.metric, measurements.c.created_at).limit(limit))
+    if experiment_id is not None:
+      query = query.where(measurements.c.experiment_id == experiment_id)
     with self.engine.connect() as conn:
       return [dict(r) for r in conn.execute(query).mappings()]
 
