@@ -3,8 +3,9 @@
 * ``stored_bytes``: records, chunks and blobs of the owner's proofs (a blob counted once
   per owner however many proofs hold it), the records of its measurements, and
   ``OPENED_ROW_BYTES`` for each batch row their probes opened, counted as the records
-  arrive: the digests the worker indexes once a proof is closed (``dvbench.contamination.probed_digests``) are at most a row digest
-  and half an example digest per opened row (an example has rows in two leaves or more);
+  arrive: the digests the worker indexes once a proof is closed
+  (``dvbench.contamination.probed_digests``) are at most a row digest and half an example
+  digest per opened row (an example has rows in two leaves or more);
 * slots per hour: ``attempts.check_slot_rate`` (``--max-slots-per-hour``); shown here;
 * ``open_proofs``: the owner's proofs still ``receiving``;
 * ``experiments``: the owner's experiments.
