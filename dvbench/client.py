@@ -102,9 +102,9 @@ class Http:
         if response.status_code not in _RETRY_STATUS:
           raise errors.ApiError(response.status_code, _error_text(response))
         problem = f"HTTP {response.status_code}: {_error_text(response)[:200]}"
-        wait = _retry_after(response) or delay
+        wait, answered = _retry_after(response) or delay, True
       except httpx.TransportError as e:
-        problem = f"{type(e).__name__}: {e}"
+        problem, answered = f"{type(e).__name__}: {e}", False
         if not self.reached and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
           deadline = min(deadline, started + CONNECT_SECONDS)
       if time.monotonic() + wait > deadline:
@@ -113,6 +113,10 @@ class Http:
               f"cannot reach a DVBench server at {self.url} ({problem}). Check the URL "
               "(Client(API_URL), $DVBENCH_URL or `dvbench login --url`) and that `dvbench "
               "serve` runs there.")
+        if answered:  # busy, or refusing for now: it says so
+          raise errors.UploadError(
+              f"the DVBench server at {self.url} answered {method} {path} with {problem} "
+              f"for {time.monotonic() - started:.0f} s; try again later.")
         raise errors.UploadError(
             f"the DVBench server at {self.url} stopped answering {method} {path} "
             f"({problem}) for {time.monotonic() - started:.0f} s; is it still running?")

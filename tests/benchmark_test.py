@@ -2,8 +2,10 @@
 scores in shards, contamination and rows outside a pinned training set block ranking, and
 each attack on a leaderboard is refused with a clear message."""
 
+import concurrent.futures
 import html
 import io
+import os
 
 import blake3
 import cbor2
@@ -21,8 +23,10 @@ from dvbench.benchmark import TrainingSet, export_evaluation
 from dvbench.measurement import tree_layouts
 from dvbench.server import labels
 from dvbench.server import routes_registration
+from dvbench.server.local import LocalServer
 from tests.dvbench_test import DVBenchTestCase, local_transcript
 from tests.fake_prover import FakeProver
+from tests import testing
 from tests.measurement_test import Rows, _model, browse, train, tutorial_steps_batch
 from zkdv import merkle
 from zkdv.digest import LeafLayout
@@ -699,6 +703,66 @@ class TrainingSetTest(absltest.TestCase):
       self.assertFalse(merkle.verify_inclusion(merkle.leaf_hash(b"another row"), index,
                                                train_set.size, path, train_set.root))
     self.assertEqual({p[1] for p in proofs if p[0] == row_bytes[8]}, {5})  # the first 7
+
+
+def spin(params, batch):
+  """The tutorial's accuracy after a loop that runs for minutes: a program registration
+  runs until the server's time limit."""
+  _, x = jax.lax.while_loop(lambda c: c[0] < 2**30,
+                            lambda c: (c[0] + 1, jnp.tanh(c[1] * 1.0001 + 0.1)),
+                            (0, jnp.zeros(64)))
+  return correct(params, batch) + 0 * x[0]
+
+
+class ProgramChecksTest(absltest.TestCase):
+  """Registration runs the owner's program: one check an owner at a time, a failure once."""
+
+  def test_an_owner_checks_one_program_at_a_time_and_a_runaway_one_once(self):
+    server = LocalServer(workers=0, extra_args=("--time-limit", "8")).start()
+    self.addCleanup(server.close)
+    owner = dvbench.Client(server.url, token=server.token("mallory"))
+    self.addCleanup(owner.close)
+    params = _model().init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+
+    def register(name):
+      owner.benchmark(name).register(metric="accuracy", evaluate=spin, params=params,
+                                     rows=EVAL_ROWS)
+    first = concurrent.futures.ThreadPoolExecutor(1)
+    self.addCleanup(first.shutdown)
+    running = first.submit(register, "mallory/spin")
+    testing.wait_until(lambda: any(b"dvbench.benchmark" in c for c in _commands()), 60)
+    # Before, every request ran one more program for up to 600 s, all at once.
+    impatient = dvbench.Client(server.url, token=server.token("mallory"))
+    self.addCleanup(impatient.close)
+    impatient.http.retry_seconds = 0  # the client would wait and retry a 429
+    with self.assertRaisesRegex(dvbench.errors.UploadError, "answered PUT "
+                                "/api/v1/benchmarks/mallory/spin-again with HTTP 429: a program "
+                                "check of 'mallory' is running; an owner's programs are checked "
+                                "one at a time"):
+      impatient.benchmark("mallory/spin-again").register(
+          metric="accuracy", evaluate=spin, params=params, rows=EVAL_ROWS)
+    with self.assertRaisesRegex(dvbench.errors.ApiError,
+                                "400.*exceeded the time limit of 8 s .CPU time"):
+      running.result(120)
+    # Before, sending it again ran it again for the whole limit. (The same bytes: the same
+    # call stack, as a program's locations name it; other bytes are another program, which
+    # waits for its owner's turn.)
+    with self.assertRaisesRegex(dvbench.errors.ApiError, r"400.*time limit of 8 s .CPU time.* "
+                                r"\(This program failed its check before; it is not run "
+                                r"again.\)"):
+      first.submit(register, "mallory/spin-once-more").result(60)
+
+
+def _commands() -> list[bytes]:
+  """The command lines of this machine's processes."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        found.append(f.read())
+    except OSError:
+      pass
+  return found
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ Example::
   # PUT  /api/v1/benchmarks/{owner}/{name}/blobs/{digest}   routes.put_blob
 """
 
+import contextlib
 import json
 import pathlib
 import sys
 import tempfile
+import threading
 
 import blake3
 import cbor2
@@ -30,12 +32,17 @@ from dvbench.server import sandbox
 from dvbench.server import worker
 from dvbench.server.benchmark_requests import bad, benchmark_or_404, parse_definition
 from dvbench.server.paging import paged
+from dvbench.server.refusals import Refusal
 from dvbench.server.service import Service, check_name
 from zkdv import config
 from zkdv import digest
 
 _MAX_PROGRAM_BYTES = 64 << 20
-_CHECKED_PROGRAMS = 1024  # (program, signature) pairs remembered as checked
+_CHECKED_PROGRAMS = 1024  # (program, signature) pairs remembered as checked or failed
+# Program checks at once: server-wide, and one per owner. A check may run a program for
+# the server's --time-limit (at most 600 s) on a core; more are answered "retry later".
+PROGRAM_CHECKS = 2
+RETRY_SECONDS = 10
 
 
 def leaf_rows(path, layout: digest.LeafLayout) -> np.ndarray:
@@ -48,8 +55,10 @@ class RegistrationRoutes:
 
   def __init__(self, service: Service):
     self.service, self.store, self.blobs = service, service.store, service.blobs
-    # the checks each checked job ran; insertion-ordered, oldest first
-    self._checked_programs: dict[bytes, list[str]] = {}
+    # each checked job: the checks it ran, or why it failed; insertion-ordered, oldest first
+    self._checked_programs: dict[bytes, tuple[list[str] | None, str | None]] = {}
+    self._checking: set[str] = set()  # owners whose program check runs now
+    self._checking_lock = threading.Lock()
 
   def _owned(self, request) -> str:
     """``owner/name`` of the path, after checking the token is the owner's (403)."""
@@ -131,7 +140,7 @@ class RegistrationRoutes:
         if self.blobs.path(blob.hex()).stat().st_size != layout.nbytes:
           raise bad("reference_params", f"blob {blob.hex()} is not {layout.nbytes} bytes, "
                      f"the size of params leaf {layout.path}.")
-      checks = self._check_program(spec)
+      checks = self._check_program(spec, full.split("/")[0])
       allowed = spec["allowed_programs"]
       row = {"full_name": full, "metric": spec["metric"],
              "higher_is_better": spec["higher_is_better"], "aggregate": spec["aggregate"],
@@ -146,13 +155,15 @@ class RegistrationRoutes:
     return JSONResponse({**public_benchmark(row), "checks_run": checks[0] if checks else None},
                         status_code=status)
 
-  def _check_program(self, spec: dict) -> list[str]:
+  def _check_program(self, spec: dict, owner: str) -> list[str]:
     """400 naming what is wrong with the evaluation program, checked in a limited child
     process as uploaded programs always are (``dvbench.benchmark.check_job``): it
     deserializes, passes the StableHLO screen, takes the params and a batch, returns one
     number per row and reads both; on the owner's rows its outputs change with the params
     (at the owner's params and a perturbed model) and with the batch, and are finite.
-    Returns the checks it ran."""
+    Returns the checks it ran. A job checked before answers as it did then (its checks, or
+    its failure, when the program was at fault); at most ``PROGRAM_CHECKS`` run at once,
+    one per owner (429, 503: retry later)."""
     size = self.blobs.path(spec["program"].hex()).stat().st_size
     if size > _MAX_PROGRAM_BYTES:
       raise bad("program", f"at most {_MAX_PROGRAM_BYTES >> 20} MiB, got {size} bytes.")
@@ -161,8 +172,48 @@ class RegistrationRoutes:
            "data_layout": [l.to_record() for l in spec["data_layout"]],
            "data_blobs": spec["data_blobs"], "reference_params": spec["reference_params"]}
     key = blake3.blake3(cbor2.dumps(job, canonical=True)).digest()
-    if key in self._checked_programs:
-      return self._checked_programs[key]
+    known = self._checked_programs.get(key)
+    if known is None:
+      with self._turn(owner):
+        checks, failure = self._run_check(job, spec)
+        self._remember(key, checks, failure)  # before the next turn: it never runs twice
+    else:
+      checks, failure = known
+      failure = failure and (f"{failure} (This program failed its check before; it is not "
+                             "run again.)")
+    if failure:
+      raise HTTPException(400, failure)
+    return checks
+
+  @contextlib.contextmanager
+  def _turn(self, owner: str):
+    """A program check's turn: 429 while one of ``owner``'s runs, 503 while
+    ``PROGRAM_CHECKS`` of any owner do."""
+    retry = {"retry-after": str(RETRY_SECONDS)}
+    with self._checking_lock:
+      if owner in self._checking:
+        raise Refusal(429, f"a program check of '{owner}' is running; an owner's programs "
+                      f"are checked one at a time: retry in {RETRY_SECONDS} s.", headers=retry)
+      if len(self._checking) >= PROGRAM_CHECKS:
+        raise Refusal(503, f"the server is checking {PROGRAM_CHECKS} other owners' evaluation "
+                      f"programs; retry in {RETRY_SECONDS} s.", headers=retry)
+      self._checking.add(owner)
+    try:
+      yield
+    finally:
+      with self._checking_lock:
+        self._checking.discard(owner)
+
+  def _remember(self, key: bytes, checks: list[str] | None, failure: str | None) -> None:
+    with self._checking_lock:
+      self._checked_programs[key] = (checks, failure)
+      if len(self._checked_programs) > _CHECKED_PROGRAMS:
+        del self._checked_programs[next(iter(self._checked_programs))]
+
+  def _run_check(self, job: dict, spec: dict) -> tuple[list[str] | None, str | None]:
+    """(the checks, None) of a program that passed, (None, the 400's text) of one at fault
+    (its check's finding, or out of CPU time); other failures of the child (killed,
+    crashed, out of wall-clock time on a busy server) are raised, not remembered."""
     blobs = [spec["program"], *spec["data_blobs"], *(spec["reference_params"] or [])]
     data = self.blobs.folder.parent.resolve()  # the child works elsewhere: absolute paths
     with tempfile.TemporaryDirectory(prefix="program-", dir=data) as work:
@@ -174,14 +225,14 @@ class RegistrationRoutes:
       result, failure = worker.run_confined(
           [sys.executable, "-m", "dvbench.benchmark", str(folder)], pathlib.Path(work), limits,
           seconds)
+    if result is not None and not result["failure"]:
+      return result["checks"], None
     failure = failure or result["failure"]
-    if failure:
-      raise HTTPException(400, failure if failure.startswith("the evaluation program") else
-                          f"the evaluation program could not be checked: {failure}")
-    self._checked_programs[key] = result["checks"]
-    if len(self._checked_programs) > _CHECKED_PROGRAMS:
-      del self._checked_programs[next(iter(self._checked_programs))]
-    return result["checks"]
+    text = (failure if failure.startswith("the evaluation program") else
+            f"the evaluation program could not be checked: {failure}")
+    if result is None and not (worker.TIME_LIMIT_TEXT in failure and "(CPU time)" in failure):
+      raise HTTPException(400, text)
+    return None, text
 
   async def get_benchmark(self, request):
     row = await run_in_threadpool(self._benchmark, request)
