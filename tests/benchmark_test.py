@@ -353,7 +353,12 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertEqual(loose, [
         *start, "the training program: any, and a program may embed up to 65536 bytes of "
         f"constants (410× the evaluation set's {EVAL_ROWS.nbytes} bytes), unseen by probes",
-        "the training set: probed rows are compared with the evaluation set only"])
+        # A run training on the evaluation rows plus one (its program subtracts it) was
+        # verified, uncontaminated and ranked first; the recipe now says this is open.
+        "the training set: probed rows are compared with the evaluation set only, as a batch "
+        "carries them: a program may change its batch before training on it (add one, XOR a "
+        "key), so a run with no probed row in common with the evaluation set may still train "
+        "on it"])
     page = httpx.get(f"{self.server.url}/benchmarks/alice/any-program").text
     self.assertIn(html.escape(loose[2], quote=True), page)
 
@@ -672,6 +677,16 @@ class ContaminationTest(absltest.TestCase):
     # 2**20 empty rows a Merkle row: nothing is built for them
     self.assertEqual(contamination.probed_rows(
         {"type": "check", "kind": "probe", "probes": [[0, 0, 1 << 20, b"", []]]}), [])
+
+  def test_the_recipe_says_a_program_may_transform_its_batches_unless_programs_are_pinned(self):
+    definition = {"training_set": None, "data_order": None, "init_program": None,
+                  "base_checkpoint": None, "min_probe_ratio": None,
+                  "data_layout": [LeafLayout("x", "int32", (8, 5))]}
+    transformed = "a program may change its batch before training on it (add one, XOR a key)"
+    self.assertIn(transformed, " ".join(routes_registration.left_open(definition, None)))
+    self.assertNotIn(transformed, " ".join(routes_registration.left_open(definition, "[]")))
+    pinned_set = {**definition, "training_set": {"root": bytes(32), "size": 8}}
+    self.assertNotIn(transformed, " ".join(routes_registration.left_open(pinned_set, None)))
 
   def test_the_recipe_names_the_leaves_whole_examples_need_where_they_count(self):
     definition = {"training_set": None, "data_order": None, "init_program": None,

@@ -261,7 +261,10 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
                    f"(distinct rows of {contamination.MIN_IDENTIFYING_BYTES} bytes or more) "
                    "are matched then")
   if definition["training_set"] is None:
-    open_.append("the training set: probed rows are compared with the evaluation set only")
+    open_.append("the training set: probed rows are compared with the evaluation set only" + (
+        "" if allowed_programs is not None else ", as a batch carries them: a program may "
+        "change its batch before training on it (add one, XOR a key), so a run with no "
+        "probed row in common with the evaluation set may still train on it"))
   elif definition["data_order"] is None:
     open_.append("the data order: a run may choose which training rows it draws and when "
                  "(probed rows are members of the set, at no index)")
