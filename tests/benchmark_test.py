@@ -343,9 +343,14 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     self.assertNotIn(blake3.blake3(np.int32(1).tobytes()).hexdigest(), listed)
 
   def test_the_recipe_says_what_it_leaves_open(self):
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
     start = ["the init: any attested start from the key (an init program of the prover's, "
              "proof.init); starts from a base checkpoint are not accepted",
-             "the probe ratio: any above the server's minimum"]
+             "the probe ratio: any above the server's minimum",
+             "the init's constants: an init program may embed up to 65536 bytes, more than the "
+             f"model's {params_bytes} bytes of params, so a start may be a checkpoint it carries "
+             "(another entry's, say) plus a little of the key's noise; pinning init_program "
+             "closes this"]
     self.assertEqual(self.bench.info()["left_open"], [  # programs and rows pinned, not order
         *start, "the data order: a run may choose which training rows it draws and when "
         "(probed rows are members of the set, at no index)"])
@@ -360,7 +365,7 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
         "key), so a run with no probed row in common with the evaluation set may still train "
         "on it"])
     page = httpx.get(f"{self.server.url}/benchmarks/alice/any-program").text
-    self.assertIn(html.escape(loose[2], quote=True), page)
+    self.assertIn(html.escape(loose[3], quote=True), page)
 
   def test_only_the_owner_writes_a_benchmark_and_names_are_namespaced(self):
     with self.refused(403, "token of 'mallory' cannot write benchmark 'alice/tiny-accuracy'"):
@@ -678,10 +683,25 @@ class ContaminationTest(absltest.TestCase):
     self.assertEqual(contamination.probed_rows(
         {"type": "check", "kind": "probe", "probes": [[0, 0, 1 << 20, b"", []]]}), [])
 
+  def test_the_recipe_says_a_small_model_may_start_from_a_checkpoint_its_init_embeds(self):
+    # A near-copy of another entry (its params in the init's constants, plus 1e-4 of the
+    # key's noise) was verified with an attested start and ranked beside the original.
+    definition = {"training_set": None, "data_order": None, "init_program": None,
+                  "base_checkpoint": None, "min_probe_ratio": None,
+                  "data_layout": [LeafLayout("x", "int32", (8, 5))],
+                  "params_layout": [LeafLayout("w", "float32", (5, 2))]}
+    embeds = "an init program may embed up to 65536 bytes, more than the model's 40 bytes"
+    self.assertIn(embeds, " ".join(routes_registration.left_open(definition, None)))
+    large = {**definition, "params_layout": [LeafLayout("w", "float32", (1 << 14, 2))]}
+    self.assertNotIn("the init's constants", " ".join(routes_registration.left_open(large, None)))
+    pinned = {**definition, "init_program": bytes(32)}
+    self.assertNotIn("the init's constants", " ".join(routes_registration.left_open(pinned, None)))
+
   def test_the_recipe_says_a_program_may_transform_its_batches_unless_programs_are_pinned(self):
     definition = {"training_set": None, "data_order": None, "init_program": None,
                   "base_checkpoint": None, "min_probe_ratio": None,
-                  "data_layout": [LeafLayout("x", "int32", (8, 5))]}
+                  "data_layout": [LeafLayout("x", "int32", (8, 5))],
+                  "params_layout": [LeafLayout("w", "float32", (5, 2))]}
     transformed = "a program may change its batch before training on it (add one, XOR a key)"
     self.assertIn(transformed, " ".join(routes_registration.left_open(definition, None)))
     self.assertNotIn(transformed, " ".join(routes_registration.left_open(definition, "[]")))
@@ -690,7 +710,8 @@ class ContaminationTest(absltest.TestCase):
 
   def test_the_recipe_names_the_leaves_whole_examples_need_where_they_count(self):
     definition = {"training_set": None, "data_order": None, "init_program": None,
-                  "base_checkpoint": None, "min_probe_ratio": None}
+                  "base_checkpoint": None, "min_probe_ratio": None,
+                  "params_layout": [LeafLayout("w", "float32", (5, 2))]}
     tokens, labels = LeafLayout("t", "int32", (8, 2)), LeafLayout("y", "int32", (8,))
     empty = LeafLayout("e", "float32", (8, 0))
     said = lambda leaves: " ".join(routes_registration.left_open(  # pylint: disable=g-long-lambda

@@ -246,8 +246,14 @@ class RegistrationRoutes:
 def left_open(definition: dict, allowed_programs) -> list[str]:
   """What a benchmark's recipe does not pin, and what that lets a run do unseen."""
   eval_bytes = sum(l.nbytes for l in definition["data_layout"])
+  params_bytes = sum(l.nbytes for l in definition["params_layout"])
   budget = config.MAX_PROGRAM_CONSTANT_BYTES
   open_ = pins.left_open(definition)
+  if definition["init_program"] is None and params_bytes <= budget:
+    open_.append(f"the init's constants: an init program may embed up to {budget} bytes, "
+                 f"more than the model's {params_bytes} bytes of params, so a start may be a "
+                 "checkpoint it carries (another entry's, say) plus a little of the key's "
+                 "noise; pinning init_program closes this")
   if allowed_programs is None:
     open_.append(
         f"the training program: any, and a program may embed up to {budget} bytes of "
