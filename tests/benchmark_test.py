@@ -686,39 +686,35 @@ class ContaminationTest(absltest.TestCase):
   def test_the_recipe_says_a_small_model_may_start_from_a_checkpoint_its_init_embeds(self):
     # A near-copy of another entry (its params in the init's constants, plus 1e-4 of the
     # key's noise) was verified with an attested start and ranked beside the original.
-    definition = {"training_set": None, "data_order": None, "init_program": None,
-                  "base_checkpoint": None, "min_probe_ratio": None,
-                  "data_layout": [LeafLayout("x", "int32", (8, 5))],
-                  "params_layout": [LeafLayout("w", "float32", (5, 2))]}
     embeds = "an init program may embed up to 65536 bytes, more than the model's 40 bytes"
-    self.assertIn(embeds, " ".join(routes_registration.left_open(definition, None)))
-    large = {**definition, "params_layout": [LeafLayout("w", "float32", (1 << 14, 2))]}
-    self.assertNotIn("the init's constants", " ".join(routes_registration.left_open(large, None)))
-    pinned = {**definition, "init_program": bytes(32)}
-    self.assertNotIn("the init's constants", " ".join(routes_registration.left_open(pinned, None)))
+    self.assertIn(embeds, _left_open())
+    large = [LeafLayout("w", "float32", (1 << 14, 2))]
+    self.assertNotIn("the init's constants", _left_open(params_layout=large))
+    self.assertNotIn("the init's constants", _left_open(init_program=bytes(32)))
 
   def test_the_recipe_says_a_program_may_transform_its_batches_unless_programs_are_pinned(self):
-    definition = {"training_set": None, "data_order": None, "init_program": None,
-                  "base_checkpoint": None, "min_probe_ratio": None,
-                  "data_layout": [LeafLayout("x", "int32", (8, 5))],
-                  "params_layout": [LeafLayout("w", "float32", (5, 2))]}
     transformed = "a program may change its batch before training on it (add one, XOR a key)"
-    self.assertIn(transformed, " ".join(routes_registration.left_open(definition, None)))
-    self.assertNotIn(transformed, " ".join(routes_registration.left_open(definition, "[]")))
-    pinned_set = {**definition, "training_set": {"root": bytes(32), "size": 8}}
-    self.assertNotIn(transformed, " ".join(routes_registration.left_open(pinned_set, None)))
+    self.assertIn(transformed, _left_open())
+    self.assertNotIn(transformed, _left_open(allowed_programs="[]"))
+    self.assertNotIn(transformed, _left_open(training_set={"root": bytes(32), "size": 8}))
 
   def test_the_recipe_names_the_leaves_whole_examples_need_where_they_count(self):
-    definition = {"training_set": None, "data_order": None, "init_program": None,
-                  "base_checkpoint": None, "min_probe_ratio": None,
-                  "params_layout": [LeafLayout("w", "float32", (5, 2))]}
     tokens, labels = LeafLayout("t", "int32", (8, 2)), LeafLayout("y", "int32", (8,))
     empty = LeafLayout("e", "float32", (8, 0))
-    said = lambda leaves: " ".join(routes_registration.left_open(  # pylint: disable=g-long-lambda
-        {**definition, "data_layout": leaves}, None))
-    self.assertIn("the batch's leaves: a run whose batches carry a leaf", said([tokens, labels]))
+    self.assertIn("the batch's leaves: a run whose batches carry a leaf",
+                  _left_open(data_layout=[tokens, labels]))
     # one leaf with bytes: its rows are the examples, no whole example to miss
-    self.assertNotIn("the batch's leaves", said([tokens, empty]))
+    self.assertNotIn("the batch's leaves", _left_open(data_layout=[tokens, empty]))
+
+
+def _left_open(allowed_programs=None, **pins) -> str:
+  """What a benchmark of no pins (8 rows of 5 tokens, 40 bytes of params) leaves open, with
+  ``pins`` changed, as one text."""
+  definition = {"training_set": None, "data_order": None, "init_program": None,
+                "base_checkpoint": None, "min_probe_ratio": None,
+                "data_layout": [LeafLayout("x", "int32", (8, 5))],
+                "params_layout": [LeafLayout("w", "float32", (5, 2))], **pins}
+  return " ".join(routes_registration.left_open(definition, allowed_programs))
 
 
 class TrainingSetTest(absltest.TestCase):
