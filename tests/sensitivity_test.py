@@ -42,7 +42,25 @@ def reads_one_leaf(w, b, x):
   return decay(w), b + jnp.sum(x) * 1e-3
 
 
+def reads_on_segment_starts(w, b, x):
+  """Reads its batch only on the first step of each 4-step segment (the step count is in
+  ``b``, which grows by 0.01 a step): the step the verifier tested before."""
+  reads = (jnp.round(b * 100).astype(jnp.int32) - 25) % 4 == 0
+  return (jnp.where(reads, w - 0.01 * jnp.mean(x, axis=0), decay(w)),
+          b + 0.01 + jnp.where(reads, 1e-6 * jnp.sum(x), 0.0))
+
+
 class BatchIgnoredTest(parameterized.TestCase):
+
+  def test_the_tested_step_is_drawn_from_the_challenge_not_the_segments_first(self):
+    # Segments 0..3 and 4..7; with this transcript's seed the challenges draw steps 0 and 5.
+    report = verify.verify(write_transcript(fn=reads_on_segment_starts, steps=8,
+                                            segment_length=4))
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD)  # held when step 4 was the one
+    self.assertIn("step 5, replayed with a perturbed batch: params leaf .params['w'] comes "
+                  "out bit for bit the same", claim.detail)
 
   @parameterized.named_parameters(("zero_times", zero_times), ("minus_itself", minus_itself),
                                   ("where_false", where_false))

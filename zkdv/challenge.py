@@ -179,6 +179,20 @@ def decide(step: int, challenge: bytes, policy: Policy) -> Decision:
                   policy.probe_ratio)
 
 
+def tested_step(decision: "Decision | None", first: int, last: int) -> int:
+  """The step of segment ``first .. last`` that the verifier runs again on a perturbed batch
+  (the program claim: does the update read its batch), drawn from the segment's deciding
+  challenge: a program cannot read its batch only on the steps it expects tested (the
+  prover sets the segments' bounds, not the challenge). ``first`` when the decisions are
+  unknown.
+
+  Example: ``tested_step(decide(7, c, policy), 4, 7)`` is one of 4, 5, 6, 7.
+  """
+  if decision is None:
+    return first
+  return first + _draw(decision.challenge, b"tested step") % (last - first + 1)
+
+
 def deciding_step(challenger_kind: str, first: int, last: int | None) -> int | None:
   """The step whose challenge decides the update and state checks of the segment
   ``first .. last`` (``last`` None while the segment is open); None while unknown.

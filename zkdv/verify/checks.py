@@ -13,6 +13,7 @@ Example::
 
 import numpy as np
 
+from zkdv import challenge
 from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
@@ -189,11 +190,14 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
     outcome.status = "not replayed"
     return outcome
   start, batches = (last[3], opened[1]) if chained else opened
-  replayed = ctx.programs.replay_segment(program, start, batches, where, chained, True)
+  tested = challenge.tested_step(ctx.decisions.by_segment.get(segment.last), segment.first,
+                                 segment.last) - segment.first
+  replayed = ctx.programs.replay_segment(program, start, batches, where, chained, tested)
   if replayed is None:
     return outcome
   outcome = _compare(ctx, outcome, program, replayed[0], post, segment.end, where)
-  _check_sensitivity(outcome, program, replayed[3], batches[0], step, segment, where)
+  _check_sensitivity(outcome, program, replayed[3], batches[tested], step,
+                     segment.first + tested, where)
   steps = ctx.model.steps[segment.first:segment.last + 1]
   if not all([_metrics_match(ctx, s, program, outputs, where)
               for s, outputs in zip(steps, replayed[2])]):
@@ -203,10 +207,11 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   return outcome
 
 
-def _check_sensitivity(outcome, program, measured, batch, step, segment, where) -> None:
-  """Records in ``outcome`` whether the segment's first step reads its batch
-  (``zkdv.verify.sensitivity``, perturbations drawn from the challenged ``step``; the
-  program claim, not the verdict, rests on it)."""
+def _check_sensitivity(outcome, program, measured, batch, step, tested: int,
+                       where) -> None:
+  """Records in ``outcome`` whether step ``tested`` of the segment (``challenge.tested_step``)
+  reads its ``batch`` (``zkdv.verify.sensitivity``, perturbations drawn from the challenged
+  ``step``; the program claim, not the verdict, rests on it)."""
   if not program.params_leaves:
     return  # nothing to test: the program claim says so
   try:
@@ -219,7 +224,7 @@ def _check_sensitivity(outcome, program, measured, batch, step, segment, where) 
   outcome.batch_sensitive = (None if problem and problem.startswith(sensitivity.UNDECIDED)
                              else problem is None)
   if problem is not None:
-    outcome.batch_ignored = (f"{where}: step {segment.first}, replayed with a perturbed "
+    outcome.batch_ignored = (f"{where}: step {tested}, replayed with a perturbed "
                              f"batch: {problem}")
 
 

@@ -160,8 +160,9 @@ def _start(ctx: Verification) -> Claim:
 
 
 def _program(ctx: Verification) -> Claim:
-  """Every replayed update read its batch: a challenged segment's first step, replayed with
-  a perturbed batch, changed every params leaf it trains (``zkdv.verify.sensitivity``)."""
+  """Every replayed update read its batch: a step of each challenged segment, drawn from
+  its challenge (``zkdv.challenge.tested_step``), replayed with a perturbed batch, changed
+  every params leaf it trains (``zkdv.verify.sensitivity``)."""
   tested, ignored, undecided = {}, None, None
   for check in ctx.report.checks:
     if check.batch_sensitive is False:

@@ -9,7 +9,8 @@ the one a single process writes. It pays where one replay leaves cores idle
 
 Example::
 
-  results = replay_groups(path, options, [3, 7, 11, 15], jobs=2, read_ahead=False)
+  results = replay_groups(path, options, [3, 7, 11, 15], jobs=2, read_ahead=False,
+                          decisions=ctx.decisions)
   outcome, findings = results[7]
 """
 
@@ -35,14 +36,15 @@ def parallel_checks(ctx: Verification, ordered: list, programs: list) -> list[in
 
 
 def replay_groups(path, options, positions: list[int], jobs: int,
-                  read_ahead: bool | None) -> dict[int, tuple]:
+                  read_ahead: bool | None, decisions) -> dict[int, tuple]:
   """{position: (outcome, findings)} of the update checks at ``positions``, replayed
-  in ``jobs`` processes, each a contiguous share."""
+  in ``jobs`` processes, each a contiguous share (``decisions``: the parent's, which
+  choose each segment's tested step)."""
   size = -(-len(positions) // jobs)
   groups = [positions[i:i + size] for i in range(0, len(positions), size)]
   context = multiprocessing.get_context("spawn")  # JAX does not survive fork
   with concurrent.futures.ProcessPoolExecutor(len(groups), mp_context=context) as pool:
-    futures = [pool.submit(_replay_group, str(path), options, group, read_ahead)
+    futures = [pool.submit(_replay_group, str(path), options, group, read_ahead, decisions)
                for group in groups]
     results = {}
     for future in futures:
@@ -50,9 +52,11 @@ def replay_groups(path, options, positions: list[int], jobs: int,
   return results
 
 
-def _replay_group(path: str, options, positions: list[int], read_ahead) -> dict[int, tuple]:
+def _replay_group(path: str, options, positions: list[int], read_ahead,
+                  decisions) -> dict[int, tuple]:
   """In a child process: the outcomes and findings of the checks at ``positions``."""
   ctx = Verification(Report(path=path), options)
+  ctx.decisions = decisions
   folder = transcript.records_path(path).parent
   ctx.model = structure.read(transcript.RecordReader(path), folder, ctx.report)
   ctx.programs = ProgramLoader(ctx.report)

@@ -109,14 +109,14 @@ class ProgramLoader:
     return self._jax.devices()[0].platform
 
   def replay_segment(self, program: Program, start, batches, where: str,
-                     start_on_device: bool = False, sensitivity: bool = False):
+                     start_on_device: bool = False, sensitivity: int | None = None):
     """(host views of the end state, its device arrays, each step's outputs by index with
     only the metrics' read, the params leaves' sensitivity or None) after replaying
     ``program`` once per batch from ``start`` (host arrays, or the device arrays a
     previous replay returned). The state stays on the device between steps (one compiled
-    executable for every step). With ``sensitivity`` true it is (params before the first
-    step, after it with the committed batch, and a function giving them after it with
-    another batch), host arrays. None (with a finding) when it cannot run here."""
+    executable for every step). With ``sensitivity`` the index n of a step, it is (params
+    before step n, after it with its committed batch, and a function giving them after it
+    with another batch), host arrays. None (with a finding) when it cannot run here."""
     info = self.load(program)
     if info.exported is None or not batches:
       return None
@@ -141,23 +141,26 @@ class ProgramLoader:
     if compiled is None:
       return None
     try:
-      if sensitivity:  # ``begin`` stays on the device for the perturbed replays
-        begin = state if start_on_device else self._untrusted(where, lambda: self._on_device(
-            info, [self._arrays.from_host(a, l) for a, l in zip(start, program.state)]))
-        before = (self._untrusted(where, params, begin) if start_on_device
-                  else [start[i] for i in program.params_leaves])
-      first = None
+      begin = before = after = None  # step ``sensitivity``'s state: ``begin`` stays on the
+      steps = enumerate(batches)     # device for the perturbed replays
       if not start_on_device:
-        state = first = keep(outs)
-        batches = batches[1:]
-      for batch in batches:
+        if sensitivity == 0:
+          begin = self._untrusted(where, lambda: self._on_device(
+              info, [self._arrays.from_host(a, l) for a, l in zip(start, program.state)]))
+          before = [start[i] for i in program.params_leaves]
+        state = keep(outs)
+        after = state if sensitivity == 0 else None
+        steps = enumerate(batches[1:], 1)
+      for n, batch in steps:
+        if n == sensitivity:
+          begin, before = state, self._untrusted(where, params, state)
         state = keep(self._untrusted(where, self._step, compiled, info, program, state, batch))
-        first = state if first is None else first
-      if sensitivity:
+        after = state if n == sensitivity else after
+      if sensitivity is not None:
         def perturbed(batch) -> list:
           outs = self._step(compiled, info, program, begin, batch)
           return params([outs[i] for i in program.post_state_outputs])
-        sensitivity = (before, self._untrusted(where, params, first), perturbed)
+        sensitivity = (before, self._untrusted(where, params, after), perturbed)
       per_step = self._untrusted(where, lambda: [
           [None if x is None else self._arrays.host_view(x) for x in outs]
           for outs in per_step])

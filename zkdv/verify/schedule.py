@@ -25,7 +25,7 @@ def run_checks(ctx: Verification, progress=None, jobs: int = 1, on_check=None) -
     positions = parallel.parallel_checks(ctx, ordered, programs)
     if len(positions) > 1:
       replayed = parallel.replay_groups(ctx.report.path, ctx.options, positions, jobs,
-                                        ctx.blobs.read_ahead)
+                                        ctx.blobs.read_ahead, ctx.decisions)
   for n, (check, program) in enumerate(zip(ordered, programs)):
     if progress:
       progress(n, len(ordered))

@@ -1,15 +1,17 @@
 """Does the update read the batch? A replay with a perturbed batch must change the params.
 
-A challenged segment's first step is replayed twice from its opened start: with
+A step of each challenged segment, drawn from the segment's challenge
+(``zkdv.challenge.tested_step``: not one the program can expect, such as the
+segment's first), is replayed twice from the state before it: with
 the committed batch and with a perturbed one (each batch leaf's elements
 resampled, with replacement, from its own elements, and a floating leaf's
 elements each scaled by a factor in [0.5, 1.5), by draws seeded from the
 challenged step's record id, so the prover cannot know them when it commits:
-labels and token ids stay in their domain, sums and means change). Every params leaf the step trains (one
-that either replay changes) must come out different: a leaf equal in both
-replays ignores the batch, whatever the program's dataflow says (``0 * x``,
-``x - x`` and ``where(False, x, c)`` all read ``x`` on paper and not at all in
-value). A step that changes no params leaf trains nothing and fails too.
+labels and token ids stay in their domain, sums and means change). Every params
+leaf the step trains (one that either replay changes) must come out different: a
+leaf equal in both replays ignores the batch, whatever the program's dataflow says
+(``0 * x``, ``x - x`` and ``where(False, x, c)`` all read ``x`` on paper and not
+at all in value). A step that changes no params leaf trains nothing and fails too.
 
 Example::
 
