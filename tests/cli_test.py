@@ -88,6 +88,13 @@ class VerifyCliTest(absltest.TestCase):
       self.assertEqual(worker.replaying(progress), "", repr(text))
     progress.unlink()
     self.assertEqual(worker.replaying(progress), "")
+    os.mkfifo(progress)  # a FIFO no one writes: read, it would hold the worker forever
+    self.assertEqual(worker.replaying(progress), "")
+    progress.unlink()
+    elsewhere = progress.with_name("elsewhere")
+    elsewhere.write_text(f"{kind} {step}\n")
+    progress.symlink_to(elsewhere)  # a link out of the child's folder is not followed
+    self.assertEqual(worker.replaying(progress), "")
 
   def test_server_key_from_hex_or_file_and_challenge_key_file(self):
     server = _Dvbench()

@@ -230,7 +230,7 @@ class RegistrationRoutes:
     failure = failure or result["failure"]
     text = (failure if failure.startswith("the evaluation program") else
             f"the evaluation program could not be checked: {failure}")
-    if result is None and not (worker.TIME_LIMIT_TEXT in failure and "(CPU time)" in failure):
+    if result is None and worker.CPU_TIME_TEXT not in failure:
       raise HTTPException(400, text)
     return None, text
 

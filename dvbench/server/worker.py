@@ -59,6 +59,7 @@ from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
 from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS, UNVERIFIABLE
+from zkdv import records
 from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
 from zkdv.verify import claims as claims_lib
 
@@ -69,8 +70,9 @@ DEFAULT_TIME_LIMIT = 900  # seconds: the most any one verification may take
 DEFAULT_TIME_PER_CHECK = 10.0  # seconds per check record, on top of TIME_BASE
 TIME_BASE = 60.0  # seconds: starting the verifier, loading and compiling programs
 TIME_LIMIT_TEXT = "exceeded the time limit"  # in every failure text of a child out of time
+CPU_TIME_TEXT = "(CPU time)"  # in the failure text of a child stopped by its CPU limit
 PROGRESS_FILE = "progress"  # in the child's folder: the check it is running (zkdv verify)
-_PROGRESS = re.compile(r"(update|state|probe|start) (\d{1,12})\n")  # zkdv.verify's check kinds
+_PROGRESS = re.compile(rf"({'|'.join(records.CHECK_KINDS)}) (\d{{1,12}})\n")
 
 
 class VerifierFault(Exception):
@@ -109,11 +111,13 @@ class Verdict:
 def replaying(progress: pathlib.Path) -> str:
   """What the verifier was running when it ran out of time, from its ``--progress-file``
   (it writes ``KIND STEP``; anything else, or none, says nothing)."""
-  try:
-    text = progress.read_text(encoding="ascii") if progress.stat().st_size < 64 else ""
-  except (OSError, UnicodeDecodeError):
+  try:  # the child's folder: a regular file only (no link out, no FIFO to wait on)
+    fd = os.open(progress, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+  except OSError:
     return ""
-  found = _PROGRESS.fullmatch(text)
+  with os.fdopen(fd, "rb") as f:
+    text = f.read(64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+  found = _PROGRESS.fullmatch(text.decode("ascii", "replace"))
   if found is None:
     return ""
   kind, step = found.groups()
@@ -125,7 +129,7 @@ def _died(returncode: int, limits: Limits, seconds: int) -> str:
   """The public cause of a child killed by a signal."""
   sig = signal.Signals(-returncode)
   if sig == signal.SIGXCPU:
-    return f"the verifier {TIME_LIMIT_TEXT} of {seconds} s (CPU time)."
+    return f"the verifier {TIME_LIMIT_TEXT} of {seconds} s {CPU_TIME_TEXT}."
   if sig == signal.SIGKILL:
     return ("the verifier was killed (SIGKILL), e.g. by the system's out-of-memory killer; "
             f"its memory limit is {limits.memory_bytes / 2**30:g} GiB.")
