@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: models, timing and the result table."""
 
+import math
 import statistics
 import subprocess
 import sys
@@ -108,6 +109,25 @@ def alternate(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 def median(xs: Sequence[float]) -> float:
   return statistics.median(xs)
+
+
+def median_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+  """(low, high, coverage): order statistics k and n + 1 - k of ``xs``, an interval that
+  holds the median of what ``xs`` samples with probability ``coverage``, whatever its
+  distribution; k is the largest for which ``coverage`` is at least ``confidence``. Too few
+  values for ``confidence`` give their whole range and the smaller coverage it has.
+
+  Example: ``median_interval(range(1, 21))`` is ``(6, 15, 0.959)`` (rounded).
+  """
+  values, n = sorted(xs), len(xs)
+
+  def coverage(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) < k)
+    return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+  k = 1
+  while k < (n + 1) // 2 and coverage(k + 1) >= confidence:
+    k += 1
+  return values[k - 1], values[n - k], coverage(k)
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence]) -> str:

@@ -5,7 +5,8 @@
                             [--processes 2] [--runs 5] [--server-nice 19]
                             [--server-cpus 1]
 
-Rows, in one process and alternating in blocks of ``--block`` steps: ``jax.jit``;
+Rows, in one process and alternating in blocks of ``--block`` steps (in the reverse order
+every other round, so that no row always runs after another): ``jax.jit``;
 ``proof.jit`` offline (self-sampled checks at p, no upload) without and with probes;
 ``proof.jit`` through a live ``dvbench serve`` on loopback (no workers: the server
 stores, challenges and acknowledges) without and with probes. A block is timed from
@@ -27,7 +28,10 @@ runs the loopback server at the lowest priority; ``--server-cpus 1`` runs it on 
 training on the other CPUs, so that training pays only its own side of the live path, as
 beside a server on another machine. ``--runs N`` repeats
 the whole measurement in N fresh processes and ends with a table of each row's median
-ratio over them and its range. The table comes last.
+ratio over them and its range. What probes cost is read paired: each round's block with
+probes over the same round's block without, offline and live; the last table gives these
+ratios' median over every round of every run and the interval that holds it with 95 %
+confidence (order statistics, whatever their distribution).
 """
 
 import argparse
@@ -47,6 +51,9 @@ import zkdv
 from benchmarks import common
 
 ROWS = ("jax.jit", "offline", "offline, probes", "live", "live, probes")
+# What probes cost, each round's block with probes over the same round's without: paired,
+# a round's ratio leaves out what moves the machine's pace between rounds and runs.
+PAIRS = (("offline, probes", "offline"), ("live, probes", "live"))
 MIN_BLOCK_SECONDS = 1.0
 MAX_BLOCK = 2048
 
@@ -112,8 +119,9 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
   block = block_steps(runners["jax.jit"], args.block)
   blocks = {row: [] for row in ROWS}
   settled = {row: [] for row in ROWS}
-  for _ in range(args.rounds):
-    for row, r in runners.items():
+  for n in range(args.rounds):
+    for row in ROWS if n % 2 == 0 else ROWS[::-1]:  # no row always follows another
+      r = runners[row]
       started = time.perf_counter()
       for _ in range(block):
         r.step()
@@ -130,12 +138,15 @@ def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
   base = common.median(blocks["jax.jit"])
   label = {"small": "MLP 784-128-10", "mlp": "MLP 784-1024x4-10",
            "tiny": "tutorial model"}[name]
-  return [[f"{label}, batch {batch_size if name != 'tiny' else 4}", row,
-           f"{common.median(blocks[row]) * 1e3:.2f}",
+  workload_name = f"{label}, batch {batch_size if name != 'tiny' else 4}"
+  rows = [[workload_name, row, f"{common.median(blocks[row]) * 1e3:.2f}",
            f"{common.median(blocks[row]) / base:.3f}",
            f"{common.median(settled[row]) / base:.3f}",
            f"{common.median(segments[row]):.0f}" if segments.get(row) else "-", block]
           for row in ROWS]
+  pairs = [[workload_name, f"{probed} / {plain}",
+            [a / b for a, b in zip(blocks[probed], blocks[plain])]] for probed, plain in PAIRS]
+  return rows, pairs
 
 
 def block_steps(plain: "Runner", least: int) -> int:
@@ -186,8 +197,9 @@ def parse_args(argv):
   return args
 
 
-def one_run(args) -> tuple[str, list[list]]:
-  """(title, rows) of one measurement, against its own loopback server."""
+def one_run(args) -> tuple[str, list[list], list[list]]:
+  """(title, rows, pairs) of one measurement, against its own loopback server: pairs are
+  [workload, pair, each round's ratio] (``PAIRS``)."""
   cases = [(name, b) for name in args.workloads
            for b in (args.batch if name == "mlp" else [256])]
   from dvbench.server.local import LocalServer  # pylint: disable=g-import-not-at-top
@@ -200,8 +212,12 @@ def one_run(args) -> tuple[str, list[list]]:
     if args.server_nice:
       os.setpriority(os.PRIO_PGRP, server.process.pid, args.server_nice)
     os.environ.update(DVBENCH_URL=server.url, DVBENCH_TOKEN=server.token("bench"))
+    rows, pairs = [], []
     with tempfile.TemporaryDirectory(prefix="zkdv-live-") as folder:
-      rows = [row for name, b in cases for row in measure(name, b, args, folder)]
+      for name, b in cases:
+        case_rows, case_pairs = measure(name, b, args, folder)
+        rows += case_rows
+        pairs += case_pairs
     if args.processes > 1:
       from benchmarks import live_processes  # pylint: disable=g-import-not-at-top
       rows += live_processes.rows(args, server.url, os.environ["DVBENCH_TOKEN"])
@@ -215,7 +231,7 @@ def one_run(args) -> tuple[str, list[list]]:
                                        if args.server_nice else "")
            + (f", server on CPUs {args.server_cpus}, training on the others"
               if args.server_cpus else ""))
-  return title, rows
+  return title, rows, pairs
 
 
 def split_cores(server_cpus: list[int] | None) -> set[int] | None:
@@ -232,9 +248,10 @@ def split_cores(server_cpus: list[int] | None) -> set[int] | None:
   return training
 
 
-def repeated_runs(argv: list[str], runs: int) -> list[list[list]]:
-  """The rows of ``runs`` measurements, each in a fresh process (its table printed as it
-  ends): between processes a step's time moves more than between rounds of one."""
+def repeated_runs(argv: list[str], runs: int) -> list[dict]:
+  """The rows and pairs of ``runs`` measurements, each in a fresh process (its tables
+  printed as it ends): between processes a step's time moves more than between rounds of
+  one."""
   results = []
   with tempfile.TemporaryDirectory(prefix="zkdv-live-runs-") as folder:
     for run in range(runs):
@@ -250,13 +267,31 @@ def summary(results: list[list[list]]) -> list[list]:
   """One row per workload and configuration: the median over runs of its step time and
   ratio, the ratios' range, and each run's ratio in order."""
   ratios, times = {}, {}
-  for rows in results:
-    for workload, row, ms, ratio, *_ in rows:
+  for result in results:
+    for workload, row, ms, ratio, *_ in result["rows"]:
       ratios.setdefault((workload, row), []).append(float(ratio))
       times.setdefault((workload, row), []).append(float(ms))
   return [[workload, row, f"{common.median(times[workload, row]):.2f}",
            f"{common.median(r):.3f}", f"{min(r):.3f}-{max(r):.3f}", " ".join(f"{x:.3f}" for x in r)]
           for (workload, row), r in ratios.items()]
+
+
+def paired(pairs: list[list]) -> list[list]:
+  """One row per workload and pair of ``pairs`` (over one run or many): its rounds, their
+  median ratio, and the interval that holds the median with 95 % confidence."""
+  ratios = {}
+  for workload, pair, each in pairs:
+    ratios.setdefault((workload, pair), []).extend(each)
+  table = []
+  for (workload, pair), each in ratios.items():
+    low, high, coverage = common.median_interval(each)
+    table.append([workload, pair, len(each), f"{common.median(each):.3f}",
+                  f"{low:.3f}-{high:.3f}", f"{coverage:.3f}"])
+  return table
+
+
+PAIRED_HEADER = ["workload", "probes / no probes", "rounds", "median ratio",
+                 "interval of the median", "its confidence"]
 
 
 def main(argv=None):
@@ -271,11 +306,14 @@ def main(argv=None):
         + (f", server on CPUs {args.server_cpus}" if args.server_cpus else "") + ")",
         ["workload", "configuration", "median step ms", "median ratio to jax.jit",
          "range", "each run"], summary(results))
+    common.print_table(f"Probes against no probes, paired by round, over {args.runs} runs",
+                       PAIRED_HEADER, paired([p for r in results for p in r["pairs"]]))
     return
-  title, rows = one_run(args)
+  title, rows, pairs = one_run(args)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(rows, f)
+      json.dump({"rows": rows, "pairs": pairs}, f)
+  common.print_table("Probes against no probes, paired by round", PAIRED_HEADER, paired(pairs))
   common.print_table(title, HEADER, rows)
 
 
