@@ -747,9 +747,10 @@ def spin(params, batch):
 
 
 class ProgramChecksTest(absltest.TestCase):
-  """Registration runs the owner's program: one check an owner at a time, a failure once."""
+  """Registration runs the owner's program: one check an owner at a time, two at once on a
+  server, a failure once."""
 
-  def test_an_owner_checks_one_program_at_a_time_and_a_failed_one_once(self):
+  def test_checks_run_one_an_owner_two_a_server_and_a_failed_one_once(self):
     server = LocalServer(workers=0, extra_args=("--time-limit", "8")).start()
     self.addCleanup(server.close)
     owner = dvbench.Client(server.url, token=server.token("mallory"))
@@ -762,8 +763,7 @@ class ProgramChecksTest(absltest.TestCase):
     thread = concurrent.futures.ThreadPoolExecutor(1)  # one call stack: the same bytes
     self.addCleanup(thread.shutdown)
     running = thread.submit(register, "mallory/spin", spin)
-    checking = f"dvbench.benchmark\x00{server.data.resolve()}{os.sep}program-".encode()
-    testing.wait_until(lambda: any(checking in c for c in _commands()), 60)  # this server's
+    testing.wait_until(lambda: len(_checks(server)) == 1, 60)
     # Before, every request ran one more program for up to 600 s, all at once.
     impatient = dvbench.Client(server.url, token=server.token("mallory"))
     self.addCleanup(impatient.close)
@@ -774,9 +774,27 @@ class ProgramChecksTest(absltest.TestCase):
                                 "one at a time"):
       impatient.benchmark("mallory/spin-again").register(
           metric="accuracy", evaluate=spin, params=params, rows=EVAL_ROWS)
-    with self.assertRaisesRegex(dvbench.errors.ApiError,  # CPU, or wall clock on a busy machine
-                                "400.*exceeded the time limit of 8 s"):
-      running.result(120)
+    # Another owner's check runs beside it; a third owner's waits for one of the two.
+    other = dvbench.Client(server.url, token=server.token("oscar"))
+    self.addCleanup(other.close)
+    other_thread = concurrent.futures.ThreadPoolExecutor(1)
+    self.addCleanup(other_thread.shutdown)
+    other_running = other_thread.submit(
+        lambda: other.benchmark("oscar/spin").register(metric="accuracy", evaluate=spin,
+                                                        params=params, rows=EVAL_ROWS))
+    testing.wait_until(lambda: len(_checks(server)) == 2, 60)
+    third = dvbench.Client(server.url, token=server.token("trudy"))
+    self.addCleanup(third.close)
+    third.http.retry_seconds = 0
+    with self.assertRaisesRegex(dvbench.errors.UploadError, "answered PUT "
+                                "/api/v1/benchmarks/trudy/spin with HTTP 503: the server is "
+                                "checking 2 other owners' evaluation programs; retry in"):
+      third.benchmark("trudy/spin").register(metric="accuracy", evaluate=spin, params=params,
+                                             rows=EVAL_ROWS)
+    for check in (running, other_running):
+      with self.assertRaisesRegex(dvbench.errors.ApiError,  # CPU, or wall clock when busy
+                                  "400.*exceeded the time limit of 8 s"):
+        check.result(120)
     # Before, sending a failed program again ran it again. (The same bytes: a program's
     # locations name its call stack. Other bytes are another program, and wait their turn.)
     constant = lambda params, batch: jnp.ones(batch.shape[0]) + 0 * params["Dense_0"][
@@ -787,6 +805,13 @@ class ProgramChecksTest(absltest.TestCase):
     with self.assertRaisesRegex(dvbench.errors.ApiError, refused + r".* \(This program failed "
                                 r"its check before; it is not run again.\)"):
       thread.submit(register, "mallory/constant-again", constant).result(60)
+
+
+def _checks(server: LocalServer) -> set[bytes]:
+  """The program folders of ``server``'s evaluation program checks running now."""
+  checking = f"{server.data.resolve()}{os.sep}program-".encode()
+  return {arg for command in _commands() if b"dvbench.benchmark\x00" in command
+          for arg in command.split(b"\x00") if arg.startswith(checking)}
 
 
 def _commands() -> list[bytes]:
