@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from dvbench.server import db
 from dvbench.server import quotas
 from dvbench.server import receipts
+from dvbench.server import run_view
 from zkdv import challenge
 from zkdv import receipt
 from tests import postgres
@@ -92,6 +93,27 @@ class StoreTest(parameterized.TestCase):
       store.add_probes(conn, counted["id"], {"04" * 32})  # indexed: charged by its count
     self.assertEqual(quotas.usage(store, lambda digest: 0, "alice")["stored_bytes"],
                      2 * len(b"root") + (3 + 5) * quotas.OPENED_ROW_BYTES)
+
+  def test_migration_11_indexes_records_by_kind_and_a_page_finds_them_through_it(self, backend):
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    with store.engine.begin() as conn:  # as migration 10 left it
+      conn.execute(sa.text("DROP INDEX records_kind"))
+      conn.execute(db.schema_migrations.delete().where(db.schema_migrations.c.version == 11))
+    self.assertNotIn("records_kind", self._indexes(store))
+    store = db.Store.open(url)
+    self.assertIn("records_kind", self._indexes(store))
+    if backend == "sqlite":  # before: a scan of every record of the proof
+      query = run_view.records_of_kind("ab" * 32, "resume").compile(store.engine)
+      with store.engine.connect() as conn:
+        plan = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(query), tuple(
+            query.params[name] for name in query.positiontup)).all()
+      self.assertIn("USING INDEX records_kind", " ".join(str(row[-1]) for row in plan))
+
+  @staticmethod
+  def _indexes(store) -> set[str]:
+    with store.engine.connect() as conn:
+      return {index["name"] for index in sa.inspect(conn).get_indexes("records")}
 
   def test_a_database_a_newer_dvbench_migrated_is_refused(self, backend):
     # An older worker on a newer schema would verify proofs by rules the tables no longer

@@ -170,6 +170,13 @@ def _migration_10(conn) -> None:
       probed_rows=indexed[0] + indexed[1]))
 
 
+def _migration_11(conn) -> None:
+  """A proof's records of one kind are found through an index, not by reading all of its
+  records (a run page's programs and resumes)."""
+  for index in records.indexes:  # created with the table by migration 1 on new databases
+    index.create(conn, checkfirst=True)
+
+
 class NewerSchema(RuntimeError):
   """The database was migrated by a newer dvbench than this one."""
 
@@ -178,7 +185,8 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (3, _migration_3), (4, _migration_4),
                                           (5, _migration_5), (6, _migration_6),
                                           (7, _migration_7), (8, _migration_8),
-                                          (9, _migration_9), (10, _migration_10)]
+                                          (9, _migration_9), (10, _migration_10),
+                                          (11, _migration_11)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,

@@ -28,12 +28,16 @@ SERIES_LIMIT = 20_000  # steps per metrics response (the JSON route pages with `
 _OPTIMIZER_FIELD = re.compile(r"\.opt_state(?:\[\d+\])*\.(\w+)")
 
 
-def _records(store, proof_id: str, kind: str, start: int = 0, limit: int | None = None):
+def records_of_kind(proof_id: str, kind: str, start: int = 0, limit: int | None = None):
+  """The query of a proof's records of ``kind`` in order (index ``records_kind``)."""
   query = (sa.select(records.c.data).where((records.c.proof_id == proof_id)
                                             & (records.c.kind == kind))
            .order_by(records.c.position).offset(start))
-  if limit is not None:
-    query = query.limit(limit)
+  return query if limit is None else query.limit(limit)
+
+
+def _records(store, proof_id: str, kind: str, start: int = 0, limit: int | None = None):
+  query = records_of_kind(proof_id, kind, start, limit)
   with store.engine.connect() as conn:
     for (data,) in conn.execute(query):
       record = cbor2.loads(data)

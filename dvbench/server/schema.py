@@ -66,7 +66,10 @@ records = sa.Table(
     sa.Column("record_id", sa.LargeBinary(32), nullable=False),
     sa.Column("kind", sa.String(20), nullable=False),
     sa.Column("data", sa.LargeBinary, nullable=False),
-    sa.UniqueConstraint("proof_id", "record_id"))
+    sa.UniqueConstraint("proof_id", "record_id"),
+    # migration 11: a proof's records of one kind, in order, without reading the others (its
+    # page lists its programs and resumes among millions of steps)
+    sa.Index("records_kind", "proof_id", "kind", "position"))
 
 streams = sa.Table(
     "streams", metadata,
