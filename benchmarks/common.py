@@ -120,6 +120,8 @@ def median_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[floa
   Example: ``median_interval(range(1, 21))`` is ``(6, 15, 0.959)`` (rounded).
   """
   values, n = sorted(xs), len(xs)
+  if not n:
+    raise ValueError("median_interval: no values.")
 
   def coverage(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) < k)
     return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n

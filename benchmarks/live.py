@@ -106,7 +106,7 @@ def started_proof(row: str, experiment: str, p: float, probe_ratio: float, folde
   return proof.start(rolling_window=window, probe_ratio=probe_ratio)
 
 
-def measure(name: str, batch_size: int, args, folder: str) -> list[list]:
+def measure(name: str, batch_size: int, args, folder: str) -> tuple[list[list], list[list]]:
   model, params, batch = workload(name, batch_size)
   runners = {row: Runner(row, model, params, batch, args.p, args.probe_ratio,
                          os.path.join(folder, f"{name}-{batch_size}"), args.window)
@@ -190,10 +190,10 @@ def parse_args(argv):
                            "after another, and summarize the ratios over runs")
   parser.add_argument("--json", help=argparse.SUPPRESS)  # where a run of --runs puts its rows
   parser.add_argument("--quick", action="store_true",
-                      help="small and tiny workloads, mlp at batch 128 only, 3 rounds")
+                      help="small and tiny workloads, mlp at batch 128 only, 2 rounds (one each way)")
   args = parser.parse_args(argv)
   if args.quick:
-    args.rounds, args.batch = 3, [128]
+    args.rounds, args.batch = 2, [128]
   return args
 
 
@@ -263,7 +263,7 @@ def repeated_runs(argv: list[str], runs: int) -> list[dict]:
   return results
 
 
-def summary(results: list[list[list]]) -> list[list]:
+def summary(results: list[dict]) -> list[list]:
   """One row per workload and configuration: the median over runs of its step time and
   ratio, the ratios' range, and each run's ratio in order."""
   ratios, times = {}, {}

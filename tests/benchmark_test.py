@@ -751,49 +751,39 @@ class ProgramChecksTest(absltest.TestCase):
   server, a failure once."""
 
   def test_checks_run_one_an_owner_two_a_server_and_a_failed_one_once(self):
-    server = LocalServer(workers=0, extra_args=("--time-limit", "8")).start()
+    server = LocalServer(workers=0, extra_args=("--time-limit", "12")).start()
     self.addCleanup(server.close)
-    owner = dvbench.Client(server.url, token=server.token("mallory"))
-    self.addCleanup(owner.close)
+    owner, other, impatient, third = (
+        dvbench.Client(server.url, token=server.token(name))
+        for name in ("mallory", "oscar", "mallory", "trudy"))
+    for client in (owner, other, impatient, third):
+      self.addCleanup(client.close)
+    impatient.http.retry_seconds = third.http.retry_seconds = 0  # no waiting out a 429/503
     params = _model().init(jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
 
-    def register(name, evaluate):
-      owner.benchmark(name).register(metric="accuracy", evaluate=evaluate, params=params,
-                                     rows=EVAL_ROWS)
+    def register(name, evaluate, client=owner):
+      client.benchmark(name).register(metric="accuracy", evaluate=evaluate, params=params,
+                                      rows=EVAL_ROWS)
     thread = concurrent.futures.ThreadPoolExecutor(1)  # one call stack: the same bytes
     self.addCleanup(thread.shutdown)
-    running = thread.submit(register, "mallory/spin", spin)
-    testing.wait_until(lambda: len(_checks(server)) == 1, 60)
+    other_thread = concurrent.futures.ThreadPoolExecutor(1)
+    self.addCleanup(other_thread.shutdown)
+    running = [thread.submit(register, "mallory/spin", spin),
+               other_thread.submit(register, "oscar/spin", spin, other)]
+    testing.wait_until(lambda: len(_checks(server)) == 2, 60)  # two owners' checks at once
     # Before, every request ran one more program for up to 600 s, all at once.
-    impatient = dvbench.Client(server.url, token=server.token("mallory"))
-    self.addCleanup(impatient.close)
-    impatient.http.retry_seconds = 0  # the client would wait and retry a 429
     with self.assertRaisesRegex(dvbench.errors.UploadError, "answered PUT "
                                 "/api/v1/benchmarks/mallory/spin-again with HTTP 429: a program "
                                 "check of 'mallory' is running; an owner's programs are checked "
                                 "one at a time"):
-      impatient.benchmark("mallory/spin-again").register(
-          metric="accuracy", evaluate=spin, params=params, rows=EVAL_ROWS)
-    # Another owner's check runs beside it; a third owner's waits for one of the two.
-    other = dvbench.Client(server.url, token=server.token("oscar"))
-    self.addCleanup(other.close)
-    other_thread = concurrent.futures.ThreadPoolExecutor(1)
-    self.addCleanup(other_thread.shutdown)
-    other_running = other_thread.submit(
-        lambda: other.benchmark("oscar/spin").register(metric="accuracy", evaluate=spin,
-                                                        params=params, rows=EVAL_ROWS))
-    testing.wait_until(lambda: len(_checks(server)) == 2, 60)
-    third = dvbench.Client(server.url, token=server.token("trudy"))
-    self.addCleanup(third.close)
-    third.http.retry_seconds = 0
+      register("mallory/spin-again", spin, impatient)
     with self.assertRaisesRegex(dvbench.errors.UploadError, "answered PUT "
                                 "/api/v1/benchmarks/trudy/spin with HTTP 503: the server is "
                                 "checking 2 other owners' evaluation programs; retry in"):
-      third.benchmark("trudy/spin").register(metric="accuracy", evaluate=spin, params=params,
-                                             rows=EVAL_ROWS)
-    for check in (running, other_running):
+      register("trudy/spin", spin, third)
+    for check in running:
       with self.assertRaisesRegex(dvbench.errors.ApiError,  # CPU, or wall clock when busy
-                                  "400.*exceeded the time limit of 8 s"):
+                                  "400.*exceeded the time limit of 12 s"):
         check.result(120)
     # Before, sending a failed program again ran it again. (The same bytes: a program's
     # locations name its call stack. Other bytes are another program, and wait their turn.)

@@ -13,8 +13,9 @@ from absl.testing import parameterized
 
 from tests import testing
 from tests.cli_test import zkdv_here
-from tests.verify_test import BATCH, STATE, write_transcript
+from tests.verify_test import BATCH, STATE, _Dvbench, write_transcript
 from zkdv import digest
+from zkdv import receipt
 from zkdv import verify
 from zkdv.jax import stablehlo
 from zkdv.verify import sensitivity
@@ -61,6 +62,19 @@ class BatchIgnoredTest(parameterized.TestCase):
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD)  # held when step 4 was the one
     self.assertIn("step 5, replayed with a perturbed batch: params leaf .params['w'] comes "
                   "out bit for bit the same", claim.detail)
+
+  def test_without_the_challenges_the_tested_step_is_known_and_the_claim_could_not_verify(self):
+    # A server-challenged transcript checked without its receipt: the server's key is
+    # unknown, so no challenge draws the tested step and each segment's first one stands in.
+    folder = write_transcript(fn=reads_on_segment_starts, steps=8, segment_length=4,
+                              server=_Dvbench())
+    (folder / receipt.RECEIPT_FILE).unlink()
+    claim = verify.verify(folder).claim("program")
+    # Before, the claim held: the first-step stand-ins, steps 0 and 4, read their batches.
+    self.assertEqual(claim.status, verify.COULD_NOT_VERIFY)
+    self.assertIn("the tested steps could not be drawn from the challenges (no receipt/key): "
+                  "a program can read its batch only on the steps it expects tested; each "
+                  "segment's first step read it", claim.detail)
 
   @parameterized.named_parameters(("zero_times", zero_times), ("minus_itself", minus_itself),
                                   ("where_false", where_false))

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
     MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
-    MIGRATION_9_TABLES, MIGRATION_10_COLUMNS,
+    MIGRATION_9_TABLES, MIGRATION_10_COLUMNS, MIGRATION_11_INDEX,
     benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
     measurements, metadata, owners, probe_examples, probes, proof_blobs, proof_claims, proofs,
     receipts, records, schema_migrations, score_shards, settings, slots, streams, submissions,
@@ -173,8 +173,7 @@ def _migration_10(conn) -> None:
 def _migration_11(conn) -> None:
   """A proof's records of one kind are found through an index, not by reading all of its
   records (a run page's programs and resumes)."""
-  for index in records.indexes:  # created with the table by migration 1 on new databases
-    index.create(conn, checkfirst=True)
+  MIGRATION_11_INDEX.create(conn, checkfirst=True)  # new databases: with the table
 
 
 class NewerSchema(RuntimeError):

@@ -66,10 +66,11 @@ records = sa.Table(
     sa.Column("record_id", sa.LargeBinary(32), nullable=False),
     sa.Column("kind", sa.String(20), nullable=False),
     sa.Column("data", sa.LargeBinary, nullable=False),
-    sa.UniqueConstraint("proof_id", "record_id"),
-    # migration 11: a proof's records of one kind, in order, without reading the others (its
-    # page lists its programs and resumes among millions of steps)
-    sa.Index("records_kind", "proof_id", "kind", "position"))
+    sa.UniqueConstraint("proof_id", "record_id"))
+# migration 11: a proof's records of one kind, in order, without reading the others (its page
+# lists its programs and resumes among millions of steps); new databases make it with the table
+MIGRATION_11_INDEX = sa.Index("records_kind", records.c.proof_id, records.c.kind,
+                              records.c.position)
 
 streams = sa.Table(
     "streams", metadata,

@@ -162,7 +162,8 @@ def _start(ctx: Verification) -> Claim:
 def _program(ctx: Verification) -> Claim:
   """Every replayed update read its batch: a step of each challenged segment, drawn from
   its challenge (``zkdv.challenge.tested_step``), replayed with a perturbed batch, changed
-  every params leaf it trains (``zkdv.verify.sensitivity``)."""
+  every params leaf it trains (``zkdv.verify.sensitivity``). Without the challenges the
+  tested step is foreseeable: could not verify."""
   tested, ignored, undecided = {}, None, None
   for check in ctx.report.checks:
     if check.batch_sensitive is False:
@@ -192,6 +193,12 @@ def _program(ctx: Verification) -> Claim:
         p.params_leaves for p in ctx.model.programs.values()) else "no update was replayed")
     return Claim("program", COULD_NOT_VERIFY, f"disclosed ({ids}); whether the updates read "
                  f"the batch could not be tested: {why}", {"programs": rows})
+  if not ctx.decisions.known:  # the tested step was each segment's first: foreseeable
+    return Claim("program", COULD_NOT_VERIFY, f"disclosed ({ids}); the tested steps could "
+                 f"not be drawn from the challenges ({ctx.decisions.unknown}): a program can "
+                 f"read its batch only on the steps it expects tested; each segment's first "
+                 f"step read it ({len(tested)} of {len(rows)} programs tested)",
+                 {"programs": rows})
   return Claim("program", HOLDS, f"disclosed ({ids}); each replayed update, run again on a "
                f"perturbed batch, changed every params leaf it trains ({len(tested)} of "
                f"{len(rows)} programs tested)", {"programs": rows})
