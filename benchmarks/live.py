@@ -190,7 +190,8 @@ def parse_args(argv):
                            "after another, and summarize the ratios over runs")
   parser.add_argument("--json", help=argparse.SUPPRESS)  # where a run of --runs puts its rows
   parser.add_argument("--quick", action="store_true",
-                      help="small and tiny workloads, mlp at batch 128 only, 2 rounds (one each way)")
+                      help="small and tiny workloads, mlp at batch 128 only, 2 rounds (one "
+                           "each way)")
   args = parser.parse_args(argv)
   if args.quick:
     args.rounds, args.batch = 2, [128]
