@@ -108,6 +108,42 @@ def row_group_for(layout: LeafLayout, boundaries=()) -> int:
   return group
 
 
+MAX_PIECES = 1 << 16  # shard boxes of one leaf
+
+
+def check_pieces(layout: LeafLayout) -> None:
+  """Raises ValueError unless a leaf's pieces (its shard boxes) tile it: along each
+  dimension their (start, stop) intervals partition it, and the boxes are every cell of
+  that grid once, as a JAX sharding's shards are. Elements outside every piece would be
+  committed by no digest.
+
+  Example: pieces ``(((0, 2),), ((2, 4),))`` of shape ``(4,)`` tile it; ``(((0, 1),),)``
+  leaves elements 1 to 3 out and raises.
+  """
+  boxes, shape = layout.pieces, layout.shape
+  if boxes is None:
+    return
+  if layout.key_impl is not None:
+    raise ValueError(f"{layout.path} is a PRNG key leaf, which is never split into pieces")
+  if not 0 < len(boxes) <= MAX_PIECES:
+    raise ValueError(f"{layout.path} has {len(boxes)} pieces; a leaf has 1 to {MAX_PIECES}")
+  if any(len(box) != len(shape) for box in boxes):
+    raise ValueError(f"each piece of {layout.path} has one (start, stop) per dimension of "
+                     f"its shape {list(shape)}")
+  cells = 1
+  for dim, size in enumerate(shape):
+    intervals = sorted({box[dim] for box in boxes})
+    ends = [0] + [stop for _, stop in intervals]
+    if [start for start, _ in intervals] != ends[:-1] or ends[-1] != size or any(
+        start >= stop for start, stop in intervals if size):
+      raise ValueError(f"the pieces of {layout.path} do not partition dimension {dim} "
+                       f"(0 to {size}): {intervals[:4]}")
+    cells *= len(intervals)
+  if len(set(boxes)) != len(boxes) or len(boxes) != cells:
+    raise ValueError(f"the pieces of {layout.path} are not each cell of their grid once "
+                     f"({len(boxes)} pieces, {cells} cells)")
+
+
 def check_row_group(layout: LeafLayout, multi_process: bool) -> None:
   """Raises ValueError unless a batch leaf's ``row_group`` is the protocol's for its layout
   (``row_group_for`` without boundaries); a multi-process program, whose groups may not

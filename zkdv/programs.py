@@ -64,6 +64,11 @@ def parse_layouts(value: list, where: str) -> tuple:
       elements *= size
     if elements >= MAX_LEAF_ELEMENTS:
       raise Invalid(f"{at}.shape: fewer than 2**40 elements ({layout.path[:_MAX_ERROR]}).")
+    try:
+      digest.check_pieces(layout)
+    except (TypeError, ValueError) as e:
+      raise Invalid(f"{at}.pieces: shard boxes that tile the leaf: "
+                    f"{str(e)[:_MAX_ERROR]}.") from None
     layouts.append(layout)
   return tuple(layouts)
 
@@ -83,6 +88,15 @@ def _batch_row_groups(record, layouts: ProgramLayouts):
       digest.check_row_group(layout, multi)
     except ValueError as e:
       return f"batch_layout[{n}]", str(e)[:2 * _MAX_ERROR]
+  return None
+
+
+def _batch_rows_hold_bytes(record, layouts: ProgramLayouts):
+  for n, layout in enumerate(layouts.batch):
+    if layout.logical_ndim >= 1 and layout.shape[0] and not layout.nbytes:
+      return f"batch_layout[{n}]", (f"rows of at least one byte; {layout.path[:_MAX_ERROR]} "
+                                    f"has {layout.shape[0]} rows of none, which commit "
+                                    "nothing: leave such a leaf out of the batch")
   return None
 
 
@@ -134,6 +148,7 @@ def _distinct_metric_outputs(record, layouts: ProgramLayouts):
 PROGRAM_RULES: dict[str, Callable] = {
     "row groups only in batches": _row_groups_only_in_batches,
     "batch row groups": _batch_row_groups,
+    "batch rows hold bytes": _batch_rows_hold_bytes,
     "post-state laid out as the state": _post_state_as_state,
     "inputs match the layouts": _inputs_match_layouts,
     "params are state leaves": _params_are_state_leaves,

@@ -289,6 +289,13 @@ def _read_program(model, parsed, where, report) -> None:
   if program.number != len(model.programs):
     report.fail("program_id", where,
                 f"program number {program.number}, expected {len(model.programs)}.")
+  paths = [l.path for l in program.state]
+  for other in model.programs.values():  # one state, one set of params (the program claim)
+    if [l.path for l in other.state] == paths and other.params_leaves != program.params_leaves:
+      report.fail("schema", where, f"params_leaves {list(program.params_leaves)[:8]} differ "
+                  f"from {list(other.params_leaves)[:8]} of program {other.number} over the "
+                  "same state: which leaves are params is the state's, not each program's.")
+      break
   scalars = [l for l in program.batch if not l.shape and l.key_impl is None]
   if sum(l.nbytes for l in scalars) > config.MAX_SCALAR_BATCH_BYTES:
     report.fail("unprobed", where, f"the batch carries {sum(l.nbytes for l in scalars)} bytes "
