@@ -87,7 +87,7 @@ class PiecesTest(parameterized.TestCase):
 
 class BatchRowsTest(absltest.TestCase):
 
-  def test_attack_rows_of_no_bytes_are_refused_before_any_tree_is_built(self):
+  def test_attack_many_rows_of_no_bytes_are_refused_before_any_tree_is_built(self):
     # Before, a batch leaf of shape (2**40 - 1, 0) opened by a 0-byte blob made the
     # verifier hash a Merkle tree of that many rows (1.6 us and 100 bytes each).
     empty = blake3.blake3(b"").digest()
@@ -101,24 +101,34 @@ class BatchRowsTest(absltest.TestCase):
     blob_path(folder, empty).write_bytes(b"")
     report = verify.verify(folder)
     self.assertEqual(report.verdict, verify.INVALID, report.dumps())
-    self.assertIn(f"batch_layout[0]: rows of at least one byte; [0] has {(1 << 40) - 1} rows "
-                  "of none, which commit nothing", _findings(report))
+    self.assertIn(f"batch_layout[0]: at most 65536 rows where rows hold no bytes; [0] has "
+                  f"{(1 << 40) - 1}, which commit nothing", _findings(report))
 
 
 class ParamsLeavesTest(absltest.TestCase):
+  """Before, a program overwriting w with chosen weights declared params_leaves [1] (b only)
+  and escaped the program claim, which tests the leaves each program declares."""
 
-  def test_attack_a_program_that_declares_fewer_params_over_the_same_state(self):
-    # Before, a program overwriting w with chosen weights declared params_leaves [1] (b
-    # only) and escaped the program claim, which tests the leaves each program declares.
+  def _second_program(self, params_leaves, paths=None):
     def edit(records):
       program = first(records, "program")
-      at = records.index(program) + 1
-      records.insert(at, {**program, "number": 1, "params_leaves": [1]})
+      for layout, path in zip(program["state_layout"], paths or []):
+        layout["path"] = path
+      records.insert(records.index(program) + 1,
+                     {**program, "number": 1, "params_leaves": params_leaves})
       return records
     report = verify.verify(rechained(edit, write_transcript(steps=1)))
     self.assertEqual(report.verdict, verify.INVALID, report.dumps())
+    return _findings(report)
+
+  def test_attack_a_train_states_params_left_out_of_params_leaves(self):
+    self.assertIn("record 2 (program).params_leaves: every leaf of a TrainState's .params, "
+                  "without [\".params['w']\"]", self._second_program([1]))
+
+  def test_attack_a_program_that_declares_fewer_params_over_the_same_state(self):
+    # Paths outside a TrainState (an NNX state's), which no path rule reaches.
     self.assertIn("params_leaves [1] differ from [0, 1] of program 0 over the same state",
-                  _findings(report))
+                  self._second_program([1], ["['w']", "['b']"]))
 
 
 class ToleranceTest(parameterized.TestCase):

@@ -137,9 +137,9 @@ def mutations():
       cases.append((f"{label}_{name}_out_of_bounds", n,
                     lambda r, name=name, spec=field.spec: r.update({name: out_of_bounds(spec)}),
                     name, True))
-      if name in honest:
+      if name in honest:  # an optional field, save the params of a TrainState's state
         cases.append((f"{label}_{name}_missing", n, lambda r, name=name: r.pop(name),
-                      name, field.required))
+                      name, field.required or name == "params_leaves"))
   return [dict(testcase_name=c[0], position=c[1], edit=c[2], named=c[3], refused=c[4])
           for c in cases]
 
@@ -219,12 +219,18 @@ PROGRAM_RULE_BREAKS = (
      lambda r: _layout(r, "state_layout", 0, row_group=3)),
     ("batch row groups", "batch_layout[0]",
      lambda r: _layout(r, "batch_layout", 0, row_group=5)),
+    ("few empty batch rows", "batch_layout[0]",
+     lambda r: _layout(r, "batch_layout", 0, shape=[(1 << 16) + 1, 0])),
+    ("shard pieces that tile their leaf", "state_layout[0].pieces",
+     lambda r: _layout(r, "state_layout", 0, pieces=[[[0, 1]]])),
     ("post-state laid out as the state", "post_state_layout",
      lambda r: r.update(post_state_layout=[{**r["state_layout"][0], "shape": [4]},
                                            r["state_layout"][1]])),
     ("inputs match the layouts", "inputs",
      lambda r: r.update(inputs=["state", "batch", "batch"])),
     ("params are state leaves", "params_leaves", lambda r: r.update(params_leaves=[0, 2])),
+    ("a TrainState's params are params", "params_leaves",
+     lambda r: r.update(params_leaves=[1])),
     ("an output per state leaf", "post_state_outputs",
      lambda r: r.update(post_state_outputs=[0])),
     ("distinct metric outputs", "metric_outputs",

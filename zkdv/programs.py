@@ -23,6 +23,7 @@ from zkdv.fields import Invalid, describe
 
 MAX_LEAF_ELEMENTS = 1 << 40  # a layout larger than this is malformed, not allocated
 _MAX_ERROR = 200  # characters of a parser's message quoted in a refusal
+MAX_EMPTY_ROWS = 1 << 16  # leading-axis rows of a batch leaf whose rows hold no bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +92,13 @@ def _batch_row_groups(record, layouts: ProgramLayouts):
   return None
 
 
-def _batch_rows_hold_bytes(record, layouts: ProgramLayouts):
+def _few_empty_batch_rows(record, layouts: ProgramLayouts):
+  # Rows of no bytes cost nothing to send, yet each is a Merkle leaf to hash.
   for n, layout in enumerate(layouts.batch):
-    if layout.logical_ndim >= 1 and layout.shape[0] and not layout.nbytes:
-      return f"batch_layout[{n}]", (f"rows of at least one byte; {layout.path[:_MAX_ERROR]} "
-                                    f"has {layout.shape[0]} rows of none, which commit "
-                                    "nothing: leave such a leaf out of the batch")
+    if layout.logical_ndim >= 1 and layout.shape[0] > MAX_EMPTY_ROWS and not layout.nbytes:
+      return f"batch_layout[{n}]", (f"at most {MAX_EMPTY_ROWS} rows where rows hold no "
+                                    f"bytes; {layout.path[:_MAX_ERROR]} has "
+                                    f"{layout.shape[0]}, which commit nothing")
   return None
 
 
@@ -124,6 +126,16 @@ def _params_are_state_leaves(record, layouts: ProgramLayouts):
   return None
 
 
+def _train_state_params_are_params(record, layouts: ProgramLayouts):
+  # A leaf left out of params_leaves is left out of the program claim's test.
+  declared = set(record.get("params_leaves", []))
+  left_out = [l.path[:80] for i, l in enumerate(layouts.state) if i not in declared
+              and (l.path == ".params" or l.path.startswith((".params[", ".params.")))]
+  if left_out:
+    return "params_leaves", (f"every leaf of a TrainState's .params, without {left_out[:4]}")
+  return None
+
+
 def _an_output_per_state_leaf(record, layouts: ProgramLayouts):
   if len(record["post_state_outputs"]) != len(layouts.state):
     return "post_state_outputs", (f"one output index per state leaf ({len(layouts.state)}), "
@@ -148,10 +160,11 @@ def _distinct_metric_outputs(record, layouts: ProgramLayouts):
 PROGRAM_RULES: dict[str, Callable] = {
     "row groups only in batches": _row_groups_only_in_batches,
     "batch row groups": _batch_row_groups,
-    "batch rows hold bytes": _batch_rows_hold_bytes,
+    "few empty batch rows": _few_empty_batch_rows,
     "post-state laid out as the state": _post_state_as_state,
     "inputs match the layouts": _inputs_match_layouts,
     "params are state leaves": _params_are_state_leaves,
+    "a TrainState's params are params": _train_state_params_are_params,
     "an output per state leaf": _an_output_per_state_leaf,
     "distinct metric outputs": _distinct_metric_outputs,
 }

@@ -210,8 +210,9 @@ def compare(layouts: Sequence[LeafLayout], actual: Sequence[np.ndarray],
     same_bytes = (a.dtype == e.dtype and a.shape == e.shape
                   and np.array_equal(byte_view(a), byte_view(e)))
     within = same_bytes
-    if not same_bytes and a.shape == e.shape and a.dtype == e.dtype and _tolerant(layout, a):
-      if np.iscomplexobj(a):  # each part within the tolerance
+    if not same_bytes and a.shape == e.shape and a.dtype == e.dtype:
+      tolerant = _tolerant(layout, a)
+      if np.iscomplexobj(a):  # each part on its own
         a, e = np.stack([a.real, a.imag]), np.stack([e.real, e.imag])
       af, ef = a.astype(np.float64), e.astype(np.float64)
       abs_err = np.abs(af - ef)
@@ -219,13 +220,15 @@ def compare(layouts: Sequence[LeafLayout], actual: Sequence[np.ndarray],
         rel_err = np.where(ef != 0, abs_err / np.abs(ef), abs_err)
       max_abs = max(max_abs, float(np.nanmax(abs_err, initial=0.0)))
       max_rel = max(max_rel, float(np.nanmax(rel_err, initial=0.0)))
-      ulp = np.abs(_ordered_int(a) - _ordered_int(e))
-      max_ulp = max(max_ulp, int(ulp.max(initial=0)))
-      with np.errstate(invalid="ignore"):
-        close = abs_err <= tolerance.atol + tolerance.rtol * np.abs(ef)
-      # As numpy.isclose: an infinity is close only to itself, NaN only to NaN.
-      finite = np.isfinite(af) & np.isfinite(ef)
-      within = bool(np.all(np.where(finite, close, (af == ef) | (np.isnan(af) & np.isnan(ef)))))
+      if tolerant:
+        ulp = np.abs(_ordered_int(a) - _ordered_int(e))
+        max_ulp = max(max_ulp, int(ulp.max(initial=0)))
+        with np.errstate(invalid="ignore"):
+          close = abs_err <= tolerance.atol + tolerance.rtol * np.abs(ef)
+        # As numpy.isclose: an infinity is close only to itself, NaN only to NaN.
+        finite = np.isfinite(af) & np.isfinite(ef)
+        within = bool(np.all(np.where(finite, close,
+                                      (af == ef) | (np.isnan(af) & np.isnan(ef)))))
     if not (same_bytes if exact else within):
       mismatched.append(layout.path)
   return {
