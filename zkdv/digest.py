@@ -257,8 +257,20 @@ def state_digest_from_leaves(layouts: Sequence[LeafLayout], leaf_digests: Sequen
   return state_digest_from_pieces(layouts, [[d] for d in leaf_digests])
 
 
+PARAMS_PREFIX = ".params"  # a TrainState's params, by keypath
+
+
+def is_params_path(path: str) -> bool:
+  """Whether a TrainState leaf at keypath ``path`` is one of its params: the prover's
+  params leaves, and the ones a program record must declare (``zkdv.programs``).
+
+  Example: ``is_params_path(".params['Dense_0']['kernel']")`` is True.
+  """
+  return path.startswith(PARAMS_PREFIX)
+
+
 def params_digest(layouts: Sequence[LeafLayout], leaf_digests: Sequence[bytes],
-                  params_leaves: Sequence[int], prefix: str = ".params") -> bytes:
+                  params_leaves: Sequence[int], prefix: str = PARAMS_PREFIX) -> bytes:
   """Digest of the params subtree alone, keypaths relative to it.
 
   It equals the state digest of the params pytree on its own, so a checkpoint

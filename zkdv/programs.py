@@ -129,10 +129,11 @@ def _params_are_state_leaves(record, layouts: ProgramLayouts):
 def _train_state_params_are_params(record, layouts: ProgramLayouts):
   # A leaf left out of params_leaves is left out of the program claim's test.
   declared = set(record.get("params_leaves", []))
-  left_out = [l.path[:80] for i, l in enumerate(layouts.state) if i not in declared
-              and (l.path == ".params" or l.path.startswith((".params[", ".params.")))]
+  left_out = [l.path[:80] for i, l in enumerate(layouts.state)
+              if i not in declared and digest.is_params_path(l.path)]
   if left_out:
-    return "params_leaves", (f"every leaf of a TrainState's .params, without {left_out[:4]}")
+    return "params_leaves", (f"every leaf of a TrainState's {digest.PARAMS_PREFIX}, without "
+                             f"{left_out[:4]}")
   return None
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from zkdv import digest
 from zkdv import errors
 from zkdv import metrics
 from zkdv.digest import LeafLayout
@@ -191,7 +192,7 @@ def classify(call: Call, start: int, state) -> Inputs:
       batch_layouts=[arrays.batch_layout_of(all_paths[i], call.leaves[i])
                      for i in batch_indices],
       params_mask=(state.params_mask() if call.nnx
-                   else [p.startswith(".params") for p in state_paths]))
+                   else [digest.is_params_path(p) for p in state_paths]))
 
 
 def locate_state(call: Call, proof, name: str, state_argnum: int | None) -> tuple[int, Any]:
