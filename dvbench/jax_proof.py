@@ -180,7 +180,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
                   self.experiment.name, stored.proof_id, self.steps,
                   self.experiment.client.url, stored.proof_id)
     challenger.on_waiting = self._uploader.hurry
-    self._writer.on_append = self._uploader.wake
+    self._writer.on_append = self._uploader.written
     self._uploader.start()
     return self
 

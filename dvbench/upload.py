@@ -5,7 +5,9 @@ only, at the rolling window, on the server's challenges, which acknowledgements
 carry (``on_challenge``). Blobs are uploaded for the proof by a second thread,
 beside the envelopes (the server needs them by the close, not to challenge):
 small ones (small state leaves) together, one request per envelope, large ones each
-skipped when the server already holds it for the proof.
+skipped when the server already holds it for the proof. A live run's writer hands each
+record over as it writes it (``written``): the file is read back only for what was written
+before (a resumed run) or while the hand-off was full (``HANDED_BYTES``).
 
 Example::
 
@@ -15,6 +17,7 @@ Example::
   uploader.finish(timeout=120)
 """
 
+import collections
 import pathlib
 import queue
 import threading
@@ -30,6 +33,10 @@ from zkdv.transcript import read_transcript
 from dvbench import errors
 from dvbench import transport
 from dvbench.console import logger
+
+# The records a live writer hands over (``Uploader.written``) wait in memory up to this
+# many bytes; past it (a server that stopped answering) they are read back from the file.
+HANDED_BYTES = 8 * 1024 * 1024
 
 
 def uploaded_already(http, folder: pathlib.Path) -> str | None:
@@ -92,6 +99,9 @@ class Uploader(threading.Thread):
     self._last_contact = time.monotonic()
     self._flushes: list[tuple[int, threading.Event]] = []  # (file offset, sent by then)
     self._flush_lock = threading.Lock()
+    self._handed: collections.deque = collections.deque()  # (end, raw, is final, blob refs)
+    self._handed_bytes = 0
+    self._handed_lock = threading.Lock()
 
   def continue_proof(self, proof_id: str, offset: int, records: int,
                      heartbeat_seconds: float | None) -> None:
@@ -148,6 +158,17 @@ class Uploader(threading.Thread):
     self.hurry()
     self.join(5.0)
 
+  def written(self, end: int, raw: bytes, record: dict) -> None:
+    """The writer's hand-off (``TranscriptWriter.on_append``): the record ``raw``, which
+    ends at file offset ``end``, is kept (up to ``HANDED_BYTES``) to be sent without
+    reading the file back and decoding it again; then ``wake``."""
+    with self._handed_lock:
+      if self._handed_bytes + len(raw) <= HANDED_BYTES:
+        self._handed.append((end, raw, record.get("type") == "final",
+                             transport.blob_refs(record)))
+        self._handed_bytes += len(raw)
+    self.wake()
+
   def wake(self) -> None:
     """Looks for new records (the transcript just grew): now, or, within
     ``coalesce_seconds`` of the last envelope, once that time is up."""
@@ -192,36 +213,56 @@ class Uploader(threading.Thread):
       self._blob_queue.put(None)
 
   def _send_new(self) -> bool:
-    path = self.folder / RECORDS_FILE
-    try:
-      with open(path, "rb") as f:
-        f.seek(self._offset)
-        data = f.read()
-    except FileNotFoundError:
-      return False
-    self._offset += len(data)
-    found = self._scanner.feed(data)
+    found = self._take_handed()
     if not found:
-      return bool(data)
+      try:
+        with open(self.folder / RECORDS_FILE, "rb") as f:
+          f.seek(self._offset)
+          data = f.read()
+      except FileNotFoundError:
+        return False
+      self._offset += len(data)
+      found = [(raw, record.get("type") == "final", transport.blob_refs(record))
+               for raw, record in self._scanner.feed(data)]
+      if not found:
+        return bool(data)
     batch, size, blobs = [], 0, set()  # an envelope's records and the blobs they name
-    for raw, record in found:
+    for raw, final, refs in found:
       if self.proof_id is None:
         self._create_proof(raw)
         continue
-      if record.get("type") == "final":
+      if final:
         self._final_id = transport.record_id(raw)
       if len(raw) > self.chunk_bytes or size + len(raw) > self.batch_bytes:
         self._flush(batch, blobs)
         batch, size, blobs = [], 0, set()
       if len(raw) > self.chunk_bytes:
-        self._upload_blobs(transport.blob_refs(record))
+        self._upload_blobs(refs)
         self._send_chunks(raw)
         continue
       batch.append(raw)
-      blobs |= transport.blob_refs(record)
+      blobs |= refs
       size += len(raw)
     self._flush(batch, blobs)
     return True
+
+  def _take_handed(self) -> list[tuple[bytes, bool, set[str]]]:
+    """The handed-over records that go on from where the file was read; none when the
+    file must be read first (records written before the hand-off, a record read in part,
+    or records past ``HANDED_BYTES``). Those the file read already are dropped."""
+    found = []
+    with self._handed_lock:
+      while self._handed:
+        end, raw, final, refs = self._handed[0]
+        goes_on = end - len(raw) == self._offset and not self._scanner.pending_bytes
+        if end > self._offset and not goes_on:
+          break
+        self._handed.popleft()
+        self._handed_bytes -= len(raw)
+        if goes_on:
+          found.append((raw, final, refs))
+          self._offset = end
+    return found
 
   def _settle_flushes(self) -> None:
     """Answers the ``flush`` calls whose records are all sent, once their blobs are."""

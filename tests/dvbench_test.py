@@ -20,6 +20,7 @@ from absl.testing import parameterized
 import dvbench
 from dvbench import contamination
 from dvbench import transport
+from dvbench import upload
 from dvbench.server import schema
 from dvbench.server import worker
 from dvbench.server.db import Store
@@ -163,6 +164,46 @@ class PostgresServerTest(TutorialAgainstServerTest):
 
   def store(self) -> Store:
     return Store.open(self.database_url)
+
+
+class HandOffTest(DVBenchTestCase):
+  """A live writer hands each record to the uploader (``Uploader.written``)."""
+
+  def rewrite(self, local: pathlib.Path, folder: pathlib.Path, uploader, handed_from: int):
+    """Writes ``local``'s records again into ``folder``, handing them to ``uploader`` from
+    record ``handed_from`` on."""
+    shutil.copytree(local / transcript.BLOBS_DIR, folder / transcript.BLOBS_DIR)
+    writer = transcript.TranscriptWriter(folder)
+    for n, parsed in enumerate(transcript.read_transcript(local).records):
+      if n == handed_from:
+        writer.on_append = uploader.written
+      writer.append({k: v for k, v in parsed.record.items() if k != "prev"})
+    writer.close()
+
+  def test_records_handed_over_are_sent_without_reading_the_file_back(self):
+    local = local_transcript(3, probe_ratio=0.5)
+    folder = pathlib.Path(tempfile.mkdtemp()) / "t"
+    client = dvbench.Client(self.server.url)
+    uploader = upload.Uploader(client.http, "your-name/handed", folder)
+    self.rewrite(local, folder, uploader, handed_from=0)
+    (folder / transcript.RECORDS_FILE).rename(folder.parent / "elsewhere")  # unreadable now
+    uploader.start()
+    uploader.finish(timeout=120)
+    self.assertEqual(self.server_ids(client, uploader.proof_id), local_ids(local))
+
+  def test_records_before_the_hand_off_and_past_its_bound_are_read_back_in_order(self):
+    local = local_transcript(3, probe_ratio=0.5)
+    parsed = transcript.read_transcript(local).records
+    folder = pathlib.Path(tempfile.mkdtemp()) / "t"
+    client = dvbench.Client(self.server.url)
+    uploader = upload.Uploader(client.http, "your-name/handed-in-part", folder)
+    uploader.start()  # reads the file while records are written and handed over
+    bound = 2 * max(len(r.raw) for r in parsed)
+    with mock.patch.object(upload, "HANDED_BYTES", bound):  # full at times: read back
+      self.rewrite(local, folder, uploader, handed_from=len(parsed) // 3)
+    uploader.finish(timeout=120)
+    self.assertEqual(self.server_ids(client, uploader.proof_id), local_ids(local))
+    self.assertEqual(local_ids(folder), local_ids(local))
 
 
 class TamperedUploadTest(DVBenchTestCase, parameterized.TestCase):

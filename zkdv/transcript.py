@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 import uuid
+from collections.abc import Callable
 
 import blake3
 import cbor2
@@ -94,7 +95,10 @@ class TranscriptWriter:
           "overwritten. Choose another output_dir.") from None
     self._prev: bytes | None = None
     self.transcript_id: bytes | None = None
-    self.on_append = None  # called after each record is written (e.g. to wake an uploader)
+    self.size = 0  # the bytes of records written: where the next record starts
+    # Called after each record is written with (its end offset, its bytes, the record):
+    # an uploader takes it from memory instead of reading the file back.
+    self.on_append: Callable[[int, bytes, dict], None] | None = None
     self._stored: set[bytes] = set()  # blobs written here (not looked up again)
 
   @classmethod
@@ -118,7 +122,7 @@ class TranscriptWriter:
     if contents.torn_tail is not None:
       writer._file.truncate(contents.torn_tail.offset)
       os.fsync(writer._file.fileno())
-    writer._file.seek(0, os.SEEK_END)
+    writer.size = writer._file.seek(0, os.SEEK_END)
     writer._prev = contents.records[-1].record_id
     writer.transcript_id = contents.records[0].record_id
     writer.on_append = None
@@ -134,11 +138,12 @@ class TranscriptWriter:
     self._file.flush()
     if durable:
       os.fsync(self._file.fileno())
+    self.size += len(encoded)
     self._prev = record_id(encoded)
     if self.transcript_id is None:
       self.transcript_id = self._prev
     if self.on_append is not None:
-      self.on_append()
+      self.on_append(self.size, encoded, record)
     return self._prev
 
   def put_blob(self, data: np.ndarray | bytes, digest: bytes | None = None) -> bytes:
