@@ -158,6 +158,8 @@ def block_steps(plain: "Runner", least: int) -> int:
 
 HEADER = ["workload", "configuration", "median step ms", "ratio to jax.jit",
           "ratio incl. settle", "median segment steps", "block steps"]
+PAIRED_HEADER = ["workload", "probes / no probes", "rounds", "median ratio",
+                 "interval of the median", "its confidence"]
 
 
 def parse_args(argv):
@@ -289,10 +291,6 @@ def paired(pairs: list[list]) -> list[list]:
     table.append([workload, pair, len(each), f"{common.median(each):.3f}",
                   f"{low:.3f}-{high:.3f}", f"{coverage:.3f}"])
   return table
-
-
-PAIRED_HEADER = ["workload", "probes / no probes", "rounds", "median ratio",
-                 "interval of the median", "its confidence"]
 
 
 def main(argv=None):

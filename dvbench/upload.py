@@ -57,6 +57,12 @@ def uploaded_already(http, folder: pathlib.Path) -> str | None:
   return proof_id if closed and proof.get("records") == len(contents.records) else None
 
 
+def _to_send(raw: bytes, record: dict) -> tuple[bytes, bool, set[str]]:
+  """What the uploader keeps of a record: its bytes, whether it is the final record, and
+  the blobs it names."""
+  return raw, record.get("type") == "final", transport.blob_refs(record)
+
+
 class Uploader(threading.Thread):
 
   def __init__(self, http, experiment: str, folder: pathlib.Path, poll_seconds: float = 0.05,
@@ -164,8 +170,7 @@ class Uploader(threading.Thread):
     reading the file back and decoding it again; then ``wake``."""
     with self._handed_lock:
       if self._handed_bytes + len(raw) <= HANDED_BYTES:
-        self._handed.append((end, raw, record.get("type") == "final",
-                             transport.blob_refs(record)))
+        self._handed.append((end, *_to_send(raw, record)))
         self._handed_bytes += len(raw)
     self.wake()
 
@@ -222,8 +227,7 @@ class Uploader(threading.Thread):
       except FileNotFoundError:
         return False
       self._offset += len(data)
-      found = [(raw, record.get("type") == "final", transport.blob_refs(record))
-               for raw, record in self._scanner.feed(data)]
+      found = [_to_send(raw, record) for raw, record in self._scanner.feed(data)]
       if not found:
         return bool(data)
     batch, size, blobs = [], 0, set()  # an envelope's records and the blobs they name
