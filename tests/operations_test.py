@@ -6,6 +6,7 @@ decides), real worker and verifier processes, real kernels' namespaces and Landl
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import pathlib
@@ -14,6 +15,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+from unittest import mock
 
 import cbor2
 import httpx
@@ -282,6 +285,24 @@ class QueueTest(parameterized.TestCase):
     self.assertEqual(store.claim_job("w1", 60, owner_share=1)["subject"], second)
     # With nobody else waiting, mallory may use the free worker.
     self.assertEqual(store.claim_job("w2", 60, owner_share=1)["subject"], mallory[1])
+
+  def test_a_claim_is_stamped_once_it_holds_the_write_lock(self, backend):
+    # Two workers claiming at once: the one that waited for the lock claims second, so its
+    # job's started_at must not precede the first claim's (fairness reads started_at).
+    store = Store.open(fresh_database(backend))
+    [proof] = self.enqueue(store, "alice", 1)
+    begin, held = store.engine.begin, []
+
+    @contextlib.contextmanager
+    def begin_and_note():
+      with begin() as conn:
+        held.append(time.time())
+        yield conn
+
+    with mock.patch.object(store.engine, "begin", begin_and_note):
+      job = store.claim_job("w", 60)
+    self.assertEqual(job["subject"], proof)
+    self.assertGreaterEqual(job["started_at"], held[0])
 
   def test_owner_share_is_half_the_workers(self, backend):
     del backend

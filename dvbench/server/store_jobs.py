@@ -130,10 +130,10 @@ class JobQueries:
     holding that many running jobs gets no more while another owner's job waits. A job
     whose lease expired after ``max_attempts`` attempts is given up (``failed``).
     """
-    now = time.time()
-    expired = (jobs.c.state == "running") & (jobs.c.lease_expires < now)
-    claimable = (jobs.c.state == "queued") | expired
     with self.engine.begin() as conn:
+      now = time.time()  # once the write lock is held: claims' started_at follow their order
+      expired = (jobs.c.state == "running") & (jobs.c.lease_expires < now)
+      claimable = (jobs.c.state == "queued") | expired
       for exhausted in conn.execute(sa.select(jobs).where(
           expired & (jobs.c.attempts >= max_attempts))).mappings().all():
         self._give_up(conn, dict(exhausted), now)
