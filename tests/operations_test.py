@@ -286,7 +286,7 @@ class QueueTest(parameterized.TestCase):
     # With nobody else waiting, mallory may use the free worker.
     self.assertEqual(store.claim_job("w2", 60, owner_share=1)["subject"], mallory[1])
 
-  def test_a_claim_is_stamped_once_it_holds_the_write_lock(self, backend):
+  def test_a_claim_and_a_heartbeat_are_stamped_once_they_hold_the_write_lock(self, backend):
     # Two workers claiming at once: the one that waited for the lock claims second, so its
     # job's started_at must not precede the first claim's (fairness reads started_at).
     store = Store.open(fresh_database(backend))
@@ -301,8 +301,13 @@ class QueueTest(parameterized.TestCase):
 
     with mock.patch.object(store.engine, "begin", begin_and_note):
       job = store.claim_job("w", 60)
+      self.assertTrue(store.extend_lease(job["id"], "w", 60))
     self.assertEqual(job["subject"], proof)
     self.assertGreaterEqual(job["started_at"], held[0])
+    # A heartbeat that waited for the lock extends the lease from when it holds it.
+    extended = store.job("proof", proof)
+    self.assertGreaterEqual(extended["heartbeat_at"], held[1])
+    self.assertGreaterEqual(extended["lease_expires"], held[1] + 60)
 
   def test_owner_share_is_half_the_workers(self, backend):
     del backend

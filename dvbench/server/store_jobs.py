@@ -195,8 +195,8 @@ class JobQueries:
 
   def extend_lease(self, job_id: int, worker: str, lease_seconds: float) -> bool:
     """The worker's heartbeat: a longer lease, and the time it was last heard from."""
-    now = time.time()
     with self.engine.begin() as conn:
+      now = time.time()  # once the write lock is held: the lease runs from when it is written
       return conn.execute(jobs.update().where(
           (jobs.c.id == job_id) & (jobs.c.lease_owner == worker) & (jobs.c.state == "running")
       ).values(lease_expires=now + lease_seconds, heartbeat_at=now)).rowcount == 1
