@@ -58,7 +58,8 @@ def main():
   args = parser.parse_args()
   environments = _environments(os.path.abspath(args.other_ml_dtypes))
   if len(environments) != 2:
-    parser.error(f"{args.other_ml_dtypes} holds the installed ml_dtypes; give another release.")
+    parser.error(f"with {args.other_ml_dtypes} first, Python imports the installed "
+                 f"{next(iter(environments))}; give a folder holding another release.")
   times = {(child, name): [] for child in CHILDREN for name in environments}
   for _ in range(args.repeats):
     for child, code in CHILDREN.items():
@@ -71,7 +72,8 @@ def main():
     for name in environments:
       wall = common.median([w for w, _ in times[child, name]])
       cpu = common.median([c for _, c in times[child, name]])
-      rows.append([child, name, f"{wall:.3f}", f"{cpu:.3f}", f"{(cpu - base) * 1e3:+.0f}"])
+      over = round((cpu - base) * 1e3)
+      rows.append([child, name, f"{wall:.3f}", f"{cpu:.3f}", f"{over:+d}"])
   common.print_table(
       f"Process start, {args.repeats} alternating runs each (installed: {installed})",
       ["child", "environment", "wall, median s", "CPU, median s", "CPU over installed, ms"],

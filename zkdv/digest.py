@@ -166,7 +166,7 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
   except TypeError:
     pass
-  import ml_dtypes  # pylint: disable=g-import-not-at-top  # 0.6 s: servers rarely need it
+  import ml_dtypes  # pylint: disable=g-import-not-at-top  # servers rarely need it
   dtype = getattr(ml_dtypes, name, None)
   if dtype is None:
     raise TypeError(f"unknown dtype {name!r}.")
