@@ -47,6 +47,19 @@ class DeviceBlake3Test(parameterized.TestCase):
     got = device_digest.words_to_bytes(device_digest.digest_words(x))
     self.assertEqual(got, reference(x))
 
+  @parameterized.parameters(None, bytes(range(32)))
+  def test_many_leaves_in_one_batch(self, key):
+    # one chunk, a partial chunk, odd and even trees, empty, a key: each its own digest
+    sizes = [0, 1, 1024, 3 * 1024 + 1, 64, 9 * 1024 + 7, 2048, 5 * 1024]
+    leaves = [np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    leaves.append(np.arange(33 * 17, dtype=np.float32).reshape(33, 17))
+    got = np.asarray(device_digest.digest_many([jnp.asarray(x) for x in leaves], key=key))
+    self.assertEqual(got.dtype, np.uint32)
+    self.assertEqual(got.shape, (len(leaves), 8))
+    expected = [blake3.blake3(x.tobytes(), **({} if key is None else {"key": key})).digest()
+                for x in leaves]
+    self.assertEqual([device_digest.words_to_bytes(w) for w in got], expected)
+
   def test_key_leaf_is_its_key_data(self):
     key = jax.random.split(jax.random.key(3), 5)
     got = device_digest.words_to_bytes(device_digest.digest_words(key))

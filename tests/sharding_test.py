@@ -42,8 +42,8 @@ def loss(state, params, x, y):
 def plain_step(state, x, y):
   return state.apply_gradients(grads=jax.grad(lambda p: loss(state, p, x, y))(state.params))
 
-def new_state(name):
-  proof = testing.new_proof(name, update_p=1.0)
+def new_state(name, **config):
+  proof = testing.new_proof(name, update_p=1.0, **config)
   proof.start()
   return proof, testing.zkdv.jax.contrib.TrainState.create(
       proof=proof, apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
@@ -67,6 +67,18 @@ def run(step_fn, proof, state, x, y, steps=3, replicas=False):
   return {"verdict": report.verdict, "findings": [f.message for f in report.findings],
           "checks": [c.status for c in report.checks], "close": close,
           "path": str(proof.path), "failed": proof.failed_checks}
+
+# Idiomatic JAX: the state placed on the mesh and jit left to follow; XLA then picks output
+# shardings of its own (some biases come back split), and the next call follows those.
+def placed(proof_and_state):
+  proof, state = proof_and_state
+  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  by_column = NamedSharding(mesh, P(None, "model"))
+  state = jax.device_put(state, jax.tree.map(
+      lambda v: by_column if getattr(v, "ndim", 0) == 2 and v.shape[1] % (N // 2) == 0
+      else replicated, state))
+  return run(proof.jit(plain_step, donate_argnums=0), proof, state,
+             jax.device_put(x, rows), jax.device_put(y, rows))
 """
 
 # Each case is the body of a function of the training process that returns a JSON value.
@@ -79,17 +91,13 @@ CASES = {
                          out_shardings=replicated, donate_argnums=0)
         return run(step, proof, state, jax.device_put(x, rows), jax.device_put(y, rows))
         """,
-    # Idiomatic JAX: place the state on the mesh and let jit follow; XLA then picks output
-    # shardings of its own (some biases come back split), and the next call follows those.
     "placed": """
-        proof, state = new_state("placed")
-        replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        by_column = NamedSharding(mesh, P(None, "model"))
-        state = jax.device_put(state, jax.tree.map(
-            lambda v: by_column if getattr(v, "ndim", 0) == 2 and v.shape[1] % (N // 2) == 0
-            else replicated, state))
-        return run(proof.jit(plain_step, donate_argnums=0), proof, state,
-                   jax.device_put(x, rows), jax.device_put(y, rows))
+        return placed(new_state("placed"))
+        """,
+    # The same with digests computed on the devices: the state's pieces where they live,
+    # the batch rows of every leaf in one program.
+    "placed_device": """
+        return placed(new_state("placed-device", digest_backend="device"))
         """,
     "shard_map": """
         proof, state = new_state("shard-map")
@@ -237,6 +245,17 @@ class ShardingTest(absltest.TestCase):
     for before, after in zip(programs, programs[1:]):
       self.assertEqual(before.get("post_state_layout", before["state_layout"]),
                        after["state_layout"])
+
+  def test_device_digests_of_placed_pieces_commit_what_the_host_commits(self):
+    host, device = self.result("placed"), self.result("placed_device")
+    self.assert_verified(device)
+    fields = ("pre_state", "batch", "post_state", "post_state_leaves")
+    steps = [[[r.get(f) for f in fields] for r in testing.records_of(result["path"], "step")]
+             for result in (host, device)]
+    self.assertLen(steps[0], 3)
+    self.assertEqual(steps[1], steps[0])
+    pieces = [p for p in testing.records_of(device["path"], "step")[-1]["post_state_leaves"]]
+    self.assertGreater(max(map(len, pieces)), 1)  # some leaves committed shard by shard
 
   def test_shard_map_gradients(self):
     self.assert_verified(self.result("shard_map"))

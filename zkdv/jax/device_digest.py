@@ -126,55 +126,99 @@ def to_words(x: jax.Array) -> tuple[jax.Array, int]:
 _WORDS_PER_ROW = 128  # a TPU's vector width, in 32-bit lanes
 
 
-def _hash_chunks(words: jax.Array, nbytes: int, single_root: bool, key: np.ndarray,
-                 mode: int) -> jax.Array:
-  """Chaining values of every chunk, uint32[8, n_chunks]."""
-  n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
+def _chunk_lanes(sizes: list[int]) -> tuple[np.ndarray, ...]:
+  """Per chunk of leaves of ``sizes`` bytes, chunks of a leaf contiguous: its counter in its
+  leaf, its block count, its final block's length, and whether it is its leaf's only chunk
+  (then it is the root)."""
+  counters, blocks, final_len, root = [], [], [], []
+  for nbytes in sizes:
+    n_chunks = _chunk_count(nbytes)
+    last_len = nbytes - CHUNK_BYTES * (n_chunks - 1)
+    last_blocks = max(1, math.ceil(last_len / BLOCK_BYTES))
+    counters.append(np.arange(n_chunks))
+    blocks.append(np.full(n_chunks, 16))
+    blocks[-1][-1] = last_blocks
+    final_len.append(np.full(n_chunks, BLOCK_BYTES))
+    final_len[-1][-1] = last_len - BLOCK_BYTES * (last_blocks - 1)
+    root.append(np.full(n_chunks, n_chunks == 1))
+  return tuple(np.concatenate(a).astype(np.uint32) for a in (counters, blocks, final_len, root))
+
+
+def _chunk_count(nbytes: int) -> int:
+  return max(1, math.ceil(nbytes / CHUNK_BYTES))
+
+
+def _hash_chunks(words: jax.Array, sizes: list[int], key: np.ndarray, mode: int) -> jax.Array:
+  """Chaining values of every chunk of leaves of ``sizes`` bytes, uint32[8, chunks], all
+  leaves' chunks side by side in one batch (``words``: each leaf zero padded to whole chunks,
+  one after another)."""
+  counters, n_blocks, final_len, root = _chunk_lanes(sizes)
+  n_chunks = counters.shape[0]
   blocks = words.reshape(n_chunks, 16, 16).transpose(1, 2, 0)  # [block, word, chunk]
-  last_len = nbytes - CHUNK_BYTES * (n_chunks - 1)
-  last_blocks = max(1, math.ceil(last_len / BLOCK_BYTES))
-  counters = jnp.arange(n_chunks, dtype=jnp.uint32)
-  is_last_chunk = counters == n_chunks - 1
 
   def one_block(cv, j_block):
     j, block = j_block
-    # Full chunks take 16 blocks; the last chunk stops after `last_blocks`.
-    active = jnp.where(is_last_chunk, j < last_blocks, True)
-    final_block = jnp.where(is_last_chunk, j == last_blocks - 1, j == 15)
-    length = jnp.where(is_last_chunk & final_block,
-                       last_len - BLOCK_BYTES * (last_blocks - 1), BLOCK_BYTES)
+    final_block = j == n_blocks - 1
+    length = jnp.where(final_block, final_len, BLOCK_BYTES)
     flags = (jnp.where(j == 0, CHUNK_START, 0) | jnp.where(final_block, CHUNK_END, 0)
-             | jnp.where(final_block & single_root, ROOT, 0) | mode)
+             | jnp.where(final_block & (root == 1), ROOT, 0) | mode)
     out = compress(cv, block, counters, length.astype(jnp.uint32), flags.astype(jnp.uint32))
-    return jnp.where(active, out, cv), None
+    return jnp.where(j < n_blocks, out, cv), None
 
   cv = jnp.broadcast_to(jnp.asarray(key)[:, None], (8, n_chunks))
   return jax.lax.scan(one_block, cv, (jnp.arange(16), blocks))[0]
 
 
-def _hash_words(words: jax.Array, nbytes: int, key: np.ndarray, mode: int) -> jax.Array:
-  n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
-  cv = _hash_chunks(words, nbytes, n_chunks == 1, key, mode)
-  while cv.shape[1] > 1:  # left-complete tree: pair neighbours, carry the odd one up
-    n = cv.shape[1]
-    pairs = n // 2
-    block = jnp.concatenate([cv[:, 0:2 * pairs:2], cv[:, 1:2 * pairs:2]])
-    parents = compress(jnp.broadcast_to(jnp.asarray(key)[:, None], (8, pairs)), block, 0,
-                       BLOCK_BYTES, PARENT | mode | (ROOT if n == 2 else 0))
-    cv = jnp.concatenate([parents, cv[:, -1:]], axis=1) if n % 2 else parents
-  return cv[:, 0]
+def _fold_trees(cv: jax.Array, counts: list[int], key: np.ndarray, mode: int) -> jax.Array:
+  """Each leaf's root, uint32[8, leaves], from its ``counts[i]`` chunks' chaining values
+  (contiguous in ``cv``): every leaf's tree a level at a time, all in one compression a
+  level. A left-complete tree: neighbours pair, an odd last one is carried up."""
+  starts = np.cumsum([0] + counts[:-1])
+  while max(counts) > 1:
+    pairs = [c // 2 for c in counts]
+    total = sum(pairs)
+    left = np.concatenate([s + 2 * np.arange(p) for s, p in zip(starts, pairs)])
+    is_root = np.concatenate([np.full(p, c == 2) for p, c in zip(pairs, counts)])
+    parents = compress(jnp.broadcast_to(jnp.asarray(key)[:, None], (8, total)),
+                       jnp.concatenate([cv[:, left], cv[:, left + 1]]), 0, BLOCK_BYTES,
+                       np.where(is_root, PARENT | mode | ROOT, PARENT | mode).astype(np.uint32))
+    index, new_starts, new_counts, done = [], [], [], 0  # columns of [parents, cv]
+    for s, c, p in zip(starts, counts, pairs):
+      new_starts.append(len(index))
+      index.extend(range(done, done + p))
+      if c % 2:
+        index.append(total + s + c - 1)
+      new_counts.append(len(index) - new_starts[-1])
+      done += p
+    cv = jnp.concatenate([parents, cv], axis=1)[:, np.asarray(index)]
+    starts, counts = np.asarray(new_starts), new_counts
+  return cv[:, starts]
+
+
+@functools.partial(jax.jit, static_argnames=("key",))
+def digest_many(xs: list, key: bytes | None = None) -> jax.Array:
+  """uint32[len(xs), 8]: the BLAKE3 digest of each leaf's bytes (keyed by ``key``: 32 bytes),
+  every leaf's chunks hashed as one batch: a state of many small leaves costs one wide
+  program, not one narrow program a leaf.
+
+  Example: ``digest_many([w, b])[1]`` equals ``digest_words(b)``.
+  """
+  if key is not None and (not isinstance(key, bytes) or len(key) != 32):
+    raise ValueError(f"a BLAKE3 key is 32 bytes, got {key!r:.80}.")
+  key_words, mode = (IV, 0) if key is None else (np.frombuffer(key, "<u4"), KEYED_HASH)
+  padded, sizes = [], []
+  for x in xs:
+    words, nbytes = to_words(x)
+    padded.append(jnp.pad(words, (0, _chunk_count(nbytes) * CHUNK_BYTES // 4 - words.shape[0])))
+    sizes.append(nbytes)
+  cv = _hash_chunks(jnp.concatenate(padded), sizes, key_words, mode)
+  return _fold_trees(cv, [_chunk_count(n) for n in sizes], key_words, mode).T
 
 
 @functools.partial(jax.jit, static_argnames=("key",))
 def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
   """uint32[8]: the BLAKE3 digest of the leaf's bytes (keyed by ``key``: 32 bytes)."""
-  if key is not None and (not isinstance(key, bytes) or len(key) != 32):
-    raise ValueError(f"a BLAKE3 key is 32 bytes, got {key!r:.80}.")
-  words, nbytes = to_words(x)
-  n_chunks = max(1, math.ceil(nbytes / CHUNK_BYTES))
-  words = jnp.pad(words, (0, n_chunks * CHUNK_BYTES // 4 - words.shape[0]))
-  key_words, mode = (IV, 0) if key is None else (np.frombuffer(key, "<u4"), KEYED_HASH)
-  return _hash_words(words, nbytes, key_words, mode)
+  return digest_many([x], key=key)[0]
 
 
 @jax.jit
