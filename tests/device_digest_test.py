@@ -79,8 +79,12 @@ class DeviceBlake3Test(parameterized.TestCase):
 
   def test_row_leaf_hashes(self):
     x = jax.random.normal(jax.random.key(0), (70, 9))
-    rows = device_digest.rows_to_bytes(device_digest.row_leaf_words(x))
-    self.assertEqual(rows, [merkle.leaf_hash(r.tobytes()) for r in np.asarray(x)])
+    labels = jnp.arange(5, dtype=jnp.uint8)  # rows of one byte, beside rows of 36
+    rows, label_rows = device_digest.rows_leaf_words([x, labels])
+    self.assertEqual(device_digest.rows_to_bytes(rows),
+                     [merkle.leaf_hash(r.tobytes()) for r in np.asarray(x)])
+    self.assertEqual(device_digest.rows_to_bytes(label_rows),
+                     [merkle.leaf_hash(r.tobytes()) for r in np.asarray(labels)])
 
   def test_a_batch_without_rows_has_no_row_hashes_on_either_backend(self):
     x, layout = jnp.zeros((0, 4)), LeafLayout("x", "float32", (0, 4))

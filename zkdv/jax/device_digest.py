@@ -195,24 +195,37 @@ def _fold_trees(cv: jax.Array, counts: list[int], key: np.ndarray, mode: int) ->
   return cv[:, starts]
 
 
-@functools.partial(jax.jit, static_argnames=("key",))
-def digest_many(xs: list, key: bytes | None = None) -> jax.Array:
-  """uint32[len(xs), 8]: the BLAKE3 digest of each leaf's bytes (keyed by ``key``: 32 bytes),
-  every leaf's chunks hashed as one batch: a state of many small leaves costs one wide
-  program, not one narrow program a leaf.
-
-  Example: ``digest_many([w, b])[1]`` equals ``digest_words(b)``.
-  """
+def _leaves_digests(groups: list, key: bytes | None) -> jax.Array:
+  """uint32[leaves, 8]: the digests of ``groups`` of equal-sized leaves, each group
+  (uint32[leaves, words] zero padded, the bytes of each of its leaves), every leaf's chunks
+  hashed as one batch: many small leaves cost one wide program, not one narrow one each."""
   if key is not None and (not isinstance(key, bytes) or len(key) != 32):
     raise ValueError(f"a BLAKE3 key is 32 bytes, got {key!r:.80}.")
   key_words, mode = (IV, 0) if key is None else (np.frombuffer(key, "<u4"), KEYED_HASH)
   padded, sizes = [], []
-  for x in xs:
-    words, nbytes = to_words(x)
-    padded.append(jnp.pad(words, (0, _chunk_count(nbytes) * CHUNK_BYTES // 4 - words.shape[0])))
-    sizes.append(nbytes)
+  for words, nbytes in groups:
+    if words.shape[0]:
+      width = _chunk_count(nbytes) * CHUNK_BYTES // 4
+      padded.append(jnp.pad(words, ((0, 0), (0, width - words.shape[1]))).reshape(-1))
+      sizes += [nbytes] * words.shape[0]
+  if not sizes:
+    return jnp.zeros((0, 8), jnp.uint32)
   cv = _hash_chunks(jnp.concatenate(padded), sizes, key_words, mode)
   return _fold_trees(cv, [_chunk_count(n) for n in sizes], key_words, mode).T
+
+
+@functools.partial(jax.jit, static_argnames=("key",))
+def digest_many(xs: list, key: bytes | None = None) -> jax.Array:
+  """uint32[len(xs), 8]: the BLAKE3 digest of each leaf's bytes (keyed by ``key``: 32 bytes),
+  all in one batch of chunks.
+
+  Example: ``digest_many([w, b])[1]`` equals ``digest_words(b)``.
+  """
+  groups = []
+  for x in xs:
+    words, nbytes = to_words(x)
+    groups.append((words[None], nbytes))
+  return _leaves_digests(groups, key)
 
 
 @functools.partial(jax.jit, static_argnames=("key",))
@@ -222,11 +235,29 @@ def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
 
 
 @jax.jit
-def row_leaf_words(x: jax.Array) -> jax.Array:
-  """uint32[rows, 8]: the Merkle leaf hash (``zkdv.merkle.leaf_hash``) of each
-  leading-axis row."""
+def rows_leaf_words(xs: list) -> list:
+  """Per array of ``xs``, uint32[rows, 8]: the Merkle leaf hash (``zkdv.merkle.leaf_hash``)
+  of each leading-axis row, every row of every array in one batch of chunks.
+
+  Example: ``rows_leaf_words([x])[0][i]`` is the leaf hash of ``x[i]``'s bytes.
+  """
+  groups = [_row_words(x) for x in xs]
+  out = _leaves_digests(groups, merkle.LEAF_KEY)
+  ends = np.cumsum([words.shape[0] for words, _ in groups])
+  return [out[end - words.shape[0]:end] for end, (words, _) in zip(ends, groups)]
+
+
+def _row_words(x: jax.Array) -> tuple[jax.Array, int]:
+  """(uint32[rows, words]: each leading-axis row's words, the bytes of a row)."""
   rows = x.reshape(x.shape[0], math.prod(x.shape[1:])) if x.ndim else x.reshape(1, 1)
-  return jax.vmap(lambda r: digest_words(r, key=merkle.LEAF_KEY))(rows)
+  nbytes = []
+
+  def words(row):
+    w, n = to_words(row)
+    nbytes.append(n)
+    return w
+
+  return jax.vmap(words)(rows), nbytes[0]
 
 
 def words_to_bytes(words) -> bytes:
