@@ -113,19 +113,22 @@ class DeviceDigests(HostDigests):
   name = "device"
 
   def start_state(self, leaves: list, layouts: list[LeafLayout]):
-    """Whole leaves in one program; a leaf split over devices or processes
-    shard by shard, each where it lives (only the shards this process commits)."""
-    in_one = [_in_one_piece(x, l) for x, l in zip(leaves, layouts)]
-    whole = [x for x, one in zip(leaves, in_one) if one]
-    pieces = [[None if v is None else device_digest.digest_words(v) for v in _shard_data(x, l)]
-              for x, l, one in zip(leaves, layouts, in_one) if not one]
-    return (device_digest.digest_many(whole) if whole else None), pieces, in_one
+    """Whole leaves, and each piece of a leaf split over devices or processes (only those
+    this process commits), hashed where they live: one program for all those on the same
+    devices."""
+    parts = [[x] if _in_one_piece(x, l) else _shard_data(x, l) for x, l in zip(leaves, layouts)]
+    groups = _by_devices({(i, n): v for i, p in enumerate(parts) for n, v in enumerate(p)
+                          if v is not None})
+    return [(device_digest.digest_many([parts[i][n] for i, n in keys]), keys)
+            for keys in groups], [len(p) for p in parts]
 
   def materialize(self, started):
-    whole, pieces, in_one = started
-    whole = iter(np.zeros((0, 8), np.uint32) if whole is None else np.asarray(whole))
-    pieces = iter([[None if w is None else np.asarray(w) for w in p] for p in pieces])
-    return [[next(whole)] if one else next(pieces) for one in in_one]
+    groups, counts = started
+    out = [[None] * count for count in counts]
+    for words, keys in groups:
+      for (i, n), w in zip(keys, np.asarray(words)):
+        out[i][n] = w
+    return out
 
   def state_digests(self, materialized) -> list[list[bytes | None]]:
     return [[None if w is None else device_digest.words_to_bytes(w) for w in pieces]
@@ -138,16 +141,13 @@ class DeviceDigests(HostDigests):
     """As the host's, each block paired with its row hashes started where it lives: one
     program for all the blocks on the same devices (a dispatch a step, not one a leaf)."""
     started = [arrays.row_shards(x, l) for x, l in zip(leaves, layouts)]
-    by_devices = {}  # the blocks hashed on one set of devices: [(leaf, block)]
-    for i, (blocks, layout) in enumerate(zip(started, layouts)):
-      if layout.key_impl is None and layout.shape:
-        for n, (_, _, block) in enumerate(blocks):
-          devices = getattr(getattr(block, "sharding", None), "device_set", None)
-          by_devices.setdefault(None if devices is None else frozenset(devices), []).append((i, n))
+    hashed = {(i, n): block for i, (blocks, layout) in enumerate(zip(started, layouts))
+              if layout.key_impl is None and layout.shape  # keys, scalars: on the host
+              for n, (_, _, block) in enumerate(blocks)}
     words = {}
-    for at in by_devices.values():
-      words.update(zip(at, _row_words([started[i][n][2] for i, n in at],
-                                      tuple(started[i][n][1] for i, n in at))))
+    for keys in _by_devices(hashed):
+      words.update(zip(keys, _row_words([started[i][n][2] for i, n in keys],
+                                        tuple(started[i][n][1] for i, n in keys))))
     return [[(first, count, (block, words.get((i, n))))
              for n, (first, count, block) in enumerate(blocks)]
             for i, blocks in enumerate(started)]
@@ -171,6 +171,16 @@ def _row_words(blocks: list, counts: tuple) -> list:
   and an eager reshape before it as much."""
   return device_digest.rows_leaf_words(
       [b.reshape(c, b.size // c if c else 0) for b, c in zip(blocks, counts)])
+
+
+def _by_devices(arrays_by_key: dict) -> list[list]:
+  """The keys of ``arrays_by_key`` grouped by the devices their array lives on: what one
+  program can take."""
+  groups = {}
+  for key, x in arrays_by_key.items():
+    devices = getattr(getattr(x, "sharding", None), "device_set", None)
+    groups.setdefault(None if devices is None else frozenset(devices), []).append(key)
+  return list(groups.values())
 
 
 def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:
