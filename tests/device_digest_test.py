@@ -23,54 +23,54 @@ def reference(x) -> bytes:
 
 class DeviceBlake3Test(parameterized.TestCase):
 
-  @parameterized.parameters(*EDGE_SIZES)
-  def test_edge_sizes(self, nbytes):
-    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-    got = device_digest.words_to_bytes(device_digest.digest_words(jnp.asarray(data)))
-    self.assertEqual(got, reference(data))
-
-  @parameterized.parameters("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
-                            "bool", "int2", "uint2", "int4", "uint4", "float4_e2m1fn", "int8",
-                            "uint16", "int32", "uint32", "complex64")
-  def test_every_dtype(self, dtype):
-    key = jax.random.key(7)
-    if dtype == "complex64":
-      real, imag = jax.random.normal(key, (2, 33, 17))
-      x = jax.lax.complex(real, -3 * imag)
-    elif dtype == "bool":
-      x = jax.random.bernoulli(key, 0.5, (33, 17))
-    elif "int" in dtype:  # random bits of the full width
-      bits = jax.random.bits(key, (33, 17), jnp.uint32)
-      x = jax.lax.bitcast_convert_type(bits, jnp.int32).astype(dtype)
-    else:
-      x = (100 * jax.random.normal(key, (33, 17))).astype(dtype)
-    got = device_digest.words_to_bytes(device_digest.digest_words(x))
-    self.assertEqual(got, reference(x))
+  # Each test hashes its leaves in one program (a compilation each, not one a leaf).
 
   @parameterized.parameters(None, bytes(range(32)))
-  def test_many_leaves_in_one_batch(self, key):
-    # one chunk, a partial chunk, odd and even trees, empty, a key: each its own digest
-    sizes = [0, 1, 1024, 3 * 1024 + 1, 64, 9 * 1024 + 7, 2048, 5 * 1024]
-    leaves = [np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8) for n in sizes]
+  def test_edge_sizes_side_by_side(self, key):
+    # one chunk, a partial chunk, odd and even trees, empty: each leaf its own digest
+    leaves = [np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8) for n in EDGE_SIZES]
     leaves.append(np.arange(33 * 17, dtype=np.float32).reshape(33, 17))
     got = np.asarray(device_digest.digest_many([jnp.asarray(x) for x in leaves], key=key))
     self.assertEqual(got.dtype, np.uint32)
     self.assertEqual(got.shape, (len(leaves), 8))
-    expected = [blake3.blake3(x.tobytes(), **({} if key is None else {"key": key})).digest()
-                for x in leaves]
-    self.assertEqual([device_digest.words_to_bytes(w) for w in got], expected)
+    keyed = {} if key is None else {"key": key}
+    for x, words in zip(leaves, got):
+      with self.subTest(nbytes=x.nbytes):
+        self.assertEqual(device_digest.words_to_bytes(words),
+                         blake3.blake3(x.tobytes(), **keyed).digest())
+
+  def test_one_leaf(self):
+    data = np.random.default_rng(0).integers(0, 256, 3 * 1024 + 1, dtype=np.uint8)
+    got = device_digest.digest_words(jnp.asarray(data), key=bytes(range(32)))
+    self.assertEqual(got.shape, (8,))
+    self.assertEqual(device_digest.words_to_bytes(got),
+                     blake3.blake3(data.tobytes(), key=bytes(range(32))).digest())
+
+  def test_every_dtype(self):
+    key = jax.random.key(7)
+    leaves = {}
+    for dtype in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "bool",
+                  "int2", "uint2", "int4", "uint4", "float4_e2m1fn", "int8", "uint16", "int32",
+                  "uint32", "complex64"):
+      if dtype == "complex64":
+        real, imag = jax.random.normal(key, (2, 33, 17))
+        leaves[dtype] = jax.lax.complex(real, -3 * imag)
+      elif dtype == "bool":
+        leaves[dtype] = jax.random.bernoulli(key, 0.5, (33, 17))
+      elif "int" in dtype:  # random bits of the full width
+        bits = jax.random.bits(key, (33, 17), jnp.uint32)
+        leaves[dtype] = jax.lax.bitcast_convert_type(bits, jnp.int32).astype(dtype)
+      else:
+        leaves[dtype] = (100 * jax.random.normal(key, (33, 17))).astype(dtype)
+    got = device_digest.digest_many(list(leaves.values()))
+    for (dtype, x), words in zip(leaves.items(), got):
+      with self.subTest(dtype=dtype):
+        self.assertEqual(device_digest.words_to_bytes(words), reference(x))
 
   def test_key_leaf_is_its_key_data(self):
     key = jax.random.split(jax.random.key(3), 5)
     got = device_digest.words_to_bytes(device_digest.digest_words(key))
     self.assertEqual(got, reference(jax.random.key_data(key)))
-
-  @parameterized.parameters(0, 63, 1024, 1025, 5 * 1024)
-  def test_keyed_mode(self, nbytes):
-    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-    key = bytes(range(32))
-    got = device_digest.words_to_bytes(device_digest.digest_words(jnp.asarray(data), key=key))
-    self.assertEqual(got, blake3.blake3(data.tobytes(), key=key).digest())
 
   def test_a_key_is_32_bytes(self):
     for key in (bytes(31), bytes(33), "k" * 32):
