@@ -80,11 +80,22 @@ class DeviceBlake3Test(parameterized.TestCase):
   def test_row_leaf_hashes(self):
     x = jax.random.normal(jax.random.key(0), (70, 9))
     labels = jnp.arange(5, dtype=jnp.uint8)  # rows of one byte, beside rows of 36
-    rows, label_rows = device_digest.rows_leaf_words([x, labels])
-    self.assertEqual(device_digest.rows_to_bytes(rows),
-                     [merkle.leaf_hash(r.tobytes()) for r in np.asarray(x)])
-    self.assertEqual(device_digest.rows_to_bytes(label_rows),
-                     [merkle.leaf_hash(r.tobytes()) for r in np.asarray(labels)])
+    rows = device_digest.rows_to_bytes(device_digest.rows_leaf_words([x, labels]))
+    self.assertEqual(rows, [merkle.leaf_hash(r.tobytes())
+                            for r in [*np.asarray(x), *np.asarray(labels)]])
+
+  def test_a_batch_of_several_leaves_hashes_as_on_the_host(self):
+    # rows of two widths (one in groups of 4 rows), a key and a scalar (on the host): one
+    # program for the rows, each block's hashes taken from its part of the program's words
+    leaves = [jnp.arange(64, dtype=jnp.float32).reshape(16, 4), jnp.arange(16, dtype=jnp.int8),
+              jax.random.key_data(jax.random.split(jax.random.key(0), 16)), jnp.float32(3)]
+    layouts = [LeafLayout("x", "float32", (16, 4), row_group=4), LeafLayout("y", "int8", (16,)),
+               LeafLayout("key", "uint32", (16, 2), key_impl="threefry2x32"),
+               LeafLayout("scale", "float32", ())]
+    host, device = digests.HostDigests(), digests.DeviceDigests()
+    expected = host.row_hashes(host.start_rows(leaves, layouts), layouts)
+    self.assertEqual([len(h) for h in expected], [4, 16, 16, 1])
+    self.assertEqual(device.row_hashes(device.start_rows(leaves, layouts), layouts), expected)
 
   def test_a_batch_without_rows_has_no_row_hashes_on_either_backend(self):
     x, layout = jnp.zeros((0, 4)), LeafLayout("x", "float32", (0, 4))

@@ -235,19 +235,17 @@ def digest_words(x: jax.Array, key: bytes | None = None) -> jax.Array:
 
 
 @jax.jit
-def rows_leaf_words(xs: list) -> list:
-  """Per array of ``xs``, uint32[rows, 8]: the Merkle leaf hash (``zkdv.merkle.leaf_hash``)
-  of each leading-axis row, every row of every array in one batch of chunks.
+def rows_leaf_words(xs: list) -> jax.Array:
+  """uint32[rows, 8]: the Merkle leaf hash (``zkdv.merkle.leaf_hash``) of each leading-axis
+  row of each array of ``xs``, the arrays' rows one after another, all in one batch of
+  chunks (and one transfer to the host).
 
-  Example: ``rows_leaf_words([x])[0][i]`` is the leaf hash of ``x[i]``'s bytes.
+  Example: ``rows_leaf_words([x, y])[len(x) + i]`` is the leaf hash of ``y[i]``'s bytes.
   """
-  groups = [_row_words(x) for x in xs]
-  out = _leaves_digests(groups, merkle.LEAF_KEY)
-  ends = np.cumsum([words.shape[0] for words, _ in groups])
-  return [out[end - words.shape[0]:end] for end, (words, _) in zip(ends, groups)]
+  return _leaves_digests([_rows_as_words(x) for x in xs], merkle.LEAF_KEY)
 
 
-def _row_words(x: jax.Array) -> tuple[jax.Array, int]:
+def _rows_as_words(x: jax.Array) -> tuple[jax.Array, int]:
   """(uint32[rows, words]: each leading-axis row's words, the bytes of a row)."""
   rows = x.reshape(x.shape[0], math.prod(x.shape[1:])) if x.ndim else x.reshape(1, 1)
   nbytes = []
