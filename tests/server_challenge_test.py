@@ -441,8 +441,9 @@ class ReceiptTest(ServerChallengeTestCase):
 
   def _invalid_proof(self) -> FakeProver:
     prover = self.prover("alice/receipts").start()
-    outcome = prover.run(steps=10, faked=set(range(10)))
-    self.assertNotEmpty(outcome.faked_hit)
+    # 40 faked steps: all escape checks at p >= 1/2 with probability 2**-40 (10 with 2**-10)
+    outcome = prover.run(steps=40, faked=set(range(40)))
+    self.assertNotEmpty(outcome.faked_hit, "no challenge hit any of the 40 faked steps")
     self.assertEqual(prover.finish().json()["state"], "invalid")
     return prover
 
