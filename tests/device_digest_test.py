@@ -1,5 +1,7 @@
 """BLAKE3 in jax.numpy equals the reference package; both backends commit alike."""
 
+from unittest import mock
+
 import blake3
 import jax
 import jax.numpy as jnp
@@ -96,6 +98,22 @@ class DeviceBlake3Test(parameterized.TestCase):
     expected = host.row_hashes(host.start_rows(leaves, layouts), layouts)
     self.assertEqual([len(h) for h in expected], [4, 16, 16, 1])
     self.assertEqual(device.row_hashes(device.start_rows(leaves, layouts), layouts), expected)
+
+  def test_programs_hold_at_most_program_bytes_and_hash_as_on_the_host(self):
+    leaves = [jnp.arange(n, dtype=jnp.float32) for n in (100, 10, 10, 300, 5)]
+    layouts = [LeafLayout(f"w{i}", "float32", x.shape) for i, x in enumerate(leaves)]
+    host, device = digests.HostDigests(), digests.DeviceDigests()
+    expected = host.state_digests(host.materialize(host.start_state(leaves, layouts)))
+    with mock.patch.object(digests, "PROGRAM_BYTES", 400):
+      started = device.start_state(leaves, layouts)
+      rows = device.start_rows(leaves, layouts)
+    # 400 B, then 40 + 40, 1,200 B alone (larger than a program), 20 B
+    self.assertEqual([keys for _, keys in started[0]],
+                     [[(0, 0)], [(1, 0), (2, 0)], [(3, 0)], [(4, 0)]])
+    self.assertEqual(device.state_digests(device.materialize(started)), expected)
+    self.assertEqual(device.row_hashes(rows, layouts),
+                     host.row_hashes(host.start_rows(leaves, layouts), layouts))
+    self.assertLen({id(block[1][0]) for blocks in rows for _, _, block in blocks}, 4)
 
   def test_a_batch_without_rows_has_no_row_hashes_on_either_backend(self):
     x, layout = jnp.zeros((0, 4)), LeafLayout("x", "float32", (0, 4))

@@ -115,10 +115,10 @@ class DeviceDigests(HostDigests):
   def start_state(self, leaves: list, layouts: list[LeafLayout]):
     """Whole leaves, and each piece of a leaf split over devices or processes (only those
     this process commits), hashed where they live: one program for all those on the same
-    devices."""
+    devices (``PROGRAM_BYTES`` at most)."""
     parts = [[x] if _in_one_piece(x, l) else _shard_data(x, l) for x, l in zip(leaves, layouts)]
-    groups = _by_devices({(i, n): v for i, p in enumerate(parts) for n, v in enumerate(p)
-                          if v is not None})
+    groups = _programs({(i, n): v for i, p in enumerate(parts) for n, v in enumerate(p)
+                        if v is not None})
     return [(device_digest.digest_many([parts[i][n] for i, n in keys]), keys)
             for keys in groups], [len(p) for p in parts]
 
@@ -139,13 +139,14 @@ class DeviceDigests(HostDigests):
 
   def start_rows(self, leaves: list, layouts: list[LeafLayout]) -> list:
     """As the host's, each block paired with its row hashes started where it lives: one
-    program for all the blocks on the same devices (a dispatch a step, not one a leaf)."""
+    program for all the blocks on the same devices (a dispatch a step, not one a leaf;
+    ``PROGRAM_BYTES`` at most)."""
     started = [arrays.row_shards(x, l) for x, l in zip(leaves, layouts)]
     hashed = {(i, n): block for i, (blocks, layout) in enumerate(zip(started, layouts))
               if layout.key_impl is None and layout.shape  # keys, scalars: on the host
               for n, (_, _, block) in enumerate(blocks)}
     words = {}  # (leaf, block) -> (the words of its program, where its rows start and end)
-    for keys in _by_devices(hashed):
+    for keys in _programs(hashed):
       counts = [started[i][n][1] for i, n in keys]
       program_words = _row_words([started[i][n][2] for i, n in keys], tuple(counts))
       ends = np.cumsum(counts)
@@ -177,14 +178,31 @@ def _row_words(blocks: list, counts: tuple) -> jax.Array:
       [b.reshape(c, b.size // c if c else 0) for b, c in zip(blocks, counts)])
 
 
-def _by_devices(arrays_by_key: dict) -> list[list]:
-  """The keys of ``arrays_by_key`` grouped by the devices their array lives on: what one
-  program can take."""
-  groups = {}
+# The most bytes one digest program takes, when it holds more than one array: it lays its
+# arrays' chunks side by side (a copy of them, and one more transposed), so a state that
+# fills a device is hashed in programs of this size, not all at once.
+PROGRAM_BYTES = 256 * 2**20
+
+
+def _programs(arrays_by_key: dict) -> list[list]:
+  """The keys of ``arrays_by_key`` as one digest program takes them: arrays on the same
+  devices, together at most ``PROGRAM_BYTES`` (an array larger than that alone)."""
+  by_devices = {}
   for key, x in arrays_by_key.items():
     devices = getattr(getattr(x, "sharding", None), "device_set", None)
-    groups.setdefault(None if devices is None else frozenset(devices), []).append(key)
-  return list(groups.values())
+    by_devices.setdefault(None if devices is None else frozenset(devices), []).append(key)
+  programs = []
+  for keys in by_devices.values():
+    programs.append([])
+    size = 0
+    for key in keys:
+      nbytes = arrays_by_key[key].nbytes
+      if programs[-1] and size + nbytes > PROGRAM_BYTES:
+        programs.append([])
+        size = 0
+      programs[-1].append(key)
+      size += nbytes
+  return programs
 
 
 def _in_one_piece(x: jax.Array, layout: LeafLayout) -> bool:
