@@ -57,11 +57,11 @@ def throughput(sizes_mb, repeats: int) -> list[list]:
 
 def batching(batch_size: int, repeats: int, rounds: int) -> list[list]:
   """The MLP's state and a batch's rows, hashed in one batch of chunks and the naive way."""
-  model, params, (x, y) = common.mlp_workload(batch_size)
-  del model
+  _, params, batch = common.mlp_workload(batch_size)
   state = [l for l in jax.tree.leaves((params, optax.adam(1e-3).init(params))) if l.size > 1]
   rows = [v.reshape(v.shape[0] // g, -1) for v, g in (  # a batch's Merkle rows
-      (v, digest.row_group_for(digest.LeafLayout("x", str(v.dtype), v.shape))) for v in (x, y))]
+      (v, digest.row_group_for(digest.LeafLayout(name, str(v.dtype), v.shape)))
+      for name, v in zip("xy", batch))]
   per_leaf = jax.jit(lambda xs: jnp.stack([device_digest.digest_words(v) for v in xs]))
   runs = {
       "state, one batch": lambda: device_digest.digest_many(state),
@@ -78,8 +78,7 @@ def batching(batch_size: int, repeats: int, rounds: int) -> list[list]:
   for n in range(rounds):
     for name in runs if n % 2 == 0 else list(runs)[::-1]:
       times[name].append(_median_seconds(lambda _: runs[name](), None, repeats))
-  nbytes = {"state": sum(l.size * l.dtype.itemsize for l in state),
-            "rows": sum(r.size * r.dtype.itemsize for r in rows)}
+  nbytes = {"state": sum(l.nbytes for l in state), "rows": sum(r.nbytes for r in rows)}
   out = []
   for name, ts in times.items():
     what = name.split(",")[0]

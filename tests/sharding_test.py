@@ -257,7 +257,7 @@ class ShardingTest(absltest.TestCase):
              for result in (host, device)]
     self.assertLen(steps[0], 3)
     self.assertEqual(steps[1], steps[0])
-    pieces = [p for p in testing.records_of(device["path"], "step")[-1]["post_state_leaves"]]
+    pieces = testing.records_of(device["path"], "step")[-1]["post_state_leaves"]
     self.assertGreater(max(map(len, pieces)), 1)  # some leaves committed shard by shard
 
   def test_shard_map_gradients(self):

@@ -172,8 +172,8 @@ class DeviceDigests(HostDigests):
 @functools.partial(jax.jit, static_argnums=1)
 def _row_words(blocks: list, counts: tuple) -> jax.Array:
   """The Merkle leaf words of each block's ``count`` Merkle rows, one block's after another,
-  all in one batch of chunks in one program: a program a leaf cost the training thread 0.4 ms a leaf a step on a TPU,
-  and an eager reshape before it as much."""
+  all in one batch of chunks in one program: a program a leaf cost the training thread
+  0.4 ms a leaf a step on a TPU, and an eager reshape before it as much."""
   return device_digest.rows_leaf_words(
       [b.reshape(c, b.size // c if c else 0) for b, c in zip(blocks, counts)])
 
