@@ -241,13 +241,14 @@ class LateDecisionsTest(parameterized.TestCase):
 
   def test_the_window_grows_at_once_to_hold_the_measured_decision_time(self):
     proof = _late_proof(window=2, timeout_s=3.0, kind=_WideWindowProof)
-    proof._challenger._answer_times = [0.5]  # pylint: disable=protected-access  # measured
+    proof._challenger._answer_times = [60.0]  # pylint: disable=protected-access  # measured
     with self.assertLogs("zkdv", "INFO") as logs:
       _, _, _, windows = self._undecided_steps(proof, 6)
-    # Doubling until steps are timed, then at once what 500 ms of millisecond steps need,
-    # up to the server's 32 (doubling alone would give 8 here).
+    # Doubling until steps are timed, then at once what a minute of steps needs, up to the
+    # server's 32 (doubling alone would give 8 here). A minute, so that steps slowed down
+    # on a loaded machine (below 2 s each) still need more than 32.
     self.assertEqual(windows, [2, 2, 4, 4, 32, 32])
-    self.assertIn("(a step's comes 500.0 ms after it starts): the window grows from 4 to 32 "
+    self.assertIn("(a step's comes 60000.0 ms after it starts): the window grows from 4 to 32 "
                   "steps", "\n".join(logs.output))
     _wait(lambda: proof.deliver_written() == 6)
     proof.finish()
@@ -256,9 +257,9 @@ class LateDecisionsTest(parameterized.TestCase):
 
   def test_the_window_grows_no_further_than_its_batches_memory_allows(self):
     proof = _late_proof(window=2, timeout_s=3.0, kind=_WidestWindowProof)
-    proof._challenger._answer_times = [0.5]  # pylint: disable=protected-access  # measured
+    proof._challenger._answer_times = [60.0]  # pylint: disable=protected-access  # measured
     batch_bytes = testing.TUTORIAL_BATCH.nbytes
-    # A server that allows 256 steps; 500 ms of millisecond steps would take them all.
+    # A server that allows 256 steps; a minute of steps would take them all.
     with (mock.patch.object(config, "KEPT_BATCH_BYTES", 100 * batch_bytes),
           self.assertLogs("zkdv", "INFO") as logs):
       _, _, _, windows = self._undecided_steps(proof, 6)

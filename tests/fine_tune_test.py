@@ -74,6 +74,7 @@ class FineTuneTest(absltest.TestCase):
     status, report = strict(path)
     start = claim(report, "start")
     self.assertEqual(start["status"], verify.HOLDS, start)
+    self.assertEqual(claim(report, "program")["status"], verify.HOLDS, claim(report, "program"))
     base = self.pretrained_final.hex()
     self.assertEqual((start["facts"]["start"], start["facts"]["base_checkpoint"]), ("base", base))
     self.assertIn(f"base checkpoint {base} (declared by the prover, not trained here)",

@@ -3,6 +3,7 @@ params leaf it trains. Reading the batch on paper (``0 * x``) is not reading it.
 
 import json
 import types
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,16 @@ class BatchIgnoredTest(parameterized.TestCase):
     claim = verify.verify(write_transcript(fn=lambda w, b, x: (w, b), steps=2)).claim("program")
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD)
     self.assertIn("the step changes no params leaf", claim.detail)
+
+  def test_a_perturbed_replay_that_fails_leaves_the_claim_unverified_and_says_why(self):
+    path = write_transcript(steps=2)
+    with mock.patch.object(sensitivity, "measure", side_effect=RuntimeError("device lost")):
+      report = verify.verify(path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.COULD_NOT_VERIFY)
+    self.assertIn("a replay with a perturbed batch failed (RuntimeError: device lost)",
+                  claim.detail)
 
   def test_honest_program_holds(self):
     report = verify.verify(write_transcript(steps=2))

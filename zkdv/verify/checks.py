@@ -220,6 +220,8 @@ def _check_sensitivity(outcome, program, measured, batch, step, tested: int,
   except Exception as e:  # pylint: disable=broad-except  # a perturbed replay failed: untested
     if errors.out_of_memory(e):
       raise  # a fault of this machine, not of the program
+    outcome.batch_ignored = (f"{where}: step {tested}, a replay with a perturbed batch "
+                             f"failed ({type(e).__name__}: {str(e)[:200]})")
     return
   outcome.batch_sensitive = (None if problem and problem.startswith(sensitivity.UNDECIDED)
                              else problem is None)
