@@ -257,9 +257,9 @@ class LateDecisionsTest(parameterized.TestCase):
 
   def test_the_window_grows_no_further_than_its_batches_memory_allows(self):
     proof = _late_proof(window=2, timeout_s=3.0, kind=_WidestWindowProof)
-    proof._challenger._answer_times = [60.0]  # pylint: disable=protected-access  # measured
+    proof._challenger._answer_times = [3600.0]  # pylint: disable=protected-access  # measured
     batch_bytes = testing.TUTORIAL_BATCH.nbytes
-    # A server that allows 256 steps; a minute of steps would take them all.
+    # A server that allows 256 steps; an hour of steps would take them all.
     with (mock.patch.object(config, "KEPT_BATCH_BYTES", 100 * batch_bytes),
           self.assertLogs("zkdv", "INFO") as logs):
       _, _, _, windows = self._undecided_steps(proof, 6)

@@ -243,7 +243,7 @@ class LostServerTest(absltest.TestCase):
     lost_at = time.monotonic()
     started.start()
     self.assertTrue(at_start.event.wait(20), "nothing was said")
-    self.assertLess(time.monotonic() - lost_at, 5)
+    self.assertLess(time.monotonic() - lost_at, 10)  # the 10 s promised
     server.start()
     started.join(60)
     self.assertFalse(started.is_alive())
@@ -262,7 +262,7 @@ class LostServerTest(absltest.TestCase):
     lost_at = time.monotonic()
     state = step(state, jnp.asarray(testing.TUTORIAL_BATCH))
     self.assertTrue(mid_run.event.wait(20), "nothing was said")
-    self.assertLess(time.monotonic() - lost_at, 5)
+    self.assertLess(time.monotonic() - lost_at, 10)  # the 10 s promised
     server.start()
     proof.finish()
     self.assertTrue(back.event.is_set())

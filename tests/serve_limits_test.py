@@ -92,7 +92,9 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
     # Ordered, not timed: a server that waited on the trickle would answer /health only after
     # cutting it off, so no answer would come while it is still held.
     self.assertGreater(served_beside, 0)
-    self.assertLess(time.monotonic() - start, _HEADER_TIMEOUT + 1.0)
+    # Cut at its deadline, well before the loop would give up (a deadline reset by each byte
+    # would never cut it).
+    self.assertLess(time.monotonic() - start, 2 * _HEADER_TIMEOUT)
     self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer)
     self.assertIn(b"the request headers did not arrive in time", answer)
 
@@ -118,7 +120,7 @@ class ConnectionsAndBlobsTest(absltest.TestCase):
     self.assertTrue(self.ask(other).startswith(b"HTTP/1.1 200 "))
     for s in busy:
       s.close()
-    again = testing.wait_until(lambda: self._health_from("127.0.0.5"), timeout=5)
+    again = testing.wait_until(lambda: self._health_from("127.0.0.5"), timeout=30)
     self.assertTrue(again.startswith(b"HTTP/1.1 200 "))
 
   @staticmethod
@@ -243,8 +245,8 @@ class IngestProcessTest(absltest.TestCase):
                      {"alive": 1, "expected": 1, "restarts": 0})
     (first,) = testing.ingest_children(server.process.pid)
     os.kill(first, signal.SIGKILL)
-    replaced = testing.wait_until(  # within 5 s, with no envelope sent meanwhile
-        lambda: (h := health(server.url))["ingest_processes"]["restarts"] == 1 and h, timeout=5)
+    replaced = testing.wait_until(  # with no envelope sent meanwhile
+        lambda: (h := health(server.url))["ingest_processes"]["restarts"] == 1 and h, timeout=30)
     self.assertEqual(replaced["ingest_processes"], {"alive": 1, "expected": 1, "restarts": 1})
     self.assertTrue(replaced["ok"])
     self.assertTrue(testing.exited(first))
