@@ -237,20 +237,21 @@ class DatabaseCases:
       raws.append(bob.step_record())
       bob.last_id, bob.state, bob.steps = record_id(raws[-1]), bob._post(False), bob.steps + 1
     huge = threading.Thread(target=lambda: acks.append(bob.send(*raws)))
-    acks, latencies = [], []
+    acks, bobs_stored = [], []  # bob's records stored as each of alice's steps was acknowledged
     alice = self.prover("small-owner")
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
     huge.start()
     while huge.is_alive():
-      began = time.monotonic()
       alice.step()
-      latencies.append(time.monotonic() - began)
+      bobs_stored.append(len(store.record_ids(bob.proof_id)))
     huge.join()
     self.assertEqual(acks[0].status_code, 200, acks[0].text)
     self.assertEqual(acks[0].json()["stored"], _HUGE_RECORDS)
-    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
     self.assertEqual(store.record_ids(bob.proof_id), [record_id(r) for r in bob.records])
-    self.assertGreater(len(latencies), 3)  # alice kept storing while bob's envelope was
-    self.assertLess(max(latencies), 1.0, sorted(latencies)[-5:])
+    # Ordered, not timed: alice's steps were stored between the slices of bob's envelope. One
+    # that held the ingestion until it was whole would leave none of them part stored.
+    part_stored = [n for n in bobs_stored if 0 < n < _HUGE_RECORDS]
+    self.assertGreater(len(part_stored), 1, bobs_stored)
 
   def test_concurrent_puts_of_one_blob(self):
     prover = self.prover("one-blob")
@@ -416,19 +417,19 @@ class TransportCases:
       self.assertTrue(answered.wait_for(lambda: len(answers) >= 4, timeout=5), answers)
     # Another owner's upload is served at once meanwhile: one token holds at most 4 slots.
     bob = FakeProver(self.server.url, self.server.token("bob"), "bob/trickled").start()
-    began = time.monotonic()
     bob.upload(b"not held up")
-    self.assertLess(time.monotonic() - began, 1.0)
+    self.assertEqual(httpx.get(f"{self.server.url}/api/v1/health", timeout=30).status_code, 200)
+    with answered:  # both served while a trickled upload of alice's still held its slot
+      self.assertLess(len(answers), len(threads), answers)
     # Alice's client, told to retry, gets through once a slot is free.
     http = dvbench.client.Http(self.server.url, self.token, retry_seconds=10)
     data = b"retried"
     http.put_blob(prover.proof_id, blake3.blake3(data).hexdigest(), lambda: data)
     while any(t.is_alive() for t in threads):
-      health = time.monotonic()
-      self.assertEqual(httpx.get(f"{self.server.url}/api/v1/health", timeout=1).status_code, 200)
-      self.assertLess(time.monotonic() - health, 1.0)
+      self.assertEqual(httpx.get(f"{self.server.url}/api/v1/health", timeout=30).status_code, 200)
       time.sleep(0.1)  # pacing of the health probes, not a synchronization
-    self.assertLess(time.monotonic() - start, 5.0)
+    # Cut at the body deadline: uncut, a trickle sends its 20 bytes for 10 s.
+    self.assertLess(time.monotonic() - start, 9.0)
     statuses = sorted(int(a.split(b" ", 2)[1]) for a in answers if a.startswith(b"HTTP"))
     self.assertEqual(statuses, [408] * 4 + [503] * 4, answers)
     refused = next(a for a in answers if a.startswith(b"HTTP/1.1 503"))
