@@ -246,7 +246,7 @@ class LateDecisionsTest(parameterized.TestCase):
       _, _, _, windows = self._undecided_steps(proof, 6)
     # Doubling until steps are timed, then at once what a minute of steps needs, up to the
     # server's 32 (doubling alone would give 8 here). A minute, so that steps slowed down
-    # on a loaded machine (below 2 s each) still need more than 32.
+    # on a loaded machine (below 1.9 s each) still need more than 32.
     self.assertEqual(windows, [2, 2, 4, 4, 32, 32])
     self.assertIn("(a step's comes 60000.0 ms after it starts): the window grows from 4 to 32 "
                   "steps", "\n".join(logs.output))
