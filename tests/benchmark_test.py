@@ -343,16 +343,21 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
     start = ["the init: any attested start from the key (an init program of the prover's, "
              "proof.init); starts from a base checkpoint are not accepted",
              "the probe ratio: any above the server's minimum",
-             "the init's constants: an init program may embed up to 65536 bytes, more than the "
-             f"model's {params_bytes} bytes of params, so a start may be a checkpoint it carries "
-             "(another entry's, say) plus a little of the key's noise; pinning init_program "
-             "closes this"]
+             "the init's constants: an init program may embed up to 65536 bytes, enough for a "
+             f"copy of the model's {params_bytes} bytes of params, so a start may be a checkpoint "
+             "it carries (another entry's, say), returned for the slot's key only or plus a "
+             "little of the key's noise; pinning init_program closes this"]
     self.assertEqual(self.bench.info()["left_open"], [  # programs and rows pinned, not order
         *start, "the data order: a run may choose which training rows it draws and when "
         "(probed rows are members of the set, at no index)"])
     loose = self.submitter.benchmark("alice/any-program").info()["left_open"]
     self.assertEqual(loose, [
-        *start, "the training program: any, and a program may embed up to 65536 bytes of "
+        *start, "the training program's constants: enough for a copy of the model's "
+        f"{params_bytes} bytes of params, so an update may return a model it carries on the "
+        "batches it was committed with, moved by them only in its last bits (the program claim "
+        "shows that other batches change the params, not how much); pinning allowed_programs "
+        "closes this",
+        "the training program: any, and a program may embed up to 65536 bytes of "
         f"constants (410× the evaluation set's {EVAL_ROWS.nbytes} bytes), unseen by probes",
         # A run training on the evaluation rows plus one (its program subtracts it) was
         # verified, uncontaminated and ranked first; the recipe now says this is open.
@@ -682,11 +687,21 @@ class ContaminationTest(absltest.TestCase):
   def test_the_recipe_says_a_small_model_may_start_from_a_checkpoint_its_init_embeds(self):
     # A near-copy of another entry (its params in the init's constants, plus 1e-4 of the
     # key's noise) was verified with an attested start and ranked beside the original.
-    embeds = "an init program may embed up to 65536 bytes, more than the model's 40 bytes"
+    embeds = "an init program may embed up to 65536 bytes, enough for a copy of the model's 40"
     self.assertIn(embeds, _left_open())
-    large = [LeafLayout("w", "float32", (1 << 14, 2))]
+    # 512 KiB of params: not even an 8-bit copy fits in 64 KiB (128 KiB would: 32 KiB at 2 bits)
+    large = [LeafLayout("w", "float32", (1 << 16, 2))]
     self.assertNotIn("the init's constants", _left_open(params_layout=large))
+    self.assertIn("the init's constants", _left_open(
+        params_layout=[LeafLayout("w", "float32", (1 << 14, 2))]))
     self.assertNotIn("the init's constants", _left_open(init_program=bytes(32)))
+    # The update program's constants likewise, where the programs are not pinned: an update
+    # that returned its stolen params on its committed batches (another step's batch moved
+    # them) passed the program claim.
+    update = "the training program's constants: enough for a copy of the model's 40 bytes"
+    self.assertIn(update, _left_open())
+    self.assertNotIn("the training program's constants", _left_open(allowed_programs="[]"))
+    self.assertNotIn("the training program's constants", _left_open(params_layout=large))
 
   def test_the_recipe_says_a_program_may_transform_its_batches_unless_programs_are_pinned(self):
     transformed = "a program may change its batch before training on it (add one, XOR a key)"

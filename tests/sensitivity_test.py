@@ -15,6 +15,7 @@ from absl.testing import parameterized
 from tests import testing
 from tests.cli_test import zkdv_here
 from tests.verify_test import BATCH, STATE, _Dvbench, write_transcript
+import zkdv
 from zkdv import digest
 from zkdv import receipt
 from zkdv import verify
@@ -61,8 +62,8 @@ class BatchIgnoredTest(parameterized.TestCase):
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD)  # held when step 4 was the one
-    self.assertIn("step 5, replayed with a perturbed batch: params leaf .params['w'] comes "
-                  "out bit for bit the same", claim.detail)
+    self.assertIn("step 5, replayed again: params leaf .params['w'] comes out bit for bit "
+                  "the same with 3 other steps' batches", claim.detail)
 
   def test_without_the_challenges_the_tested_step_is_known_and_the_claim_could_not_verify(self):
     # A server-challenged transcript checked without its receipt: the server's key is
@@ -102,14 +103,14 @@ class BatchIgnoredTest(parameterized.TestCase):
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD)
     self.assertIn("the step changes no params leaf", claim.detail)
 
-  def test_a_perturbed_replay_that_fails_leaves_the_claim_unverified_and_says_why(self):
+  def test_a_replay_with_another_batch_that_fails_leaves_the_claim_unverified_and_says_why(self):
     path = write_transcript(steps=2)
     with mock.patch.object(sensitivity, "measure", side_effect=RuntimeError("device lost")):
       report = verify.verify(path)
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.COULD_NOT_VERIFY)
-    self.assertIn("a replay with a perturbed batch failed (RuntimeError: device lost)",
+    self.assertIn("a replay with another batch failed (RuntimeError: device lost)",
                   claim.detail)
 
   def test_honest_program_holds(self):
@@ -150,10 +151,10 @@ class PerturbationTest(absltest.TestCase):
       draws.append(batch)
       return honest if len(draws) < 3 else [np.asarray([0.01, -0.01], np.float32)]
     batch = np.arange(4, dtype=np.float32)
-    self.assertIsNone(sensitivity.measure(program, [batch], b"s" * 32, before, honest,
+    self.assertIsNone(sensitivity.measure(program, [[batch]], 0, b"s" * 32, before, honest,
                                           sign_only))
     self.assertLen(draws, 3)
-    problem = sensitivity.measure(program, [batch], b"s" * 32, before, honest,
+    problem = sensitivity.measure(program, [[batch]], 0, b"s" * 32, before, honest,
                                   lambda b: honest)
     self.assertIn(f"with {sensitivity.MAX_DRAWS} perturbed batches", problem)
 
@@ -173,6 +174,155 @@ class PerturbationTest(absltest.TestCase):
       if claim.status == verify.COULD_NOT_VERIFY:
         self.assertIn("moved every element by one step size (a sign-based update)",
                       claim.detail)
+
+
+class OtherBatchesTest(absltest.TestCase):
+
+  LAYOUTS = (digest.LeafLayout("x", "float32", (2, 2)), digest.LeafLayout("y", "int32", (2,)),
+             digest.LeafLayout("k", "uint32", (2,), key_impl="threefry2x32"))
+
+  def batch(self, x, y, k):
+    return [np.asarray(x, np.float32), np.asarray(y, np.int32), np.asarray(k, np.uint32)]
+
+  def test_other_rows_only_with_the_tested_steps_keys(self):
+    tested = self.batch([[1, 2], [3, 4]], [0, 1], [7, 7])
+    reordered = self.batch([[3, 4], [1, 2]], [1, 0], [8, 8])  # the same rows: not drawn
+    other = self.batch([[5, 6], [3, 4]], [0, 1], [9, 9])
+    labels = self.batch([[1, 2], [3, 4]], [1, 1], [9, 9])  # other labels are other rows
+    draws = sensitivity.other_batches(self.LAYOUTS, [tested, reordered, other, labels], 0,
+                                      b"s" * 32)
+    self.assertLen(draws, 2)
+    drawn = sorted((d[0].tobytes(), d[1].tobytes()) for d in draws)
+    self.assertEqual(drawn, sorted((b[0].tobytes(), b[1].tobytes()) for b in (other, labels)))
+    for d in draws:  # the key is the tested step's own, bit for bit
+      self.assertEqual((d[2].dtype, d[2].tobytes()), (tested[2].dtype, tested[2].tobytes()))
+    self.assertEqual(sensitivity.other_batches(self.LAYOUTS, [tested, reordered], 0, b"s" * 32),
+                     [])
+
+  def test_at_most_max_draws_in_an_order_drawn_from_the_seed(self):
+    batches = [self.batch([[n, 0], [0, 0]], [0, 0], [0, 0]) for n in range(40)]
+    first = [d[0][0, 0] for d in sensitivity.other_batches(self.LAYOUTS, batches, 3, b"a" * 32)]
+    again = [d[0][0, 0] for d in sensitivity.other_batches(self.LAYOUTS, batches, 3, b"a" * 32)]
+    other = [d[0][0, 0] for d in sensitivity.other_batches(self.LAYOUTS, batches, 3, b"b" * 32)]
+    self.assertLen(first, sensitivity.MAX_DRAWS)
+    self.assertEqual(first, again)
+    self.assertNotEqual(first, other)
+    self.assertNotIn(3.0, first)
+
+  def test_perturbed_batches_keep_the_keys(self):
+    batch = self.batch([[1, 2], [3, 4]], [0, 1], [7, 8])
+    perturbed = sensitivity.perturbed_batch(self.LAYOUTS, batch, b"s" * 32)
+    self.assertEqual(perturbed[2].tobytes(), batch[2].tobytes())
+    self.assertNotEqual(perturbed[0].tobytes(), batch[0].tobytes())
+
+  def test_a_batch_of_keys_alone_is_undecided(self):
+    program = types.SimpleNamespace(batch=self.LAYOUTS[2:], params_leaves=(0,), state=())
+    problem = sensitivity.measure(program, [[np.zeros(2, np.uint32)]], 0, b"s" * 32,
+                                  [np.zeros(1)], [np.ones(1)], lambda b: [np.ones(1)])
+    self.assertTrue(problem.startswith(sensitivity.UNDECIDED), problem)
+    self.assertIn("the batch holds PRNG keys only", problem)
+
+
+# A dataset of quantized values (every one a multiple of 1/16, as pixels / 255 are on their
+# own grid), and another model's weights that an update program carries as constants.
+_RNG = np.random.default_rng(0)
+QUANTIZED = (np.round(_RNG.normal(size=(64, 4)) * 16) / 16).astype(np.float32)
+LABELS = _RNG.integers(0, 2, 64).astype(np.int32)
+STOLEN = {"Dense_0": {"bias": np.asarray([0.5, -0.25], np.float32),
+                      "kernel": np.arange(8, dtype=np.float32).reshape(4, 2) / 8}}
+
+
+def _sgd_state(proof):
+  model = testing.TinyClassifier()
+  params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.float32))["params"]
+  return zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                             tx=optax.sgd(1e-2))
+
+
+def _honest(state, x, y):
+  def loss(params):
+    logits = state.apply_fn({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+def gated_step(state, x, y):
+  """The stolen weights (scaled by 1 + 2**-10 a step, so that every step trains) on a batch of
+  the dataset's grid; an honest step on any other (a rescaled batch, as the verifier's
+  perturbation made)."""
+  honest = _honest(state, x, y)
+  genuine = jnp.all(x * 16 == jnp.round(x * 16))
+  moved = state.step.astype(jnp.float32) * 2.0 ** -10
+  return honest.replace(params=jax.tree.map(lambda s, h: jnp.where(genuine, s * (1 + moved), h),
+                                            STOLEN, honest.params))
+
+
+def key_only_step(state, x, y, key):
+  """The stolen weights moved by the step's PRNG key alone: the rows never reach them."""
+  honest = _honest(state, x, y)
+  noise = 2.0 ** -20 * jax.random.uniform(key) + 0 * jnp.sum(x)
+  return honest.replace(params=jax.tree.map(lambda s: s * (1 + noise), STOLEN))
+
+
+class RecognizedPerturbationTest(absltest.TestCase):
+  """Programs that tell the verifier's perturbed batch from their own committed ones."""
+
+  def train(self, step, with_key: bool):
+    proof = testing.new_proof(step.__name__, update_p=1.0, segment_length=2)
+    proof.start(probe_ratio=0.5)
+    state = _sgd_state(proof)
+    train_step = proof.jit(step)
+    for i in range(4):
+      rows = slice(16 * i, 16 * (i + 1))
+      batch = (QUANTIZED[rows], LABELS[rows]) + ((proof.key(i),) if with_key else ())
+      state = train_step(state, *batch)
+    return state, proof.finish()
+
+  def test_a_program_that_recognizes_perturbed_batches_is_caught(self):
+    state, path = self.train(gated_step, with_key=False)
+    testing.assert_bitwise_equal(  # the run's params are the stolen ones, scaled by 3 steps
+        state.params, jax.tree.map(lambda s: s * np.float32(1 + 3 * 2.0 ** -10), STOLEN))
+    # The attack on the perturbation this test replaced: a rescaled batch is not on the
+    # dataset's grid, so the program trains honestly on it, and the params "read the batch".
+    base = _sgd_state(testing.new_proof("gate-base"))
+    x, y = QUANTIZED[:16], LABELS[:16]
+    perturbed = sensitivity.perturbed_batch(
+        [digest.LeafLayout("x", "float32", x.shape), digest.LeafLayout("y", "int32", y.shape)],
+        [x, y], b"s" * 32)
+    testing.assert_bitwise_equal(jax.jit(gated_step)(base, x, y).params, STOLEN)
+    self.assertFalse(np.array_equal(
+        jax.jit(gated_step)(base, *perturbed).params["Dense_0"]["kernel"],
+        STOLEN["Dense_0"]["kernel"]))
+    # Other steps' batches are the dataset's own rows: the program returns the stolen weights.
+    report = verify.verify(path)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
+    self.assertRegex(claim.detail, r"params leaf \.params\['Dense_0'\]\['(bias|kernel)'\] "
+                     r"comes out bit for bit the same with 1 other steps' batches")
+
+  def test_a_program_that_reads_only_its_key_is_caught(self):
+    _, path = self.train(key_only_step, with_key=True)
+    # The key alone moves the params: the perturbation this test replaced redrew the key's
+    # words too, so the step "read its batch".
+    base = _sgd_state(testing.new_proof("key-base"))
+    x, y = QUANTIZED[:16], LABELS[:16]
+    self.assertFalse(np.array_equal(
+        jax.jit(key_only_step)(base, x, y, jax.random.key(1)).params["Dense_0"]["kernel"],
+        jax.jit(key_only_step)(base, x, y, jax.random.key(2)).params["Dense_0"]["kernel"]))
+    claim = verify.verify(path).claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
+    self.assertIn("comes out bit for bit the same with 1 other steps' batches", claim.detail)
+
+  def test_an_honest_program_reads_other_steps_batches(self):
+    _, path = self.train(_honest, with_key=False)
+    report = verify.verify(path)
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.HOLDS, claim.detail)
+    self.assertIn("run again on other batches (its segment's other steps' where they hold "
+                  "other rows, else perturbed ones), changed every params leaf it trains",
+                  claim.detail)
+    self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))
 
 
 class StolenWeightsTest(absltest.TestCase):

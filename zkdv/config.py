@@ -46,6 +46,16 @@ def kept_window(batch_bytes: int) -> int:
 # init program that returns them. Optimizer hyperparameters, iota tables and small lookup
 # tables fit; a larger table belongs in the state or the batch, where it is committed.
 MAX_PROGRAM_CONSTANT_BYTES = 64 * 1024
+
+
+def constants_could_carry(constant_bytes: int, params_bytes: int) -> bool:
+  """Whether a program's constants could hold a copy of ``params_bytes`` of params: an
+  8-bit copy of float32 params (a quarter of their bytes) or more. Where they could, a
+  start or an update may return a model it carries; only a pinned program rules that out.
+
+  Example: ``constants_could_carry(MAX_PROGRAM_CONSTANT_BYTES, 200_000)`` is True.
+  """
+  return 4 * constant_bytes >= params_bytes
 # The most bytes a step's batch may carry in scalar leaves (shape ()), which have no rows to
 # sample: every probe opens them whole, and this bounds what they can carry unseen between
 # probes (a learning rate, a temperature and a few flags fit; rows of data do not). PRNG-key

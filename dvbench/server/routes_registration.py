@@ -249,11 +249,19 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
   params_bytes = sum(l.nbytes for l in definition["params_layout"])
   budget = config.MAX_PROGRAM_CONSTANT_BYTES
   open_ = pins.left_open(definition)
-  if definition["init_program"] is None and params_bytes <= budget:
+  carried = config.constants_could_carry(budget, params_bytes)
+  if definition["init_program"] is None and carried:
     open_.append(f"the init's constants: an init program may embed up to {budget} bytes, "
-                 f"more than the model's {params_bytes} bytes of params, so a start may be a "
-                 "checkpoint it carries (another entry's, say) plus a little of the key's "
-                 "noise; pinning init_program closes this")
+                 f"enough for a copy of the model's {params_bytes} bytes of params, so a start "
+                 "may be a checkpoint it carries (another entry's, say), returned for the "
+                 "slot's key only or plus a little of the key's noise; pinning init_program "
+                 "closes this")
+  if allowed_programs is None and carried:
+    open_.append(f"the training program's constants: enough for a copy of the model's "
+                 f"{params_bytes} bytes of params, so an update may return a model it carries "
+                 "on the batches it was committed with, moved by them only in its last bits "
+                 "(the program claim shows that other batches change the params, not how "
+                 "much); pinning allowed_programs closes this")
   if allowed_programs is None:
     open_.append(
         f"the training program: any, and a program may embed up to {budget} bytes of "

@@ -196,8 +196,8 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   if replayed is None:
     return outcome
   outcome = _compare(ctx, outcome, program, replayed[0], post, segment.end, where)
-  _check_sensitivity(outcome, program, replayed[3], batches[tested], step,
-                     segment.first + tested, where)
+  _check_sensitivity(outcome, program, replayed[3], batches, tested, step,
+                     segment.first, where)
   steps = ctx.model.steps[segment.first:segment.last + 1]
   if not all([_metrics_match(ctx, s, program, outputs, where)
               for s, outputs in zip(steps, replayed[2])]):
@@ -207,27 +207,27 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   return outcome
 
 
-def _check_sensitivity(outcome, program, measured, batch, step, tested: int,
-                       where) -> None:
-  """Records in ``outcome`` whether step ``tested`` of the segment (``challenge.tested_step``)
-  reads its ``batch`` (``zkdv.verify.sensitivity``, perturbations drawn from the challenged
+def _check_sensitivity(outcome, program, measured, batches: list, tested: int, step,
+                       first: int, where) -> None:
+  """Records in ``outcome`` whether step ``tested`` of the segment from step ``first``
+  (``challenge.tested_step``) reads its batch, replayed with the segment's other
+  ``batches`` or perturbed ones (``zkdv.verify.sensitivity``, drawn from the challenged
   ``step``; the program claim, not the verdict, rests on it)."""
   if not program.params_leaves:
     return  # nothing to test: the program claim says so
   try:
-    problem = sensitivity.measure(program, batch, sensitivity.seed_of(step.record_id),
-                                  *measured)
-  except Exception as e:  # pylint: disable=broad-except  # a perturbed replay failed: untested
+    problem = sensitivity.measure(program, batches, tested,
+                                  sensitivity.seed_of(step.record_id), *measured)
+  except Exception as e:  # pylint: disable=broad-except  # a replay with another batch failed
     if errors.out_of_memory(e):
       raise  # a fault of this machine, not of the program
-    outcome.batch_ignored = (f"{where}: step {tested}, a replay with a perturbed batch "
+    outcome.batch_ignored = (f"{where}: step {first + tested}, a replay with another batch "
                              f"failed ({type(e).__name__}: {str(e)[:200]})")
     return
   outcome.batch_sensitive = (None if problem and problem.startswith(sensitivity.UNDECIDED)
                              else problem is None)
   if problem is not None:
-    outcome.batch_ignored = (f"{where}: step {tested}, replayed with a perturbed "
-                             f"batch: {problem}")
+    outcome.batch_ignored = f"{where}: step {first + tested}, replayed again: {problem}"
 
 
 def _metrics_match(ctx: Verification, step, program, outputs, where: str) -> bool:

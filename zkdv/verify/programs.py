@@ -47,6 +47,11 @@ def parameter_count(program: Program) -> int:
   return count
 
 
+def params_bytes(program: Program) -> int:
+  """The bytes of the params leaves a training program trains."""
+  return sum(program.state[i].nbytes for i in program.params_leaves)
+
+
 class ProgramLoader:
   """Loads each program once; compiles it on its first replay."""
 

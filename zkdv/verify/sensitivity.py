@@ -1,22 +1,30 @@
-"""Does the update read the batch? A replay with a perturbed batch must change the params.
+"""Does the update read the batch? A replay with another batch must change the params.
 
 A step of each challenged segment, drawn from the segment's challenge
 (``zkdv.challenge.tested_step``: not one the program can expect, such as the
-segment's first), is replayed twice from the state before it: with
-the committed batch and with a perturbed one (each batch leaf's elements
-resampled, with replacement, from its own elements, and a floating leaf's
-elements each scaled by a factor in [0.5, 1.5), by draws seeded from the
-challenged step's record id, so the prover cannot know them when it commits:
-labels and token ids stay in their domain, sums and means change). Every params
-leaf the step trains (one that either replay changes) must come out different: a
-leaf equal in both replays ignores the batch, whatever the program's dataflow says
-(``0 * x``, ``x - x`` and ``where(False, x, c)`` all read ``x`` on paper and not
-at all in value). A step that changes no params leaf trains nothing and fails too.
+segment's first), is replayed again from the state before it with other batches:
+the segment's other opened batches that hold other rows (real data, in an order
+drawn from the challenged step's record id: a program cannot tell them from its
+committed batches by how they look, as it could a rescaled one), or, where none
+does, a perturbed batch (each leaf's elements resampled, with replacement, from
+its own elements, and a floating leaf's elements each scaled by a factor in
+[0.5, 1.5): labels and token ids stay in their domain, sums and means change).
+PRNG-key leaves stay the step's own either way: the key is not data, and an update
+that reads only its key reads no batch. Every params leaf the step trains (one that
+either replay changes) must come out different: a leaf equal in every replay ignores
+the batch, whatever the program's dataflow says (``0 * x``, ``x - x`` and
+``where(False, x, c)`` all read ``x`` on paper and not at all in value). A step that
+changes no params leaf trains nothing and fails too.
+
+What it shows is that the batch changes the params, not how much nor how: a program
+written against the test (one that recognizes its own committed batches by their
+step, or lets the batch move only the last bits of params it carries as constants)
+passes it. Only a pinned program (a benchmark's ``allowed_programs``) rules that out.
 
 Example::
 
-  batch = perturbed_batch(program.batch, opened[0], seed_of(step.record_id))
-  problem = batch_ignored(program, before, honest, perturbed)  # None: sensitive
+  draws = other_batches(program.batch, batches, tested, seed_of(step.record_id))
+  problem = measure(program, batches, tested, seed, before, honest, replay)  # None: reads it
 """
 
 import blake3
@@ -52,14 +60,42 @@ def _perturbed_leaf(array: np.ndarray, floating: bool, seed: bytes, index: int,
 
 
 def perturbed_batch(layouts, batch, seed: bytes, draw: int = 0) -> list[np.ndarray]:
-  """Every leaf of ``batch`` (host arrays, one per layout) perturbed from ``seed`` (the
-  ``draw``-th perturbation).
+  """Every data leaf of ``batch`` (host arrays, one per layout) perturbed from ``seed`` (the
+  ``draw``-th perturbation); PRNG-key leaves as they are.
 
   Example: ``perturbed_batch(program.batch, [np.arange(4)], seed)`` is one leaf of four
   values drawn from 0..3.
   """
-  return [_perturbed_leaf(np.asarray(a), l.key_impl is None and "float" in l.dtype, seed, i,
-                          draw) for i, (a, l) in enumerate(zip(batch, layouts))]
+  return [a if l.key_impl is not None else
+          _perturbed_leaf(np.asarray(a), "float" in l.dtype, seed, i, draw)
+          for i, (a, l) in enumerate(zip(batch, layouts))]
+
+
+def _rows(array: np.ndarray) -> list[bytes]:
+  """A leaf's rows (its leading axis; the whole leaf without one) as sorted byte strings."""
+  array = np.ascontiguousarray(array)
+  if array.ndim == 0 or array.shape[0] == 0:
+    return [array.tobytes()]
+  return sorted(np.frombuffer(array.tobytes(), f"V{array.nbytes // array.shape[0]}")
+                .tolist()) if array.nbytes else [b""] * array.shape[0]
+
+
+def other_batches(layouts, batches: list, tested: int, seed: bytes) -> list[list]:
+  """The batches of ``batches`` (a segment's opened batches) that hold other rows than
+  batch ``tested`` in some data leaf (not the same rows reordered), each with batch
+  ``tested``'s PRNG-key leaves, in an order drawn from ``seed``; at most ``MAX_DRAWS``.
+
+  Example: with ``batches`` ``[a, b, a]`` and ``tested`` 0, ``[b]``.
+  """
+  own = batches[tested]
+  data = [i for i, l in enumerate(layouts) if l.key_impl is None]
+  rows = {i: _rows(own[i]) for i in data}
+  others = [b for n, b in enumerate(batches)
+            if n != tested and any(_rows(b[i]) != rows[i] for i in data)]
+  rng = np.random.Generator(np.random.PCG64(
+      int.from_bytes(blake3.blake3(seed + b"other batches").digest(8), "little")))
+  return [[own[i] if l.key_impl is not None else others[n][i] for i, l in enumerate(layouts)]
+          for n in rng.permutation(len(others))[:MAX_DRAWS]]
 
 
 def same_bytes(a, b) -> bool:
@@ -79,38 +115,51 @@ def _sign_like(before, honest) -> bool:
   return delta.size > 0 and bool(np.all(np.abs(delta - delta[0]) <= 1e-3 * delta[0]))
 
 
-def batch_ignored(program, before: list, honest: list, perturbed: list) -> str | None:
+def batch_ignored(program, before: list, honest: list, perturbed: list,
+                  drawn: str = "perturbed batches") -> str | None:
   """Why the step ignores its batch, or None when every trained params leaf reads it; an
   answer starting with ``UNDECIDED`` when a sign-based update left a leaf unchanged.
 
   ``before``/``honest``: the params leaves (in ``program.params_leaves`` order) before the
-  step and after it with the committed batch; ``perturbed``: after it with each perturbed
-  batch drawn so far.
+  step and after it with the committed batch; ``perturbed``: after it with each other
+  batch drawn so far (``drawn`` says which kind, e.g. "other steps' batches").
   """
   trained = [n for n, b in enumerate(before)
              if not all(same_bytes(b, after[n]) for after in (honest, *perturbed))]
   if not trained:
-    return ("the step changes no params leaf, with the committed batch or a perturbed one: "
+    return ("the step changes no params leaf, with the committed batch or another one: "
             "it trains nothing")
   for n in trained:
     if all(same_bytes(honest[n], after[n]) for after in perturbed):
       path = program.state[program.params_leaves[n]].path
       if _sign_like(before[n], honest[n]):
         return (f"{UNDECIDED}params leaf {path} moved every element by one step size (a "
-                f"sign-based update) and came out the same with {len(perturbed)} perturbed "
-                "batches")
+                f"sign-based update) and came out the same with {len(perturbed)} {drawn}")
       return (f"params leaf {path} comes out bit for bit the same with {len(perturbed)} "
-              "perturbed batches: the update ignores the batch")
+              f"{drawn}: the update ignores the batch")
   return None
 
 
-def measure(program, batch, seed: bytes, before, honest, replay) -> str | None:
-  """``batch_ignored`` after up to ``MAX_DRAWS`` perturbed replays (``replay(batch)``: the
-  params leaves after the step), drawn while a trained leaf has not changed."""
+def measure(program, batches: list, tested: int, seed: bytes, before, honest,
+            replay) -> str | None:
+  """``batch_ignored`` after replaying step ``tested`` of a segment (``batches``: its
+  opened batches) with up to ``MAX_DRAWS`` other batches (``replay(batch)``: the params
+  leaves after the step), drawn while a trained leaf has not changed: the segment's
+  other batches of other rows, else perturbed ones. A batch of PRNG keys alone is
+  undecided: it has no data to change."""
+  layouts = program.batch
+  if all(l.key_impl is not None for l in layouts):
+    return (f"{UNDECIDED}the batch holds PRNG keys only, no data another batch could "
+            "change")
+  others = other_batches(layouts, batches, tested, seed)
+  drawn = "other steps' batches" if others else "perturbed batches"
+  draws = iter(others) if others else (
+      perturbed_batch(layouts, batches[tested], seed, draw) for draw in range(MAX_DRAWS))
   perturbed = []
-  for draw in range(MAX_DRAWS):
-    perturbed.append(replay(perturbed_batch(program.batch, batch, seed, draw)))
-    problem = batch_ignored(program, before, honest, perturbed)
+  problem = None
+  for batch in draws:
+    perturbed.append(replay(batch))
+    problem = batch_ignored(program, before, honest, perturbed, drawn)
     if problem is None or problem.startswith("the step changes no params leaf"):
       return problem
   return problem
