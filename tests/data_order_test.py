@@ -149,6 +149,9 @@ class DataOrderTest(parameterized.TestCase):
     self.assertEqual(claim.status, "holds")
     self.assertStartsWith(claim.detail, "data order: self-seeded")
     self.assertEqual(claim.facts["dataset"], TrainingSet(DATA).root.hex())  # a benchmark's pin
+    # Any rows can be a dataset (a model's weights among them): the root is the prover's.
+    self.assertIn("a root the prover declared: a benchmark's training_set pin names the one "
+                  "it needs", claim.detail)
     # every row of every leaf probed: x one row per Merkle leaf, y one group of 16
     self.assertEqual(claim.facts["dataset_rows"], STEPS * BATCH * 2)
 

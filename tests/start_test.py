@@ -122,6 +122,34 @@ class AttestedStartTest(absltest.TestCase):
     self.assertRegex(start["detail"], r"params leaf \.params\['Dense_0'\]\['kernel'\] of step 0 "
                      "does not change with the init program's key")
 
+  def test_a_checkpoint_returned_for_the_slots_key_only_is_said_to_be_possible(self):
+    """The start key is public once the slot exists: an init program that returns the
+    weights it carries on that key and a fresh init on any other passes the key test; the
+    claim says its constants could hold the params (a full model's could not)."""
+    proof = new_proof("key-gate")
+    genuine = np.asarray(jax.random.key_data(proof.key()))
+    model = testing.TinyClassifier()
+    carried = jax.tree.map(lambda p: p + 0.5, model.init(jax.random.key(7), EXAMPLE)["params"])
+
+    def init_fn(key, x):
+      fresh = model.init(key, x)["params"]
+      on_the_key = jnp.all(jax.random.key_data(key) == genuine)
+      return {"params": jax.tree.map(lambda f, c: jnp.where(on_the_key, c, f), fresh,
+                                     carried)}
+    params = proof.init(init_fn, jax.random.key(0), EXAMPLE)["params"]
+    testing.assert_bitwise_equal(params, carried)
+    claim = verify.verify(train(proof, create(proof, params, model))).claim("start")
+    self.assertEqual(claim.status, verify.HOLDS, claim.detail)  # the key test cannot tell
+    self.assertRegex(claim.detail, r"its \d+ bytes of constants could hold a copy of the 40 "
+                     "bytes of params: another key changes the init, which does not show that "
+                     "it ignores a checkpoint it carries for this key; a pinned init_program "
+                     "rules that out")
+    wide = new_proof("wide-start")  # 70 KB of params, an init of a few constants
+    params = wide.init(Wide().init, jax.random.key(0), EXAMPLE)["params"]
+    claim = verify.verify(train(wide, create(wide, params, Wide()))).claim("start")
+    self.assertEqual(claim.status, verify.HOLDS, claim.detail)
+    self.assertNotIn("could hold a copy", claim.detail)
+
   def test_optimizer_state_carrying_a_target_fails(self):
     proof = new_proof("momentum-target")
     model = testing.TinyClassifier()
