@@ -11,6 +11,7 @@
   probability accounts for them; slots per owner are rate-limited.
 """
 
+import json
 import pathlib
 import shutil
 import subprocess
@@ -25,6 +26,10 @@ from absl.testing import absltest
 
 import dvbench
 import zkdv
+from dvbench import transport
+from dvbench.server import labels
+from dvbench.server import leaderboard
+from dvbench.server import schema
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import testing
@@ -163,6 +168,62 @@ class ServerStateTest(absltest.TestCase):
     self.assertIn("given by hand", claims["challenges"]["detail"])
     self.assertEqual(claims["chain"]["status"], "could not verify")
     self.assertEqual(claims["replays"]["status"], "holds")  # the key re-derives the checks
+
+
+class CheckpointSquatTest(absltest.TestCase):
+  """Another owner's proof declaring an honest run's final params, closed first."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=0).start()
+    cls.store = Store.open(f"sqlite:///{(cls.server.data / 'dvbench.db').resolve()}")
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.store.engine.dispose()
+    cls.server.stop()
+    super().tearDownClass()
+
+  def prover(self, owner: str, experiment: str) -> FakeProver:
+    prover = FakeProver(self.server.url, self.server.token(owner), experiment).start()
+    self.addCleanup(prover.http.close)
+    return prover
+
+  def test_a_final_record_read_before_its_proof_closed_makes_no_original(self):
+    alice = self.prover("alice", "alice/honest")
+    alice.run(3)
+    final = alice.chain({"type": "final", "steps": alice.steps, "status": "clean",
+                         "discontinuities": [], "final_state": alice.state,
+                         "final_state_leaves": [], "final_params": bytes(range(32))})
+    self.assertEqual(alice.send(final).status_code, 200)
+    # Bob reads alice's final params from her open transcript and closes a proof of no
+    # step declaring them before she closes hers.
+    transcript = httpx.get(f"{self.server.url}/api/v1/proofs/{alice.proof_id}/transcript")
+    declared = [r for _, r in transport.RecordScanner().feed(transcript.content)
+                if r["type"] == "final"][0]["final_params"]
+    bob = self.prover("bob", "bob/squat")
+    bob_final = bob.chain({"type": "final", "steps": 0, "status": "clean",
+                           "discontinuities": [], "final_state": bob.state,
+                           "final_state_leaves": [], "final_params": declared})
+    self.assertEqual(bob.send(bob_final).status_code, 200)
+    self.assertEqual(bob.close().json()["state"], "closed")
+    self.assertEqual(alice.close().json()["state"], "closed")
+    # Before, bob's proof was the original and alice's "a copy ... which closed first":
+    # her submission refused, her entry earning nothing. Declared params are no original.
+    honest = self.store.proof(alice.proof_id)
+    self.assertIsNone(leaderboard.copy_of(self.store, honest))
+    # Once alice's replays hold, hers is the original, and bob's a copy of it; a verified
+    # proof whose start was these very params (a base trained to itself) is not.
+    self.store.set_proof_state(alice.proof_id, "verified")
+    self.store.set_proof_state(bob.proof_id, "verified")
+    with self.store.engine.begin() as conn:
+      conn.execute(schema.proof_claims.insert().values(
+          proof_id=bob.proof_id, strict=True,
+          claims=json.dumps({labels.BASE_CHECKPOINT: bytes(range(32)).hex()})))
+    self.assertIsNone(leaderboard.copy_of(self.store, honest))
+    self.assertEqual(leaderboard.copy_of(self.store, self.store.proof(bob.proof_id))["id"],
+                     alice.proof_id)
 
 
 class RetriesTest(absltest.TestCase):

@@ -7,6 +7,7 @@ A mixin of ``db.Store``. Example::
                        shards=[(0, 1000), (1000, 500)], member_rows=[])
 """
 
+import json
 import time
 
 import blake3
@@ -14,14 +15,17 @@ import numpy as np
 import sqlalchemy as sa
 
 from dvbench import scoring
+from dvbench.server.labels import BASE_CHECKPOINT, REPLAYED_STATES
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
-                                   probe_examples, probes, proofs, records, score_shards,
-                                   submissions, training_members)
+                                   probe_examples, probes, proof_claims, proofs, records,
+                                   score_shards, submissions, training_members)
 from dvbench.server.store_custody import add_held_blob, add_proof_digests, has_held_blob
 
 # "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
 # aggregated every row's output; "failed": a shard or the aggregate failed (why is shown).
 SUBMISSION_STATES = ("pending", "scoring", "scored", "failed")
+# Proofs with the same final params read to find the first that did not start from them.
+FIRST_CANDIDATES = 100
 
 
 def shard_id(submission_id: str, shard: int) -> str:
@@ -103,15 +107,24 @@ class BenchmarkQueries:
   def first_with_final_params(self, final_params: str) -> dict | None:
     """``{"id", "experiment"}`` of the proof that closed first with these final params (a
     proof that ended before ``ended_at`` was kept counts from its creation), e.g. the original
-    of a copied checkpoint."""
-    query = (sa.select(proofs.c.id, experiments.c.full_name.label("experiment"))
-             .select_from(proofs.join(experiments))
-             .where(proofs.c.final_params == final_params)
+    of a copied checkpoint. Only proofs whose replays held count, as their final params are
+    checked against a replayed state (any other proof's are what its final record declares:
+    a copy of another owner's, read from its transcript before it closed, say), and not one
+    whose start was these very params (a base checkpoint trained to itself copies it)."""
+    query = (sa.select(proofs.c.id, experiments.c.full_name.label("experiment"),
+                       proof_claims.c.claims)
+             .select_from(proofs.join(experiments).outerjoin(proof_claims))
+             .where((proofs.c.final_params == final_params)
+                    & proofs.c.state.in_(REPLAYED_STATES))
              .order_by(sa.func.coalesce(proofs.c.ended_at, proofs.c.created_at), proofs.c.id)
-             .limit(1))
+             .limit(FIRST_CANDIDATES))
     with self.engine.connect() as conn:
-      row = conn.execute(query).mappings().first()
-    return dict(row) if row else None
+      rows = conn.execute(query).mappings().all()
+    for row in rows:
+      shown = json.loads(row["claims"]) if row["claims"] else {}
+      if shown.get(BASE_CHECKPOINT) != final_params:
+        return {"id": row["id"], "experiment": row["experiment"]}
+    return None
 
   def benchmark_submission(self, benchmark_id: int, proof_id: str) -> dict | None:
     """The entry of ``proof_id`` on a benchmark (one per proof), or None."""
