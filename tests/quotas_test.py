@@ -121,6 +121,23 @@ class QuotaCases:
     self.assertEqual(rows["open_proofs"], ["1", "2"])
     self.assertEqual(rows["slots_per_hour"], ["1", "4"])
 
+  def test_benchmark_blobs_are_stored_bytes(self):
+    # Attack: blobs put under benchmark names never registered were charged to no quota:
+    # 80 MiB stored against 10 MB, and usage said 0.
+    http = self.client("bea")
+    data = os.urandom(_STORED_BYTES // 2)
+    url = lambda name, blob: f"/api/v1/benchmarks/bea/{name}/blobs/{FakeProver.digest_hex(blob)}"  # pylint: disable=unnecessary-lambda-assignment
+    self.assertEqual(http.put(url("never-registered", data), content=data).status_code, 201)
+    self.assertEqual(http.put(url("another", data), content=data).status_code, 201)  # counted once
+    more = os.urandom(_STORED_BYTES // 2 + 1)
+    response = http.put(url("a-third", more), content=more)
+    self.assertEqual(response.status_code, 403, response.text)
+    self.assertEqual((response.json()["quota"], response.json()["flag"]),
+                     ("stored_bytes", "--quota-stored-gb"))
+    self.assertEqual(http.get(url("a-third", more)).status_code, 404)  # nothing kept
+    self.assertEqual(http.put(url("never-registered", data), content=data).status_code, 201)
+    self.assertEqual(int(self.usage("bea")["stored_bytes"][0]), len(data))
+
   def test_probed_row_digests_are_stored_bytes(self):
     # Attack: a probe record of many tiny rows (4 bytes of record each) made the server
     # store a digest row per row, uncounted: the quota charges each opened row as its

@@ -1,7 +1,7 @@
 """Quotas per owner: what one owner's tokens may hold on the server.
 
-* ``stored_bytes``: records, chunks and blobs of the owner's proofs (a blob counted once
-  per owner however many proofs hold it), the records of its measurements, and
+* ``stored_bytes``: records, chunks and blobs of the owner's proofs and benchmarks (a blob
+  counted once per owner however many hold it), the records of its measurements, and
   ``OPENED_ROW_BYTES`` for each batch row their probes opened, counted as the records
   arrive: the digests the worker indexes once a proof is closed
   (``dvbench.contamination.probed_digests``) are at most a row digest and half an example
@@ -36,8 +36,8 @@ import sqlalchemy as sa
 from dvbench.server.limits import QUOTA_FLAGS as FLAGS
 from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
-from dvbench.server.schema import (chunks, experiments, measurements, owners, proof_blobs,
-                                   proofs, records, slots)
+from dvbench.server.schema import (benchmark_blobs, chunks, experiments, measurements, owners,
+                                   proof_blobs, proofs, records, slots)
 
 STORED_BYTES_TTL = 10.0
 DIGEST_ROW_BYTES = 160  # a stored probe digest: proof id, hex digest, index entries
@@ -68,8 +68,10 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
                             ).scalar() for t in (records, chunks))
     held += conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(
         measurements.c.record)), 0)).where(measurements.c.experiment_id.in_(exp))).scalar()
-    digests = conn.execute(sa.select(proof_blobs.c.digest).where(
-        proof_blobs.c.proof_id.in_(owned)).distinct()).scalars().all()
+    digests = set(conn.execute(sa.select(proof_blobs.c.digest).where(
+        proof_blobs.c.proof_id.in_(owned)).distinct()).scalars())
+    digests.update(conn.execute(sa.select(benchmark_blobs.c.digest).where(
+        benchmark_blobs.c.benchmark.startswith(f"{owner}/", autoescape=True))).scalars())
     opened = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(proofs.c.probed_rows), 0))
                           .where(proofs.c.experiment_id.in_(exp))).scalar()
   return {"stored_bytes": held + sum(blob_size(d) for d in digests)

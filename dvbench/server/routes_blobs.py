@@ -18,7 +18,6 @@ from dvbench import transport
 from dvbench.server import labels
 from dvbench.server.blobs import hexdigest
 from dvbench.server.paging import paged
-from dvbench.server.refusals import parse_int
 from dvbench.server.service import Service
 
 
@@ -50,8 +49,7 @@ class BlobRoutes:
     blobs of its measurements and submissions); else checks the storage quota."""
     if self.store.has_proof_blob(proof["id"], digest):
       return True
-    declared = parse_int(request.headers.get("content-length"), 0, self.service.limits.max_body)
-    self._admit(proof, self.service.limits.max_body if declared is None else declared)
+    self._admit(proof, self.service.declared_size(request))
     return False
 
   def _admit(self, proof: dict, incoming: int) -> None:

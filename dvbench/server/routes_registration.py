@@ -76,14 +76,21 @@ class RegistrationRoutes:
   # -- blobs -------------------------------------------------------------------------------
 
   async def put_blob(self, request):
-    """Token, owner and name first; then the body, streamed to the store while hashed
+    """Token, owner and name first, then the owner's storage quota (a blob the benchmark
+    holds already is a resend); then the body, streamed to the store while hashed
     (``Service.receive_blob``)."""
     digest_ = self.service.blob_name(request.path_params["digest"])
     full = await run_in_threadpool(self._owned, request)
+    await run_in_threadpool(self._admit, request, full, digest_)
     if not await self.service.receive_blob(request, digest_):
       raise HTTPException(400, f"blob {digest_} does not hash to its name.")
     await run_in_threadpool(self.store.add_benchmark_blob, full, digest_)
     return Response(status_code=201)
+
+  def _admit(self, request, full: str, digest_: str) -> None:
+    """Counts the declared body against the owner's storage quota."""
+    if not self.store.has_benchmark_blob(full, digest_):
+      self.service.quota.check_storage(full.split("/")[0], self.service.declared_size(request))
 
   def _custody(self, request) -> str:
     full = check_name(request.path_params["owner"], request.path_params["name"])

@@ -25,6 +25,7 @@ from dvbench.server.guard import LOCKOUT
 from dvbench.server.limits import Limits, Quotas
 from dvbench.server.ingest_processes import IngestProcesses
 from dvbench.server.quotas import QUOTAS_SETTING, QuotaKeeper
+from dvbench.server.refusals import parse_int
 from dvbench.server.store_tokens import NAME, NAME_RULE
 from zkdv import challenge
 from zkdv import receipt
@@ -144,6 +145,12 @@ class Service:
     if proof["experiment"].split("/")[0] != who:
       raise HTTPException(403, f"token of '{who}' cannot write to proof {proof_id}.")
     return proof
+
+  def declared_size(self, request: Request) -> int:
+    """A request body's declared length, or the most a body may carry (none declared, or
+    one over it: ``Guard`` refuses that body)."""
+    declared = parse_int(request.headers.get("content-length"), 0, self.limits.max_body)
+    return self.limits.max_body if declared is None else declared
 
   def blob_name(self, digest: str) -> str:
     if not self.blobs.valid_name(digest):
