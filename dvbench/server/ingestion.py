@@ -40,6 +40,15 @@ SLICE_BYTES = 1 << 20
 SLICE_SECONDS = 0.1
 
 
+class ChunksRefused(Exception):
+  """A record reassembled from its chunks was refused (``refusal``): its chunks are dropped
+  (else each resend of its last chunk would reassemble, hash and decode it all again)."""
+
+  def __init__(self, refusal: HTTPException):
+    super().__init__(refusal.detail)
+    self.refusal = refusal
+
+
 def parse_envelope(body: bytes) -> dict:
   """The envelope with its fields checked (a ``records`` envelope's records are checked
   slice by slice, ``EnvelopeJob``); 400 else."""
@@ -81,9 +90,14 @@ class Ingestion:
       raise HTTPException(413, f"{e} Records are at most that large.") from None
     if whole is None:
       return {"chunk": idx, "of": count}
-    if record_id(whole) != rid:
-      raise HTTPException(400, "the reassembled chunks do not hash to record_id.")
-    ingest.take(whole, parse_record(whole, 0), rid, 0)  # not stored: looked up above
+    try:
+      if record_id(whole) != rid:
+        raise HTTPException(400, "the reassembled chunks do not hash to record_id; its "
+                            "chunks were dropped: send every chunk of the record again.")
+      record = parse_record(whole, 0)
+    except HTTPException as e:  # the chunks go, so a resent last chunk costs only its bytes
+      raise ChunksRefused(e) from None
+    ingest.take(whole, record, rid, 0)  # not stored: looked up above
     return {"chunk": idx, "of": count, **ingest.ack()}
 
   def close(self, ingest: Ingest, envelope: dict) -> dict:
@@ -156,6 +170,10 @@ class EnvelopeJob:
   def step(self) -> dict | None:
     try:
       return self._step()
+    except ChunksRefused as e:  # its transaction rolled back: dropped in one of their own
+      with self.store.engine.begin() as conn:
+        self.store.drop_chunks(conn, self.proof_id)
+      raise e.refusal from None
     except sa.exc.IntegrityError:  # not expected: writes hold the write lock
       raise HTTPException(503, "another envelope of this proof was stored at the same "
                           "time; resend this one (what it stored is kept).") from None

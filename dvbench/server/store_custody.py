@@ -147,12 +147,16 @@ class CustodyQueries:
     conn.execute(chunks.delete().where(of_record & (chunks.c.idx == idx)))
     conn.execute(chunks.insert().values(proof_id=proof_id, record_id=record_id, idx=idx,
                                         count=count, data=data))
-    parts = conn.execute(sa.select(chunks.c.data).where(of_record & (chunks.c.idx < count))
-                         .order_by(chunks.c.idx)).all()
-    if len(parts) < count:
-      return None
+    present = of_record & (chunks.c.idx < count)
+    if conn.execute(sa.select(sa.func.count()).where(present)).scalar() < count:
+      return None  # counted, not read: a chunk costs its own bytes, not all held before it
+    parts = conn.execute(sa.select(chunks.c.data).where(present).order_by(chunks.c.idx)).all()
     conn.execute(chunks.delete().where(of_record))
     return b"".join(p[0] for p in parts)
+
+  def drop_chunks(self, conn, proof_id: str) -> None:
+    """Drops the chunks a proof holds (of a record that was refused whole)."""
+    conn.execute(chunks.delete().where(chunks.c.proof_id == proof_id))
 
   def record_data(self, proof_id: str) -> list[bytes]:
     with self.engine.connect() as conn:
