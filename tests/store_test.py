@@ -161,8 +161,26 @@ class StoreTest(parameterized.TestCase):
       stale = dataclasses.replace(head, records=3)  # a writer that lost a race for position 2
       with self.assertRaises(sa.exc.IntegrityError):
         store.append_records(conn, proof, stale, [(items[3][0], "step", b"other")])
-    self.assertEqual(store.record_data(proof), [b"root"] + [i[2] for i in items[:3]])
+    self.assertEqual(list(store.record_data(proof)), [b"root"] + [i[2] for i in items[:3]])
     self.assertEqual(store.proof(proof)["steps"], 3)
+
+  def test_a_transcript_is_read_in_pages_of_bounded_bytes(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    proof = self._proof(store)
+    sizes = [10, 30, 5, 50, 7, 7]
+    items = [(bytes([i]) * 32, "step", bytes([i]) * n) for i, n in enumerate(sizes)]
+    with store.engine.begin() as conn:
+      head = store.custody_head(conn, proof)
+      store.append_records(conn, proof, dataclasses.replace(
+          head, records=head.records + len(items), steps=len(items)), items)
+    pages, after = [], -1
+    while page := store.record_page(proof, after, page_bytes=40):
+      pages.append([len(data) for _, data in page])
+      after = page[-1][0]
+    # "root" (4 bytes) first; at most 40 bytes a page, one record at least (the 50)
+    self.assertEqual(pages, [[4, 10], [30, 5], [50], [7, 7]])
+    self.assertEqual(list(store.record_data(proof)), [b"root"] + [i[2] for i in items])
+    self.assertEqual(store.record_page(proof, len(items)), [])
 
   def test_one_job_one_worker_and_expired_leases_move_on(self, backend):
     store = db.Store.open(_fresh_url(backend))

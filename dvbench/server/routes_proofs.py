@@ -11,7 +11,7 @@ import secrets
 
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from dvbench import transport
@@ -261,12 +261,18 @@ class ProofRoutes:
                                           "challenge": r["challenge"].hex()})
 
   async def get_transcript(self, request):
+    """The records as one CBOR sequence, streamed a page at a time (``record_page``): a
+    reader holds a page, not the transcript (a few readers of a few GB took the server's
+    memory)."""
     proof_id = request.path_params["proof_id"]
+    await run_in_threadpool(self.service.proof_or_404, proof_id)
 
-    def read():
-      self.service.proof_or_404(proof_id)
-      return b"".join(self.store.record_data(proof_id))
-    return Response(await run_in_threadpool(read), media_type=_CBOR)
+    async def pages():
+      after = -1
+      while page := await run_in_threadpool(self.store.record_page, proof_id, after):
+        after = page[-1][0]
+        yield b"".join(data for _, data in page)
+    return StreamingResponse(pages(), media_type=_CBOR)
 
   async def get_receipt(self, request):
     proof = await run_in_threadpool(self.service.proof_or_404, request.path_params["proof_id"])

@@ -26,6 +26,9 @@ def unanswered():
 
 
 _INSERTS = {"sqlite": sqlite_dialect.insert, "postgresql": postgresql_dialect.insert}
+# A transcript read in pages of at most this many bytes (one record at least) and records.
+RECORD_PAGE_BYTES = 8 << 20
+RECORD_PAGE_ROWS = 4096
 
 
 def add_proof_digests(conn, table, proof_id: str, digests: set[str]) -> None:
@@ -158,10 +161,36 @@ class CustodyQueries:
     """Drops the chunks a proof holds (of a record that was refused whole)."""
     conn.execute(chunks.delete().where(chunks.c.proof_id == proof_id))
 
-  def record_data(self, proof_id: str) -> list[bytes]:
+  def record_page(self, proof_id: str, after: int = -1,
+                  page_bytes: int = RECORD_PAGE_BYTES) -> list[tuple[int, bytes]]:
+    """``(position, bytes)`` of a proof's records after position ``after``, in order, up to
+    ``page_bytes`` in all (one record at least); [] past the last. A transcript is read a
+    page at a time, never whole (it may be gigabytes).
+
+    Example: ``store.record_page(proof_id)[0][0] == 0``.
+    """
+    of_proof = (records.c.proof_id == proof_id) & (records.c.position > after)
     with self.engine.connect() as conn:
-      return [r[0] for r in conn.execute(sa.select(records.c.data).where(
-          records.c.proof_id == proof_id).order_by(records.c.position))]
+      sizes = conn.execute(sa.select(records.c.position, sa.func.length(records.c.data))
+                           .where(of_proof).order_by(records.c.position)
+                           .limit(RECORD_PAGE_ROWS)).all()
+      if not sizes:
+        return []
+      last, total = sizes[0][0], 0
+      for position, size in sizes:
+        if total and total + size > page_bytes:
+          break
+        last, total = position, total + size
+      return [tuple(r) for r in conn.execute(
+          sa.select(records.c.position, records.c.data)
+          .where(of_proof & (records.c.position <= last)).order_by(records.c.position))]
+
+  def record_data(self, proof_id: str):
+    """A proof's records' bytes, in order, read a page at a time (``record_page``)."""
+    after = -1
+    while page := self.record_page(proof_id, after):
+      for after, data in page:
+        yield data
 
   def last_record(self, conn, proof_id: str) -> tuple[int, bytes | None, bytes | None]:
     """(record count, id and bytes of the last record) of a proof."""
