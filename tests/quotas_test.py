@@ -138,6 +138,18 @@ class QuotaCases:
     self.assertEqual(http.put(url("never-registered", data), content=data).status_code, 201)
     self.assertEqual(int(self.usage("bea")["stored_bytes"][0]), len(data))
 
+  def test_a_discarded_proofs_blobs_stay_stored_bytes(self):
+    # Attack: blobs up to the quota, DELETE the proof (it has no step), again: the blobs
+    # stayed on disk and the quota forgot them (40 MiB stored against 10 MB in 5 rounds).
+    prover = FakeProver(self.server.url, self.server.token("dan"), "dan/run").start()
+    data = os.urandom(_STORED_BYTES // 3)
+    prover.upload(data)
+    self.assertEqual(prover.http.delete(f"/api/v1/proofs/{prover.proof_id}").status_code, 204)
+    self.assertEqual(int(self.usage("dan")["stored_bytes"][0]), len(data))  # its record gone
+    again = FakeProver(self.server.url, self.server.token("dan"), "dan/run").start()
+    again.upload(data)  # the same blob: counted once (beside the new proof's root record)
+    self.assertBetween(int(self.usage("dan")["stored_bytes"][0]), len(data), 2 * len(data) - 1)
+
   def test_probed_row_digests_are_stored_bytes(self):
     # Attack: a probe record of many tiny rows (4 bytes of record each) made the server
     # store a digest row per row, uncounted: the quota charges each opened row as its

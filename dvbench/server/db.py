@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from dvbench.server.schema import (  # pylint: disable=unused-import  # re-exported
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
     MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
-    MIGRATION_9_TABLES, MIGRATION_10_COLUMNS, MIGRATION_11_INDEX,
+    MIGRATION_9_TABLES, MIGRATION_10_COLUMNS, MIGRATION_11_INDEX, MIGRATION_12_TABLES,
     benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
     measurements, metadata, owners, probe_examples, probes, proof_blobs, proof_claims, proofs,
     receipts, records, schema_migrations, score_shards, settings, slots, streams, submissions,
@@ -176,6 +176,12 @@ def _migration_11(conn) -> None:
   MIGRATION_11_INDEX.create(conn, checkfirst=True)  # new databases: with the table
 
 
+def _migration_12(conn) -> None:
+  """A discarded proof's blobs stay charged to its owner (they stay on disk)."""
+  for table in MIGRATION_12_TABLES:
+    table.create(conn, checkfirst=True)
+
+
 class NewerSchema(RuntimeError):
   """The database was migrated by a newer dvbench than this one."""
 
@@ -185,7 +191,7 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (5, _migration_5), (6, _migration_6),
                                           (7, _migration_7), (8, _migration_8),
                                           (9, _migration_9), (10, _migration_10),
-                                          (11, _migration_11)]
+                                          (11, _migration_11), (12, _migration_12)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,

@@ -1,7 +1,8 @@
 """Quotas per owner: what one owner's tokens may hold on the server.
 
 * ``stored_bytes``: records, chunks and blobs of the owner's proofs and benchmarks (a blob
-  counted once per owner however many hold it), the records of its measurements, and
+  counted once per owner however many hold it; a discarded proof's blobs too, as they stay
+  on disk), the records of its measurements, and
   ``OPENED_ROW_BYTES`` for each batch row their probes opened, counted as the records
   arrive: the digests the worker indexes once a proof is closed
   (``dvbench.contamination.probed_digests``) are at most a row digest and half an example
@@ -36,8 +37,8 @@ import sqlalchemy as sa
 from dvbench.server.limits import QUOTA_FLAGS as FLAGS
 from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
-from dvbench.server.schema import (benchmark_blobs, chunks, experiments, measurements, owners,
-                                   proof_blobs, proofs, records, slots)
+from dvbench.server.schema import (benchmark_blobs, chunks, experiments, measurements,
+                                   owner_blobs, owners, proof_blobs, proofs, records, slots)
 
 STORED_BYTES_TTL = 10.0
 DIGEST_ROW_BYTES = 160  # a stored probe digest: proof id, hex digest, index entries
@@ -72,6 +73,8 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
         proof_blobs.c.proof_id.in_(owned)).distinct()).scalars())
     digests.update(conn.execute(sa.select(benchmark_blobs.c.digest).where(
         benchmark_blobs.c.benchmark.startswith(f"{owner}/", autoescape=True))).scalars())
+    digests.update(conn.execute(sa.select(owner_blobs.c.digest).where(
+        owner_blobs.c.owner == owner)).scalars())
     opened = conn.execute(sa.select(sa.func.coalesce(sa.func.sum(proofs.c.probed_rows), 0))
                           .where(proofs.c.experiment_id.in_(exp))).scalar()
   return {"stored_bytes": held + sum(blob_size(d) for d in digests)

@@ -325,3 +325,12 @@ MIGRATION_9_TABLES = (pending_verdicts,)
 # -- migration 10: probed rows counted at ingest, indexed by the worker ----------------
 
 MIGRATION_10_COLUMNS = {"proofs": ("probed_rows",)}
+
+# -- migration 12: blobs of discarded proofs, still on disk, still their owner's ----------
+
+owner_blobs = sa.Table(  # a blob uploaded for a proof since discarded (no step): charged on
+    "owner_blobs", metadata,
+    sa.Column("owner", sa.String(64), primary_key=True),
+    sa.Column("digest", sa.String(64), primary_key=True))
+
+MIGRATION_12_TABLES = (owner_blobs,)

@@ -31,13 +31,18 @@ RECORD_PAGE_BYTES = 8 << 20
 RECORD_PAGE_ROWS = 4096
 
 
+def insert_ignoring(conn, table):
+  """An insert into ``table`` that skips each row whose primary key exists."""
+  return _INSERTS[conn.dialect.name](table).on_conflict_do_nothing()
+
+
 def add_proof_digests(conn, table, proof_id: str, digests: set[str]) -> None:
   """Adds to ``table`` (``proof_id``, ``digest`` rows, its primary key) the ``digests`` it
   does not hold for the proof yet, e.g. the blobs its records name or the rows its probes
   opened: one statement, each row skipped where the key exists (no lookup first: 290
   digests an acknowledgement took 1.7 ms, now 1.1)."""
   if digests:
-    conn.execute(_INSERTS[conn.dialect.name](table).on_conflict_do_nothing(),
+    conn.execute(insert_ignoring(conn, table),
                  [{"proof_id": proof_id, "digest": d} for d in sorted(digests)])
 
 

@@ -16,8 +16,9 @@ import time
 import sqlalchemy as sa
 
 from dvbench.server.schema import (blob_refs, challengers, challenges, checks, chunks,
-                                   probes, proof_blobs, proof_claims, proofs, receipts, records,
-                                   streams)
+                                   experiments, owner_blobs, owners, probes, proof_blobs,
+                                   proof_claims, proofs, receipts, records, streams)
+from dvbench.server.store_custody import insert_ignoring
 
 # Every table with rows of one proof (a proof with no step has no job, measurement or
 # submission: those need a closed proof). Its slot stays taken, so its root cannot return.
@@ -74,6 +75,15 @@ class LivenessQueries:
     if row.state != "receiving" or row.steps:
       return (f"proof {proof_id} is {row.state} with {row.steps} steps; only a proof that "
               "never sent a step is discarded")
+    # Its blobs stay on disk (another proof may hold them too): still its owner's bytes.
+    owner = conn.execute(sa.select(owners.c.name).select_from(
+        proofs.join(experiments).join(owners, owners.c.id == experiments.c.owner_id))
+                         .where(proofs.c.id == proof_id)).scalar()
+    digests = conn.execute(sa.select(proof_blobs.c.digest).where(
+        proof_blobs.c.proof_id == proof_id)).scalars().all()
+    if digests:
+      conn.execute(insert_ignoring(conn, owner_blobs), [
+          {"owner": owner, "digest": d} for d in sorted(digests)])
     for table in _PROOF_ROWS:
       conn.execute(table.delete().where(table.c.proof_id == proof_id))
     conn.execute(proofs.delete().where(proofs.c.id == proof_id))
