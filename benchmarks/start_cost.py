@@ -89,7 +89,7 @@ def _segment_runs(ctx: Verification) -> dict:
       replayed = ctx.programs.replay_segment(program, start, batches, "bench", False,
                                              0 if test else None)
       if test:  # an honest step: one other batch shows every leaf reads the batch
-        assert sensitivity.measure(program, batches, 0, seed, *replayed[3]) is None
+        assert sensitivity.measure(program, batches, 0, seed, *replayed[3])[0] is None
       return replayed[1]
     return run
   replay(True)()  # compiles

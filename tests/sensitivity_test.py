@@ -115,7 +115,11 @@ class BatchIgnoredTest(parameterized.TestCase):
 
   def test_honest_program_holds(self):
     report = verify.verify(write_transcript(steps=2))
-    self.assertEqual(report.claim("program").status, verify.HOLDS, report.dumps())
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.HOLDS, report.dumps())
+    # Segments of one step: no other batch to run on, and the claim says so.
+    self.assertIn("(2 on perturbed batches (where no other batch of its segment held other "
+                  "rows; a program may recognize a perturbed batch))", claim.detail)
     self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))
 
 
@@ -151,11 +155,11 @@ class PerturbationTest(absltest.TestCase):
       draws.append(batch)
       return honest if len(draws) < 3 else [np.asarray([0.01, -0.01], np.float32)]
     batch = np.arange(4, dtype=np.float32)
-    self.assertIsNone(sensitivity.measure(program, [[batch]], 0, b"s" * 32, before, honest,
-                                          sign_only))
+    self.assertEqual(sensitivity.measure(program, [[batch]], 0, b"s" * 32, before, honest,
+                                         sign_only), (None, sensitivity.PERTURBED))
     self.assertLen(draws, 3)
-    problem = sensitivity.measure(program, [[batch]], 0, b"s" * 32, before, honest,
-                                  lambda b: honest)
+    problem, _ = sensitivity.measure(program, [[batch]], 0, b"s" * 32, before, honest,
+                                     lambda b: honest)
     self.assertIn(f"with {sensitivity.MAX_DRAWS} perturbed batches", problem)
 
   def test_sign_based_updates_are_never_said_to_ignore_the_batch(self):
@@ -217,8 +221,8 @@ class OtherBatchesTest(absltest.TestCase):
 
   def test_a_batch_of_keys_alone_is_undecided(self):
     program = types.SimpleNamespace(batch=self.LAYOUTS[2:], params_leaves=(0,), state=())
-    problem = sensitivity.measure(program, [[np.zeros(2, np.uint32)]], 0, b"s" * 32,
-                                  [np.zeros(1)], [np.ones(1)], lambda b: [np.ones(1)])
+    problem, _ = sensitivity.measure(program, [[np.zeros(2, np.uint32)]], 0, b"s" * 32,
+                                     [np.zeros(1)], [np.ones(1)], lambda b: [np.ones(1)])
     self.assertTrue(problem.startswith(sensitivity.UNDECIDED), problem)
     self.assertIn("the batch holds PRNG keys only", problem)
 
@@ -319,9 +323,9 @@ class RecognizedPerturbationTest(absltest.TestCase):
     report = verify.verify(path)
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.HOLDS, claim.detail)
-    self.assertIn("run again on other batches (its segment's other steps' where they hold "
-                  "other rows, else perturbed ones), changed every params leaf it trains",
-                  claim.detail)
+    self.assertIn("run again on other batches (2 on other steps' batches), changed every "
+                  "params leaf it trains", claim.detail)
+    self.assertEqual(claim.facts["batches_drawn"], {sensitivity.OTHER_STEPS: 2})
     self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))
 
 

@@ -216,8 +216,8 @@ def _check_sensitivity(outcome, program, measured, batches: list, tested: int, s
   if not program.params_leaves:
     return  # nothing to test: the program claim says so
   try:
-    problem = sensitivity.measure(program, batches, tested,
-                                  sensitivity.seed_of(step.record_id), *measured)
+    problem, outcome.batches_drawn = sensitivity.measure(
+        program, batches, tested, sensitivity.seed_of(step.record_id), *measured)
   except Exception as e:  # pylint: disable=broad-except  # a replay with another batch failed
     if errors.out_of_memory(e):
       raise  # a fault of this machine, not of the program

@@ -20,6 +20,7 @@ Example::
   standing(report).label               # "verified steps — start unattested"
 """
 
+import collections
 import dataclasses
 
 from zkdv import challenge
@@ -28,6 +29,7 @@ from zkdv.verify import order
 from zkdv.verify.context import Verification
 from zkdv.verify.programs import parameter_count, params_bytes
 from zkdv.verify.report import (COULD_NOT_VERIFY, DOES_NOT_HOLD, HOLDS, INVALID, Claim)
+from zkdv.verify.sensitivity import OTHER_STEPS, PERTURBED
 
 _ANY = frozenset({"unreadable", "no_root", "format_version"})
 _RECORDS = frozenset({"torn_tail", "encoding", "chain", "schema", "after_final", "step_index",
@@ -215,11 +217,16 @@ def _program(ctx: Verification) -> Claim:
                  f"read its batch only on the steps it expects tested; each segment's first "
                  f"step read it ({len(tested)} of {len(rows)} programs tested)",
                  {"programs": rows})
+  drawn = collections.Counter(c.batches_drawn for c in ctx.report.checks
+                              if c.kind == "update" and c.batch_sensitive)
+  on = ", ".join(f"{drawn[kind]} on {kind}" for kind in (OTHER_STEPS, PERTURBED) if drawn[kind])
+  if drawn[PERTURBED]:
+    on += (" (where no other batch of its segment held other rows; a program may recognize "
+           "a perturbed batch)")
   return Claim("program", HOLDS, f"disclosed ({ids}); each replayed update, run again on "
-               "other batches (its segment's other steps' where they hold other rows, else "
-               "perturbed ones), changed every params leaf it trains "
+               f"other batches ({on}), changed every params leaf it trains "
                f"({len(tested)} of {len(rows)} programs tested); {PROGRAM_TEST_LIMIT}",
-               {"programs": rows})
+               {"programs": rows, "batches_drawn": dict(drawn)})
 
 
 def _data(ctx: Verification) -> Claim:

@@ -56,11 +56,13 @@ class CheckOutcome:
   max_rel_error: float = 0.0
   max_ulp_error: int = 0
   first: int | None = None  # the first step of the replayed segment
-  # Whether the replayed segment's first step changed every trained params leaf when its
-  # batch was perturbed (zkdv.verify.sensitivity); None: not tested. ``batch_ignored``
-  # says what did not change.
+  # Whether the segment's tested step changed every trained params leaf when replayed on
+  # other batches (zkdv.verify.sensitivity); None: not tested. ``batch_ignored`` says what
+  # did not change; ``batches_drawn`` which batches it ran on ("other steps' batches" or
+  # "perturbed batches").
   batch_sensitive: bool | None = None
   batch_ignored: str | None = None
+  batches_drawn: str | None = None
 
 
 @dataclasses.dataclass

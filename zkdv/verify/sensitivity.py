@@ -140,19 +140,22 @@ def batch_ignored(program, before: list, honest: list, perturbed: list,
   return None
 
 
+OTHER_STEPS, PERTURBED = "other steps' batches", "perturbed batches"
+
+
 def measure(program, batches: list, tested: int, seed: bytes, before, honest,
-            replay) -> str | None:
-  """``batch_ignored`` after replaying step ``tested`` of a segment (``batches``: its
-  opened batches) with up to ``MAX_DRAWS`` other batches (``replay(batch)``: the params
-  leaves after the step), drawn while a trained leaf has not changed: the segment's
-  other batches of other rows, else perturbed ones. A batch of PRNG keys alone is
-  undecided: it has no data to change."""
+            replay) -> tuple[str | None, str]:
+  """(``batch_ignored``, the batches drawn: ``OTHER_STEPS`` or ``PERTURBED``) after
+  replaying step ``tested`` of a segment (``batches``: its opened batches) with up to
+  ``MAX_DRAWS`` other batches (``replay(batch)``: the params leaves after the step), drawn
+  while a trained leaf has not changed: the segment's other batches of other rows, else
+  perturbed ones. A batch of PRNG keys alone is undecided: it has no data to change."""
   layouts = program.batch
+  others = other_batches(layouts, batches, tested, seed)
+  drawn = OTHER_STEPS if others else PERTURBED
   if all(l.key_impl is not None for l in layouts):
     return (f"{UNDECIDED}the batch holds PRNG keys only, no data another batch could "
-            "change")
-  others = other_batches(layouts, batches, tested, seed)
-  drawn = "other steps' batches" if others else "perturbed batches"
+            "change"), drawn
   draws = iter(others) if others else (
       perturbed_batch(layouts, batches[tested], seed, draw) for draw in range(MAX_DRAWS))
   perturbed = []
@@ -161,5 +164,5 @@ def measure(program, batches: list, tested: int, seed: bytes, before, honest,
     perturbed.append(replay(batch))
     problem = batch_ignored(program, before, honest, perturbed, drawn)
     if problem is None or problem.startswith("the step changes no params leaf"):
-      return problem
-  return problem
+      break
+  return problem, drawn
