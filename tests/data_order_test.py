@@ -26,6 +26,8 @@ from dvbench.benchmark import TrainingSet
 from dvbench.server import custody
 from tests import resume_test
 from tests import testing
+from tests.cli_test import zkdv_here
+from zkdv import cli as zkdv_cli
 from zkdv import challenge
 from zkdv import data as data_lib
 from zkdv import errors
@@ -150,8 +152,26 @@ class DataOrderTest(parameterized.TestCase):
     self.assertStartsWith(claim.detail, "data order: self-seeded")
     self.assertEqual(claim.facts["dataset"], TrainingSet(DATA).root.hex())  # a benchmark's pin
     # Any rows can be a dataset (a model's weights among them): the root is the prover's.
-    self.assertIn("a root the prover declared: a benchmark's training_set pin names the one "
-                  "it needs", claim.detail)
+    self.assertIn("a root the prover declared: zkdv verify --dataset-root or a benchmark's "
+                  "training_set pin names the one it needs", claim.detail)
+
+  def test_a_required_dataset_root_is_the_one_the_run_drew_from(self):
+    root = TrainingSet(DATA).root
+    claim = verify.verify(self.honest, dataset_root=root).claim("data")
+    self.assertEqual(claim.status, "holds", claim.detail)
+    self.assertIn("the dataset required", claim.detail)
+    # Any other root, e.g. the run's dataset was the weights it meant to end with: the
+    # run "verified" with "data order: server-seeded" over rows the prover chose.
+    other = TrainingSet({"x": DATA["x"] + 1, "y": DATA["y"]}).root
+    claim = verify.verify(self.honest, dataset_root=other).claim("data")
+    self.assertEqual(claim.status, "does not hold")
+    self.assertIn(f"the dataset {other.hex()[:16]}… is required, and the run declared "
+                  f"{root.hex()[:16]}…", claim.detail)
+    result = zkdv_here("verify", self.honest, "--dataset-root", other.hex(), "--require", "data",
+                       "--quiet")
+    self.assertEqual(result.returncode, 1)
+    self.assertEqual(zkdv_here("verify", self.honest, "--dataset-root", "ab").returncode,
+                     zkdv_cli.EXIT_USAGE)
     # every row of every leaf probed: x one row per Merkle leaf, y one group of 16
     self.assertEqual(claim.facts["dataset_rows"], STEPS * BATCH * 2)
 

@@ -250,6 +250,16 @@ def _challenge_key(text: str) -> bytes:
   return _key_bytes(text, "--challenge-key-file", _parse_challenge_key)
 
 
+def _dataset_root(text: str) -> bytes:
+  try:
+    root = bytes.fromhex(text)
+  except ValueError:
+    root = b""
+  if len(root) != 32:
+    raise argparse.ArgumentTypeError("a dataset root is 64 hex digits (TrainingSet(rows).root).")
+  return root
+
+
 def _claims(text: str) -> tuple:
   names = tuple(n.strip() for n in text.split(",") if n.strip())
   unknown = set(names) - set(verify_lib.CLAIMS)
@@ -308,6 +318,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="the challenge key K in hex (DVBench's own workers, before a receipt): "
                  "re-derives the challenges, but the chain's binding and the challenges "
                  "claim could not be verified (only a signed receipt shows them)")
+  v.add_argument("--dataset-root", type=_dataset_root, metavar="HEX",
+                 help="the Merkle root of the dataset the run must draw its batches from "
+                 "(proof.batches; TrainingSet(rows).root): else the data claim names the "
+                 "root the run declared, which is the prover's choice")
   v.add_argument("--progress-file", metavar="FILE",
                  help="write 'KIND STEP' of the check being run into FILE as each starts "
                  "(what a verification stopped for its time was replaying)")
@@ -383,7 +397,7 @@ def _main(argv=None) -> int:
         strict=args.strict, server_key=args.server_key, challenge_key=args.challenge_key_file,
         tolerance=Tolerance(*args.tolerance) if args.tolerance else None,
         progress=progress_bar(sys.stderr, "replaying checks") if show_progress else None,
-        jobs=args.jobs,
+        jobs=args.jobs, dataset_root=args.dataset_root,
         on_check=_check_file(args.progress_file) if args.progress_file else None)
   if args.json:
     print(report.dumps())

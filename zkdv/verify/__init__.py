@@ -60,7 +60,8 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
            server_key: bytes | None = None, challenge_key: bytes | None = None,
            progress: Callable[[int, int], None] | None = None,
            read_ahead: bool | None = None, jobs: int = 1,
-           on_check: Callable[[str, int], None] | None = None) -> Report:
+           on_check: Callable[[str, int], None] | None = None,
+           dataset_root: bytes | None = None) -> Report:
   """Verifies the transcript at ``path`` (a folder or its records file).
 
   ``server_key`` (32 bytes) checks ``receipt.cbor`` beside the records;
@@ -71,13 +72,14 @@ def verify(path: str | os.PathLike, *, replay: str = "sampled",
   the current check replays (None: where there are more than two cores).
   ``jobs`` > 1 replays a segmented transcript's update checks in that many
   processes (same report). ``on_check(kind, step)`` is called as each check
-  starts in this process (what a verification out of time was doing). Raises
+  starts in this process (what a verification out of time was doing).
+  ``dataset_root``: the dataset the run must have drawn its batches from. Raises
   ValueError only for bad arguments, never for a bad transcript.
   """
   if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= 256:
     raise ValueError(f"jobs must be an int in [1, 256], got {jobs!r}.")
   options = policy.VerifierPolicy(replay, tolerance or Tolerance(), min_checks,
-                                  tuple(required), strict)
+                                  tuple(required), strict, dataset_root)
   path = pathlib.Path(path)
   ctx = Verification(Report(path=str(path), required=options.required), options)
   try:

@@ -240,11 +240,18 @@ def _data(ctx: Verification) -> Claim:
            "dataset_rows": ctx.report.dataset_rows}
   said = (f"data: probed, {ctx.report.probed_rows} challenger-chosen batch rows opened with "
           f"Merkle proofs (ratio {ratio:g})")
+  required = ctx.options.dataset_root
+  if required is not None and (declared is None or declared.root != required):
+    return Claim("data", DOES_NOT_HOLD, f"{said}; the dataset {required.hex()[:16]}… is "
+                 "required, and the run " + ("declared none (its batches were not drawn "
+                 "with proof.batches)" if declared is None else
+                 f"declared {declared.root.hex()[:16]}…"), facts)
+  whose = ("the dataset required" if required is not None else "a root the prover declared: "
+           "zkdv verify --dataset-root or a benchmark's training_set pin names the one it needs")
   if declared is not None:
     said = (f"data order: {facts['order']}, every step's rows are its batch of the order "
             f"seeded by the proof's slot over dataset {declared.root.hex()[:16]}… "
-            f"({declared.rows} rows, batches of {declared.batch_size}; a root the prover "
-            "declared: a benchmark's training_set pin names the one it needs); "
+            f"({declared.rows} rows, batches of {declared.batch_size}; {whose}); "
             f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
             f"(probe ratio {ratio:g}{', every row under full replay' if full else ''})")
   if ratio == 0 and not (declared is not None and full):

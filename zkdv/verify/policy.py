@@ -34,6 +34,9 @@ class VerifierPolicy:
     min_checks: challenged update checks that must be answered and replayed.
     required: the claims that must hold for exit code 0.
     strict: require every claim, with exact (bitwise) replays.
+    dataset_root: the Merkle root (32 bytes) of the dataset the run must declare and draw
+      its batches from (``proof.batches``); None: any the run declares, which the data
+      claim says is the prover's.
   """
 
   replay: str = "sampled"
@@ -41,6 +44,7 @@ class VerifierPolicy:
   min_checks: int = 1
   required: tuple = DEFAULT_REQUIRED
   strict: bool = False
+  dataset_root: bytes | None = None
 
   def __post_init__(self):
     if self.replay not in REPLAY_MODES:
@@ -54,6 +58,8 @@ class VerifierPolicy:
     unknown = set(self.required) - set(CLAIMS)
     if unknown:
       raise ValueError(f"unknown claims {sorted(unknown)}; the claims are {list(CLAIMS)}.")
+    if self.dataset_root is not None and not _digest(self.dataset_root):
+      raise ValueError(f"dataset_root must be {DIGEST_BYTES} bytes, got {self.dataset_root!r}.")
     object.__setattr__(self, "required", CLAIMS if self.strict else tuple(self.required))
 
 
