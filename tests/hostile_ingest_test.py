@@ -371,6 +371,16 @@ class TransportCases:
     self.assertEqual(chunk(1, 1, raw[half:]).json(), {"chunk": 1, "of": 2, "seq": 1})
     self.assertEqual(chunk(2, 0, raw[:half]).json()["stored"], 1)  # the resend completes it
     self.assertEqual(self.record_ids(prover.proof_id)[1], record_id(raw).hex())
+    # A record that hashes to its id and is refused by the chain rules goes the same way.
+    stray = encode_record({**cbor2.loads(prover.step_record()), "prev": b"\x07" * 32})
+    envelope = lambda seq, index, data: encode_record({  # pylint: disable=g-long-lambda
+        "client_id": "c", "seq": seq, "kind": "chunk", "record_id": record_id(stray),
+        "index": index, "count": 2, "data": data})
+    post = lambda body: self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream", content=body)  # pylint: disable=unnecessary-lambda-assignment
+    half = len(stray) // 2
+    self.assertEqual(post(envelope(3, 0, stray[:half])).status_code, 200)
+    self.assertRefused(post(envelope(4, 1, stray[half:])), 409, "chains to 0707")
+    self.assertEqual(post(envelope(4, 1, stray[half:])).json(), {"chunk": 1, "of": 2, "seq": 4})
 
   def test_unknown_tokens_are_locked_out_per_address_and_valid_tokens_never(self):
     def post(token: str) -> tuple[int, bytes]:

@@ -118,8 +118,9 @@ class BatchIgnoredTest(parameterized.TestCase):
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.HOLDS, report.dumps())
     # Segments of one step: no other batch to run on, and the claim says so.
-    self.assertIn("(2 on perturbed batches (where no other batch of its segment held other "
-                  "rows; a program may recognize a perturbed batch))", claim.detail)
+    self.assertIn("(2 checks on perturbed batches, perturbed where no other batch of its "
+                  "segment held other rows: a program may recognize a perturbed batch)",
+                  claim.detail)
     self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))
 
 
@@ -183,28 +184,31 @@ class PerturbationTest(absltest.TestCase):
 class OtherBatchesTest(absltest.TestCase):
 
   LAYOUTS = (digest.LeafLayout("x", "float32", (2, 2)), digest.LeafLayout("y", "int32", (2,)),
-             digest.LeafLayout("k", "uint32", (2,), key_impl="threefry2x32"))
+             digest.LeafLayout("k", "uint32", (2,), key_impl="threefry2x32"),
+             digest.LeafLayout("lr", "float32", ()), digest.LeafLayout("e", "float32", (0,)))
 
-  def batch(self, x, y, k):
-    return [np.asarray(x, np.float32), np.asarray(y, np.int32), np.asarray(k, np.uint32)]
+  def batch(self, x, y, k, lr=0.5):
+    return [np.asarray(x, np.float32), np.asarray(y, np.int32), np.asarray(k, np.uint32),
+            np.float32(lr), np.zeros(0, np.float32)]
 
-  def test_other_rows_only_with_the_tested_steps_keys(self):
+  def test_other_rows_in_every_row_leaf_with_the_tested_steps_keys_and_scalars(self):
     tested = self.batch([[1, 2], [3, 4]], [0, 1], [7, 7])
-    reordered = self.batch([[3, 4], [1, 2]], [1, 0], [8, 8])  # the same rows: not drawn
-    other = self.batch([[5, 6], [3, 4]], [0, 1], [9, 9])
-    labels = self.batch([[1, 2], [3, 4]], [1, 1], [9, 9])  # other labels are other rows
+    reordered = self.batch([[3, 4], [1, 2]], [1, 0], [8, 8], lr=0.25)  # the same rows
+    other = self.batch([[5, 6], [3, 4]], [1, 1], [9, 9], lr=0.125)
+    labels = self.batch([[1, 2], [3, 4]], [1, 1], [9, 9])  # x shared: a leaf reading it alone
     draws = sensitivity.other_batches(self.LAYOUTS, [tested, reordered, other, labels], 0,
                                       b"s" * 32)
-    self.assertLen(draws, 2)
-    drawn = sorted((d[0].tobytes(), d[1].tobytes()) for d in draws)
-    self.assertEqual(drawn, sorted((b[0].tobytes(), b[1].tobytes()) for b in (other, labels)))
-    for d in draws:  # the key is the tested step's own, bit for bit
-      self.assertEqual((d[2].dtype, d[2].tobytes()), (tested[2].dtype, tested[2].tobytes()))
-    self.assertEqual(sensitivity.other_batches(self.LAYOUTS, [tested, reordered], 0, b"s" * 32),
-                     [])
+    self.assertLen(draws, 1)
+    (drawn,) = draws
+    for n in (0, 1):  # its rows
+      self.assertEqual(drawn[n].tobytes(), other[n].tobytes())
+    for n in (2, 3, 4):  # the tested step's key, learning rate and empty leaf, bit for bit
+      self.assertEqual((drawn[n].dtype, drawn[n].tobytes()), (tested[n].dtype, tested[n].tobytes()))
+    self.assertEqual(sensitivity.other_batches(self.LAYOUTS, [tested, reordered, labels], 0,
+                                               b"s" * 32), [])
 
   def test_at_most_max_draws_in_an_order_drawn_from_the_seed(self):
-    batches = [self.batch([[n, 0], [0, 0]], [0, 0], [0, 0]) for n in range(40)]
+    batches = [self.batch([[n, 0], [0, 0]], [n, 0], [0, 0]) for n in range(40)]
     first = [d[0][0, 0] for d in sensitivity.other_batches(self.LAYOUTS, batches, 3, b"a" * 32)]
     again = [d[0][0, 0] for d in sensitivity.other_batches(self.LAYOUTS, batches, 3, b"a" * 32)]
     other = [d[0][0, 0] for d in sensitivity.other_batches(self.LAYOUTS, batches, 3, b"b" * 32)]
@@ -213,18 +217,44 @@ class OtherBatchesTest(absltest.TestCase):
     self.assertNotEqual(first, other)
     self.assertNotIn(3.0, first)
 
-  def test_perturbed_batches_keep_the_keys(self):
+  def test_perturbed_rows_keep_the_keys_and_scalars(self):
     batch = self.batch([[1, 2], [3, 4]], [0, 1], [7, 8])
-    perturbed = sensitivity.perturbed_batch(self.LAYOUTS, batch, b"s" * 32)
-    self.assertEqual(perturbed[2].tobytes(), batch[2].tobytes())
+    perturbed = sensitivity.perturbed_batch(self.LAYOUTS, batch, b"s" * 32, 0,
+                                            sensitivity.row_leaves(self.LAYOUTS))
+    self.assertEqual(sensitivity.row_leaves(self.LAYOUTS), [0, 1])
+    for n in (2, 3, 4):
+      self.assertEqual(perturbed[n].tobytes(), batch[n].tobytes())
     self.assertNotEqual(perturbed[0].tobytes(), batch[0].tobytes())
 
-  def test_a_batch_of_keys_alone_is_undecided(self):
+  def test_a_batch_without_data_rows_is_undecided(self):
+    """A step's key, step number or learning rate alone: no data another batch changes;
+    an empty leaf beside them is no data either (its perturbation changes no byte)."""
     program = types.SimpleNamespace(batch=self.LAYOUTS[2:], params_leaves=(0,), state=())
-    problem, _ = sensitivity.measure(program, [[np.zeros(2, np.uint32)]], 0, b"s" * 32,
+    batch = [np.zeros(2, np.uint32), np.float32(0.5), np.zeros(0, np.float32)]
+    problem, _ = sensitivity.measure(program, [batch], 0, b"s" * 32,
                                      [np.zeros(1)], [np.ones(1)], lambda b: [np.ones(1)])
     self.assertTrue(problem.startswith(sensitivity.UNDECIDED), problem)
-    self.assertIn("the batch holds PRNG keys only", problem)
+    self.assertIn("the batch holds no data rows (PRNG keys and scalars only)", problem)
+
+  def test_full_batch_training_with_a_step_number_in_the_batch_holds(self):
+    """Every step's batch the same rows, shuffled, and a step number only returned: the
+    other batches hold no other rows, so the rows are perturbed (the step number kept)."""
+    proof = testing.new_proof("full-batch", update_p=1.0, segment_length=2)
+    proof.start(probe_ratio=0.5)
+    state = _sgd_state(proof)
+
+    @proof.jit
+    def train_step(state, x, y, epoch):
+      return _honest(state, x, y), epoch
+
+    order = np.random.default_rng(1)
+    for i in range(4):
+      rows = order.permutation(16)
+      state, _ = train_step(state, QUANTIZED[rows], LABELS[rows], np.float32(i))
+    report = verify.verify(proof.finish())
+    claim = report.claim("program")
+    self.assertEqual(claim.status, verify.HOLDS, claim.detail)  # a step number is no data
+    self.assertEqual(claim.facts["batches_drawn"], {sensitivity.PERTURBED: 2})
 
 
 # A dataset of quantized values (every one a multiple of 1/16, as pixels / 255 are on their
@@ -303,7 +333,7 @@ class RecognizedPerturbationTest(absltest.TestCase):
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
     self.assertRegex(claim.detail, r"params leaf \.params\['Dense_0'\]\['(bias|kernel)'\] "
-                     r"comes out bit for bit the same with 1 other steps' batches")
+                     r"comes out bit for bit the same with 1 other step's batch")
 
   def test_a_program_that_reads_only_its_key_is_caught(self):
     _, path = self.train(key_only_step, with_key=True)
@@ -316,14 +346,14 @@ class RecognizedPerturbationTest(absltest.TestCase):
         jax.jit(key_only_step)(base, x, y, jax.random.key(2)).params["Dense_0"]["kernel"]))
     claim = verify.verify(path).claim("program")
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
-    self.assertIn("comes out bit for bit the same with 1 other steps' batches", claim.detail)
+    self.assertIn("comes out bit for bit the same with 1 other step's batch", claim.detail)
 
   def test_an_honest_program_reads_other_steps_batches(self):
     _, path = self.train(_honest, with_key=False)
     report = verify.verify(path)
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.HOLDS, claim.detail)
-    self.assertIn("run again on other batches (2 on other steps' batches), changed every "
+    self.assertIn("run again on other batches (2 checks on other steps' batches), changed every "
                   "params leaf it trains", claim.detail)
     self.assertEqual(claim.facts["batches_drawn"], {sensitivity.OTHER_STEPS: 2})
     self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))

@@ -41,12 +41,13 @@ SLICE_SECONDS = 0.1
 
 
 class ChunksRefused(Exception):
-  """A record reassembled from its chunks was refused (``refusal``): its chunks are dropped
-  (else each resend of its last chunk would reassemble, hash and decode it all again)."""
+  """Record ``record_id``, reassembled from its chunks, was refused (``refusal``): its
+  chunks are dropped (else each resend of its last chunk would reassemble, hash, decode
+  and check it all again)."""
 
-  def __init__(self, refusal: HTTPException):
+  def __init__(self, refusal: HTTPException, record_id_: bytes):
     super().__init__(refusal.detail)
-    self.refusal = refusal
+    self.refusal, self.record_id = refusal, record_id_
 
 
 def parse_envelope(body: bytes) -> dict:
@@ -94,10 +95,9 @@ class Ingestion:
       if record_id(whole) != rid:
         raise HTTPException(400, "the reassembled chunks do not hash to record_id; its "
                             "chunks were dropped: send every chunk of the record again.")
-      record = parse_record(whole, 0)
+      ingest.take(whole, parse_record(whole, 0), rid, 0)  # not stored: looked up above
     except HTTPException as e:  # the chunks go, so a resent last chunk costs only its bytes
-      raise ChunksRefused(e) from None
-    ingest.take(whole, record, rid, 0)  # not stored: looked up above
+      raise ChunksRefused(e, rid) from None
     return {"chunk": idx, "of": count, **ingest.ack()}
 
   def close(self, ingest: Ingest, envelope: dict) -> dict:
@@ -172,7 +172,7 @@ class EnvelopeJob:
       return self._step()
     except ChunksRefused as e:  # its transaction rolled back: dropped in one of their own
       with self.store.engine.begin() as conn:
-        self.store.drop_chunks(conn, self.proof_id)
+        self.store.drop_chunks(conn, self.proof_id, e.record_id)
       raise e.refusal from None
     except sa.exc.IntegrityError:  # not expected: writes hold the write lock
       raise HTTPException(503, "another envelope of this proof was stored at the same "

@@ -24,8 +24,6 @@ from dvbench.server.store_custody import add_held_blob, add_proof_digests, has_h
 # "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
 # aggregated every row's output; "failed": a shard or the aggregate failed (why is shown).
 SUBMISSION_STATES = ("pending", "scoring", "scored", "failed")
-# Proofs with the same final params read to find the first that did not start from them.
-FIRST_CANDIDATES = 100
 
 
 def shard_id(submission_id: str, shard: int) -> str:
@@ -107,23 +105,22 @@ class BenchmarkQueries:
   def first_with_final_params(self, final_params: str) -> dict | None:
     """``{"id", "experiment"}`` of the proof that closed first with these final params (a
     proof that ended before ``ended_at`` was kept counts from its creation), e.g. the original
-    of a copied checkpoint. Only proofs whose replays held count, as their final params are
-    checked against a replayed state (any other proof's are what its final record declares:
-    a copy of another owner's, read from its transcript before it closed, say), and not one
-    whose start was these very params (a base checkpoint trained to itself copies it)."""
+    of a copied checkpoint. Only proofs whose server-chosen replays held count (any other
+    proof's final params are what its final record declares: another owner's, read from its
+    transcript before it closed, say); one that faked the steps to them escapes its checks
+    with probability 1 - p, as any faked step does. A proof whose start was these very
+    params (a base checkpoint trained to itself) copies them and does not count."""
     query = (sa.select(proofs.c.id, experiments.c.full_name.label("experiment"),
                        proof_claims.c.claims)
              .select_from(proofs.join(experiments).outerjoin(proof_claims))
              .where((proofs.c.final_params == final_params)
                     & proofs.c.state.in_(REPLAYED_STATES))
-             .order_by(sa.func.coalesce(proofs.c.ended_at, proofs.c.created_at), proofs.c.id)
-             .limit(FIRST_CANDIDATES))
+             .order_by(sa.func.coalesce(proofs.c.ended_at, proofs.c.created_at), proofs.c.id))
     with self.engine.connect() as conn:
-      rows = conn.execute(query).mappings().all()
-    for row in rows:
-      shown = json.loads(row["claims"]) if row["claims"] else {}
-      if shown.get(BASE_CHECKPOINT) != final_params:
-        return {"id": row["id"], "experiment": row["experiment"]}
+      for row in conn.execute(query).mappings():  # read as far as the first that counts
+        shown = json.loads(row["claims"]) if row["claims"] else {}
+        if shown.get(BASE_CHECKPOINT) != final_params:
+          return {"id": row["id"], "experiment": row["experiment"]}
     return None
 
   def benchmark_submission(self, benchmark_id: int, proof_id: str) -> dict | None:

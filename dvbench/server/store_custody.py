@@ -162,9 +162,10 @@ class CustodyQueries:
     conn.execute(chunks.delete().where(of_record))
     return b"".join(p[0] for p in parts)
 
-  def drop_chunks(self, conn, proof_id: str) -> None:
-    """Drops the chunks a proof holds (of a record that was refused whole)."""
-    conn.execute(chunks.delete().where(chunks.c.proof_id == proof_id))
+  def drop_chunks(self, conn, proof_id: str, record_id: bytes) -> None:
+    """Drops the chunks of record ``record_id`` of a proof (refused once whole)."""
+    conn.execute(chunks.delete().where((chunks.c.proof_id == proof_id)
+                                       & (chunks.c.record_id == record_id)))
 
   def record_page(self, proof_id: str, after: int = -1,
                   page_bytes: int = RECORD_PAGE_BYTES) -> list[tuple[int, bytes]]:

@@ -219,10 +219,11 @@ def _program(ctx: Verification) -> Claim:
                  {"programs": rows})
   drawn = collections.Counter(c.batches_drawn for c in ctx.report.checks
                               if c.kind == "update" and c.batch_sensitive)
-  on = ", ".join(f"{drawn[kind]} on {kind}" for kind in (OTHER_STEPS, PERTURBED) if drawn[kind])
+  on = ", ".join(f"{drawn[kind]} check{'s' * (drawn[kind] > 1)} on {kind}"
+                 for kind in (OTHER_STEPS, PERTURBED) if drawn[kind])
   if drawn[PERTURBED]:
-    on += (" (where no other batch of its segment held other rows; a program may recognize "
-           "a perturbed batch)")
+    on += (", perturbed where no other batch of its segment held other rows: a program may "
+           "recognize a perturbed batch")
   return Claim("program", HOLDS, f"disclosed ({ids}); each replayed update, run again on "
                f"other batches ({on}), changed every params leaf it trains "
                f"({len(tested)} of {len(rows)} programs tested); {PROGRAM_TEST_LIMIT}",

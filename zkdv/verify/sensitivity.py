@@ -3,14 +3,15 @@
 A step of each challenged segment, drawn from the segment's challenge
 (``zkdv.challenge.tested_step``: not one the program can expect, such as the
 segment's first), is replayed again from the state before it with other batches:
-the segment's other opened batches that hold other rows (real data, in an order
-drawn from the challenged step's record id: a program cannot tell them from its
-committed batches by how they look, as it could a rescaled one), or, where none
-does, a perturbed batch (each leaf's elements resampled, with replacement, from
-its own elements, and a floating leaf's elements each scaled by a factor in
-[0.5, 1.5): labels and token ids stay in their domain, sums and means change).
-PRNG-key leaves stay the step's own either way: the key is not data, and an update
-that reads only its key reads no batch. Every params leaf the step trains (one that
+the segment's other opened batches whose every row leaf holds other rows (real data,
+in an order drawn from the challenged step's record id: a program cannot tell them
+from its committed batches by how they look, as it could a rescaled one), or, where
+none does, the tested batch with its rows perturbed (each row leaf's elements
+resampled, with replacement, from its own elements, and a floating leaf's elements
+each scaled by a factor in [0.5, 1.5): labels and token ids stay in their domain, sums
+and means change). PRNG-key and scalar leaves stay the step's own either way: a key,
+step number or learning rate is not data, and an update moved by them alone reads no
+batch (a batch of them alone is undecided). Every params leaf the step trains (one that
 either replay changes) must come out different: a leaf equal in every replay ignores
 the batch, whatever the program's dataflow says (``0 * x``, ``x - x`` and
 ``where(False, x, c)`` all read ``x`` on paper and not at all in value). A step that
@@ -59,48 +60,65 @@ def _perturbed_leaf(array: np.ndarray, floating: bool, seed: bytes, index: int,
   return shuffled.reshape(array.shape)
 
 
-def perturbed_batch(layouts, batch, seed: bytes, draw: int = 0) -> list[np.ndarray]:
-  """Every data leaf of ``batch`` (host arrays, one per layout) perturbed from ``seed`` (the
-  ``draw``-th perturbation); PRNG-key leaves as they are.
+def perturbed_batch(layouts, batch, seed: bytes, draw: int = 0,
+                    leaves=None) -> list[np.ndarray]:
+  """``batch`` (host arrays, one per layout) with its leaves ``leaves`` (default: every one
+  but PRNG keys) perturbed from ``seed`` (the ``draw``-th perturbation), the others as
+  they are.
 
   Example: ``perturbed_batch(program.batch, [np.arange(4)], seed)`` is one leaf of four
   values drawn from 0..3.
   """
-  return [a if l.key_impl is not None else
-          _perturbed_leaf(np.asarray(a), "float" in l.dtype, seed, i, draw)
-          for i, (a, l) in enumerate(zip(batch, layouts))]
+  if leaves is None:
+    leaves = [i for i, l in enumerate(layouts) if l.key_impl is None]
+  return [_perturbed_leaf(np.asarray(a), "float" in l.dtype, seed, i, draw) if i in leaves
+          else a for i, (a, l) in enumerate(zip(batch, layouts))]
+
+
+def row_leaves(layouts) -> list[int]:
+  """The batch leaves that hold data rows: not a PRNG key, a scalar or an empty leaf (a
+  step's key, step number or learning rate is not data another batch would change)."""
+  return [i for i, l in enumerate(layouts)
+          if l.key_impl is None and l.logical_ndim >= 1 and l.nbytes]
 
 
 def _rows(array: np.ndarray) -> list[bytes]:
-  """A leaf's rows (its leading axis; the whole leaf without one) as sorted byte strings."""
+  """A leaf's rows (its leading axis) as sorted byte strings."""
   array = np.ascontiguousarray(array)
-  if array.ndim == 0 or array.shape[0] == 0:
-    return [array.tobytes()]
-  return sorted(np.frombuffer(array.tobytes(), f"V{array.nbytes // array.shape[0]}")
-                .tolist()) if array.nbytes else [b""] * array.shape[0]
+  return sorted(np.frombuffer(array.tobytes(), f"V{array.nbytes // array.shape[0]}").tolist())
 
 
 def other_batches(layouts, batches: list, tested: int, seed: bytes) -> list[list]:
-  """The batches of ``batches`` (a segment's opened batches) that hold other rows than
-  batch ``tested`` in some data leaf (not the same rows reordered), each with batch
-  ``tested``'s PRNG-key leaves, in an order drawn from ``seed``; at most ``MAX_DRAWS``.
+  """The batches of ``batches`` (a segment's opened batches) whose every row leaf holds
+  other rows than batch ``tested``'s (not the same rows reordered), each with batch
+  ``tested``'s other leaves (PRNG keys, scalars), in an order drawn from ``seed``; at most
+  ``MAX_DRAWS``. A batch that shares a row leaf with the tested one is not drawn: a params
+  leaf that reads only that leaf would come out the same, ignoring nothing.
 
   Example: with ``batches`` ``[a, b, a]`` and ``tested`` 0, ``[b]``.
   """
-  own = batches[tested]
-  data = [i for i, l in enumerate(layouts) if l.key_impl is None]
+  own, data = batches[tested], row_leaves(layouts)
   rows = {i: _rows(own[i]) for i in data}
   others = [b for n, b in enumerate(batches)
-            if n != tested and any(_rows(b[i]) != rows[i] for i in data)]
+            if n != tested and data and all(_rows(b[i]) != rows[i] for i in data)]
   rng = np.random.Generator(np.random.PCG64(
       int.from_bytes(blake3.blake3(seed + b"other batches").digest(8), "little")))
-  return [[own[i] if l.key_impl is not None else others[n][i] for i, l in enumerate(layouts)]
+  return [[others[n][i] if i in data else own[i] for i in range(len(layouts))]
           for n in rng.permutation(len(others))[:MAX_DRAWS]]
 
 
 def same_bytes(a, b) -> bool:
   a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
   return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+OTHER_STEPS, PERTURBED = "other steps' batches", "perturbed batches"
+_ONE = {OTHER_STEPS: "other step's batch", PERTURBED: "perturbed batch"}
+
+
+def counted(n: int, drawn: str) -> str:
+  """``n`` batches of kind ``drawn``, e.g. "1 other step's batch", "16 perturbed batches"."""
+  return f"{n} {_ONE[drawn] if n == 1 else drawn}"
 
 
 # The prefix of ``batch_ignored``'s answer when the test could not decide.
@@ -116,7 +134,7 @@ def _sign_like(before, honest) -> bool:
 
 
 def batch_ignored(program, before: list, honest: list, perturbed: list,
-                  drawn: str = "perturbed batches") -> str | None:
+                  drawn: str = PERTURBED) -> str | None:
   """Why the step ignores its batch, or None when every trained params leaf reads it; an
   answer starting with ``UNDECIDED`` when a sign-based update left a leaf unchanged.
 
@@ -134,13 +152,11 @@ def batch_ignored(program, before: list, honest: list, perturbed: list,
       path = program.state[program.params_leaves[n]].path
       if _sign_like(before[n], honest[n]):
         return (f"{UNDECIDED}params leaf {path} moved every element by one step size (a "
-                f"sign-based update) and came out the same with {len(perturbed)} {drawn}")
-      return (f"params leaf {path} comes out bit for bit the same with {len(perturbed)} "
-              f"{drawn}: the update ignores the batch")
+                "sign-based update) and came out the same with "
+                f"{counted(len(perturbed), drawn)}")
+      return (f"params leaf {path} comes out bit for bit the same with "
+              f"{counted(len(perturbed), drawn)}: the update ignores the batch")
   return None
-
-
-OTHER_STEPS, PERTURBED = "other steps' batches", "perturbed batches"
 
 
 def measure(program, batches: list, tested: int, seed: bytes, before, honest,
@@ -149,15 +165,16 @@ def measure(program, batches: list, tested: int, seed: bytes, before, honest,
   replaying step ``tested`` of a segment (``batches``: its opened batches) with up to
   ``MAX_DRAWS`` other batches (``replay(batch)``: the params leaves after the step), drawn
   while a trained leaf has not changed: the segment's other batches of other rows, else
-  perturbed ones. A batch of PRNG keys alone is undecided: it has no data to change."""
-  layouts = program.batch
+  ones with the tested batch's rows perturbed. A batch without data rows (PRNG keys and
+  scalars only) is undecided: nothing in it is data another batch would change."""
+  layouts, data = program.batch, row_leaves(program.batch)
   others = other_batches(layouts, batches, tested, seed)
   drawn = OTHER_STEPS if others else PERTURBED
-  if all(l.key_impl is not None for l in layouts):
-    return (f"{UNDECIDED}the batch holds PRNG keys only, no data another batch could "
-            "change"), drawn
+  if not data:
+    return (f"{UNDECIDED}the batch holds no data rows (PRNG keys and scalars only), nothing "
+            "another batch would change"), drawn
   draws = iter(others) if others else (
-      perturbed_batch(layouts, batches[tested], seed, draw) for draw in range(MAX_DRAWS))
+      perturbed_batch(layouts, batches[tested], seed, draw, data) for draw in range(MAX_DRAWS))
   perturbed = []
   problem = None
   for batch in draws:
