@@ -257,6 +257,35 @@ class OtherBatchesTest(absltest.TestCase):
     self.assertEqual(claim.facts["batches_drawn"], {sensitivity.PERTURBED: 2})
 
 
+class AccumulatedUpdateTest(absltest.TestCase):
+  """``optax.MultiSteps``: most steps only accumulate; the params change every k-th."""
+
+  def verified(self, every_k: int):
+    proof = testing.new_proof(f"multi-steps-{every_k}", update_p=1.0, segment_length=1)
+    proof.start(probe_ratio=0.5)
+    state = testing.classifier_state(proof, tx=optax.MultiSteps(optax.sgd(0.1), every_k))
+    train_step = proof.jit(testing.classifier_step)
+    for i in range(4):
+      state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + i)
+    return verify.verify(proof.finish()).claim("program")
+
+  def test_an_accumulating_step_is_undecided_and_the_applying_ones_decide(self):
+    # Before, each accumulating step "changed no params leaf: it trains nothing", and an
+    # honest run with gradient accumulation did not hold.
+    claim = self.verified(every_k=2)  # steps 1 and 3 apply the update
+    self.assertEqual(claim.status, verify.HOLDS, claim.detail)
+    self.assertIn("(2 checks on perturbed batches", claim.detail)
+    self.assertIn("2 more undecided, where other checks of the same program read it", claim.detail)
+    self.assertIn("the step changes no params leaf, and the rest of its state changes with 1 "
+                  "perturbed batch (an update accumulated over steps, say)", claim.detail)
+
+  def test_a_run_that_never_applies_its_update_could_not_verify(self):
+    claim = self.verified(every_k=100)
+    self.assertEqual(claim.status, verify.COULD_NOT_VERIFY, claim.detail)
+    self.assertIn("could not be shown to read the batch: the step changes no params leaf, "
+                  "and the rest of its state changes", claim.detail)
+
+
 # A dataset of quantized values (every one a multiple of 1/16, as pixels / 255 are on their
 # own grid), and another model's weights that an update program carries as constants.
 _RNG = np.random.default_rng(0)

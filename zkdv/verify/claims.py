@@ -29,7 +29,7 @@ from zkdv.verify import order
 from zkdv.verify.context import Verification
 from zkdv.verify.programs import parameter_count, params_bytes
 from zkdv.verify.report import (COULD_NOT_VERIFY, DOES_NOT_HOLD, HOLDS, INVALID, Claim)
-from zkdv.verify.sensitivity import OTHER_STEPS, PERTURBED
+from zkdv.verify.sensitivity import OTHER_STEPS, PERTURBED, UNDECIDED
 
 _ANY = frozenset({"unreadable", "no_root", "format_version"})
 _RECORDS = frozenset({"torn_tail", "encoding", "chain", "schema", "after_final", "step_index",
@@ -180,17 +180,22 @@ PROGRAM_TEST_LIMIT = ("this shows that the batch changes the params, not how muc
 def _program(ctx: Verification) -> Claim:
   """Every replayed update read its batch: a step of each challenged segment, drawn from
   its challenge (``zkdv.challenge.tested_step``), replayed with other batches, changed
-  every params leaf it trains (``zkdv.verify.sensitivity``). Without the challenges the
-  tested step is foreseeable: could not verify."""
-  tested, ignored, undecided = {}, None, None
+  every params leaf it trains (``zkdv.verify.sensitivity``). A check left undecided (a
+  sign-based update, an accumulated one) counts where another check showed that the same
+  program's updates read their batches. Without the challenges the tested step is
+  foreseeable: could not verify."""
+  tested, ignored, failed, undecided = {}, None, None, {}
   for check in ctx.report.checks:
-    if check.batch_sensitive is False:
-      ignored = ignored or check.batch_ignored
-    elif check.batch_ignored:
-      undecided = undecided or check.batch_ignored
-    if check.kind == "update" and check.batch_sensitive is not None:
-      program = ctx.model.program_of(ctx.model.steps[check.step]).number
+    if check.kind != "update" or not (check.batch_ignored or check.batch_sensitive):
+      continue
+    program = ctx.model.program_of(ctx.model.steps[check.step]).number
+    if check.batch_sensitive is not None:
       tested[program] = tested.get(program, True) and check.batch_sensitive
+      ignored = ignored or (None if check.batch_sensitive else check.batch_ignored)
+    elif UNDECIDED in check.batch_ignored:
+      undecided.setdefault(program, []).append(check.batch_ignored)
+    else:  # a replay with another batch failed here
+      failed = failed or check.batch_ignored
   rows = []
   for program in ctx.model.programs.values():
     info = ctx.programs.load(program)
@@ -203,9 +208,11 @@ def _program(ctx: Verification) -> Claim:
   if False in tested.values():
     return Claim("program", DOES_NOT_HOLD, f"disclosed ({ids}); a replayed update ignores "
                  f"its batch at {ignored}", {"programs": rows})
-  if undecided:
+  shown_nowhere = [found[0] for program, found in undecided.items() if not tested.get(program)]
+  if failed or shown_nowhere:
     return Claim("program", COULD_NOT_VERIFY, f"disclosed ({ids}); whether every update "
-                 f"reads its batch could not be shown at {undecided}", {"programs": rows})
+                 f"reads its batch could not be shown at {failed or shown_nowhere[0]}",
+                 {"programs": rows})
   if not tested:
     why = ("no program names a params leaf" if rows and not any(
         p.params_leaves for p in ctx.model.programs.values()) else "no update was replayed")
@@ -224,6 +231,10 @@ def _program(ctx: Verification) -> Claim:
   if drawn[PERTURBED]:
     on += (", perturbed where no other batch of its segment held other rows: a program may "
            "recognize a perturbed batch")
+  left = sum(map(len, undecided.values()))
+  if left:
+    on += (f"; {left} more undecided, where other checks of the same program read it: "
+           f"{next(iter(undecided.values()))[0]}")
   return Claim("program", HOLDS, f"disclosed ({ids}); each replayed update, run again on "
                f"other batches ({on}), changed every params leaf it trains "
                f"({len(tested)} of {len(rows)} programs tested); {PROGRAM_TEST_LIMIT}",

@@ -120,8 +120,10 @@ class ProgramLoader:
     ``program`` once per batch from ``start`` (host arrays, or the device arrays a
     previous replay returned). The state stays on the device between steps (one compiled
     executable for every step). With ``sensitivity`` the index n of a step, it is (params
-    before step n, after it with its committed batch, and a function giving them after it
-    with another batch), host arrays. None (with a finding) when it cannot run here."""
+    before step n, after it with its committed batch, a function giving them after it with
+    another batch (with ``whole=True``: the whole state), and one giving the whole state
+    after it with its committed batch), host arrays. None (with a finding) when it cannot
+    run here."""
     info = self.load(program)
     if info.exported is None or not batches:
       return None
@@ -162,10 +164,13 @@ class ProgramLoader:
         state = keep(self._untrusted(where, self._step, compiled, info, program, state, batch))
         after = state if n == sensitivity else after
       if sensitivity is not None:
-        def perturbed(batch) -> list:
+        def perturbed(batch, whole: bool = False) -> list:
           outs = self._step(compiled, info, program, begin, batch)
-          return params([outs[i] for i in program.post_state_outputs])
-        sensitivity = (before, self._untrusted(where, params, after), perturbed)
+          post = [outs[i] for i in program.post_state_outputs]
+          return [self._arrays.host_view(x) for x in post] if whole else params(post)
+        honest = after
+        sensitivity = (before, self._untrusted(where, params, after), perturbed,
+                       lambda: [self._arrays.host_view(x) for x in honest])
       per_step = self._untrusted(where, lambda: [
           [None if x is None else self._arrays.host_view(x) for x in outs]
           for outs in per_step])

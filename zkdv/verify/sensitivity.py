@@ -123,6 +123,7 @@ def counted(n: int, drawn: str) -> str:
 
 # The prefix of ``batch_ignored``'s answer when the test could not decide.
 UNDECIDED = "could not be shown to read the batch: "
+TRAINS_NOTHING = "the step changes no params leaf"
 
 
 def _sign_like(before, honest) -> bool:
@@ -145,8 +146,7 @@ def batch_ignored(program, before: list, honest: list, perturbed: list,
   trained = [n for n, b in enumerate(before)
              if not all(same_bytes(b, after[n]) for after in (honest, *perturbed))]
   if not trained:
-    return ("the step changes no params leaf, with the committed batch or another one: "
-            "it trains nothing")
+    return f"{TRAINS_NOTHING}, with the committed batch or another one: it trains nothing"
   for n in trained:
     if all(same_bytes(honest[n], after[n]) for after in perturbed):
       path = program.state[program.params_leaves[n]].path
@@ -159,14 +159,17 @@ def batch_ignored(program, before: list, honest: list, perturbed: list,
   return None
 
 
-def measure(program, batches: list, tested: int, seed: bytes, before, honest,
-            replay) -> tuple[str | None, str]:
+def measure(program, batches: list, tested: int, seed: bytes, before, honest, replay,
+            honest_state=None) -> tuple[str | None, str]:
   """(``batch_ignored``, the batches drawn: ``OTHER_STEPS`` or ``PERTURBED``) after
   replaying step ``tested`` of a segment (``batches``: its opened batches) with up to
   ``MAX_DRAWS`` other batches (``replay(batch)``: the params leaves after the step), drawn
   while a trained leaf has not changed: the segment's other batches of other rows, else
   ones with the tested batch's rows perturbed. A batch without data rows (PRNG keys and
-  scalars only) is undecided: nothing in it is data another batch would change."""
+  scalars only) is undecided: nothing in it is data another batch would change. So is a
+  step that changes no params leaf while the rest of its state changes with the batch
+  (``replay(batch, whole=True)`` against ``honest_state()``): an update accumulated over
+  steps (``optax.MultiSteps``) applies on other steps."""
   layouts, data = program.batch, row_leaves(program.batch)
   others = other_batches(layouts, batches, tested, seed)
   drawn = OTHER_STEPS if others else PERTURBED
@@ -176,10 +179,21 @@ def measure(program, batches: list, tested: int, seed: bytes, before, honest,
   draws = iter(others) if others else (
       perturbed_batch(layouts, batches[tested], seed, draw, data) for draw in range(MAX_DRAWS))
   perturbed = []
-  problem = None
+  problem = batch = None
   for batch in draws:
     perturbed.append(replay(batch))
     problem = batch_ignored(program, before, honest, perturbed, drawn)
-    if problem is None or problem.startswith("the step changes no params leaf"):
+    if problem is None or problem.startswith(TRAINS_NOTHING):
       break
+  if problem and problem.startswith(TRAINS_NOTHING) and honest_state is not None and (
+      _state_reads(program, honest_state(), replay(batch, whole=True))):
+    problem = (f"{UNDECIDED}the step changes no params leaf, and the rest of its state "
+               f"changes with {counted(1, drawn)} (an update accumulated over steps, say)")
   return problem, drawn
+
+
+def _state_reads(program, honest: list, other: list) -> bool:
+  """Whether a state leaf other than the params comes out different with another batch."""
+  params = set(program.params_leaves)
+  return any(not same_bytes(a, b) for i, (a, b) in enumerate(zip(honest, other))
+             if i not in params)
