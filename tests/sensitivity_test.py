@@ -89,8 +89,8 @@ class BatchIgnoredTest(parameterized.TestCase):
     self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())  # the replays hold
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD)
-    self.assertIn("params leaf .params['w'] comes out bit for bit the same with 16 perturbed "
-                  "batches", claim.detail)
+    self.assertIn("params leaf .params['w'] comes out bit for bit the same with 1 other "
+                  "step's batch", claim.detail)
     self.assertEqual(zkdv_here("verify", report.path, "--strict", "--quiet").returncode, 1)
 
   def test_the_leaf_that_ignores_the_batch_is_named(self):
@@ -117,10 +117,8 @@ class BatchIgnoredTest(parameterized.TestCase):
     report = verify.verify(write_transcript(steps=2))
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.HOLDS, report.dumps())
-    # Segments of one step: no other batch to run on, and the claim says so.
-    self.assertIn("(2 checks on perturbed batches, perturbed where no other batch of its "
-                  "segment held other rows: a program may recognize a perturbed batch)",
-                  claim.detail)
+    # Segments of one step: each runs on the other check's batch.
+    self.assertIn("(2 checks on other steps' batches)", claim.detail)
     self.assertTrue(all(c.batch_sensitive for c in report.checks if c.kind == "update"))
 
 
@@ -255,6 +253,9 @@ class OtherBatchesTest(absltest.TestCase):
     claim = report.claim("program")
     self.assertEqual(claim.status, verify.HOLDS, claim.detail)  # a step number is no data
     self.assertEqual(claim.facts["batches_drawn"], {sensitivity.PERTURBED: 2})
+    self.assertIn("(2 checks on perturbed batches, perturbed where no other batch of its "
+                  "segment or of its program's other update checks held other rows: a program "
+                  "may recognize a perturbed batch)", claim.detail)
 
 
 class AccumulatedUpdateTest(absltest.TestCase):
@@ -274,10 +275,10 @@ class AccumulatedUpdateTest(absltest.TestCase):
     # honest run with gradient accumulation did not hold.
     claim = self.verified(every_k=2)  # steps 1 and 3 apply the update
     self.assertEqual(claim.status, verify.HOLDS, claim.detail)
-    self.assertIn("(2 checks on perturbed batches", claim.detail)
+    self.assertIn("(2 checks on other steps' batches", claim.detail)
     self.assertIn("2 more undecided, where other checks of the same program read it", claim.detail)
     self.assertIn("the step changes no params leaf, and the rest of its state changes with 1 "
-                  "perturbed batch (an update accumulated over steps, say)", claim.detail)
+                  "other step's batch (an update accumulated over steps, say)", claim.detail)
 
   def test_a_run_that_never_applies_its_update_could_not_verify(self):
     claim = self.verified(every_k=100)
@@ -330,8 +331,8 @@ def key_only_step(state, x, y, key):
 class RecognizedPerturbationTest(absltest.TestCase):
   """Programs that tell the verifier's perturbed batch from their own committed ones."""
 
-  def train(self, step, with_key: bool):
-    proof = testing.new_proof(step.__name__, update_p=1.0, segment_length=2)
+  def train(self, step, with_key: bool, segment_length: int = 2):
+    proof = testing.new_proof(step.__name__, update_p=1.0, segment_length=segment_length)
     proof.start(probe_ratio=0.5)
     state = _sgd_state(proof)
     train_step = proof.jit(step)
@@ -363,6 +364,14 @@ class RecognizedPerturbationTest(absltest.TestCase):
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
     self.assertRegex(claim.detail, r"params leaf \.params\['Dense_0'\]\['(bias|kernel)'\] "
                      r"comes out bit for bit the same with 1 other step's batch")
+
+  def test_segments_of_one_step_run_on_other_checks_batches(self):
+    # A prover that ends every segment after one step leaves no other batch in any
+    # segment; the perturbed batch then stood in, and the program recognized it.
+    _, path = self.train(gated_step, with_key=False, segment_length=1)
+    claim = verify.verify(path).claim("program")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
+    self.assertRegex(claim.detail, r"comes out bit for bit the same with [1-3] other step")
 
   def test_a_program_that_reads_only_its_key_is_caught(self):
     _, path = self.train(key_only_step, with_key=True)

@@ -11,6 +11,7 @@ Example::
   outcome = CHECKERS[check.kind](ctx, check, step, program, where_of(check))
 """
 
+import blake3
 import numpy as np
 
 from zkdv import challenge
@@ -196,7 +197,7 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   if replayed is None:
     return outcome
   outcome = _compare(ctx, outcome, program, replayed[0], post, segment.end, where)
-  _check_sensitivity(outcome, program, replayed[3], batches, tested, step,
+  _check_sensitivity(ctx, outcome, program, replayed[3], batches, tested, step,
                      segment.first, where)
   steps = ctx.model.steps[segment.first:segment.last + 1]
   if not all([_metrics_match(ctx, s, program, outputs, where)
@@ -207,17 +208,21 @@ def update_check(ctx: Verification, check, step, program, where: str) -> CheckOu
   return outcome
 
 
-def _check_sensitivity(outcome, program, measured, batches: list, tested: int, step,
+def _check_sensitivity(ctx, outcome, program, measured, batches: list, tested: int, step,
                        first: int, where) -> None:
   """Records in ``outcome`` whether step ``tested`` of the segment from step ``first``
   (``challenge.tested_step``) reads its batch, replayed with the segment's other
-  ``batches`` or perturbed ones (``zkdv.verify.sensitivity``, drawn from the challenged
-  ``step``; the program claim, not the verdict, rests on it)."""
+  ``batches``, else other update checks' (``_other_checks_batches``), else perturbed ones
+  (``zkdv.verify.sensitivity``, drawn from the challenged ``step``; the program claim,
+  not the verdict, rests on it)."""
   if not program.params_leaves:
     return  # nothing to test: the program claim says so
+  seed = sensitivity.seed_of(step.record_id)
   try:
-    problem, outcome.batches_drawn = sensitivity.measure(
-        program, batches, tested, sensitivity.seed_of(step.record_id), *measured)
+    if not sensitivity.other_batches(program.batch, batches, tested, seed):
+      batches = batches + _other_checks_batches(ctx, program, step.index, seed)
+    problem, outcome.batches_drawn = sensitivity.measure(program, batches, tested, seed,
+                                                         *measured)
   except Exception as e:  # pylint: disable=broad-except  # a replay with another batch failed
     if errors.out_of_memory(e):
       raise  # a fault of this machine, not of the program
@@ -228,6 +233,35 @@ def _check_sensitivity(outcome, program, measured, batches: list, tested: int, s
                              else problem is None)
   if problem is not None:
     outcome.batch_ignored = f"{where}: step {first + tested}, replayed again: {problem}"
+
+
+# Other update checks whose batches a segment without another batch of other rows runs on.
+OTHER_CHECKS = 4
+
+
+def _other_checks_batches(ctx: Verification, program, index: int, seed: bytes) -> list:
+  """The batches of the last steps of up to ``OTHER_CHECKS`` other update checks of
+  ``program`` (drawn from ``seed``), each read and matched to its commitment, or left out
+  (its own check names what is wrong with it): real rows for a segment that holds no
+  other, as a prover that ends every segment after one step makes them. They depend on
+  the transcript alone, so ``--jobs`` changes nothing."""
+  others = [c for c in ordered_checks(ctx.model)
+            if c.kind == "update" and c.step != index and 0 <= c.step < len(ctx.model.steps)
+            and isinstance(c.fields.get("batch_blobs"), list) and c.fields["batch_blobs"]
+            and ctx.model.program_of(ctx.model.steps[c.step]) is program]
+  rng = np.random.Generator(np.random.PCG64(
+      int.from_bytes(blake3.blake3(seed + b"other checks").digest(8), "little")))
+  found = []
+  for n in rng.permutation(len(others))[:OTHER_CHECKS]:
+    step, blobs = ctx.model.steps[others[n].step], others[n].fields["batch_blobs"][-1]
+    try:
+      batch = [ctx.blobs.read(b, l.dtype, l.shape, False) for b, l in zip(blobs, program.batch)]
+    except (OSError, errors.TranscriptFormatError, TypeError, AttributeError, ValueError):
+      continue
+    if len(batch) == len(program.batch) and digest.digest_batch_arrays(
+        program.batch, batch) == step.batch:
+      found.append(batch)
+  return found
 
 
 def _metrics_match(ctx: Verification, step, program, outputs, where: str) -> bool:

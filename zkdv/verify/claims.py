@@ -229,8 +229,8 @@ def _program(ctx: Verification) -> Claim:
   on = ", ".join(f"{drawn[kind]} check{'s' * (drawn[kind] > 1)} on {kind}"
                  for kind in (OTHER_STEPS, PERTURBED) if drawn[kind])
   if drawn[PERTURBED]:
-    on += (", perturbed where no other batch of its segment held other rows: a program may "
-           "recognize a perturbed batch")
+    on += (", perturbed where no other batch of its segment or of its program's other update "
+           "checks held other rows: a program may recognize a perturbed batch")
   left = sum(map(len, undecided.values()))
   if left:
     on += (f"; {left} more undecided, where other checks of the same program read it: "

@@ -5,8 +5,9 @@ A step of each challenged segment, drawn from the segment's challenge
 segment's first), is replayed again from the state before it with other batches:
 the segment's other opened batches whose every row leaf holds other rows (real data,
 in an order drawn from the challenged step's record id: a program cannot tell them
-from its committed batches by how they look, as it could a rescaled one), or, where
-none does, the tested batch with its rows perturbed (each row leaf's elements
+from its committed batches by how they look, as it could a rescaled one; where the
+segment has none, the verifier adds other update checks' batches), or, where none
+does, the tested batch with its rows perturbed (each row leaf's elements
 resampled, with replacement, from its own elements, and a floating leaf's elements
 each scaled by a factor in [0.5, 1.5): labels and token ids stay in their domain, sums
 and means change). PRNG-key and scalar leaves stay the step's own either way: a key,
