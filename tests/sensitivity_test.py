@@ -14,7 +14,7 @@ from absl.testing import parameterized
 
 from tests import testing
 from tests.cli_test import zkdv_here
-from tests.verify_test import BATCH, STATE, _Dvbench, write_transcript
+from tests.verify_test import BATCH, STATE, _Dvbench, records_of, write_transcript
 import zkdv
 from zkdv import digest
 from zkdv import receipt
@@ -372,6 +372,19 @@ class RecognizedPerturbationTest(absltest.TestCase):
     claim = verify.verify(path).claim("program")
     self.assertEqual(claim.status, verify.DOES_NOT_HOLD, claim.detail)
     self.assertRegex(claim.detail, r"comes out bit for bit the same with [1-3] other step")
+
+  def test_another_checks_bad_opening_is_left_out_not_a_fault(self):
+    """The other checks' batch blobs are the prover's: one gone, one naming another blob.
+    Their own checks name what is wrong; the tested step uses what does match."""
+    path = write_transcript(steps=3)  # segments of one step, every one checked
+    checks = [r for r in records_of(path, "check") if r["kind"] == "update"]
+    (path / "blobs" / checks[1]["batch_blobs"][-1][0].hex()).unlink()
+    report = verify.verify(path)
+    self.assertIsNone(report.fault)
+    self.assertIn("missing_blob", [f.code for f in report.findings])
+    first = next(c for c in report.checks if c.kind == "update" and c.step == 0)
+    self.assertEqual((first.batch_sensitive, first.batches_drawn),
+                     (True, sensitivity.OTHER_STEPS))  # step 2's batch
 
   def test_a_program_that_reads_only_its_key_is_caught(self):
     _, path = self.train(key_only_step, with_key=True)

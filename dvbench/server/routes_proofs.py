@@ -266,13 +266,8 @@ class ProofRoutes:
     memory)."""
     proof_id = request.path_params["proof_id"]
     await run_in_threadpool(self.service.proof_or_404, proof_id)
-
-    async def pages():
-      after = -1
-      while page := await run_in_threadpool(self.store.record_page, proof_id, after):
-        after = page[-1][0]
-        yield b"".join(data for _, data in page)
-    return StreamingResponse(pages(), media_type=_CBOR)
+    pages = (b"".join(data for _, data in page) for page in self.store.record_pages(proof_id))
+    return StreamingResponse(pages, media_type=_CBOR)  # a sync iterator: read in a thread
 
   async def get_receipt(self, request):
     proof = await run_in_threadpool(self.service.proof_or_404, request.path_params["proof_id"])

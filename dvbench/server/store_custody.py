@@ -191,11 +191,17 @@ class CustodyQueries:
           sa.select(records.c.position, records.c.data)
           .where(of_proof & (records.c.position <= last)).order_by(records.c.position))]
 
-  def record_data(self, proof_id: str):
-    """A proof's records' bytes, in order, read a page at a time (``record_page``)."""
+  def record_pages(self, proof_id: str):
+    """A proof's records, ``record_page`` after page, in order."""
     after = -1
     while page := self.record_page(proof_id, after):
-      for after, data in page:
+      after = page[-1][0]
+      yield page
+
+  def record_data(self, proof_id: str):
+    """A proof's records' bytes, in order, read a page at a time (``record_pages``)."""
+    for page in self.record_pages(proof_id):
+      for _, data in page:
         yield data
 
   def last_record(self, conn, proof_id: str) -> tuple[int, bytes | None, bytes | None]:

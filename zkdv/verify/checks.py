@@ -219,10 +219,9 @@ def _check_sensitivity(ctx, outcome, program, measured, batches: list, tested: i
     return  # nothing to test: the program claim says so
   seed = sensitivity.seed_of(step.record_id)
   try:
-    if not sensitivity.other_batches(program.batch, batches, tested, seed):
-      batches = batches + _other_checks_batches(ctx, program, step.index, seed)
-    problem, outcome.batches_drawn = sensitivity.measure(program, batches, tested, seed,
-                                                         *measured)
+    problem, outcome.batches_drawn = sensitivity.measure(
+        program, batches, tested, seed, *measured,
+        more=lambda: _other_checks_batches(ctx, program, step.index, seed))
   except Exception as e:  # pylint: disable=broad-except  # a replay with another batch failed
     if errors.out_of_memory(e):
       raise  # a fault of this machine, not of the program

@@ -161,18 +161,21 @@ def batch_ignored(program, before: list, honest: list, perturbed: list,
 
 
 def measure(program, batches: list, tested: int, seed: bytes, before, honest, replay,
-            honest_state=None) -> tuple[str | None, str]:
+            honest_state=None, more=None) -> tuple[str | None, str]:
   """(``batch_ignored``, the batches drawn: ``OTHER_STEPS`` or ``PERTURBED``) after
   replaying step ``tested`` of a segment (``batches``: its opened batches) with up to
   ``MAX_DRAWS`` other batches (``replay(batch)``: the params leaves after the step), drawn
   while a trained leaf has not changed: the segment's other batches of other rows, else
-  ones with the tested batch's rows perturbed. A batch without data rows (PRNG keys and
+  those among ``more()`` (other checks' batches), else ones with the tested batch's rows
+  perturbed. A batch without data rows (PRNG keys and
   scalars only) is undecided: nothing in it is data another batch would change. So is a
   step that changes no params leaf while the rest of its state changes with the batch
   (``replay(batch, whole=True)`` against ``honest_state()``): an update accumulated over
   steps (``optax.MultiSteps``) applies on other steps."""
   layouts, data = program.batch, row_leaves(program.batch)
   others = other_batches(layouts, batches, tested, seed)
+  if not others and data and more is not None:
+    others = other_batches(layouts, batches + more(), tested, seed)
   drawn = OTHER_STEPS if others else PERTURBED
   if not data:
     return (f"{UNDECIDED}the batch holds no data rows (PRNG keys and scalars only), nothing "
