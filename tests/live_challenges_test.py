@@ -17,11 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import sqlalchemy as sa
 from absl.testing import absltest
 
 import dvbench
 import zkdv
+from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
+from dvbench.server.schema import records
 from tests import testing
 from zkdv import keys
 from zkdv import receipt
@@ -32,8 +35,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None = None,
-           on_step=None, finish_raises: type[Exception] | None = None):
-  """The tutorial model trained through ``experiment.proof``; returns the proof.
+           on_step=None, finish_raises: type[Exception] | None = None,
+           batch=testing.TUTORIAL_BATCH):
+  """The tutorial model trained through ``experiment.proof`` (on ``batch``); returns the proof.
 
   ``finish_raises``: the error ``finish()`` must raise (the prover's own replay of a forged
   opening fails); any other outcome fails the test."""
@@ -45,7 +49,7 @@ def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None 
   for t in range(steps):
     if t == tamper_at:  # weights changed outside proof.jit: the chain breaks here
       state = state.replace(params=jax.tree.map(lambda x: x + 1.0, state.params))
-    state = train_step(state, jnp.asarray(testing.TUTORIAL_BATCH) + (t % 2))
+    state = train_step(state, jnp.asarray(batch) + (t % 2))
     if on_step is not None:
       on_step(t)
   if finish_raises is None:
@@ -169,6 +173,25 @@ class IndependentVerificationTest(absltest.TestCase):
     self.assertNotEqual(code, 0)
     self.assertTrue(report["findings"], report)
 
+  def test_probe_records_kept_out_of_the_database_verify_as_sent(self):
+    # 1,024 rows of 20 bytes: a probe opens a 16 KiB Merkle row, so each probe record is
+    # stored in the proof's records file (dvbench.server.record_bodies), not in SQLite.
+    proof = _train(self.client.experiment("alice/large-rows"), steps=6,
+                   batch=np.tile(testing.TUTORIAL_BATCH, (1024, 1)))
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "verified steps", repr(status))
+    store = Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")
+    with store.engine.connect() as conn:
+      out_of_line = conn.execute(sa.select(sa.func.count()).where(
+          (records.c.proof_id == proof.proof_id) & records.c.body_offset.is_not(None))).scalar()
+    store.engine.dispose()
+    self.assertGreaterEqual(out_of_line, 6)  # a probe record a step at least
+    folder = self._download(proof.proof_id)  # its chain holds: every byte as sent
+    self.assertLen([r for r in testing.records_of(folder, "check") if r["kind"] == "probe"],
+                   out_of_line)
+    code, report = testing.zkdv_verify(folder, "--server-key", self.key)
+    self.assertEqual((code, report["verdict"]), (0, "verified"), report)
+
   def test_an_invalid_proof_is_invalid_for_both(self):
     proof = _train(self.client.experiment("alice/tampered"), steps=6, tamper_at=3)
     status = self.client.wait_for_verdict(proof.proof_id, 180)
@@ -258,6 +281,36 @@ class ServerRestartTest(absltest.TestCase):
     (folder / transcript.RECORDS_FILE).write_bytes(
         httpx.get(f"{server.url}/api/v1/proofs/{proof_id}/transcript").content)
     return folder
+
+
+class DamagedStorageTest(absltest.TestCase):
+
+  def test_a_damaged_records_file_makes_a_proof_unverifiable_never_invalid(self):
+    # The server's disk, not the prover, damaged a probe record kept out of the database:
+    # the worker reports it as the server's fault, and the proof could not be verified.
+    server = LocalServer(workers=0, extra_args=("--min-update-check-probability", "1.0",
+                                                "--max-attempts", "1")).start()
+    self.addCleanup(server.stop)
+    client = dvbench.Client(server.url, token=server.token("alice"))
+    self.addCleanup(client.close)
+    proof = _train(client.experiment("alice/damaged"), steps=3,
+                   batch=np.tile(testing.TUTORIAL_BATCH, (1024, 1)))
+    store = Store.open(f"sqlite:///{server.data / 'dvbench.db'}")
+    self.addCleanup(store.engine.dispose)
+    path = store.bodies.path(proof.proof_id)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    for _ in range(2):  # the attempt that meets the damage, then the claim that gives up
+      subprocess.run([sys.executable, "-m", "dvbench.cli", "worker", "--data", str(server.data),
+                      "--once", "--max-attempts", "1"], cwd=REPO, check=True,
+                     capture_output=True)
+    status = client.proof_status(proof.proof_id)
+    self.assertEqual(status["state"], "unverifiable", status)
+    self.assertRegex(status["failure"], r"^could not verify: verification was given up after 1 "
+                     r"attempts; the last one ended because record [0-9a-f]{64} of proof "
+                     f"{proof.proof_id} is damaged in the server's storage")
+    self.assertIn("a fault of this server, not of the prover", status["failure"])
 
 
 if __name__ == "__main__":

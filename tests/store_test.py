@@ -9,6 +9,7 @@ import tempfile
 import threading
 import time
 
+import blake3
 import cbor2
 import sqlalchemy as sa
 from absl.testing import absltest
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from dvbench.server import db
 from dvbench.server import quotas
 from dvbench.server import receipts
+from dvbench.server import record_bodies
 from dvbench.server import run_view
 from zkdv import challenge
 from zkdv import receipt
@@ -242,6 +244,122 @@ class StoreTest(parameterized.TestCase):
     # The owner's attempts count this proof by the verdict the receipt publishes.
     self.assertEqual(fields["attempts"]["by_outcome"], {"invalid": 1})
     self.assertEqual(receipts.publish_pending(store, key), [])  # published once
+
+
+def _append(store, proof: str, bodies: list[bytes], conn=None) -> None:
+  """Appends records of ``bodies`` (ids: their BLAKE3) at the proof's head."""
+  if conn is None:
+    with store.engine.begin() as c:
+      return _append(store, proof, bodies, c)
+  head = store.custody_head(conn, proof)
+  items = [(blake3.blake3(b).digest(), "check", b) for b in bodies]
+  store.append_records(conn, proof, dataclasses.replace(
+      head, records=head.records + len(items), last_id=items[-1][0]), items)
+  return None
+
+
+@parameterized.parameters("sqlite", "postgresql")
+class RecordBodiesTest(parameterized.TestCase):
+  """Bodies over OUT_OF_LINE_BYTES in a file per proof beside an SQLite database."""
+
+  LARGE = record_bodies.OUT_OF_LINE_BYTES + 1
+
+  def _stored(self, store, proof: str) -> list[tuple]:
+    with store.engine.connect() as conn:
+      return conn.execute(sa.select(db.records.c.data, db.records.c.body_offset,
+                                    db.records.c.body_size).where(
+          db.records.c.proof_id == proof).order_by(db.records.c.position)).all()
+
+  def test_large_bodies_are_read_back_byte_for_byte_wherever_they_are_kept(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    proof = StoreTest._proof(self, store)
+    bodies = [b"s" * 100, b"a" * self.LARGE, bytes(range(256)) * 120, b"t" * 7]
+    _append(store, proof, bodies[:2])
+    _append(store, proof, bodies[2:])
+    self.assertEqual(list(store.record_data(proof)), [b"root"] + bodies)
+    with store.engine.connect() as conn:
+      self.assertEqual(store.last_record(conn, proof)[2], bodies[-1])
+    self.assertEqual(quotas.usage(store, lambda digest: 0, "alice")["stored_bytes"],
+                     len(b"root") + sum(map(len, bodies)))
+    stored = self._stored(store, proof)
+    if backend == "postgresql":  # no records folder: every body inline
+      self.assertIsNone(store.bodies)
+      self.assertEqual([row[0] for row in stored], [b"root"] + bodies)
+      return
+    # The large ones in the file, one after the other, across two transactions.
+    self.assertEqual(stored[2], (b"", 0, self.LARGE))
+    self.assertEqual(stored[3], (b"", self.LARGE, len(bodies[2])))
+    self.assertEqual([row[0] for row in stored[:2]] + [stored[4][0]], [b"root"] + bodies[::3])
+    self.assertEqual(store.bodies.path(proof).read_bytes(), bodies[1] + bodies[2])
+    self.assertEqual(store.proof(proof)["body_end"], self.LARGE + len(bodies[2]))
+
+  def test_migration_13_keeps_earlier_records_inline_and_readable(self, backend):
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    proof = StoreTest._proof(self, store)
+    earlier = [b"e" * (3 * self.LARGE)]
+    with store.engine.begin() as conn:  # as migration 12 left it: every body inline
+      for table, columns in db.MIGRATION_13_COLUMNS.items():
+        for column in columns:
+          conn.execute(sa.text(f"ALTER TABLE {table} DROP COLUMN {column}"))
+      conn.execute(db.records.insert().values(
+          proof_id=proof, position=1, record_id=blake3.blake3(earlier[0]).digest(),
+          kind="check", data=earlier[0]))
+      conn.execute(db.proofs.update().where(db.proofs.c.id == proof).values(records=2))
+      conn.execute(db.schema_migrations.delete().where(db.schema_migrations.c.version == 13))
+    store = db.Store.open(url)
+    self.assertEqual(store.proof(proof)["body_end"], 0)
+    later = [b"l" * self.LARGE]
+    _append(store, proof, later)
+    self.assertEqual(list(store.record_data(proof)), [b"root"] + earlier + later)
+    self.assertEqual(self._stored(store, proof)[1], (earlier[0], None, None))
+
+
+class RecordFilesTest(parameterized.TestCase):
+  """An SQLite database's records files: rollbacks, damage, discarded proofs."""
+
+  LARGE = RecordBodiesTest.LARGE
+
+  def test_a_rolled_back_append_leaves_bytes_the_next_one_overwrites(self):
+    store = db.Store.open(_fresh_url("sqlite"))
+    proof = StoreTest._proof(self, store)
+    with self.assertRaisesRegex(RuntimeError, "the client went away"):
+      with store.engine.begin() as conn:
+        _append(store, proof, [b"x" * (2 * self.LARGE)], conn)
+        raise RuntimeError("the client went away")
+    self.assertEqual(store.bodies.path(proof).stat().st_size, 2 * self.LARGE)
+    self.assertEqual(store.proof(proof)["body_end"], 0)
+    kept = [b"y" * self.LARGE, b"z" * self.LARGE]
+    _append(store, proof, kept)
+    self.assertEqual(list(store.record_data(proof)), [b"root"] + kept)
+    self.assertEqual(store.bodies.path(proof).read_bytes()[:2 * self.LARGE], b"".join(kept))
+
+  @parameterized.parameters("flipped", "truncated", "deleted")
+  def test_a_damaged_file_is_the_servers_fault_never_a_record(self, damage):
+    store = db.Store.open(_fresh_url("sqlite"))
+    proof = StoreTest._proof(self, store)
+    _append(store, proof, [b"a" * self.LARGE])
+    path = store.bodies.path(proof)
+    if damage == "flipped":
+      data = bytearray(path.read_bytes())
+      data[100] ^= 1
+      path.write_bytes(bytes(data))
+    elif damage == "truncated":
+      path.write_bytes(path.read_bytes()[:-1])
+    else:
+      path.unlink()
+    with self.assertRaisesRegex(record_bodies.StoredRecordDamaged,
+                                f"record .* of proof {proof} is damaged in the server's "
+                                "storage .* a fault of this server, not of the prover"):
+      list(store.record_data(proof))
+
+  def test_a_discarded_proof_leaves_no_records_file(self):
+    store = db.Store.open(_fresh_url("sqlite"))
+    proof = StoreTest._proof(self, store)
+    _append(store, proof, [b"a" * self.LARGE])
+    self.assertTrue(store.bodies.path(proof).exists())
+    self.assertIsNone(store.discard_unstarted_proof(proof))
+    self.assertFalse(store.bodies.path(proof).exists())
 
 
 if __name__ == "__main__":

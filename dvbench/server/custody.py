@@ -169,7 +169,8 @@ class Ingest:
   def ack(self) -> dict:
     """Writes what was appended; the acknowledgement with the challenges of its steps."""
     self._write_answers()
-    self.store.append_records(self.conn, self.proof_id, self.head, self._new)
+    self.head = dataclasses.replace(self.head, body_end=self.store.append_records(
+        self.conn, self.proof_id, self.head, self._new))
     self._new = []
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
     self.store.add_challenges(self.conn, list(self._derived.values()))

@@ -30,6 +30,7 @@ from dvbench.server.schema import (  # pylint: disable=unused-import  # re-expor
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
     MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
     MIGRATION_9_TABLES, MIGRATION_10_COLUMNS, MIGRATION_11_INDEX, MIGRATION_12_TABLES,
+    MIGRATION_13_COLUMNS,
     benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
     measurements, metadata, owners, probe_examples, probes, proof_blobs, proof_claims, proofs,
     receipts, records, schema_migrations, score_shards, settings, slots, streams, submissions,
@@ -37,6 +38,7 @@ from dvbench.server.schema import (  # pylint: disable=unused-import  # re-expor
 from dvbench.server import store_benchmarks
 from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
+from dvbench.server.record_bodies import RecordBodies
 from dvbench.server.store_custody import CustodyQueries
 from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import
                                       JobQueries)
@@ -182,6 +184,13 @@ def _migration_12(conn) -> None:
     table.create(conn, checkfirst=True)
 
 
+def _migration_13(conn) -> None:
+  """Record bodies over ``record_bodies.OUT_OF_LINE_BYTES`` are stored in a file per proof
+  beside an SQLite database; records stored before stay inline."""
+  _add_columns(conn, MIGRATION_13_COLUMNS)
+  conn.execute(proofs.update().where(proofs.c.body_end.is_(None)).values(body_end=0))
+
+
 class NewerSchema(RuntimeError):
   """The database was migrated by a newer dvbench than this one."""
 
@@ -191,7 +200,8 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (5, _migration_5), (6, _migration_6),
                                           (7, _migration_7), (8, _migration_8),
                                           (9, _migration_9), (10, _migration_10),
-                                          (11, _migration_11), (12, _migration_12)]
+                                          (11, _migration_11), (12, _migration_12),
+                                          (13, _migration_13)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,
@@ -266,6 +276,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
   def __init__(self, engine: sa.Engine):
     self.engine = WriteLockingEngine(engine)
     self.is_sqlite = engine.dialect.name == "sqlite"
+    self.bodies = RecordBodies.beside(engine)  # None: every record body stays inline
 
   @classmethod
   def open(cls, url: str) -> "Store":

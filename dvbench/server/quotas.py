@@ -39,6 +39,7 @@ from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
 from dvbench.server.schema import (benchmark_blobs, chunks, experiments, measurements,
                                    owner_blobs, owners, proof_blobs, proofs, records, slots)
+from dvbench.server.store_custody import BODY_SIZE
 
 STORED_BYTES_TTL = 10.0
 DIGEST_ROW_BYTES = 160  # a stored probe digest: proof id, hex digest, index entries
@@ -64,9 +65,9 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
         "slots_last_hour": conn.execute(sa.select(sa.func.count()).where(
             slots.c.experiment_id.in_(exp) & (slots.c.created_at > time.time() - 3600))
                                         ).scalar()}
-    held = sum(conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(t.c.data)),
-                                                       0)).where(t.c.proof_id.in_(owned))
-                            ).scalar() for t in (records, chunks))
+    held = sum(int(conn.execute(sa.select(sa.func.coalesce(sa.func.sum(size), 0)).where(
+        t.c.proof_id.in_(owned))).scalar())  # PostgreSQL sums a bigint as a Decimal
+               for t, size in ((records, BODY_SIZE), (chunks, sa.func.length(chunks.c.data))))
     held += conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(
         measurements.c.record)), 0)).where(measurements.c.experiment_id.in_(exp))).scalar()
     digests = set(conn.execute(sa.select(proof_blobs.c.digest).where(

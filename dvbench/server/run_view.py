@@ -19,6 +19,7 @@ import cbor2
 import sqlalchemy as sa
 
 from dvbench.server.schema import records
+from dvbench.server.store_custody import BODY
 from zkdv import metrics
 from zkdv.records import discarded_steps
 
@@ -30,8 +31,8 @@ _OPTIMIZER_FIELD = re.compile(r"\.opt_state(?:\[\d+\])*\.(\w+)")
 
 def records_of_kind(proof_id: str, kind: str, start: int = 0, limit: int | None = None):
   """The query of a proof's records of ``kind`` in order (index ``records_kind``)."""
-  query = (sa.select(records.c.data).where((records.c.proof_id == proof_id)
-                                            & (records.c.kind == kind))
+  query = (sa.select(*BODY).where((records.c.proof_id == proof_id)
+                                   & (records.c.kind == kind))
            .order_by(records.c.position).offset(start))
   return query if limit is None else query.limit(limit)
 
@@ -39,8 +40,8 @@ def records_of_kind(proof_id: str, kind: str, start: int = 0, limit: int | None 
 def _records(store, proof_id: str, kind: str, start: int = 0, limit: int | None = None):
   query = records_of_kind(proof_id, kind, start, limit)
   with store.engine.connect() as conn:
-    for (data,) in conn.execute(query):
-      record = cbor2.loads(data)
+    for body in conn.execute(query):
+      record = cbor2.loads(store.body(proof_id, *body))
       if isinstance(record, dict):
         yield record
 

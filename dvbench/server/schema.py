@@ -57,7 +57,10 @@ proofs = sa.Table(
     sa.Column("ended_at", sa.Float),
     # migration 10: the batch rows its probe records opened, counted as they are stored (the
     # quota charges their digests before the worker indexes them)
-    sa.Column("probed_rows", sa.Integer, default=0))
+    sa.Column("probed_rows", sa.Integer, default=0),
+    # migration 13: the bytes of its records file that stored records cover
+    # (``record_bodies``; later bytes are a rolled-back write's, overwritten by the next)
+    sa.Column("body_end", sa.BigInteger, default=0))
 
 records = sa.Table(
     "records", metadata,
@@ -65,7 +68,10 @@ records = sa.Table(
     sa.Column("position", sa.Integer, primary_key=True),
     sa.Column("record_id", sa.LargeBinary(32), nullable=False),
     sa.Column("kind", sa.String(20), nullable=False),
-    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),  # b"" when the body is out of line
+    # migration 13: where a body kept out of line lies in the proof's records file
+    sa.Column("body_offset", sa.BigInteger),
+    sa.Column("body_size", sa.BigInteger),
     sa.UniqueConstraint("proof_id", "record_id"))
 # migration 11: a proof's records of one kind, in order, without reading the others (its page
 # lists its programs and resumes among millions of steps); new databases make it with the table
@@ -334,3 +340,7 @@ owner_blobs = sa.Table(  # a blob uploaded for a proof since discarded (no step)
     sa.Column("digest", sa.String(64), primary_key=True))
 
 MIGRATION_12_TABLES = (owner_blobs,)
+
+# -- migration 13: large record bodies out of line, in a file per proof -----------------
+
+MIGRATION_13_COLUMNS = {"proofs": ("body_end",), "records": ("body_offset", "body_size")}

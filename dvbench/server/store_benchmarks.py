@@ -19,7 +19,7 @@ from dvbench.server.labels import BASE_CHECKPOINT, REPLAYED_STATES
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
                                    probe_examples, probes, proof_claims, proofs, records,
                                    score_shards, submissions, training_members)
-from dvbench.server.store_custody import add_held_blob, add_proof_digests, has_held_blob
+from dvbench.server.store_custody import BODY, add_held_blob, add_proof_digests, has_held_blob
 
 # "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
 # aggregated every row's output; "failed": a shard or the aggregate failed (why is shown).
@@ -146,10 +146,10 @@ class BenchmarkQueries:
     after = -1
     while True:
       with self.engine.connect() as conn:
-        rows = conn.execute(sa.select(records.c.position, records.c.data).where(
+        rows = conn.execute(sa.select(records.c.position, *BODY).where(
             (records.c.proof_id == proof_id) & (records.c.kind == kind)
             & (records.c.position > after)).order_by(records.c.position).limit(page)).all()
-      yield from (data for _, data in rows)
+      yield from (self.body(proof_id, *body) for _, *body in rows)
       if len(rows) < page:
         return
       after = rows[-1][0]

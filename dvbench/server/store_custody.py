@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as postgresql_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
+from dvbench.server.record_bodies import OUT_OF_LINE_BYTES
 from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, proof_blobs,
                                    proofs, receipts, records, slots, streams)
 from zkdv import challenge
@@ -25,6 +26,9 @@ def unanswered():
                   for k in challenge.ANSWER_KINDS))
 
 
+# The columns a stored record's body is read from (``CustodyQueries.body``), and its size.
+BODY = (records.c.record_id, records.c.data, records.c.body_offset, records.c.body_size)
+BODY_SIZE = sa.func.coalesce(records.c.body_size, sa.func.length(records.c.data))
 _INSERTS = {"sqlite": sqlite_dialect.insert, "postgresql": postgresql_dialect.insert}
 # A transcript read in pages of at most this many bytes (one record at least) and records.
 RECORD_PAGE_BYTES = 8 << 20
@@ -54,18 +58,18 @@ _OF_STREAM = (streams.c.proof_id == _P("proof")) & (streams.c.client_id == _P("c
 _STREAM_POSITION = sa.select(streams.c.next_seq, streams.c.last_ack).where(_OF_STREAM)
 _ADVANCE_STREAM = streams.update().where(_OF_STREAM).values(
     next_seq=_P("new_seq"), last_ack=_P("new_ack"))
-_HEAD = sa.select(proofs.c.records, proofs.c.steps, proofs.c.state, proofs.c.probed_rows
-                  ).where(proofs.c.id == _P("proof"))
+_HEAD = sa.select(proofs.c.records, proofs.c.steps, proofs.c.state, proofs.c.probed_rows,
+                  proofs.c.body_end).where(proofs.c.id == _P("proof"))
 _RECORD_AT = sa.select(records.c.record_id, records.c.kind).where(
     (records.c.proof_id == _P("proof")) & (records.c.position == _P("at")))
 _RECORD_POSITIONS = sa.select(records.c.record_id, records.c.position).where(
     (records.c.proof_id == _P("proof")) & records.c.record_id.in_(_P("ids", expanding=True)))
-_TAIL = sa.select(records.c.kind, records.c.data).where(
+_TAIL = sa.select(records.c.kind, *BODY).where(
     (records.c.proof_id == _P("proof")) & records.c.kind.in_(("step", "resume"))
 ).order_by(records.c.position.desc()).limit(_P("limit"))
 _ADVANCE_HEAD = proofs.update().where(proofs.c.id == _P("proof")).values(
     records=_P("new_records"), steps=_P("new_steps"), probed_rows=_P("new_probed_rows"),
-    updated_at=_P("now"))
+    body_end=_P("new_body_end"), updated_at=_P("now"))
 _ANSWER = {kind: challenges.update().where(
     (challenges.c.proof_id == _P("proof")) & challenges.c.step.in_(_P("steps", expanding=True))
     & ~challenges.c[f"answered_{kind}"]).values({f"answered_{kind}": True}
@@ -94,6 +98,7 @@ class CustodyHead:
   last_kind: str
   state: str = "receiving"  # the proof's state, read in the same transaction
   probed_rows: int = 0  # the batch rows its probe records opened
+  body_end: int = 0  # the bytes of its records file its stored records cover
 
 
 def has_held_blob(engine, holder_column, holder, digest: str, conn=None) -> bool:
@@ -177,7 +182,7 @@ class CustodyQueries:
     """
     of_proof = (records.c.proof_id == proof_id) & (records.c.position > after)
     with self.engine.connect() as conn:
-      sizes = conn.execute(sa.select(records.c.position, sa.func.length(records.c.data))
+      sizes = conn.execute(sa.select(records.c.position, BODY_SIZE)
                            .where(of_proof).order_by(records.c.position)
                            .limit(RECORD_PAGE_ROWS)).all()
       if not sizes:
@@ -187,8 +192,8 @@ class CustodyQueries:
         if total and total + size > page_bytes:
           break
         last, total = position, total + size
-      return [tuple(r) for r in conn.execute(
-          sa.select(records.c.position, records.c.data)
+      return [(r[0], self.body(proof_id, *r[1:])) for r in conn.execute(
+          sa.select(records.c.position, *BODY)
           .where(of_proof & (records.c.position <= last)).order_by(records.c.position))]
 
   def record_pages(self, proof_id: str):
@@ -206,10 +211,10 @@ class CustodyQueries:
 
   def last_record(self, conn, proof_id: str) -> tuple[int, bytes | None, bytes | None]:
     """(record count, id and bytes of the last record) of a proof."""
-    row = conn.execute(sa.select(records.c.position, records.c.record_id, records.c.data)
+    row = conn.execute(sa.select(records.c.position, *BODY)
                        .where(records.c.proof_id == proof_id)
                        .order_by(records.c.position.desc()).limit(1)).first()
-    return (0, None, None) if row is None else (row[0] + 1, row[1], row[2])
+    return (0, None, None) if row is None else (row[0] + 1, row[1], self.body(proof_id, *row[1:]))
 
   def record_ids(self, proof_id: str) -> list[bytes]:
     with self.engine.connect() as conn:
@@ -217,9 +222,9 @@ class CustodyQueries:
           records.c.proof_id == proof_id).order_by(records.c.position))]
 
   def custody_head(self, conn, proof_id: str) -> CustodyHead:
-    count, steps, state, probed = conn.execute(_HEAD, {"proof": proof_id}).first()
+    count, steps, state, probed, end = conn.execute(_HEAD, {"proof": proof_id}).first()
     last_id, last_kind = conn.execute(_RECORD_AT, {"proof": proof_id, "at": count - 1}).first()
-    return CustodyHead(count, steps, last_id, last_kind, state, probed)
+    return CustodyHead(count, steps, last_id, last_kind, state, probed, end or 0)
 
   def record_position(self, conn, proof_id: str, record_id: bytes) -> int | None:
     return conn.execute(sa.select(records.c.position).where(
@@ -242,8 +247,8 @@ class CustodyQueries:
     ``after`` of a ``resume`` stored after it; None when no step committed one)."""
     rows = conn.execute(_TAIL, {"proof": proof_id, "limit": limit + 1}).all()
     open_steps = 0
-    for kind, data in rows:  # stored records were decoded and checked at ingestion
-      record = cbor2.loads(data)
+    for kind, *body in rows:  # stored records were decoded and checked at ingestion
+      record = cbor2.loads(self.body(proof_id, *body))
       if kind == "resume":
         return min(open_steps, limit), record["after"]
       if isinstance(record.get("post_state"), bytes):
@@ -253,24 +258,45 @@ class CustodyQueries:
 
   def step_record(self, conn, proof_id: str, index: int) -> dict | None:
     """The stored record of step ``index``, decoded; None when it is not stored."""
-    data = conn.execute(sa.select(records.c.data).where(
+    row = conn.execute(sa.select(*BODY).where(
         (records.c.proof_id == proof_id) & (records.c.kind == "step"))
-                        .order_by(records.c.position).offset(index).limit(1)).scalar()
-    return None if data is None else cbor2.loads(data)
+                       .order_by(records.c.position).offset(index).limit(1)).first()
+    return None if row is None else cbor2.loads(self.body(proof_id, *row))
 
   def append_records(self, conn, proof_id: str, head: CustodyHead,
-                     new: list[tuple[bytes, str, bytes]]) -> None:
+                     new: list[tuple[bytes, str, bytes]]) -> int:
     """Stores ``new`` (record id, kind, bytes) after the ones stored; ``head`` is the head
-    with them (records, steps, probed rows)."""
+    with them (records, steps, probed rows). Returns where the proof's records file ends
+    now (``record_bodies``: a body over ``OUT_OF_LINE_BYTES`` is written there)."""
     if not new:
-      return
-    first = head.records - len(new)
-    conn.execute(records.insert(), [
-        {"proof_id": proof_id, "position": first + i, "record_id": rid, "kind": kind,
-         "data": data} for i, (rid, kind, data) in enumerate(new)])
+      return head.body_end
+    first, end = head.records - len(new), head.body_end
+    rows = [{"proof_id": proof_id, "position": first + i, "record_id": rid, "kind": kind,
+             "data": data, "body_offset": None, "body_size": None}
+            for i, (rid, kind, data) in enumerate(new)]
+    large = [row for row in rows if len(row["data"]) > OUT_OF_LINE_BYTES] if self.bodies else []
+    if large:
+      offsets = self.bodies.write(proof_id, end, [row["data"] for row in large])
+      for row, offset in zip(large, offsets):
+        row.update(data=b"", body_offset=offset, body_size=len(row["data"]))
+      end = offsets[-1] + large[-1]["body_size"]
+    conn.execute(records.insert(), rows)
     conn.execute(_ADVANCE_HEAD, {"proof": proof_id, "new_records": head.records,
                                  "new_steps": head.steps, "new_probed_rows": head.probed_rows,
-                                 "now": time.time()})
+                                 "new_body_end": end, "now": time.time()})
+    return end
+
+  def body(self, proof_id: str, record_id: bytes, data: bytes, offset: int | None,
+           size: int | None) -> bytes:
+    """A stored record's bytes from its ``BODY`` columns: inline, or read from its proof's
+    records file (``record_bodies``)."""
+    if offset is None:
+      return data
+    if self.bodies is None:
+      raise RuntimeError(f"record {record_id.hex()} of proof {proof_id} is kept in a records "
+                         "file, and this database has no records folder: open it through "
+                         "its SQLite file (sqlite:///PATH/dvbench.db).")
+    return self.bodies.read(proof_id, record_id, offset, size)
 
   def add_blob_refs(self, conn, proof_id: str, digests: set[str]) -> None:
     add_proof_digests(conn, blob_refs, proof_id, digests)

@@ -84,6 +84,8 @@ class LivenessQueries:
     if digests:
       conn.execute(insert_ignoring(conn, owner_blobs), [
           {"owner": owner, "digest": d} for d in sorted(digests)])
+    if self.bodies is not None:  # before its rows: a failed unlink keeps them
+      self.bodies.remove(proof_id)
     for table in _PROOF_ROWS:
       conn.execute(table.delete().where(table.c.proof_id == proof_id))
     conn.execute(proofs.delete().where(proofs.c.id == proof_id))

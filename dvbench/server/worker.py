@@ -58,6 +58,7 @@ from dvbench import scoring
 from dvbench import transport
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
+from dvbench.server.record_bodies import StoredRecordDamaged
 from dvbench.server.store_jobs import DEFAULT_MAX_ATTEMPTS, UNVERIFIABLE
 from zkdv import records
 from zkdv.transcript import BLOBS_DIR, RECORDS_FILE
@@ -432,7 +433,7 @@ def run(store: Store, blobs: BlobStore, *,
           kept, state = _process(store, blobs, job, worker_id, folder, limits)
         if kept:
           logger.info("%s %s is %s", job["kind"], job["subject"], state)
-      except VerifierFault as e:  # retried; given up as could not verify, never invalid
+      except (VerifierFault, StoredRecordDamaged) as e:  # retried; then could not verify
         logger.warning("worker %s could not verify %s %s: %s", worker_id, job["kind"],
                        job["subject"], e)
         store.release_jobs(worker_id, str(e))
