@@ -112,6 +112,34 @@ class ChartsTest(parameterized.TestCase):
     self.assertLess(many.count(","), 2 * charts.MAX_POINTS)  # thinned, the marked step kept
     self.assertIn("data-step='77777'", many)
 
+  def test_a_curve_of_a_full_replay_draws_its_failed_marks_and_a_bounded_rest(self):
+    steps = 20_000
+    marks = {s: "verified" for s in range(steps)} | {s: "failed" for s in (5, 12_345)}
+    svg = charts.metric_chart("loss", [(s, 1.0 / (s + 1)) for s in range(steps)], marks)
+    dom = Dom(svg)
+    drawn = len(dom.find("circle", class_="mark"))
+    self.assertBetween(drawn, charts.MAX_MARKS // 2, charts.MAX_MARKS)  # before: 20,000
+    self.assertEqual({c[1]["data-step"] for c in dom.find("circle", class_="failed")},
+                     {"5", "12345"})
+    self.assertIn(f"{drawn} of {steps} marked steps drawn (failed first)",
+                  " ".join(g[2] for g in dom.find("g", class_="legend")))
+    self.assertLess(svg.count(","), 2 * (charts.MAX_POINTS + charts.MAX_MARKS))
+
+  def test_the_checks_chart_draws_a_tick_per_group_titled_with_its_steps(self):
+    ticks = [{"kind": "update", "status": "verified", "first": 0, "last": 0, "count": 1},
+             {"kind": "update", "status": "verified", "first": 649, "last": 1297, "count": 9},
+             {"kind": "update", "status": "failed", "first": 700, "last": 700, "count": 1},
+             {"kind": "start", "status": "verified", "first": 0, "last": 0, "count": 1}]
+    dom = Dom(charts.checks_chart(400_000, ticks))
+    lines = dom.find("line", class_="check")
+    self.assertLen(lines, len(ticks))
+    self.assertEqual([(ln[1]["class"], ln[1]["data-step"], ln[1]["data-count"]) for ln in lines],
+                     [(f"check {t['status']}", str(t["first"]), str(t["count"])) for t in ticks])
+    titles = [t[2] for t in dom.find("title")]
+    self.assertIn("step 0 update check: verified", titles)
+    self.assertIn("steps 649–1297: 9 update checks verified", titles)
+    self.assertIn("step 700 update check: failed", titles)
+
   def test_steps_a_resume_discarded_are_dots_off_the_curve(self):
     # Steps 2 and 3 ran after the last committed state (step 1), then the run resumed from
     # it at step 4: the curve goes from step 1 to step 4, and 2 and 3 are grey dots.
@@ -210,7 +238,7 @@ class PagesTest(absltest.TestCase):
     self.assertEqual(fake["metrics"]["grad_norm"][1], "inf")
     self.assertEqual(fake["metrics"]["logits"][0], "00" * 32)
     challenged = {str(s) for s, d in self.fake_run.decisions.items() if d.update}
-    self.assertEqual(set(fake["marks"]), challenged)
+    self.assertEqual(set(fake["marks"]), {s for s in challenged if int(s) >= 2})  # its steps
     self.assertEqual(httpx.get(f"{self.url}/api/v1/proofs/{self.fake.proof_id}/metrics?start=x"
                                ).status_code, 400)
 

@@ -430,17 +430,15 @@ class DiscardedStepsLabelTest(absltest.TestCase):
 
   def test_a_full_replay_counts_only_the_steps_the_run_kept(self):
     # Steps 0..7 committed, 8..25 ran in open segments three resumes discarded, 26..33 kept.
-    ends = (7, 33)  # the two segments' ends, each challenged and replayed
-    rows = [{"step": i, "needs_update": i in ends, "answered_update": i in ends,
-             "needs_state": False, "answered_state": False, "needs_probe": False,
-             "answered_probe": False} for i in range(34)]
-    checks = [{"kind": "update", "status": "verified", "step": i} for i in ends]
+    # (Store.challenge_counts: the two segments' ends, each challenged and replayed)
+    counts = {"steps": 34, "update": 2, "state": 0, "probe": 0, "answered": 2, "required": 2,
+              "update_replayed": 2}
     claims = {"claims": {labels.FULL_REPLAY: "holds", labels.DISCARDED_STEPS: "18"},
               "strict": True}
     summary = labels.challenge_summary(
         {"state": "verified", "failure": None},
         {"kind": "dvbench", "policy": json.dumps({"update_check_probability": 1.0})},
-        rows, checks, claims=claims)
+        counts, claims=claims)
     self.assertEqual(summary["server_challenges"]["discarded"], 18)
     # Before, it said "every one of 34 steps re-executed".
     self.assertIn("every one of 16 steps re-executed by the server's workers from the "

@@ -1,5 +1,6 @@
 """The database layer on SQLite and on PostgreSQL: migrations, tokens, leases."""
 
+import collections
 import dataclasses
 import json
 import pathlib
@@ -11,12 +12,14 @@ import time
 
 import blake3
 import cbor2
+import numpy as np
 import sqlalchemy as sa
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from dvbench.server import custody
 from dvbench.server import db
 from dvbench.server import quotas
 from dvbench.server import receipts
@@ -313,6 +316,77 @@ class RecordBodiesTest(parameterized.TestCase):
     _append(store, proof, later)
     self.assertEqual(list(store.record_data(proof)), [b"root"] + earlier + later)
     self.assertEqual(self._stored(store, proof)[1], (earlier[0], None, None))
+
+
+@parameterized.parameters("sqlite", "postgresql")
+class SummaryQueriesTest(parameterized.TestCase):
+  """Counts, marks and chart ticks of a proof read by the database, checked against the
+  rows they count."""
+
+  STEPS = 5000
+
+  def _proof_with_rows(self, backend):
+    store = db.Store.open(_fresh_url(backend))
+    proof = StoreTest._proof(self, store)
+    rng = np.random.default_rng(7)
+    needs = {k: rng.random(self.STEPS) < p for k, p in
+             (("update", 0.3), ("state", 0.1), ("probe", 0.5))}
+    answered = {k: needs[k] & (rng.random(self.STEPS) < 0.8) for k in needs}
+    rows = [{**custody.challenge_row(proof, s, bytes(32), bytes(32),
+                                     {k: bool(needs[k][s]) for k in needs}),
+             **{f"answered_{k}": bool(answered[k][s]) for k in needs}}
+            for s in range(self.STEPS)]
+    # update checks of some challenged steps (a few failed) and of two unchallenged ones
+    checked = [s for s in range(self.STEPS) if needs["update"][s] and s % 3][:900]
+    check_rows = [{"step": s, "kind": "update", "mode": "exact",
+                   "status": "failed" if s % 50 == 1 else "verified", "max_abs_error": 0.0,
+                   "max_rel_error": 0.0, "max_ulp_error": 0} for s in checked]
+    unchallenged = [s for s in range(self.STEPS) if not needs["update"][s]][:2]
+    check_rows += [{**check_rows[0], "step": s} for s in unchallenged]
+    check_rows.append({**check_rows[0], "step": 0, "kind": "start"})
+    with store.engine.begin() as conn:
+      store.add_challenges(conn, rows)
+      conn.execute(db.checks.insert(), [{"proof_id": proof, **r} for r in check_rows])
+    return store, proof, rows, check_rows
+
+  def test_counts_are_those_of_the_rows(self, backend):
+    store, proof, rows, check_rows = self._proof_with_rows(backend)
+    kinds = challenge.ANSWER_KINDS
+    update_steps = {r["step"] for r in rows if r["needs_update"]}
+    self.assertEqual(store.challenge_counts(proof), {
+        "steps": self.STEPS, **{k: sum(r[f"needs_{k}"] for r in rows) for k in kinds},
+        "answered": sum(r[f"needs_{k}"] and r[f"answered_{k}"] for r in rows for k in kinds),
+        "required": sum(r[f"needs_{k}"] for r in rows for k in kinds),
+        "update_replayed": sum(c["kind"] == "update" and c["status"] == "verified"
+                               and c["step"] in update_steps for c in check_rows)})
+    tally = collections.Counter((c["kind"], c["status"]) for c in check_rows)
+    self.assertEqual(store.check_tally(proof), dict(tally))
+    self.assertEqual(store.challenge_counts("cd" * 32)["steps"], 0)  # no such proof: zeros
+
+  def test_marks_are_those_of_the_window(self, backend):
+    store, proof, rows, check_rows = self._proof_with_rows(backend)
+    first, last = 1200, 2199
+    expected = {r["step"]: "challenged" for r in rows
+                if r["needs_update"] and first <= r["step"] <= last}
+    expected.update({c["step"]: "verified" if c["status"] == "verified" else "failed"
+                     for c in check_rows if c["kind"] == "update" and first <= c["step"] <= last})
+    marks = store.update_marks(proof, first, last)
+    self.assertEqual(marks, expected)
+    self.assertContainsSubset({"challenged", "verified", "failed"}, set(marks.values()))
+
+  def test_a_chart_gets_at_most_a_tick_per_column_kind_and_outcome(self, backend):
+    store, proof, _, check_rows = self._proof_with_rows(backend)
+    columns = 100
+    ticks = store.check_ticks(proof, self.STEPS, columns)
+    by_group = collections.defaultdict(list)
+    for c in check_rows:
+      by_group[c["kind"], c["status"], c["step"] * columns // self.STEPS].append(c["step"])
+    self.assertEqual(sorted((t["kind"], t["status"], t["first"], t["last"], t["count"])
+                            for t in ticks),
+                     sorted((k, st, min(v), max(v), len(v))
+                            for (k, st, _), v in by_group.items()))
+    self.assertLessEqual(len(ticks), 3 * columns)  # update verified, update failed, start
+    self.assertLess(len(ticks), len(check_rows) / 3)
 
 
 class RecordFilesTest(parameterized.TestCase):

@@ -15,6 +15,7 @@ import math
 e = html.escape
 WIDTH, HEIGHT = 680, 230
 _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 34, 40
+CHECK_COLUMNS = WIDTH - _LEFT - _RIGHT  # a checks chart's ticks a kind and outcome, at most
 MAX_POINTS = 1500  # points of a curve drawn; marked steps are always drawn
 MARK_STYLES = {  # mark -> (legend text, fill, stroke)
     "verified": ("replayed by the server, verified", "#1a7f37", "#1a7f37"),
@@ -23,6 +24,7 @@ MARK_STYLES = {  # mark -> (legend text, fill, stroke)
     "discarded": ("discarded by a resume: not the run's training", "#d0d7de", "#8c959f"),
 }
 OFF_CURVE = ("discarded",)  # marks whose steps the curve leaves out (dots only)
+MAX_MARKS = 400  # marks drawn on a curve (a full replay marks every step); failed ones first
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -105,6 +107,18 @@ def _thin(points: list[tuple[int, float]], keep: set[int]) -> list[tuple[int, fl
           or i == len(points) - 1]
 
 
+def _shown_marks(steps: list[int], marks: dict[int, str]) -> set[int]:
+  """At most MAX_MARKS of the marked ``steps``: by kind, failed first, then discarded,
+  challenged and verified, each evenly strided over what room is left."""
+  shown: list[int] = []
+  for kind in ("failed", "discarded", "challenged", "verified"):
+    of_kind = [s for s in steps if marks.get(s) == kind]
+    room = MAX_MARKS - len(shown)
+    if of_kind and room > 0:
+      shown += of_kind[::math.ceil(len(of_kind) / room)]
+  return set(shown)
+
+
 def metric_chart(name: str, points: list[tuple[int, float]], marks: dict[int, str]) -> str:
   """A metric's committed values over steps, with the challenged steps marked (steps a
   resume discarded as dots off the curve).
@@ -122,11 +136,13 @@ def metric_chart(name: str, points: list[tuple[int, float]], marks: dict[int, st
   x_ticks = [t for t in x_ticks if t == int(t)] or x_ticks
   y_ticks = nice_ticks(min(values), max(values), 5)
   frame = _Frame(x_ticks, y_ticks)
-  drawn = [p for p in _thin(finite, set(marks)) if marks.get(p[0]) not in OFF_CURVE]
+  marked = [s for s in steps if s in marks]
+  shown = _shown_marks(marked, marks)
+  drawn = [p for p in _thin(finite, shown) if marks.get(p[0]) not in OFF_CURVE]
   path = " ".join(f"{frame.x(s):.1f},{frame.y(v):.1f}" for s, v in drawn)
   dots = []
   for step, value in finite:
-    mark = marks.get(step)
+    mark = marks.get(step) if step in shown else None
     if mark is None:
       continue
     text, fill, stroke = MARK_STYLES[mark]
@@ -139,6 +155,8 @@ def metric_chart(name: str, points: list[tuple[int, float]], marks: dict[int, st
   for mark in sorted({marks[s] for s in steps if s in marks}):
     text, fill, stroke = MARK_STYLES[mark]
     legend.append((f"<circle cx='6' cy='0' r='4' fill='{fill}' stroke='{stroke}'/>", text))
+  if len(shown) < len(marked):
+    legend.append(("", f"{len(shown)} of {len(marked)} marked steps drawn (failed first)"))
   if skipped:
     legend.append(("", f"{skipped} non-finite values not drawn"))
   return (f"<svg class='metric-chart' data-metric='{e(name)}' width='{WIDTH}' "
@@ -148,22 +166,26 @@ def metric_chart(name: str, points: list[tuple[int, float]], marks: dict[int, st
           f"points='{path}'/>{''.join(dots)}{_legend(legend)}</svg>")
 
 
-def checks_chart(steps: int, checks: list[dict]) -> str:
-  """The server's replayed checks over steps: one tick per check, by kind and outcome."""
+def checks_chart(steps: int, ticks: list[dict]) -> str:
+  """The server's replayed checks over steps: a tick per pixel column, kind and outcome
+  that holds any (``Store.check_ticks`` with ``CHECK_COLUMNS``), titled with its steps."""
   x_ticks = nice_ticks(0, max(steps - 1, 1), 6)
   x_ticks = [t for t in x_ticks if t == int(t)] or x_ticks
   order = {"update": 0, "state": 1, "probe": 2, "start": 3}
-  present = sorted({c["kind"] for c in checks}, key=lambda k: (order.get(k, len(order)), k))
+  present = sorted({c["kind"] for c in ticks}, key=lambda k: (order.get(k, len(order)), k))
   frame = _Frame(x_ticks, [0, len(present) or 1])
   rows = {k: i for i, k in enumerate(reversed(present))}  # the first kind on top
-  ticks = []
-  for c in checks:
-    x, y = frame.x(c["step"]), frame.y(rows[c["kind"]] + 0.5)
+  lines = []
+  for c in ticks:
+    x, y = frame.x(c["first"]), frame.y(rows[c["kind"]] + 0.5)
     color = "#1a7f37" if c["status"] == "verified" else "#cf222e"
-    ticks.append(f"<line class='check {e(c['status'])}' data-step='{c['step']}' x1='{x:.1f}' "
-                 f"x2='{x:.1f}' y1='{y - 9:.1f}' y2='{y + 9:.1f}' stroke='{color}' "
-                 f"stroke-width='2'><title>step {c['step']} {e(c['kind'])} check: "
-                 f"{e(c['status'])}</title></line>")
+    title = (f"step {c['first']} {e(c['kind'])} check: {e(c['status'])}" if c["count"] == 1
+             else f"steps {c['first']}–{c['last']}: {c['count']} {e(c['kind'])} checks "
+                  f"{e(c['status'])}")
+    lines.append(f"<line class='check {e(c['status'])}' data-step='{c['first']}' "
+                 f"data-count='{c['count']}' x1='{x:.1f}' x2='{x:.1f}' y1='{y - 9:.1f}' "
+                 f"y2='{y + 9:.1f}' stroke='{color}' stroke-width='2'><title>{title}</title>"
+                 "</line>")
   bottom = HEIGHT - _BOTTOM
   axes = [f"<g class='axis x' font-size='11'><line x1='{_LEFT}' x2='{WIDTH - _RIGHT}' "
           f"y1='{bottom}' y2='{bottom}' stroke='#57606a'/>"]
@@ -181,7 +203,7 @@ def checks_chart(steps: int, checks: list[dict]) -> str:
       ("<line x1='6' x2='6' y1='-6' y2='6' stroke='#1a7f37' stroke-width='2'/>", "verified"),
       ("<line x1='6' x2='6' y1='-6' y2='6' stroke='#cf222e' stroke-width='2'/>", "failed")])
   return (f"<svg class='checks' width='{WIDTH}' height='{HEIGHT}' role='img' "
-          f"aria-label='checks over steps'>{''.join(axes)}{''.join(ticks)}{legend}</svg>")
+          f"aria-label='checks over steps'>{''.join(axes)}{''.join(lines)}{legend}</svg>")
 
 
 # Colors of overlaid runs (colour-blind safe, Okabe-Ito), in run order.

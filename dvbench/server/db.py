@@ -44,6 +44,7 @@ from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pyli
                                       JobQueries)
 from dvbench.server.store_listing import ListingQueries
 from dvbench.server.store_liveness import LivenessQueries
+from dvbench.server.store_summaries import SummaryQueries
 from dvbench.server.store_tokens import TokenQueries, hash_token  # pylint: disable=unused-import
 from zkdv.verify import claims
 
@@ -270,7 +271,7 @@ class WriteLockingEngine:
 
 
 class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQueries,
-            LivenessQueries):
+            LivenessQueries, SummaryQueries):
   """All reads and writes of the service; one instance per process."""
 
   def __init__(self, engine: sa.Engine):

@@ -4,7 +4,7 @@ Used by the proof JSON and the pages, so both say the same.
 
 Example::
 
-  summary = challenge_summary(proof, challenger, challenge_rows, checks)
+  summary = challenge_summary(proof, challenger, store.challenge_counts(proof_id))
   summary["label"]  # 'verified: 7 server-chosen update checks replayed at p = 0.1; ...'
 """
 
@@ -33,15 +33,10 @@ DISCARDED_STEPS = "discarded_steps"
 STORED_FACTS = (FULL_REPLAY, INIT_PROGRAM, BASE_CHECKPOINT, DATA_ORDER, DISCARDED_STEPS)
 
 
-def _counts(rows: list[dict], checks: list[dict]) -> dict:
-  needed = {k: sum(r[f"needs_{k}"] for r in rows) for k in challenge.ANSWER_KINDS}
-  answered = sum(r[f"needs_{k}"] and r[f"answered_{k}"] for r in rows
-                 for k in challenge.ANSWER_KINDS)
-  update_steps = {r["step"] for r in rows if r["needs_update"]}
-  replayed = sum(c["kind"] == "update" and c["status"] == "verified" and c["step"] in update_steps
-                 for c in checks)
-  return {"steps": len(rows), **needed, "answered": answered,
-          "required": sum(needed.values()), "update_replayed": replayed}
+def replayed_checks(tally: dict[tuple[str, str], int]) -> dict:
+  """``{"checks", "checks_verified"}`` of a proof's ``Store.check_tally``."""
+  return {"checks": sum(tally.values()),
+          "checks_verified": sum(n for (_, status), n in tally.items() if status == "verified")}
 
 
 def progress(job: dict | None, now: float | None = None) -> str:
@@ -154,17 +149,18 @@ def shortfalls_of(state: str, claims: dict | None) -> tuple:
   return claims_lib.shortfalls(claims["claims"])
 
 
-def challenge_summary(proof: dict, challenger: dict | None, rows: list[dict],
-                      checks: list[dict], job: dict | None = None,
-                      claims: dict | None = None, attempts: dict | None = None) -> dict:
-  """The fields of the proof JSON that say what its state means (``job``: its verification
-  job, for the progress of a running one; ``claims``: the stored claims of the server's
-  verification, which say whether it was a full replay and what keeps it from verified;
-  ``attempts``: its owner's, ``attempts.owner_attempts``)."""
+def challenge_summary(proof: dict, challenger: dict | None, counts: dict,
+                      job: dict | None = None, claims: dict | None = None,
+                      attempts: dict | None = None) -> dict:
+  """The fields of the proof JSON that say what its state means (``counts``: its
+  ``Store.challenge_counts``; ``job``: its verification job, for the progress of a running
+  one; ``claims``: the stored claims of the server's verification, which say whether it was
+  a full replay and what keeps it from verified; ``attempts``: its owner's,
+  ``attempts.owner_attempts``)."""
   chooser = challenger["kind"] if challenger else "self"
   policy = json.loads(challenger["policy"]) if challenger else None
   p = policy["update_check_probability"] if policy else 0.0
-  counts = {**_counts(rows, checks), "discarded": discarded_steps(claims)}
+  counts = {**counts, "discarded": discarded_steps(claims)}
   full = chooser == "dvbench" and proof["state"] == "verified" and is_full_replay(claims)
   standing = stored_standing(proof["state"], claims)
   short = standing.shortfalls

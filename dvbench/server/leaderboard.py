@@ -58,10 +58,9 @@ def audit(store, proof_id: str) -> dict:
   """What a benchmark entry's proof shows: who challenged, checks replayed, p, 1 − p, start,
   and its owner's attempts."""
   proof = store.proof(proof_id)
-  checks = store.proof_checks(proof_id)
   owner = proof["experiment"].split("/")[0]
   summary = labels.challenge_summary(proof, store.challenger(proof_id),
-                                     store.challenge_rows(proof_id), checks,
+                                     store.challenge_counts(proof_id),
                                      claims=store.proof_claims(proof_id),
                                      attempts=attempts_lib.owner_attempts(store, owner))
   return {"challenger": summary["challenger"],
@@ -69,8 +68,7 @@ def audit(store, proof_id: str) -> dict:
           "update_check_probability": summary["update_check_probability"],
           "escape_probability": summary["escape_probability_one_faked_step"],
           "full_replay": summary["full_replay"],
-          "start_attested": any(c["kind"] == "start" and c["status"] == "verified"
-                                for c in checks),
+          "start_attested": store.check_tally(proof_id).get(("start", "verified"), 0) > 0,
           "attempts": summary.get("attempts"),
           "proof_state": proof["state"],
           "steps": proof["steps"] - summary["server_challenges"]["discarded"],

@@ -32,7 +32,8 @@ class LocalServer:
 
   def __init__(self, workers: int = 1, lease_seconds: float = 10.0, max_body_mb: int = 64,
                data: pathlib.Path | None = None, port: int | None = None,
-               database_url: str | None = None, extra_args: tuple[str, ...] = ()):
+               database_url: str | None = None, extra_args: tuple[str, ...] = (),
+               source: str | None = None):
     self.made_data = data is None  # removed by ``close()``; a folder given is the caller's
     self.data = data or pathlib.Path(tempfile.mkdtemp(prefix="dvbench-test-"))
     self.port = port or free_port()
@@ -44,6 +45,8 @@ class LocalServer:
     if database_url:
       self.args += ["--database-url", database_url]
     self.process = None
+    # ``source``: a source tree whose dvbench runs instead of this one (a benchmark's --before)
+    self.source = source
 
   def __enter__(self) -> "LocalServer":
     try:
@@ -58,7 +61,9 @@ class LocalServer:
   def start(self) -> "LocalServer":
     self.process = subprocess.Popen(
         [sys.executable, "-m", "dvbench.cli", *self.args, "--data", str(self.data)],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=self.source, env=None if self.source is None else dict(os.environ,
+                                                                   PYTHONPATH=self.source))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
       try:

@@ -459,34 +459,35 @@ def _probed(p: dict, probed_rows: int | None) -> str:
   return "not counted: the server counts them for proofs it verified"
 
 
-def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int | None,
-          config: dict, curves: dict, marks: dict, digests: list[str],
-          has_receipt: bool, drawn: tuple[int, int], checks_after: str | None = None,
-          checks_next: str | None = None, table: list[dict] | None = None,
-          zoom: str = "") -> str:
-  """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof, ``curves``
-  ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks``; ``table``: the page of
-  ``checks`` listed after ``checks_after`` (``store.page_checks``), ``checks_next`` the
-  cursor of the next one; ``drawn``: the first and last step drawn, under the ``zoom`` form."""
+def proof(url: Url, p: dict, summary: dict, ticks: list[dict], replayed: dict,
+          probed_rows: int | None, config: dict, curves: dict, marks: dict, digests: list[str],
+          has_receipt: bool, drawn: tuple[int, int], checks_after: str | None,
+          checks_next: str | None, table: list[dict], zoom: str = "") -> str:
+  """The proof page; ``summary`` is ``labels.challenge_summary`` of the proof, ``ticks``
+  its ``Store.check_ticks``, ``replayed`` ``labels.replayed_checks``, ``curves``
+  ``run_view.scalar_curves``, ``marks`` ``run_view.step_marks`` of the drawn steps;
+  ``table``: the page of checks listed after ``checks_after`` (``store.page_checks``),
+  ``checks_next`` the cursor of the next one; ``drawn``: the first and last step drawn,
+  under the ``zoom`` form."""
   here = url("proof_page", proof_id=p["id"])
   pager = ([f"<a rel='first' href='{e(here)}#checks'>first checks</a>"] if checks_after else [])
   if checks_next is not None:
     pager.append(f"<a rel='next' href='{e(here)}?checks_after={e(checks_next)}#checks'>"
                  "next checks →</a>")
-  table = checks if table is None else table
   rows = "".join(
       f"<tr data-state='{e(c['status'])}'><td class='num'>{c['step']}</td><td>{e(c['kind'])}</td>"
       f"<td>{e(c['mode'])}</td><td>{_badge(c['status'])}</td>"
       f"<td class='num'>{c['max_abs_error']:.3g}</td><td class='num'>{c['max_ulp_error']}</td></tr>"
       for c in table)
   checks_html = (
-      f"{charts.checks_chart(p['steps'], checks)}<table id='checks'><tr><th>step</th>"
+      f"{charts.checks_chart(p['steps'], ticks)}<table id='checks'><tr><th>step</th>"
       f"<th>kind</th><th>mode</th><th>status</th><th>max abs error</th><th>max ulp</th></tr>"
-      f"{rows}</table><p class='pager'>{len(checks)} checks, {CHECKS_PAGE} a page "
-      f"{' · '.join(pager)}</p>" if checks else
+      f"{rows}</table><p class='pager'>{replayed['checks']} checks, {CHECKS_PAGE} a page "
+      f"{' · '.join(pager)}</p>" if replayed["checks"] else
       "<p class='empty' id='no-checks'>No checks replayed yet: the server's workers replay "
       "the checks it chose once the proof is closed"
-      + (f" ({len(marks)} steps challenged so far)." if marks else ".") + "</p>")
+      + (f" ({challenged} steps challenged so far)."
+         if (challenged := summary["server_challenges"]["update"]) else ".") + "</p>")
   downloads = [f"<a href='{e(url('proof_transcript', proof_id=p['id']))}' download>transcript "
                "(records.cborl)</a>",
                f"<a href='{e(url('proof', proof_id=p['id']))}'>proof JSON</a>"]
@@ -509,8 +510,8 @@ def proof(url: Url, p: dict, summary: dict, checks: list[dict], probed_rows: int
 <tr><th>distinct batch rows opened as probes</th><td id='probed-rows'>{_probed(p, probed_rows)}</td></tr>
 <tr><th>data</th><td id="data">{e(summary['data'])}{'' if summary['dataset'] is None else
  f" over dataset <code>{e(summary['dataset'][:16])}…</code>"}</td></tr>
-<tr><th>server-replayed checks</th><td>{sum(c['status'] == 'verified' for c in checks)} verified
- of {len(checks)}</td></tr>
+<tr><th>server-replayed checks</th><td>{replayed['checks_verified']} verified
+ of {replayed['checks']}</td></tr>
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
 {_attempts_html(summary.get('attempts'))}
 <h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'],

@@ -17,6 +17,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from dvbench.server import attempts
+from dvbench.server import charts
 from dvbench.server import labels
 from dvbench.server import page
 from dvbench.server import leaderboard
@@ -180,12 +181,10 @@ class PageRoutes:
 
     def gather():
       proof = self._proof_or_404(proof_id)
-      checks = self.store.proof_checks(proof_id)
       table, following = self.store.page_checks(proof_id, page.CHECKS_PAGE, checks_after)
-      rows = self.store.challenge_rows(proof_id)
       job = self.store.job("proof", proof_id)
-      summary = labels.challenge_summary(proof, self.store.challenger(proof_id), rows, checks,
-                                         job,
+      summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
+                                         self.store.challenge_counts(proof_id), job,
                                          claims=self.store.proof_claims(proof_id),
                                          attempts=attempts.owner_attempts(
                                              self.store, proof["experiment"].split("/")[0]))
@@ -195,10 +194,11 @@ class PageRoutes:
       probed = self.store.probe_count(proof_id)  # indexed by the worker (index_probes)
       indexed = probed or (job is not None and job["state"] == "done"
                            and proof["state"] not in ("invalid", UNVERIFIABLE))
-      return page.proof(_url(request), proof, summary, checks, probed if indexed else None,
-                        run_view.run_config(self.store, proof_id), curves,
-                        run_view.step_marks(rows, checks,
-                                            run_view.resumed_away(self.store, proof_id)),
+      ticks = self.store.check_ticks(proof_id, proof["steps"], charts.CHECK_COLUMNS)
+      return page.proof(_url(request), proof, summary, ticks,
+                        labels.replayed_checks(self.store.check_tally(proof_id)),
+                        probed if indexed else None, run_view.run_config(self.store, proof_id),
+                        curves, run_view.step_marks(self.store, proof_id, series["steps"]),
                         [n for n in series["metrics"] if n not in curves],
                         self.store.receipt(proof_id) is not None, drawn,
                         checks_after, following, table, zoom_of(request, window, zoomed))
@@ -218,9 +218,7 @@ class PageRoutes:
     def gather():
       self.service.proof_or_404(proof_id)
       series = run_view.metric_series(self.store, proof_id, start=start)
-      marks = run_view.step_marks(self.store.challenge_rows(proof_id),
-                                  self.store.proof_checks(proof_id),
-                                  run_view.resumed_away(self.store, proof_id))
+      marks = run_view.step_marks(self.store, proof_id, series["steps"])
       return {"proof_id": proof_id, **series,
               "marks": {str(s): m for s, m in sorted(marks.items())}}
     return JSONResponse(await run_in_threadpool(gather))

@@ -232,15 +232,13 @@ class ProofRoutes:
 
   def proof_json(self, proof_id: str) -> dict:
     proof = self.service.proof_or_404(proof_id)
-    checks = self.store.proof_checks(proof_id)
     summary = labels.challenge_summary(proof, self.store.challenger(proof_id),
-                                       self.store.challenge_rows(proof_id), checks,
+                                       self.store.challenge_counts(proof_id),
                                        self.store.job("proof", proof_id),
                                        claims=self.store.proof_claims(proof_id),
                                        attempts=attempts.owner_attempts(
                                            self.store, proof["experiment"].split("/")[0]))
-    return {**public_proof(proof), **summary, "checks": len(checks),
-            "checks_verified": sum(c["status"] == "verified" for c in checks)}
+    return {**public_proof(proof), **summary, **labels.replayed_checks(self.store.check_tally(proof_id))}
 
   async def get_proof(self, request):
     return JSONResponse(await run_in_threadpool(self.proof_json, request.path_params["proof_id"]))

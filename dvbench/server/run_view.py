@@ -9,8 +9,7 @@ Example::
 
   config = run_config(store, proof_id)            # root and program summaries
   series = metric_series(store, proof_id)          # {"steps": [...], "metrics": {...}}
-  marks = step_marks(store.challenge_rows(proof_id), store.proof_checks(proof_id),
-                     resumed_away(store, proof_id))
+  marks = step_marks(store, proof_id, series["steps"])  # of the steps the series lists
 """
 
 import re
@@ -173,13 +172,13 @@ def resumed_away(store, proof_id: str) -> set[int]:
           for step in discarded_steps(record["after"], record["step"])}
 
 
-def step_marks(challenge_rows: list[dict], checks: list[dict],
-               discarded: set[int] = frozenset()) -> dict[int, str]:
-  """step -> "verified", "failed" or "challenged" for the steps with an update check:
-  replayed by the server (and how it came out) or chosen and not replayed yet; and
-  "discarded" for the steps a resume discarded (``resumed_away``)."""
-  marks = {r["step"]: "challenged" for r in challenge_rows if r.get("needs_update")}
-  for c in checks:
-    if c["kind"] == "update":
-      marks[c["step"]] = "verified" if c["status"] == "verified" else "failed"
-  return {**marks, **dict.fromkeys(discarded, "discarded")}
+def step_marks(store, proof_id: str, steps: list[int]) -> dict[int, str]:
+  """step -> "verified", "failed" or "challenged" for those of ``steps`` (a series' steps)
+  with an update check: replayed by the server (and how it came out) or chosen and not
+  replayed yet; and "discarded" for those a resume discarded (``resumed_away``). Read for
+  the steps' range only (``Store.update_marks``)."""
+  if not steps:
+    return {}
+  first, last = min(steps), max(steps)
+  discarded = {s for s in resumed_away(store, proof_id) if first <= s <= last}
+  return {**store.update_marks(proof_id, first, last), **dict.fromkeys(discarded, "discarded")}
