@@ -216,6 +216,7 @@ def _redacted(url: str) -> str:
 def worker(args) -> int:
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
   from dvbench.server import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  from dvbench.server.db import NewerSchema  # pylint: disable=g-import-not-at-top
   if args.parent_pid is not None:
     sandbox.die_with_parent(args.parent_pid)
   isolation, _ = _sandbox_or_exit(args)
@@ -224,11 +225,14 @@ def worker(args) -> int:
   store, blobs = _store_and_blobs(args)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  done = worker_lib.run(store, blobs,  # never reads the key: the server signs receipts
-                        worker_id=args.worker_id or worker_lib.default_worker_id(),
-                        lease_seconds=args.lease_seconds, limits=limits,
-                        max_attempts=args.max_attempts, once=args.once, stop=stop,
-                        owner_share=args.owner_share)
+  try:
+    done = worker_lib.run(store, blobs,  # never reads the key: the server signs receipts
+                          worker_id=args.worker_id or worker_lib.default_worker_id(),
+                          lease_seconds=args.lease_seconds, limits=limits,
+                          max_attempts=args.max_attempts, once=args.once, stop=stop,
+                          owner_share=args.owner_share)
+  except NewerSchema as e:  # the server was upgraded while this worker ran: claims nothing
+    raise SystemExit(f"dvbench worker: {e}") from None
   if args.once and not done:
     print("dvbench worker: no job was waiting; nothing to verify.", file=sys.stderr)
   return 0

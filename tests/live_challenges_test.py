@@ -311,6 +311,9 @@ class DamagedStorageTest(absltest.TestCase):
                      r"attempts; the last one ended because record [0-9a-f]{64} of proof "
                      f"{proof.proof_id} is damaged in the server's storage")
     self.assertIn("a fault of this server, not of the prover", status["failure"])
+    download = httpx.get(f"{server.url}/api/v1/proofs/{proof.proof_id}/transcript")
+    self.assertEqual(download.status_code, 503, download.text[:200])  # before: 200, cut short
+    self.assertIn("damaged in the server's storage", download.json()["error"])
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 import collections
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from unittest import mock
 
 import blake3
 import cbor2
@@ -119,6 +121,23 @@ class StoreTest(parameterized.TestCase):
   def _indexes(store) -> set[str]:
     with store.engine.connect() as conn:
       return {index["name"] for index in sa.inspect(conn).get_indexes("records")}
+
+  def test_a_worker_started_before_an_upgrade_claims_nothing_after_it(self, backend):
+    # A claim never read the schema: a worker started before migration 13 verified proofs
+    # whose bodies the upgraded server keeps in records files from their rows' empty data,
+    # found their chains broken, and the server signed "invalid" receipts.
+    url = _fresh_url(backend)
+    store = db.Store.open(url)  # the worker's, opened before the upgrade
+    proof = self._proof(store)
+    with store.engine.begin() as conn:
+      store.enqueue_job(conn, "proof", proof)
+      conn.execute(db.schema_migrations.insert().values(version=db.MIGRATIONS[-1][0] + 1,
+                                                        applied_at=0.0))  # the upgrade
+    with self.assertRaisesRegex(db.NewerSchema, "a newer dvbench migrated it.*upgrade this one"):
+      store.claim_job("old-worker", lease_seconds=30)
+    with store.engine.connect() as conn:
+      self.assertEqual(conn.execute(sa.select(db.jobs.c.state, db.jobs.c.attempts)).one(),
+                       ("queued", 0))
 
   def test_a_database_a_newer_dvbench_migrated_is_refused(self, backend):
     # An older worker on a newer schema would verify proofs by rules the tables no longer
@@ -427,11 +446,35 @@ class RecordFilesTest(parameterized.TestCase):
                                 "storage .* a fault of this server, not of the prover"):
       list(store.record_data(proof))
 
+  def test_bodies_reach_the_disk_before_their_rows_are_committed(self):
+    # Before, nothing flushed the file: after a power cut, rows the WAL's checkpoint had
+    # written could point at bodies the kernel had not.
+    store = db.Store.open(_fresh_url("sqlite"))
+    proof = StoreTest._proof(self, store)
+    synced = []
+    real = os.fdatasync
+
+    def fdatasync(fd):
+      real(fd)
+      with store.engine.connect() as conn:  # what is committed at that moment
+        synced.append(conn.execute(sa.select(db.proofs.c.records).where(
+            db.proofs.c.id == proof)).scalar())
+    with mock.patch.object(record_bodies.os, "fdatasync", fdatasync):
+      _append(store, proof, [b"a" * self.LARGE, b"b" * self.LARGE])
+      _append(store, proof, [b"small"])  # nothing out of line: nothing to flush
+    self.assertEqual(synced, [1])  # once, while only the root was committed
+    self.assertEqual(store.proof(proof)["records"], 4)
+
   def test_a_discarded_proof_leaves_no_records_file(self):
     store = db.Store.open(_fresh_url("sqlite"))
     proof = StoreTest._proof(self, store)
     _append(store, proof, [b"a" * self.LARGE])
     self.assertTrue(store.bodies.path(proof).exists())
+    with self.assertRaisesRegex(RuntimeError, "the disk is full"):
+      with store.engine.begin() as conn:  # a discard whose transaction fails keeps it all
+        self.assertIsNone(store.discard_in(conn, proof))
+        raise RuntimeError("the disk is full")
+    self.assertEqual(list(store.record_data(proof)), [b"root", b"a" * self.LARGE])
     self.assertIsNone(store.discard_unstarted_proof(proof))
     self.assertFalse(store.bodies.path(proof).exists())
 

@@ -13,6 +13,7 @@ Example::
   uvicorn.run(create_app(service), host="127.0.0.1", port=8000)
 """
 
+import logging
 import pathlib
 
 from starlette.applications import Starlette
@@ -25,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 from dvbench.server import page
 from dvbench.server import sandbox
 from dvbench.server.guard import Guard
+from dvbench.server.record_bodies import StoredRecordDamaged
 from dvbench.server.routes_benchmarks import benchmark_routes
 from dvbench.server.routes_blobs import blob_routes
 from dvbench.server.routes_measurements import measurement_routes
@@ -33,6 +35,8 @@ from dvbench.server.routes_proofs import proof_routes
 from dvbench.server.routes_stream import stream_routes
 from dvbench.server.service import Service
 from dvbench.server.store_jobs import QueueFull
+
+logger = logging.getLogger("dvbench.server")
 
 SECURITY_HEADERS = [
     (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; "
@@ -72,6 +76,12 @@ async def _http_error(request, exc: HTTPException):
                       status_code=exc.status_code, headers=exc.headers)
 
 
+async def _storage_damaged(request, exc: StoredRecordDamaged):
+  """A stored record this server cannot read back: its fault, said as such (503)."""
+  logger.error("%s", exc)
+  return JSONResponse({"error": str(exc)}, status_code=503)
+
+
 async def _queue_full(request, exc: QueueFull):
   return JSONResponse({"error": str(exc)}, status_code=429, headers={"retry-after": "30"})
 
@@ -103,6 +113,7 @@ def create_app(service: Service) -> Starlette:
             *blob_routes(service), *measurement_routes(service), *benchmark_routes(service),
             Mount("/static", static, name="static")]
   return Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
-                                                     QueueFull: _queue_full},
+                                                     QueueFull: _queue_full,
+                                                     StoredRecordDamaged: _storage_damaged},
                    middleware=[Middleware(SecurityHeaders),  # outermost: on every answer
                                Middleware(Guard, limits=service.limits)])

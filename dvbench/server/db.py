@@ -290,6 +290,16 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     store.migrate()
     return store
 
+  @staticmethod
+  def check_schema(conn) -> None:
+    """Raises ``NewerSchema`` when a newer dvbench migrated the database."""
+    newest = conn.execute(sa.select(sa.func.max(schema_migrations.c.version))).scalar()
+    known = MIGRATIONS[-1][0]
+    if newest is not None and newest > known:
+      raise NewerSchema(f"the database is at schema version {newest}, and this dvbench knows "
+                        f"versions up to {known}: a newer dvbench migrated it. Run the "
+                        "server and every worker with that dvbench (upgrade this one).")
+
   def migrate(self) -> list[int]:
     """Applies missing migrations in order; returns the versions applied. Raises
     ``NewerSchema`` for a database a newer dvbench migrated: this code would run on it
@@ -297,12 +307,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
     applied = []
     with self.engine.begin() as conn:
       schema_migrations.create(conn, checkfirst=True)
-      newest = conn.execute(sa.select(sa.func.max(schema_migrations.c.version))).scalar()
-    known = MIGRATIONS[-1][0]
-    if newest is not None and newest > known:
-      raise NewerSchema(f"the database is at schema version {newest}, and this dvbench knows "
-                        f"versions up to {known}: a newer dvbench migrated it. Run the "
-                        "server and every worker with that dvbench (upgrade this one).")
+      self.check_schema(conn)
     for version, step in MIGRATIONS:
       with self.engine.begin() as conn:
         done = conn.execute(sa.select(schema_migrations.c.version).where(

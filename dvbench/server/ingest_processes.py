@@ -40,12 +40,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.exceptions import HTTPException
 
+from dvbench.server.record_bodies import StoredRecordDamaged
 from dvbench.server.store_jobs import QueueFull
 from dvbench.server.supervisor import Restarts
 
 logger = logging.getLogger("dvbench.ingest")
 
-_REFUSALS = (HTTPException, QueueFull)  # sent back as they are; the app answers them
+# sent back as they are; the app answers them
+_REFUSALS = (HTTPException, QueueFull, StoredRecordDamaged)
 _SPAWN = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks copied
 JOB_IDLE_SECONDS = 60.0
 

@@ -9,7 +9,10 @@ cover (``proofs.body_end``), inside the write transaction that stores its row
 (``data = b""``, ``body_offset``, ``body_size``). Every write transaction holds the
 database's write lock, so appends to one file never interleave; a transaction rolled back
 (or a process killed) leaves bytes past ``body_end``, which the next append overwrites.
-A kill -9 loses nothing: the bytes are in the page cache before the commit. On
+The bytes are flushed to the disk (``fdatasync``, and the folder once when the file is
+made) before the transaction commits, so no stored row outlives its body, after a kill -9
+or a power cut (a power cut may lose the last rows, as SQLite's WAL may, never a body
+under a row: about 0.7 ms a transaction of 30 probe records on this machine). On
 PostgreSQL (and an in-memory SQLite) every body stays in the database (PostgreSQL keeps
 large values out of its table pages itself).
 
@@ -61,7 +64,9 @@ class RecordBodies:
     its stored records cover); returns their offsets. Call inside the write transaction
     that stores their rows."""
     self.folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(self.path(proof_id), os.O_WRONLY | os.O_CREAT, 0o644)
+    path = self.path(proof_id)
+    made = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
       offsets = []
       for body in bodies:
@@ -70,9 +75,16 @@ class RecordBodies:
         while view:
           written = os.pwrite(fd, view, end)
           view, end = view[written:], end + written
-      return offsets
+      os.fdatasync(fd)
     finally:
       os.close(fd)
+    if made:  # the file's name too, before a row points into it
+      folder = os.open(self.folder, os.O_RDONLY)
+      try:
+        os.fsync(folder)
+      finally:
+        os.close(folder)
+    return offsets
 
   def read(self, proof_id: str, record_id: bytes, offset: int, size: int) -> bytes:
     """The body of record ``record_id`` at ``offset``; raises StoredRecordDamaged when the

@@ -5,6 +5,7 @@ Example::
   routes = proof_routes(service)  # named routes, e.g. url_path_for("proof", proof_id=...)
 """
 
+import itertools
 import json
 import math
 import secrets
@@ -261,11 +262,14 @@ class ProofRoutes:
   async def get_transcript(self, request):
     """The records as one CBOR sequence, streamed a page at a time (``record_page``): a
     reader holds a page, not the transcript (a few readers of a few GB took the server's
-    memory)."""
+    memory). The first page is read before the answer starts, so a transcript the server
+    cannot read answers 503 (a later damaged page cuts the stream short)."""
     proof_id = request.path_params["proof_id"]
     await run_in_threadpool(self.service.proof_or_404, proof_id)
     pages = (b"".join(data for _, data in page) for page in self.store.record_pages(proof_id))
-    return StreamingResponse(pages, media_type=_CBOR)  # a sync iterator: read in a thread
+    first = await run_in_threadpool(next, pages, b"")
+    return StreamingResponse(itertools.chain([first], pages),  # a sync iterator: in a thread
+                             media_type=_CBOR)
 
   async def get_receipt(self, request):
     proof = await run_in_threadpool(self.service.proof_or_404, request.path_params["proof_id"])

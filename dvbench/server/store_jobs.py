@@ -128,9 +128,12 @@ class JobQueries:
     Fair across owners (``claim_order``): the oldest job of the owner with the fewest
     running jobs (then the one served least recently); with ``owner_share`` an owner
     holding that many running jobs gets no more while another owner's job waits. A job
-    whose lease expired after ``max_attempts`` attempts is given up (``failed``).
+    whose lease expired after ``max_attempts`` attempts is given up (``failed``). Raises
+    ``db.NewerSchema`` once a newer dvbench migrated the database (checked at each claim:
+    a worker started before an upgrade would verify by rules the tables no longer follow).
     """
     with self.engine.begin() as conn:
+      self.check_schema(conn)
       now = time.time()  # once the write lock is held: claims' started_at follow their order
       expired = (jobs.c.state == "running") & (jobs.c.lease_expires < now)
       claimable = (jobs.c.state == "queued") | expired

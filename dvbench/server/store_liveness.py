@@ -63,11 +63,24 @@ class LivenessQueries:
       self.set_proof_state(proof_id, "receiving", None, conn)
       return None
 
-  def discard_unstarted_proof(self, proof_id: str, conn=None) -> str | None:
+  def discard_unstarted_proof(self, proof_id: str) -> str | None:
     """Deletes a ``receiving`` proof that holds no step; None when done, else why not."""
-    if conn is None:
-      with self.engine.begin() as c:
-        return self.discard_unstarted_proof(proof_id, c)
+    with self.engine.begin() as conn:
+      refused = self.discard_in(conn, proof_id)
+    if refused is None:
+      self._remove_bodies([proof_id])
+    return refused
+
+  def _remove_bodies(self, proof_ids: list[str]) -> None:
+    """Deletes the records files of proofs whose deletion committed (before the commit, a
+    failed transaction would keep rows without their bodies; a file a failed unlink leaves
+    is overwritten by any later proof of that id, which writes from its start)."""
+    for proof_id in proof_ids if self.bodies is not None else ():
+      self.bodies.remove(proof_id)
+
+  def discard_in(self, conn, proof_id: str) -> str | None:
+    """``discard_unstarted_proof`` inside the transaction ``conn``, which leaves the
+    proof's records file to its caller (``_remove_bodies`` once it committed)."""
     row = conn.execute(sa.select(proofs.c.state, proofs.c.steps).where(
         proofs.c.id == proof_id)).first()
     if row is None:
@@ -84,8 +97,6 @@ class LivenessQueries:
     if digests:
       conn.execute(insert_ignoring(conn, owner_blobs), [
           {"owner": owner, "digest": d} for d in sorted(digests)])
-    if self.bodies is not None:  # before its rows: a failed unlink keeps them
-      self.bodies.remove(proof_id)
     for table in _PROOF_ROWS:
       conn.execute(table.delete().where(table.c.proof_id == proof_id))
     conn.execute(proofs.delete().where(proofs.c.id == proof_id))
@@ -103,6 +114,7 @@ class LivenessQueries:
           self.set_proof_state(proof_id, "crashed",
                                crashed_failure(silent_seconds, steps, proof_id), conn)
           crashed.append(proof_id)
-        elif self.discard_unstarted_proof(proof_id, conn) is None:
+        elif self.discard_in(conn, proof_id) is None:
           discarded.append(proof_id)
+    self._remove_bodies(discarded)
     return crashed, discarded
