@@ -26,6 +26,7 @@ from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from dvbench.server.schema import records
 from tests import testing
+from tests.fake_prover import FakeProver
 from zkdv import keys
 from zkdv import receipt
 from zkdv import transcript
@@ -314,6 +315,28 @@ class DamagedStorageTest(absltest.TestCase):
     download = httpx.get(f"{server.url}/api/v1/proofs/{proof.proof_id}/transcript")
     self.assertEqual(download.status_code, 503, download.text[:200])  # before: 200, cut short
     self.assertIn("damaged in the server's storage", download.json()["error"])
+
+  def test_a_damaged_tail_met_by_ingestion_answers_503_naming_the_server(self):
+    # A step record over 4 KiB (64 long metric names) is kept in the records file; the next
+    # envelope reads it back as the open segment's tail. Before: a bare 500 ("ingestion
+    # failed: StoredRecordDamaged"), which clients retry as a passing fault.
+    server = LocalServer(workers=0).start()
+    self.addCleanup(server.stop)
+    prover = FakeProver(server.url, server.token("alice"), "alice/tail", segment_length=4)
+    self.addCleanup(prover.http.close)
+    prover.start("tail")
+    many = {f"metric_{i:02d}_" + "x" * 80: bytes(32) for i in range(64)}
+    prover.step(metrics=many)
+    store = Store.open(f"sqlite:///{server.data / 'dvbench.db'}")
+    self.addCleanup(store.engine.dispose)
+    path = store.bodies.path(prover.proof_id)
+    self.assertGreater(path.stat().st_size, 4096)  # the step record, out of line
+    path.write_bytes(b"\0" * path.stat().st_size)
+    response = prover.send(prover.step_record())
+    self.assertEqual(response.status_code, 503, response.text)
+    self.assertRegex(response.json()["error"], f"record [0-9a-f]{{64}} of proof "
+                     f"{prover.proof_id} is damaged in the server's storage .* a fault of "
+                     "this server, not of the prover")
 
 
 if __name__ == "__main__":
