@@ -257,6 +257,16 @@ class PagesTest(absltest.TestCase):
     self.assertIn("logits", dom.find("p", id="digest-metrics")[0][2])
     self.assertIn("No checks replayed yet", dom.find("p", id="no-checks")[0][2])
 
+  def test_a_zoomed_range_without_marks_says_the_run_has_them(self):
+    challenged = {s for s, d in self.fake_run.decisions.items() if d.update}
+    quiet = next(s for s in range(30) if s not in challenged)
+    dom = Dom(httpx.get(f"{self.url}/proofs/{self.fake.proof_id}?from={quiet}&to={quiet}").text)
+    self.assertEqual(dom.find("p", id="no-marks")[0][2],  # before: "No step is challenged yet"
+                     f"No step drawn here is challenged ({len(challenged)} of the run's steps "
+                     "are).")
+    self.assertEqual(dom.find("p", id="drawn")[0][2].split(";")[0],
+                     f"Drawn: steps {quiet} to {quiet} of 30")
+
   def test_empty_states_are_readable(self):
     dom = chromium_dom(self, f"{self.url}/proofs/{self.bare.proof_id}")
     self.assertEmpty(dom.find("svg", class_="metric-chart"))

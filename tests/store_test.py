@@ -406,6 +406,12 @@ class SummaryQueriesTest(parameterized.TestCase):
                             for (k, st, _), v in by_group.items()))
     self.assertLessEqual(len(ticks), 3 * columns)  # update verified, update failed, start
     self.assertLess(len(ticks), len(check_rows) / 3)
+    statuses = [t["status"] for t in ticks]  # failed ones drawn last, over verified ones
+    self.assertEqual(statuses, sorted(statuses, key=lambda status: status == "failed"))
+    self.assertIn("failed", statuses)
+    squeezed = store.check_ticks(proof, 10, columns)  # checks past the steps it was given
+    self.assertLessEqual(len(squeezed), 3 * columns)
+    self.assertEqual(sum(t["count"] for t in squeezed), len(check_rows))
 
 
 class RecordFilesTest(parameterized.TestCase):

@@ -413,7 +413,9 @@ def _config_html(url: Url, proof_id: str, config: dict) -> str:
 
 
 def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: list[str],
-                  steps: int, drawn: tuple[int, int], zoom: str) -> str:
+                  steps: int, drawn: tuple[int, int], zoom: str, challenged: int) -> str:
+  """The metric curves of the ``drawn`` steps with their ``marks`` (``challenged``: the
+  update-challenged steps of the whole run)."""
   json_link = (f"<p><a href='{e(url('proof_metrics', proof_id=proof_id))}'>metrics as JSON</a>"
                f" · <a href='{e(url('proof_metrics_csv', proof_id=proof_id))}' download>"
                "metrics as CSV</a></p>")
@@ -432,8 +434,10 @@ def _metrics_html(url: Url, proof_id: str, curves: dict, marks: dict, digests: l
                 "and each step commits them.")
     return (f"<p class='empty' id='no-metrics'>No metrics yet: {reason}</p>"
             + (json_link if steps else ""))
-  note = ("" if marks else "<p class='empty' id='no-marks'>No step is challenged yet, so no "
-          "point is marked as replayed.</p>")
+  note = ("" if marks else "<p class='empty' id='no-marks'>"
+          + (f"No step drawn here is challenged ({challenged} of the run's steps are)."
+             if challenged else "No step is challenged yet, so no point is marked as "
+             "replayed.") + "</p>")
   hashed = (f"<p id='digest-metrics'>Committed by digest (not scalars): "
             f"{e(', '.join(digests))}.</p>" if digests else "")
   if drawn != (0, steps - 1):
@@ -515,6 +519,6 @@ def proof(url: Url, p: dict, summary: dict, ticks: list[dict], replayed: dict,
 <tr><th>downloads</th><td id="downloads">{' · '.join(downloads)}</td></tr></table>
 {_attempts_html(summary.get('attempts'))}
 <h2>Metrics over steps</h2>{_metrics_html(url, p['id'], curves, marks, digests, p['steps'],
-                                          drawn, zoom)}
+                                          drawn, zoom, summary['server_challenges']['update'])}
 <h2>Configuration</h2>{_config_html(url, p['id'], config)}
 <h2 id="checks">Checks over steps</h2>{checks_html}""")

@@ -66,12 +66,15 @@ class SummaryQueries:
   def check_ticks(self, proof_id: str, steps: int, columns: int) -> list[dict]:
     """The proof's checks for a chart ``columns`` wide over ``steps`` steps: per column,
     kind and status, ``{"kind", "status", "first", "last", "count"}`` (first and last
-    step), so a chart draws at most ``columns`` ticks a kind and status."""
-    column = sa.cast(checks.c.step, sa.BigInteger) * columns // max(steps, 1)
+    step), so a chart draws at most ``columns`` ticks a kind and status; failed ones last,
+    drawn over a verified tick of their column."""
+    scaled = sa.cast(checks.c.step, sa.BigInteger) * columns // max(steps, 1)
+    column = sa.case((scaled >= columns, columns - 1), else_=scaled)  # a step past the end
     with self.engine.connect() as conn:
       return [dict(r) for r in conn.execute(
           sa.select(checks.c.kind, checks.c.status, sa.func.min(checks.c.step).label("first"),
                     sa.func.max(checks.c.step).label("last"), sa.func.count().label("count"))
           .where(checks.c.proof_id == proof_id)
           .group_by(checks.c.kind, checks.c.status, column)
-          .order_by(sa.func.min(checks.c.step), checks.c.kind, checks.c.status)).mappings()]
+          .order_by(sa.case((checks.c.status == "failed", 1), else_=0),
+                    sa.func.min(checks.c.step), checks.c.kind, checks.c.status)).mappings()]
