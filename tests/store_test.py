@@ -122,6 +122,23 @@ class StoreTest(parameterized.TestCase):
     with store.engine.connect() as conn:
       return {index["name"] for index in sa.inspect(conn).get_indexes("records")}
 
+  def test_migration_14_stores_the_steps_earlier_resumes_discarded(self, backend):
+    url = _fresh_url(backend)
+    store = db.Store.open(url)
+    proof = self._proof(store)
+    resumes = [{"type": "resume", "step": 10, "after": 7, "state": bytes(32)},
+               {"type": "resume", "step": 10, "after": 7, "state": bytes(32)},  # again
+               {"type": "resume", "step": 13, "after": 11, "state": bytes(32)}]
+    with store.engine.begin() as conn:  # as migration 13 left it: resumes only as records
+      conn.execute(sa.text("DROP TABLE discarded_steps"))
+      conn.execute(db.schema_migrations.delete().where(db.schema_migrations.c.version == 14))
+      conn.execute(db.records.insert(), [
+          {"proof_id": proof, "position": 1 + i, "record_id": bytes([i]) * 32, "kind": "resume",
+           "data": cbor2.dumps(r)} for i, r in enumerate(resumes)])
+    store = db.Store.open(url)
+    self.assertEqual(store.discarded_in(proof, 0, 100), {8, 9, 12})
+    self.assertEqual(store.discarded_in(proof, 9, 11), {9})
+
   def test_a_worker_started_before_an_upgrade_claims_nothing_after_it(self, backend):
     # A claim never read the schema: a worker started before migration 13 verified proofs
     # whose bodies the upgraded server keeps in records files from their rows' empty data,

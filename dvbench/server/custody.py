@@ -117,6 +117,7 @@ class Ingest:
     self.stored = self.duplicates = 0
     self.steps_seen: list[int] = []
     self._derived: dict[int, dict] = {}  # step -> its challenge row, written by ack()
+    self._discarded: set[int] = set()  # steps this request's resumes discarded, by ack()
     # (step, kind) -> the record answering a check of a step an earlier request stored,
     # written by ack() (``_write_answers``)
     self._answers: dict[tuple[int, str], int] = {}
@@ -174,6 +175,8 @@ class Ingest:
     self._new = []
     self.store.add_blob_refs(self.conn, self.proof_id, self.refs)
     self.store.add_challenges(self.conn, list(self._derived.values()))
+    self.store.add_discarded(self.conn, self.proof_id, self._discarded)
+    self._discarded = set()
     stored = set(self.steps_seen) - set(self._derived)  # steps this request repeats
     rows = sorted([*self._derived.values(), *(self.store.challenges_of(
         self.conn, self.proof_id, stored) if stored else [])], key=lambda r: r["step"])
@@ -239,6 +242,7 @@ class Ingest:
                           "steps a resume discards included (the prover has seen those "
                           "rows); answer them first, or start a new proof.")
     self._open_segment = 0
+    self._discarded.update(records.discarded_steps(after, step))
 
   def _last_committed(self) -> int | None:
     """The step whose committed post-state a resume goes on from (``None``: none yet)."""

@@ -30,7 +30,7 @@ from dvbench.server.schema import (  # pylint: disable=unused-import  # re-expor
     MIGRATION_2_TABLES, MIGRATION_3_TABLES, MIGRATION_4_TABLES, MIGRATION_5_TABLES,
     MIGRATION_6_COLUMNS, MIGRATION_7_COLUMNS, MIGRATION_8_COLUMNS, MIGRATION_8_TABLES,
     MIGRATION_9_TABLES, MIGRATION_10_COLUMNS, MIGRATION_11_INDEX, MIGRATION_12_TABLES,
-    MIGRATION_13_COLUMNS,
+    MIGRATION_13_COLUMNS, MIGRATION_14_TABLES,
     benchmarks, blob_refs, challengers, challenges, checks, chunks, eval_rows, eval_sets, experiments, jobs,
     measurements, metadata, owners, probe_examples, probes, proof_blobs, proof_claims, proofs,
     receipts, records, schema_migrations, score_shards, settings, slots, streams, submissions,
@@ -40,6 +40,7 @@ from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.record_bodies import RecordBodies
 from dvbench.server.store_custody import CustodyQueries
+from zkdv.records import discarded_steps
 from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import
                                       JobQueries)
 from dvbench.server.store_listing import ListingQueries
@@ -192,6 +193,19 @@ def _migration_13(conn) -> None:
   conn.execute(proofs.update().where(proofs.c.body_end.is_(None)).values(body_end=0))
 
 
+def _migration_14(conn) -> None:
+  """The steps resumes discarded are stored once each as resumes arrive, and read by step
+  (a page read every resume record: thousands of resumes made every request slow);
+  proofs stored before get them from their resume records (small: always inline)."""
+  for table in MIGRATION_14_TABLES:
+    table.create(conn, checkfirst=True)
+  for proof_id, data in conn.execute(sa.select(records.c.proof_id, records.c.data).where(
+      records.c.kind == "resume")).all():
+    resume = cbor2.loads(data)
+    CustodyQueries.add_discarded(conn, proof_id, discarded_steps(resume["after"],
+                                                                 resume["step"]))
+
+
 class NewerSchema(RuntimeError):
   """The database was migrated by a newer dvbench than this one."""
 
@@ -202,7 +216,7 @@ MIGRATIONS: list[tuple[int, Callable]] = [(1, _migration_1), (2, _migration_2),
                                           (7, _migration_7), (8, _migration_8),
                                           (9, _migration_9), (10, _migration_10),
                                           (11, _migration_11), (12, _migration_12),
-                                          (13, _migration_13)]
+                                          (13, _migration_13), (14, _migration_14)]
 
 # The states a verification earns are zkdv.verify.claims.standing_of's: "verified" (every
 # claim of `zkdv verify --strict` holds), "verified steps" (the server-chosen replays hold,

@@ -20,7 +20,6 @@ import sqlalchemy as sa
 from dvbench.server.schema import records
 from dvbench.server.store_custody import BODY
 from zkdv import metrics
-from zkdv.records import discarded_steps
 
 MAX_FIELD = 200  # characters of a prover-written string shown on a page
 MAX_ENTRIES = 40  # entries of a prover-written map or list shown on a page
@@ -165,20 +164,14 @@ def scalar_curves(series: dict) -> dict[str, list[tuple[int, float]]]:
   return curves
 
 
-def resumed_away(store, proof_id: str) -> set[int]:
-  """The steps the proof's resume records discarded: they ran after the last committed
-  state, and the run went on from that state instead (``zkdv.records.discarded_steps``)."""
-  return {step for record in _records(store, proof_id, "resume")
-          for step in discarded_steps(record["after"], record["step"])}
-
-
 def step_marks(store, proof_id: str, steps: list[int]) -> dict[int, str]:
   """step -> "verified", "failed" or "challenged" for those of ``steps`` (a series' steps)
   with an update check: replayed by the server (and how it came out) or chosen and not
-  replayed yet; and "discarded" for those a resume discarded (``resumed_away``). Read for
-  the steps' range only (``Store.update_marks``)."""
+  replayed yet; and "discarded" for those a resume discarded (they ran after the last
+  committed state, and the run went on from that state instead). Read for the steps' range
+  only (``Store.update_marks``, ``Store.discarded_in``)."""
   if not steps:
     return {}
   first, last = min(steps), max(steps)
-  discarded = {s for s in resumed_away(store, proof_id) if first <= s <= last}
-  return {**store.update_marks(proof_id, first, last), **dict.fromkeys(discarded, "discarded")}
+  return {**store.update_marks(proof_id, first, last),
+          **dict.fromkeys(store.discarded_in(proof_id, first, last), "discarded")}

@@ -344,3 +344,12 @@ MIGRATION_12_TABLES = (owner_blobs,)
 # -- migration 13: large record bodies out of line, in a file per proof -----------------
 
 MIGRATION_13_COLUMNS = {"proofs": ("body_end",), "records": ("body_offset", "body_size")}
+
+# -- migration 14: the steps resumes discarded, each once, found by step ----------------
+
+discarded_steps = sa.Table(  # zkdv.records.discarded_steps of each stored resume record
+    "discarded_steps", metadata,
+    sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True))
+
+MIGRATION_14_TABLES = (discarded_steps,)

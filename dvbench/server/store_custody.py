@@ -15,8 +15,8 @@ from sqlalchemy.dialects import postgresql as postgresql_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from dvbench.server.record_bodies import OUT_OF_LINE_BYTES
-from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, proof_blobs,
-                                   proofs, receipts, records, slots, streams)
+from dvbench.server.schema import (blob_refs, challengers, challenges, chunks, discarded_steps,
+                                   proof_blobs, proofs, receipts, records, slots, streams)
 from zkdv import challenge
 
 
@@ -334,6 +334,13 @@ class CustodyQueries:
     """Stores new steps' derived challenges (``custody.challenge_row``s), in one statement."""
     if rows:
       conn.execute(challenges.insert(), rows)
+
+  @staticmethod
+  def add_discarded(conn, proof_id: str, steps) -> None:
+    """Stores ``steps`` as discarded by a resume of the proof (each once)."""
+    if steps:
+      conn.execute(insert_ignoring(conn, discarded_steps),
+                   [{"proof_id": proof_id, "step": s} for s in sorted(set(steps))])
 
   def challenges_of(self, conn, proof_id: str, steps=None) -> list[dict]:
     query = sa.select(challenges).where(challenges.c.proof_id == proof_id)

@@ -16,14 +16,14 @@ import time
 import sqlalchemy as sa
 
 from dvbench.server.schema import (blob_refs, challengers, challenges, checks, chunks,
-                                   experiments, owner_blobs, owners, probes, proof_blobs,
-                                   proof_claims, proofs, receipts, records, streams)
+                                   discarded_steps, experiments, owner_blobs, owners, probes,
+                                   proof_blobs, proof_claims, proofs, receipts, records, streams)
 from dvbench.server.store_custody import insert_ignoring
 
 # Every table with rows of one proof (a proof with no step has no job, measurement or
 # submission: those need a closed proof). Its slot stays taken, so its root cannot return.
 _PROOF_ROWS = (records, streams, chunks, blob_refs, probes, checks, challenges, proof_blobs,
-               receipts, proof_claims, challengers)
+               receipts, proof_claims, challengers, discarded_steps)
 
 
 def resume_hint(proof_id: str) -> str:

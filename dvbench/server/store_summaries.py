@@ -11,7 +11,7 @@ A mixin of ``db.Store``. Example::
 
 import sqlalchemy as sa
 
-from dvbench.server.schema import challenges, checks
+from dvbench.server.schema import challenges, checks, discarded_steps
 from zkdv import challenge
 
 
@@ -62,6 +62,13 @@ class SummaryQueries:
           & checks.c.step.between(first, last))):
         marks[step] = "verified" if status == "verified" else "failed"
     return marks
+
+  def discarded_in(self, proof_id: str, first: int, last: int) -> set[int]:
+    """The steps ``first`` .. ``last`` a resume of the proof discarded."""
+    with self.engine.connect() as conn:
+      return set(conn.execute(sa.select(discarded_steps.c.step).where(
+          (discarded_steps.c.proof_id == proof_id)
+          & discarded_steps.c.step.between(first, last))).scalars())
 
   def check_ticks(self, proof_id: str, steps: int, columns: int) -> list[dict]:
     """The proof's checks for a chart ``columns`` wide over ``steps`` steps: per column,
