@@ -40,13 +40,13 @@ from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.record_bodies import RecordBodies
 from dvbench.server.store_custody import CustodyQueries
-from zkdv.records import discarded_steps
 from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import
                                       JobQueries)
 from dvbench.server.store_listing import ListingQueries
 from dvbench.server.store_liveness import LivenessQueries
 from dvbench.server.store_summaries import SummaryQueries
 from dvbench.server.store_tokens import TokenQueries, hash_token  # pylint: disable=unused-import
+from zkdv.records import discarded_steps
 from zkdv.verify import claims
 
 def _migration_1(conn) -> None:

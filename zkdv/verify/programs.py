@@ -168,9 +168,8 @@ class ProgramLoader:
           outs = self._step(compiled, info, program, begin, batch)
           post = [outs[i] for i in program.post_state_outputs]
           return [self._arrays.host_view(x) for x in post] if whole else params(post)
-        honest = after
         sensitivity = (before, self._untrusted(where, params, after), perturbed,
-                       lambda: [self._arrays.host_view(x) for x in honest])
+                       lambda: [self._arrays.host_view(x) for x in after])
       per_step = self._untrusted(where, lambda: [
           [None if x is None else self._arrays.host_view(x) for x in outs]
           for outs in per_step])
