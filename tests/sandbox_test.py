@@ -271,10 +271,9 @@ class ServedTest(absltest.TestCase):
     self.assertEqual(receipt.open_receipt(signed, server_key)["verdict"], "invalid")
     private = keys.load_or_create(cwd / "data").private_bytes_raw()
     workers = [pid for pid in os.listdir("/proc") if pid.isdigit() and  # this server's
-               f"--parent-pid\0{server.pid}\0".encode() in
-               pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
+               f"--parent-pid\0{server.pid}\0".encode() in _cmdline(pid)]
     self.assertLen(workers, 1)
-    cmdline = pathlib.Path(f"/proc/{workers[0]}/cmdline").read_bytes().split(b"\0")
+    cmdline = _cmdline(workers[0]).split(b"\0")
     self.assertTrue(pathlib.Path(cmdline[cmdline.index(b"--data") + 1].decode()).is_absolute())
     self.assertFalse(_memory_holds(int(workers[0]), private),
                      "the worker process holds the server's private key")
@@ -287,6 +286,14 @@ def _put(blobs: BlobStore, data: bytes) -> str:
   upload.write(data)
   upload.commit()
   return digest
+
+
+def _cmdline(pid: str) -> bytes:
+  """A process's command line; b"" for one that exited since /proc was listed."""
+  try:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+  except (FileNotFoundError, ProcessLookupError):
+    return b""
 
 
 def _memory_holds(pid: int, needle: bytes) -> bool:
