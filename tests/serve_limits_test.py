@@ -4,11 +4,13 @@ no segment longer than the root allows. Real servers on loopback, SQLite and Pos
 where the store decides.
 """
 
+import multiprocessing
 import os
 import pathlib
 import re
 import signal
 import socket
+import threading
 import time
 
 import blake3
@@ -16,6 +18,7 @@ import httpx
 import sqlalchemy as sa
 from absl.testing import absltest
 
+from dvbench.server import ingest_processes
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from dvbench.server.schema import chunks
@@ -261,6 +264,45 @@ class IngestProcessTest(absltest.TestCase):
     server.process.send_signal(signal.SIGKILL)  # the web process alone
     server.process.wait()
     testing.wait_until(lambda: testing.exited(second), timeout=10)
+
+
+class EnvelopeBodyPipeTest(absltest.TestCase):
+  """An envelope's body crosses to the ingestion process unpickled, through a buffer the
+  child keeps: every body arrives whole and byte for byte, whatever came before it."""
+
+  def setUp(self):
+    super().setUp()
+    self.web, self.child = multiprocessing.Pipe()
+    self.addCleanup(self.web.close)
+    self.addCleanup(self.child.close)
+
+  def sent(self, bodies: list[bytes]) -> list[bytes]:
+    reader = ingest_processes._BodyReader(self.child.fileno())
+    received = []
+    thread = threading.Thread(target=lambda: received.extend(reader.read() for _ in bodies))
+    thread.start()
+    for body in bodies:  # larger than the socket's buffer: the reader drains it meanwhile
+      ingest_processes._send_body(self.web.fileno(), body)
+    thread.join()
+    return received
+
+  def test_bodies_of_every_size_arrive_byte_for_byte_after_larger_ones(self):
+    kept = ingest_processes.KEPT_BUFFER_BYTES
+    bodies = [b"", b"x", os.urandom(3 << 20), b"short", os.urandom(kept + 1), os.urandom(1000),
+              os.urandom(kept), b"y" * 7]
+    received = self.sent(bodies)
+    self.assertEqual([len(b) for b in received], [len(b) for b in bodies])
+    for got, body in zip(received, bodies):
+      self.assertIs(type(got), bytes)
+      self.assertEqual(got, body)
+
+  def test_a_pipe_closed_inside_a_body_is_eof_not_a_short_body(self):
+    reader = ingest_processes._BodyReader(self.child.fileno())
+    ingest_processes._write_all(self.web.fileno(), memoryview(
+        ingest_processes._LENGTH.pack(100) + b"cut"))
+    self.web.close()
+    with self.assertRaisesRegex(EOFError, "inside a body"):
+      reader.read()
 
 
 class StoreCases:
