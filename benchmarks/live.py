@@ -49,6 +49,7 @@ from flax import linen as nn
 
 import zkdv
 from benchmarks import common
+from benchmarks import cpu_time
 
 ROWS = ("jax.jit", "offline", "offline, probes", "live", "live, probes")
 # What probes cost, each round's block with probes over the same round's without: paired,
@@ -106,7 +107,10 @@ def started_proof(row: str, experiment: str, p: float, probe_ratio: float, folde
   return proof.start(rolling_window=window, probe_ratio=probe_ratio)
 
 
-def measure(name: str, batch_size: int, args, folder: str) -> tuple[list[list], list[list]]:
+def measure(name: str, batch_size: int, args, folder: str,
+            meter: cpu_time.CpuMeter) -> tuple[list[list], list[list], list[list]]:
+  """(rows, pairs, cpu) of one workload: cpu rows are [workload, row, {part: each round's
+  CPU seconds a step}], from the block's start to the end of its settle."""
   model, params, batch = workload(name, batch_size)
   runners = {row: Runner(row, model, params, batch, args.p, args.probe_ratio,
                          os.path.join(folder, f"{name}-{batch_size}"), args.window)
@@ -119,9 +123,11 @@ def measure(name: str, batch_size: int, args, folder: str) -> tuple[list[list], 
   block = block_steps(runners["jax.jit"], args.block)
   blocks = {row: [] for row in ROWS}
   settled = {row: [] for row in ROWS}
+  cpu = {row: {part: [] for part in cpu_time.PARTS} for row in ROWS}
   for n in range(args.rounds):
     for row in ROWS if n % 2 == 0 else ROWS[::-1]:  # no row always follows another
       r = runners[row]
+      cpu_before = meter.read()
       started = time.perf_counter()
       for _ in range(block):
         r.step()
@@ -130,6 +136,8 @@ def measure(name: str, batch_size: int, args, folder: str) -> tuple[list[list], 
       r.settle()
       blocks[row].append((stepped - started) / block)
       settled[row].append((time.perf_counter() - started) / block)
+      for part, seconds in meter.since(cpu_before).items():
+        cpu[row][part].append(seconds / block)
   segments = {row: r.proof.segment_lengths[warm_segments[row]:]
               for row, r in runners.items() if r.proof}
   for r in runners.values():
@@ -146,7 +154,7 @@ def measure(name: str, batch_size: int, args, folder: str) -> tuple[list[list], 
           for row in ROWS]
   pairs = [[workload_name, f"{probed} / {plain}",
             [a / b for a, b in zip(blocks[probed], blocks[plain])]] for probed, plain in PAIRS]
-  return rows, pairs
+  return rows, pairs, [[workload_name, row, cpu[row]] for row in ROWS]
 
 
 def block_steps(plain: "Runner", least: int) -> int:
@@ -158,6 +166,7 @@ def block_steps(plain: "Runner", least: int) -> int:
 
 HEADER = ["workload", "configuration", "median step ms", "ratio to jax.jit",
           "ratio incl. settle", "median segment steps", "block steps"]
+CPU_HEADER = ["workload", "configuration", *cpu_time.PARTS, "all"]
 PAIRED_HEADER = ["workload", "probes / no probes", "rounds", "median ratio",
                  "interval of the median", "its confidence"]
 
@@ -200,9 +209,9 @@ def parse_args(argv):
   return args
 
 
-def one_run(args) -> tuple[str, list[list], list[list]]:
-  """(title, rows, pairs) of one measurement, against its own loopback server: pairs are
-  [workload, pair, each round's ratio] (``PAIRS``)."""
+def one_run(args) -> tuple[str, list[list], list[list], list[list]]:
+  """(title, rows, pairs, cpu) of one measurement, against its own loopback server: pairs
+  are [workload, pair, each round's ratio] (``PAIRS``), cpu as ``measure`` gives it."""
   cases = [(name, b) for name in args.workloads
            for b in (args.batch if name == "mlp" else [256])]
   from dvbench.server.local import LocalServer  # pylint: disable=g-import-not-at-top
@@ -215,12 +224,14 @@ def one_run(args) -> tuple[str, list[list], list[list]]:
     if args.server_nice:
       os.setpriority(os.PRIO_PGRP, server.process.pid, args.server_nice)
     os.environ.update(DVBENCH_URL=server.url, DVBENCH_TOKEN=server.token("bench"))
-    rows, pairs = [], []
+    rows, pairs, cpu = [], [], []
+    meter = cpu_time.CpuMeter(server_pid=server.process.pid)
     with tempfile.TemporaryDirectory(prefix="zkdv-live-") as folder:
       for name, b in cases:
-        case_rows, case_pairs = measure(name, b, args, folder)
+        case_rows, case_pairs, case_cpu = measure(name, b, args, folder, meter)
         rows += case_rows
         pairs += case_pairs
+        cpu += case_cpu
     if args.processes > 1:
       from benchmarks import live_processes  # pylint: disable=g-import-not-at-top
       rows += live_processes.rows(args, server.url, os.environ["DVBENCH_TOKEN"])
@@ -234,7 +245,7 @@ def one_run(args) -> tuple[str, list[list], list[list]]:
                                        if args.server_nice else "")
            + (f", server on CPUs {args.server_cpus}, training on the others"
               if args.server_cpus else ""))
-  return title, rows, pairs
+  return title, rows, pairs, cpu
 
 
 def split_cores(server_cpus: list[int] | None) -> set[int] | None:
@@ -293,6 +304,32 @@ def paired(pairs: list[list]) -> list[list]:
   return table
 
 
+def cpu_table(cpu: list[list]) -> list[list]:
+  """One row per workload and configuration of ``cpu`` (over one run or many): the median
+  over rounds of each part's CPU µs a step and of their sum; then, per pair (``PAIRS``),
+  the median over rounds of what its probes add, each round's block with probes less the
+  same round's without."""
+  rounds = {}
+  for workload, row, parts in cpu:
+    mine = rounds.setdefault((workload, row), {part: [] for part in cpu_time.PARTS})
+    for part in cpu_time.PARTS:
+      mine[part].extend(parts[part])
+  for mine in rounds.values():
+    mine["all"] = [sum(each) for each in zip(*(mine[p] for p in cpu_time.PARTS))]
+  table = [[workload, row, *(f"{common.median(mine[p]) * 1e6:.0f}" for p in CPU_COLUMNS)]
+           for (workload, row), mine in rounds.items()]
+  for workload in dict.fromkeys(w for w, _ in rounds):
+    for probed, plain in PAIRS:
+      a, b = rounds[workload, probed], rounds[workload, plain]
+      table.append([workload, f"{probed} − {plain}", *(
+          f"{common.median([x - y for x, y in zip(a[p], b[p])]) * 1e6:+.0f}"
+          for p in CPU_COLUMNS)])
+  return table
+
+
+CPU_COLUMNS = (*cpu_time.PARTS, "all")
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
@@ -305,13 +342,16 @@ def main(argv=None):
         + (f", server on CPUs {args.server_cpus}" if args.server_cpus else "") + ")",
         ["workload", "configuration", "median step ms", "median ratio to jax.jit",
          "range", "each run"], summary(results))
+    common.print_table(f"CPU µs a step by part, median of every round of {args.runs} runs",
+                       CPU_HEADER, cpu_table([c for r in results for c in r["cpu"]]))
     common.print_table(f"Probes against no probes, paired by round, over {args.runs} runs",
                        PAIRED_HEADER, paired([p for r in results for p in r["pairs"]]))
     return
-  title, rows, pairs = one_run(args)
+  title, rows, pairs, cpu = one_run(args)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"rows": rows, "pairs": pairs}, f)
+      json.dump({"rows": rows, "pairs": pairs, "cpu": cpu}, f)
+  common.print_table("CPU µs a step by part, median over rounds", CPU_HEADER, cpu_table(cpu))
   common.print_table("Probes against no probes, paired by round", PAIRED_HEADER, paired(pairs))
   common.print_table(title, HEADER, rows)
 

@@ -36,7 +36,7 @@ from zkdv import records
 from zkdv.transcript import record_id  # pylint: disable=unused-import  # re-exported
 
 CHUNK_BYTES = 256 * 1024
-BATCH_BYTES = 1024 * 1024
+BATCH_BYTES = 4 * 1024 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_DEPTH = 16
 MAX_ITEMS = records.MAX_RECORD_ITEMS

@@ -436,6 +436,29 @@ class RecordFilesTest(parameterized.TestCase):
 
   LARGE = RecordBodiesTest.LARGE
 
+  def test_many_bodies_written_in_short_writes_land_at_their_offsets(self):
+    folder = tempfile.TemporaryDirectory()
+    self.addCleanup(folder.cleanup)
+    bodies = record_bodies.RecordBodies(folder.name)
+    proof = "ab" * 32
+    written = [os.urandom(n) for n in (5000, 1, 0, 7000)] + [
+        bytes([i % 251]) * (100 + i) for i in range(2 * record_bodies._IOV_MAX + 3)]
+    calls = []
+    pwritev = os.pwritev
+
+    def short(fd, buffers, at):  # the kernel may write less than asked: at most 1,000 here
+      calls.append(len(buffers))
+      return pwritev(fd, [memoryview(b"".join(buffers))[:1000]], at)
+
+    with mock.patch.object(record_bodies.os, "pwritev", short):
+      offsets = bodies.write(proof, 10, written)
+    self.assertLessEqual(max(calls), record_bodies._IOV_MAX)
+    self.assertEqual(offsets, [10 + sum(map(len, written[:i])) for i in range(len(written))])
+    data = bodies.path(proof).read_bytes()
+    self.assertEqual(data[:10], bytes(10))
+    self.assertEqual(data[10:], b"".join(written))
+    self.assertEqual(bodies.write(proof, len(data), []), [])
+
   def test_a_rolled_back_append_leaves_bytes_the_next_one_overwrites(self):
     store = db.Store.open(_fresh_url("sqlite"))
     proof = StoreTest._proof(self, store)
