@@ -175,7 +175,7 @@ class DVBenchProof(zkdv.jax.ZKDV):
     if self._stored is not None:
       stored = self._stored
       self._uploader.continue_proof(stored.proof_id, stored.size, stored.records,
-                                    stored.heartbeat_seconds)
+                                    stored.heartbeat_seconds, stored.max_body_bytes)
       logger.info("%s proof %s resumes at step %d; its page: %s/proofs/%s",
                   self.experiment.name, stored.proof_id, self.steps,
                   self.experiment.client.url, stored.proof_id)

@@ -34,6 +34,7 @@ class StoredProof:
   size: int
   challenges: dict
   heartbeat_seconds: float | None
+  max_body_bytes: int | None = None  # the server's largest request body, where it says
 
   def challenge(self, step: int) -> bytes:
     """Step ``step``'s challenge as the server derived it after storing the step."""
@@ -87,4 +88,5 @@ def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
   heartbeat = info.get("heartbeat_seconds")
   steps = sum(p.record.get("type") == "step" for p in contents.records)
   return StoredProof(proof_id, folder, len(contents.records), steps, len(data), challenges,
-                     float(heartbeat) if isinstance(heartbeat, (int, float)) else None)
+                     float(heartbeat) if isinstance(heartbeat, (int, float)) else None,
+                     info.get("max_body_bytes"))

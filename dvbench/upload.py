@@ -110,11 +110,20 @@ class Uploader(threading.Thread):
     self._handed_lock = threading.Lock()
 
   def continue_proof(self, proof_id: str, offset: int, records: int,
-                     heartbeat_seconds: float | None) -> None:
+                     heartbeat_seconds: float | None, max_body_bytes=None) -> None:
     """Before ``start()``: the proof exists and holds the first ``records`` records, the
     folder's first ``offset`` bytes (a resumed run, ``dvbench.resume``)."""
     self.proof_id, self._offset, self.sent_records = proof_id, offset, records
     self.heartbeat_seconds = heartbeat_seconds
+    self._fit_envelopes(max_body_bytes)
+
+  def _fit_envelopes(self, max_body_bytes) -> None:
+    """Envelopes of at most half the server's largest request body (``max_body_bytes``,
+    as the server sends it: ignored unless a positive integer), so that a server run with
+    a small ``--max-body-mb`` takes them."""
+    if isinstance(max_body_bytes, int) and not isinstance(max_body_bytes, bool) \
+        and max_body_bytes > 0:
+      self.batch_bytes = min(self.batch_bytes, max(1, max_body_bytes // 2))
 
   # -- the training thread's side ----------------------------------------------
 
@@ -301,6 +310,7 @@ class Uploader(threading.Thread):
     heartbeat = answer.get("heartbeat_seconds")
     if isinstance(heartbeat, (int, float)) and not isinstance(heartbeat, bool):
       self.heartbeat_seconds = min(max(float(heartbeat), 0.5), 30.0)
+    self._fit_envelopes(answer.get("max_body_bytes"))
     self.proof_id = answer["id"]
     self.sent_records = 1
     logger.info("%s proof %s started; its page: %s/proofs/%s", self.experiment, self.proof_id,

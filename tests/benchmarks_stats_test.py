@@ -1,11 +1,17 @@
-"""The statistics the benchmarks report: the interval of a median, probes paired by round."""
+"""The statistics the benchmarks report: the interval of a median, probes paired by round,
+CPU by part of a live run."""
 
 import itertools
+import subprocess
+import sys
+import threading
+import time
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
 from benchmarks import common
+from benchmarks import cpu_time
 from benchmarks import live
 
 
@@ -50,6 +56,70 @@ class PairedTest(absltest.TestCase):
                       ["small", "offline, probes / offline", 1, "0.900"]])
     self.assertEqual(table[0][4:], ["1.000-1.400", "0.938"])
 
+
+
+def _cpu_rounds(parts: dict | None = None) -> dict:
+  """Three rounds' CPU seconds a step of each part: ``parts``' where given, else 0."""
+  return {part: (parts or {}).get(part, [0.0, 0.0, 0.0]) for part in cpu_time.PARTS}
+
+
+class CpuTableTest(absltest.TestCase):
+
+  def test_medians_by_part_their_sum_and_what_probes_add_paired_by_round(self):
+    rows = ["jax.jit", "offline", "offline, probes", "live", "live, probes"]
+    cpu = [["small", row, _cpu_rounds()] for row in rows[:3]]
+    cpu.append(["small", "live", _cpu_rounds({"commit thread": [1e-4, 3e-4, 2e-4],
+                                              "server: web": [5e-5, 5e-5, 5e-5]})])
+    cpu.append(["small", "live, probes", _cpu_rounds({"commit thread": [2e-4, 3e-4, 4e-4],
+                                                      "server: web": [1e-4, 2e-4, 3e-4]})])
+    table = {row[1]: dict(zip(live.CPU_HEADER, row)) for row in live.cpu_table(cpu)}
+    self.assertEqual(list(table), rows + ["offline, probes − offline", "live, probes − live"])
+    self.assertEqual(table["live"]["commit thread"], "200")
+    self.assertEqual(table["live"]["server: web"], "50")
+    self.assertEqual(table["live"]["all"], "250")
+    self.assertEqual(table["live, probes"]["all"], "500")  # the median of 300, 500 and 700
+    added = table["live, probes − live"]  # rounds' differences: commit 100, 0, 200
+    self.assertEqual((added["commit thread"], added["server: web"], added["all"]),
+                     ("+100", "+150", "+150"))
+    self.assertEqual(table["offline, probes − offline"]["all"], "+0")
+
+
+class CpuMeterTest(absltest.TestCase):
+  """Real threads and processes, their CPU read back from /proc."""
+
+  def test_a_named_thread_and_a_server_process_are_counted_in_their_parts(self):
+    server = subprocess.Popen(  # a process of its own session, as a LocalServer's
+        [sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n"
+         "start = time.process_time()\nwhile time.process_time() < start + 0.3: pass\n"
+         "print(flush=True)\nsys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    self.addCleanup(server.wait)
+    self.addCleanup(server.kill)
+    meter = cpu_time.CpuMeter(server_pid=server.pid)
+    spun, read = threading.Event(), threading.Event()
+
+    def spin():  # alive until read: a thread that ended is not in /proc any more
+      start = time.thread_time()
+      while time.thread_time() < start + 0.3:
+        pass
+      spun.set()
+      read.wait()
+
+    uploader = threading.Thread(target=spin, name="dvbench-upload")
+    before = meter.read()
+    uploader.start()
+    server.stdin.write("spin\n")
+    server.stdin.flush()
+    server.stdout.readline()
+    spun.wait()
+    spent = meter.since(before)
+    read.set()
+    uploader.join()
+    self.assertEqual(set(spent), set(cpu_time.PARTS))
+    self.assertGreaterEqual(spent["uploader"], 0.29)
+    self.assertGreaterEqual(spent["server: other"], 0.29)
+    self.assertLess(spent["training thread"], 0.1)  # it waited
+    self.assertEqual(spent["server: ingestion"], 0.0)
 
 if __name__ == "__main__":
   absltest.main()

@@ -13,6 +13,7 @@ from unittest import mock
 
 import cbor2
 import httpx
+import numpy as np
 import jax.numpy as jnp
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -425,6 +426,39 @@ class ClientTest(DVBenchTestCase):
     proof_id = client.experiment("your-name/chunked").upload(path, chunk_bytes=48)
     self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
     self.assertEqual(client.wait_for_verdict(proof_id, 120)["state"], "self-audited")
+
+  def test_envelopes_fit_a_server_that_takes_small_bodies(self):
+    # 12 probe records of 8 opened rows (128 KiB each, under the chunk threshold): 1.5 MiB
+    # of records, which one envelope of up to BATCH_BYTES (4 MiB) would carry, and a
+    # server run with --max-body-mb 1 refuses (413). The uploader keeps to half its limit.
+    proof = testing.new_proof("local-wide", update_p=0.0)
+    proof.start(probe_ratio=0.1)
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(testing.classifier_step, donate_argnums=0)
+    batch = np.tile(testing.TUTORIAL_BATCH, (1 << 14, 1))  # 65,536 rows: 80 Merkle rows
+    for i in range(12):
+      state = train_step(state, jnp.asarray(batch) + (i % 2))
+    path = proof.finish()
+    probes = [r for r in transcript.read_transcript(path).records if r.record.get("kind") == "probe"]
+    self.assertLen(probes, 12)
+    self.assertGreater(min(len(r.raw) for r in probes), 100_000)
+    self.assertLess(max(len(r.raw) for r in probes), transport.CHUNK_BYTES)
+    small = Server(workers=0, max_body_mb=1).start()
+    self.addCleanup(small.stop)
+    client = dvbench.Client(small.url, token=small.token("your-name"))
+    sizes = []
+    request = client.http.request
+
+    def observed(method, path, **kwargs):
+      if path.endswith("/stream"):
+        sizes.append(len(kwargs["content"]))
+      return request(method, path, **kwargs)
+
+    with mock.patch.object(client.http, "request", observed):
+      proof_id = client.experiment("your-name/wide").upload(path)
+    self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
+    self.assertGreater(sum(sizes), 1 << 20)
+    self.assertLessEqual(max(sizes), (1 << 19) + transport.CHUNK_BYTES)
 
   def test_login_saves_the_token_and_url_for_client(self):
     config = pathlib.Path(tempfile.mkdtemp())

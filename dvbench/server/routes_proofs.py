@@ -192,7 +192,7 @@ class ProofRoutes:
         raise HTTPException(409, "the root's nonce was used meanwhile by another proof; every "
                             "proof takes a fresh slot.") from None
     return JSONResponse({**public_proof(await run_in_threadpool(create)),
-                         "heartbeat_seconds": self.service.heartbeat_seconds}, status_code=201)
+                         **self.service.client_settings()}, status_code=201)
 
   async def discard_proof(self, request):
     """Deletes a proof that never sent a step (its client replaced or closed it); 409 for
@@ -229,7 +229,7 @@ class ProofRoutes:
         raise HTTPException(409, f"{refused}; start a new proof.")
       return self.service.proof_or_404(proof["id"])
     return JSONResponse({**public_proof(await run_in_threadpool(reopen)),
-                         "heartbeat_seconds": self.service.heartbeat_seconds})
+                         **self.service.client_settings()})
 
   def proof_json(self, proof_id: str) -> dict:
     proof = self.service.proof_or_404(proof_id)

@@ -68,6 +68,11 @@ class Service:
     """How often an idle client says it is alive: well within ``crash_after``."""
     return min(30.0, self.crash_after / 4)
 
+  def client_settings(self) -> dict:
+    """What a proof's uploader adapts to, sent as the proof is created or resumed: how
+    often to say it is alive, and the largest request body (its envelopes stay under)."""
+    return {"heartbeat_seconds": self.heartbeat_seconds, "max_body_bytes": self.limits.max_body}
+
   def __post_init__(self):
     self.server_key = receipt.public_key_bytes(self.signing_key)
     self.store.put_setting(MINIMUM_POLICY_SETTING, json.dumps(self.minimum_policy.to_record()))
