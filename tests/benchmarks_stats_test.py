@@ -57,7 +57,6 @@ class PairedTest(absltest.TestCase):
     self.assertEqual(table[0][4:], ["1.000-1.400", "0.938"])
 
 
-
 def _cpu_rounds(parts: dict | None = None) -> dict:
   """Three rounds' CPU seconds a step of each part: ``parts``' where given, else 0."""
   return {part: (parts or {}).get(part, [0.0, 0.0, 0.0]) for part in cpu_time.PARTS}
@@ -105,16 +104,18 @@ class CpuMeterTest(absltest.TestCase):
       spun.set()
       read.wait()
 
-    uploader = threading.Thread(target=spin, name="dvbench-upload")
+    uploader = threading.Thread(target=spin, name="dvbench-upload", daemon=True)
     before = meter.read()
     uploader.start()
     server.stdin.write("spin\n")
     server.stdin.flush()
     server.stdout.readline()
-    spun.wait()
-    spent = meter.since(before)
-    read.set()
-    uploader.join()
+    spun.wait(60)
+    try:
+      spent = meter.since(before)
+    finally:
+      read.set()
+    uploader.join(60)
     self.assertEqual(set(spent), set(cpu_time.PARTS))
     self.assertGreaterEqual(spent["uploader"], 0.29)
     self.assertGreaterEqual(spent["server: other"], 0.29)

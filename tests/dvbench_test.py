@@ -13,8 +13,8 @@ from unittest import mock
 
 import cbor2
 import httpx
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -458,7 +458,18 @@ class ClientTest(DVBenchTestCase):
       proof_id = client.experiment("your-name/wide").upload(path)
     self.assertEqual(self.server_ids(client, proof_id), local_ids(path))
     self.assertGreater(sum(sizes), 1 << 20)
-    self.assertLessEqual(max(sizes), (1 << 19) + transport.CHUNK_BYTES)
+    self.assertLessEqual(max(sizes), (1 << 19) + 4096)  # records, and the envelope's fields
+
+  def test_the_servers_body_limit_only_ever_shrinks_envelopes(self):
+    for sent, kept in [(1 << 20, 1 << 19), (True, 1 << 22), ("1048576", 1 << 22),
+                       (0, 1 << 22), (-1, 1 << 22), (1.0e6, 1 << 22), (None, 1 << 22),
+                       (1 << 40, 1 << 22), (1, 1)]:
+      uploader = upload.Uploader(None, "your-name/fit", pathlib.Path("."))
+      uploader.continue_proof("a" * 64, 0, 1, None, sent)
+      self.assertEqual(uploader.batch_bytes, kept, sent)
+    asked = upload.Uploader(None, "your-name/fit", pathlib.Path("."), batch_bytes=1000)
+    asked.continue_proof("a" * 64, 0, 1, None, 1 << 20)
+    self.assertEqual(asked.batch_bytes, 1000)
 
   def test_login_saves_the_token_and_url_for_client(self):
     config = pathlib.Path(tempfile.mkdtemp())

@@ -37,13 +37,15 @@ class ResumeAttackTest(absltest.TestCase):
     root["challenger"]["policy"]["probe_ratio"] = 0.5
     response = prover.post_root(root)
     self.assertEqual(response.status_code, 201, response.text)
+    self.assertEqual(response.json()["max_body_bytes"], 64 << 20)  # --max-body-mb 64
     return prover
 
   def resume(self, prover: FakeProver, after: int, state: bytes):
     """Reopens the proof and sends a resume record going on from step ``after``'s
     ``state``; the prover's next step then starts a segment from that state."""
-    self.assertEqual(prover.http.post(f"/api/v1/proofs/{prover.proof_id}/resume")
-                     .status_code, 200)
+    reopened = prover.http.post(f"/api/v1/proofs/{prover.proof_id}/resume")
+    self.assertEqual(reopened.status_code, 200)
+    self.assertEqual(reopened.json()["max_body_bytes"], 64 << 20)  # what the uploader fits
     response = prover.send(prover.chain({"type": "resume", "step": prover.steps,
                                          "after": after, "state": state}))
     if response.status_code == 200:

@@ -276,14 +276,26 @@ class EnvelopeBodyPipeTest(absltest.TestCase):
     self.addCleanup(self.web.close)
     self.addCleanup(self.child.close)
 
-  def sent(self, bodies: list[bytes]) -> list[bytes]:
+  def sent(self, bodies: list[bytes]) -> list:
+    """What the child end receives of ("begin", n) and body n for each body, then a step
+    message: the bodies share the pipe with pickled messages."""
     reader = ingest_processes._BodyReader(self.child.fileno())
     received = []
-    thread = threading.Thread(target=lambda: received.extend(reader.read() for _ in bodies))
+
+    def child():
+      for _ in bodies:
+        message = self.child.recv()
+        received.append((message, reader.read()))
+      received.append(self.child.recv())
+
+    thread = threading.Thread(target=child, daemon=True)
     thread.start()
-    for body in bodies:  # larger than the socket's buffer: the reader drains it meanwhile
-      ingest_processes._send_body(self.web.fileno(), body)
-    thread.join()
+    for n, body in enumerate(bodies):  # larger than the socket's buffer: read meanwhile
+      self.web.send(("begin", n))
+      ingest_processes._send_body(self.web, memoryview(body))
+    self.web.send(("step", 7))
+    thread.join(60)
+    self.assertFalse(thread.is_alive())
     return received
 
   def test_bodies_of_every_size_arrive_byte_for_byte_after_larger_ones(self):
@@ -291,15 +303,16 @@ class EnvelopeBodyPipeTest(absltest.TestCase):
     bodies = [b"", b"x", os.urandom(3 << 20), b"short", os.urandom(kept + 1), os.urandom(1000),
               os.urandom(kept), b"y" * 7]
     received = self.sent(bodies)
-    self.assertEqual([len(b) for b in received], [len(b) for b in bodies])
-    for got, body in zip(received, bodies):
+    self.assertEqual(received[-1], ("step", 7))
+    self.assertEqual([m for m, _ in received[:-1]], [("begin", n) for n in range(len(bodies))])
+    self.assertEqual([len(b) for _, b in received[:-1]], [len(b) for b in bodies])
+    for (_, got), body in zip(received, bodies):
       self.assertIs(type(got), bytes)
       self.assertEqual(got, body)
 
   def test_a_pipe_closed_inside_a_body_is_eof_not_a_short_body(self):
     reader = ingest_processes._BodyReader(self.child.fileno())
-    ingest_processes._write_all(self.web.fileno(), memoryview(
-        ingest_processes._LENGTH.pack(100) + b"cut"))
+    ingest_processes._write_all(self.web, memoryview(ingest_processes._LENGTH.pack(100) + b"cut"))
     self.web.close()
     with self.assertRaisesRegex(EOFError, "inside a body"):
       reader.read()

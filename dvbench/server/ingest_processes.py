@@ -91,17 +91,17 @@ _LENGTH = struct.Struct("!Q")
 KEPT_BUFFER_BYTES = 16 << 20
 
 
-def _send_body(fd: int, body: bytes) -> None:
-  """Writes ``body`` to the pipe's descriptor ``fd`` after its length. Not pickled: the
-  child reads it into a buffer it keeps (``_BodyReader``), where a pickled message is read
-  into fresh memory, a page fault a page (0.1–0.3 ms more an envelope of 0.9 MB, each side)."""
-  _write_all(fd, memoryview(_LENGTH.pack(len(body))))
-  _write_all(fd, memoryview(body))
+def _send_body(conn, body: memoryview) -> None:
+  """Writes ``body`` to the pipe of ``conn`` after its length. Not pickled: the child reads
+  it into a buffer it keeps (``_BodyReader``). An envelope of 870 KB cost the child 235–400
+  µs and the web process 113–133 µs pickled, 100 and 73 µs so (benchmarks/RESULTS.md)."""
+  _write_all(conn, memoryview(_LENGTH.pack(len(body))))
+  _write_all(conn, body)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-  while view:
-    view = view[os.write(fd, view):]
+def _write_all(conn, view: memoryview) -> None:
+  while view:  # the descriptor read again each time: OSError once the server closed it
+    view = view[os.write(conn.fileno(), view):]
 
 
 class _BodyReader:
@@ -113,10 +113,12 @@ class _BodyReader:
     self._buffer = bytearray(1 << 20)
 
   def read(self) -> bytes:
+    """The next body, in memory of its own: a job that stores it in slices keeps it while
+    the next body is read into the buffer."""
     (size,) = _LENGTH.unpack(self._read_into(memoryview(bytearray(_LENGTH.size))))
     if size > len(self._buffer):
-      buffer = bytearray(size)
-      if size <= KEPT_BUFFER_BYTES:
+      buffer = bytearray(max(size, min(KEPT_BUFFER_BYTES, 2 * len(self._buffer))))
+      if len(buffer) <= KEPT_BUFFER_BYTES:
         self._buffer = buffer
     else:
       buffer = self._buffer
@@ -189,9 +191,10 @@ class _Child:
     EOFError or OSError when it died with it."""
     try:
       self.wait_ready()
+      body = memoryview(message[2]) if message[0] == "begin" else None  # before the header
       self.conn.send(message[:2])
-      if message[0] == "begin":
-        _send_body(self.conn.fileno(), message[2])
+      if body is not None:
+        _send_body(self.conn, body)
     except (EOFError, OSError) as e:
       raise _NotSent() from e
     return self.conn.recv()

@@ -112,10 +112,11 @@ def _write_at(fd: int, bodies: list[bytes], at: int) -> None:
   first = 0
   while first < len(views):
     written = os.pwritev(fd, views[first:first + _IOV_MAX], at)
+    if not written:
+      raise OSError(f"writing a record body wrote nothing at byte {at}")
     at += written
     while first < len(views) and written >= len(views[first]):
       written -= len(views[first])
       first += 1
     if written:
       views[first] = views[first][written:]
-
