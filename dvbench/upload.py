@@ -110,14 +110,14 @@ class Uploader(threading.Thread):
     self._handed_lock = threading.Lock()
 
   def continue_proof(self, proof_id: str, offset: int, records: int,
-                     heartbeat_seconds: float | None, max_body_bytes=None) -> None:
+                     heartbeat_seconds: float | None, max_body_bytes: object = None) -> None:
     """Before ``start()``: the proof exists and holds the first ``records`` records, the
     folder's first ``offset`` bytes (a resumed run, ``dvbench.resume``)."""
     self.proof_id, self._offset, self.sent_records = proof_id, offset, records
     self.heartbeat_seconds = heartbeat_seconds
     self._fit_envelopes(max_body_bytes)
 
-  def _fit_envelopes(self, max_body_bytes) -> None:
+  def _fit_envelopes(self, max_body_bytes: object) -> None:
     """Envelopes of at most half the server's largest request body (``max_body_bytes``,
     as the server sends it: ignored unless a positive integer), so that a server run with
     a small ``--max-body-mb`` takes them."""

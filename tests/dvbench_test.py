@@ -439,7 +439,8 @@ class ClientTest(DVBenchTestCase):
     for i in range(12):
       state = train_step(state, jnp.asarray(batch) + (i % 2))
     path = proof.finish()
-    probes = [r for r in transcript.read_transcript(path).records if r.record.get("kind") == "probe"]
+    probes = [r for r in transcript.read_transcript(path).records
+              if r.record.get("kind") == "probe"]
     self.assertLen(probes, 12)
     self.assertGreater(min(len(r.raw) for r in probes), 100_000)
     self.assertLess(max(len(r.raw) for r in probes), transport.CHUNK_BYTES)

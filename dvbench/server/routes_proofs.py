@@ -239,7 +239,8 @@ class ProofRoutes:
                                        claims=self.store.proof_claims(proof_id),
                                        attempts=attempts.owner_attempts(
                                            self.store, proof["experiment"].split("/")[0]))
-    return {**public_proof(proof), **summary, **labels.replayed_checks(self.store.check_tally(proof_id))}
+    return {**public_proof(proof), **summary,
+            **labels.replayed_checks(self.store.check_tally(proof_id))}
 
   async def get_proof(self, request):
     return JSONResponse(await run_in_threadpool(self.proof_json, request.path_params["proof_id"]))
