@@ -134,6 +134,30 @@ class StablehloTest(absltest.TestCase):
       else:
         stablehlo.check_safe(exported, summary)
 
+  def test_programs_that_read_state_outside_their_inputs_are_refused(self):
+    # Each would let a program tell a verifier's replay from training: stateful random
+    # numbers advance with every call of an executable; an uninitialized buffer holds
+    # whatever the device computed before.
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    hidden = {
+        "rng": (jax.export.export(jax.jit(
+            lambda v: v + jax.lax.rng_uniform(0.0, 1.0, (4,))))(x),
+                r"reads state outside its inputs \(stablehlo\.rng"),
+        "empty": (jax.export.export(jax.jit(
+            lambda v: v + jax.lax.empty((4,), jnp.float32)), platforms=["tpu"])(x),
+                  r"reads uninitialized device memory \(AllocateBuffer"),
+    }
+    for name, (exported, message) in hidden.items():
+      with self.subTest(name):
+        summary = stablehlo.analyze(exported)
+        with self.assertRaisesRegex(stablehlo.UnsafeProgramError, message):
+          stablehlo.check_safe(exported, summary)
+    # An empty buffer of no elements holds nothing (jnp.linspace(..., num=0) makes one).
+    nothing = jax.export.export(jax.jit(lambda v: jax.lax.empty((0,), jnp.float32) + v[:0]),
+                                platforms=["tpu"])(x)
+    self.assertIn("AllocateBuffer", nothing.mlir_module())
+    stablehlo.check_safe(nothing, stablehlo.analyze(nothing))
+
   def test_linear_algebra_custom_calls_are_allowed(self):
     exported = jax.export.export(jax.jit(jnp.linalg.solve))(jnp.eye(3), jnp.ones(3))
     summary = stablehlo.analyze(exported)

@@ -132,6 +132,16 @@ class ProgramTamperTest(VerifierTestCase):
     self.assertIn(message, report.dumps())
     self.assertEqual(report.claim("program").status, verify.DOES_NOT_HOLD)
 
+  def test_program_with_stateful_random_numbers_is_refused_before_compiling(self):
+    # XLA's stateful RNG advances with each call of an executable: a program reading it
+    # can train on a verifier's perturbed replays and return carried weights otherwise.
+    def step(w, b, x):
+      drawn = jax.lax.rng_uniform(0.0, 1.0, w.shape)
+      return w + 0.0 * drawn + jnp.sum(x), b
+    report = self.assert_fails(_with_program(step), "unsafe_program")
+    self.assertIn("reads state outside its inputs (stablehlo.rng", report.dumps())
+    self.assertEqual(report.claim("program").status, verify.DOES_NOT_HOLD)
+
   def test_compiler_options_cannot_write_files(self):
     dump = pathlib.Path(tempfile.mkdtemp()) / "dumped"
     def edit(records):

@@ -5,7 +5,9 @@ wrote: which operations it runs, which custom calls it makes, and which inputs
 each output depends on (a dataflow walk over the SSA values of every function),
 and how many bytes of constants it embeds. ``check_safe`` refuses a program
 before anything compiles it: custom calls off the allow-list (host callbacks
-among them), host transfers, external functions, effects, and constants over
+among them), host transfers, operations that read state outside their inputs
+(stateful random numbers, uninitialized buffers: a program could tell a verifier's
+replay from training by them), external functions, effects, and constants over
 ``zkdv.config.MAX_PROGRAM_CONSTANT_BYTES`` (weights baked into a program).
 
 Example::
@@ -35,7 +37,7 @@ from zkdv import config
 # runtimes. Anything else (host callbacks, user FFI, Pallas kernels) is refused.
 ALLOWED_CUSTOM_CALLS = frozenset({
     "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape",
-    "annotate_device_placement", "AllocateBuffer",
+    "annotate_device_placement", "AllocateBuffer",  # of no elements only: see _screen
     "cu_threefry2x32_ffi", "hip_threefry2x32_ffi",
     "cu_lu_pivots_to_permutation", "hip_lu_pivots_to_permutation", "cusparse_gtsv2_ffi",
 })
@@ -45,6 +47,13 @@ ALLOWED_CUSTOM_CALL_PATTERNS = (re.compile(r"lapack_[sdcz][a-z]+_ffi"),
 HOST_TRANSFERS = frozenset({"stablehlo.send", "stablehlo.recv", "stablehlo.infeed",
                             "stablehlo.outfeed"})
 _CALLBACK = re.compile(r"callback", re.IGNORECASE)
+# Operations whose results depend on state outside the program's inputs, which a program
+# could read to tell a verifier's replay from training: XLA's stateful random numbers
+# (a seed per executable and a counter each call advances; ``jax.random`` passes its
+# state as an input instead).
+HIDDEN_STATE = frozenset({"stablehlo.rng"})
+# The custom call of ``lax.empty`` on accelerators: memory as the device left it.
+UNINITIALIZED = "AllocateBuffer"
 
 
 class UnsafeProgramError(ValueError):
@@ -206,13 +215,28 @@ def constant_arrays(exported: jax.export.Exported) -> list:
 def _screen(op, calls: list, refused: list) -> None:
   if op.name in HOST_TRANSFERS:
     refused.append(f"it transfers data to or from the host ({op.name})")
+  elif op.name in HIDDEN_STATE:
+    refused.append(f"it reads state outside its inputs ({op.name}: stateful random "
+                   "numbers, e.g. lax.rng_uniform; draw them with jax.random from a key)")
   elif op.name == "stablehlo.custom_call":
     target = ir.StringAttr(op.attributes["call_target_name"]).value
     calls.append(target)
-    if _CALLBACK.search(target):
+    if target == UNINITIALIZED and any(_holds_elements(r.type) for r in op.results):
+      refused.append(f"it reads uninitialized device memory ({target}, e.g. lax.empty: "
+                     "its contents are whatever the device held; use jnp.zeros)")
+    elif _CALLBACK.search(target):
       refused.append(f"it calls back into the host ({target})")
     elif not allowed_custom_call(target):
       refused.append(f"custom call {target!r} is not on the allow-list")
+
+
+def _holds_elements(value_type) -> bool:
+  """Whether a value of ``value_type`` holds anything: not a tensor with a dimension of 0
+  (a dynamic dimension counts as holding some)."""
+  try:
+    return 0 not in ir.RankedTensorType(value_type).shape
+  except (ValueError, TypeError):
+    return True
 
 
 def _walk(op):
