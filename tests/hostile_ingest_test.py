@@ -400,11 +400,13 @@ class TransportCases:
 
   def test_trickling_uploads_are_cut_off_and_never_block_reads_or_other_owners(self):
     prover = self.prover("trickle")
-    head = (f"PUT /api/v1/proofs/{prover.proof_id}/blobs/{'0' * 64} HTTP/1.1\r\nHost: x\r\n"
-            f"Authorization: Bearer {self.token}\r\nContent-Length: 1000\r\n\r\n")
     answers, answered = [], threading.Condition()
 
-    def trickle():
+    def trickle(n):
+      # Each spells alice's token another way (spaces the server strips): one token still.
+      head = (f"PUT /api/v1/proofs/{prover.proof_id}/blobs/{'0' * 64} HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer{' ' * (1 + n)}{self.token}{' ' * (n % 2)}\r\n"
+              "Content-Length: 1000\r\n\r\n")
       with socket.create_connection(("127.0.0.1", self.server.port), timeout=10) as s:
         s.sendall(head.encode())
         answer = b""
@@ -425,7 +427,7 @@ class TransportCases:
           answers.append(answer)
           answered.notify_all()
     bob = FakeProver(self.server.url, self.server.token("bob"), "bob/trickled").start()
-    threads = [threading.Thread(target=trickle) for _ in range(8)]
+    threads = [threading.Thread(target=trickle, args=(n,)) for n in range(8)]
     start = time.monotonic()
     for t in threads:
       t.start()
@@ -449,6 +451,16 @@ class TransportCases:
     self.assertEqual(statuses, [408] * 4 + [503] * 4, answers)
     refused = next(a for a in answers if a.startswith(b"HTTP/1.1 503"))
     self.assertIn(b"--max-uploads-per-token", refused)
+
+  def test_a_write_with_several_authorization_headers_is_refused(self):
+    # The guard and the service would each read one of them: the upload slots could be
+    # counted against one token while another is served.
+    prover = self.prover("two-tokens")
+    response = httpx.put(
+        f"{self.server.url}/api/v1/proofs/{prover.proof_id}/blobs/{'0' * 64}", content=b"x",
+        headers=[("Authorization", f"Bearer {self.token}"),
+                 ("Authorization", f"Bearer {self.server.token('bob')}")], timeout=30)
+    self.assertRefused(response, 401, "send one 'Authorization: Bearer <token>' header")
 
   def test_measurement_values_must_be_finite(self):
     self.http.post("/api/v1/experiments", json={"name": "alice/metrics"})

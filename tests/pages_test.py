@@ -97,6 +97,7 @@ def curve(t: int) -> dict:
 class ChartsTest(parameterized.TestCase):
 
   @parameterized.parameters((0.0, 0.93), (3.0, 3.0), (-2e-9, 1e-9), (1e-320, 3e-320),
+                            (0.0, 2.5e-323), (0.0, 5e-324),
                             (-1e308, 1e308), (1.7e308, 1.7e308), (0.0, 2**63))
   def test_ticks_cover_any_committed_range_in_few_steps(self, low, high):
     ticks = charts.nice_ticks(low, high)

@@ -37,7 +37,9 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
   if not (math.isfinite(raw) and raw > 0 and math.isfinite(low / raw)):
     return [low, high]  # a span no round step describes (near the float range's ends)
   magnitude = 10.0 ** math.floor(math.log10(raw))
-  step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+  step = next((m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw), None)
+  if step is None:  # a subnormal span: its power of ten underflows to 0
+    return [low, high]
   first = math.floor(low / step) * step
   ticks = [first]
   while ticks[-1] < high and len(ticks) <= 2 * count + 2:

@@ -2,8 +2,9 @@
 
 An ASGI middleware in front of every route (``app.create_app`` installs it):
 
-* a write (POST, PUT, PATCH, DELETE) without ``Authorization: Bearer ...`` is refused
-  with 401 from its headers, before its body is read;
+* a write (POST, PUT, PATCH, DELETE) without one ``Authorization: Bearer ...`` header is
+  refused with 401 from its headers, before its body is read (``request_token``: the one
+  reading of a request's token, also ``Service.owner``'s);
 * a declared ``Content-Length`` above ``max_body`` is refused with 413, and a body that
   grows past it while streaming is cut off with 413;
 * a body must arrive within ``body_timeout`` seconds, with no gap over
@@ -37,6 +38,8 @@ from dvbench.server.limits import Limits
 from dvbench.server.refusals import parse_int
 
 _WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+MISSING_TOKEN = ("missing API token: send one 'Authorization: Bearer <token>' header (create "
+                 "one with 'dvbench token create OWNER').")
 _MAX_ADDRESSES = 10000  # addresses with recent bad tokens kept in memory
 LOCKOUT = "dvbench.lockout"  # scope key: seconds until the address may send unknown tokens
 
@@ -72,6 +75,19 @@ def _refusal(status: int, message: str, **headers) -> JSONResponse:
                       headers={k.replace("_", "-"): str(v) for k, v in headers.items()})
 
 
+def request_token(authorizations: list[str]) -> str | None:
+  """The API token of a request whose ``Authorization`` headers are ``authorizations``:
+  the token of its one ``Bearer`` header, without surrounding spaces; None without one,
+  with several headers (each reader could take another) or with another scheme.
+
+  Example: ``request_token(["Bearer  abc "])`` is ``"abc"``; ``request_token(["Bearer a",
+  "Bearer b"])`` is None.
+  """
+  if len(authorizations) != 1 or not authorizations[0].startswith("Bearer "):
+    return None
+  return authorizations[0][len("Bearer "):].strip() or None
+
+
 class Guard:
   """ASGI middleware applying ``Limits`` (see the module docstring)."""
 
@@ -86,10 +102,11 @@ class Guard:
       return await self.app(scope, receive, send)
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
     address = (scope.get("client") or ("unknown",))[0]
-    authorization = headers.get("authorization")
-    if authorization is not None:
+    token = request_token([v.decode("latin-1") for k, v in scope["headers"]
+                           if k.lower() == b"authorization"])
+    if "authorization" in headers:
       scope[LOCKOUT] = self.bad_tokens.retry_after(address)
-    refusal = self._refusal(scope, headers, authorization)
+    refusal = self._refusal(scope, headers, token)
     if refusal is not None:
       return await refusal(scope, receive, send)
 
@@ -101,21 +118,20 @@ class Guard:
     if scope["method"] not in _WRITES:
       return await self.app(scope, receive, observed_send)
     self.uploads += 1
-    self.uploads_of[authorization] += 1
+    self.uploads_of[token] += 1
     try:
       await self.app(scope, self._bounded(receive), observed_send)
     finally:
       self.uploads -= 1
-      self.uploads_of[authorization] -= 1
-      if not self.uploads_of[authorization]:
-        del self.uploads_of[authorization]
+      self.uploads_of[token] -= 1
+      if not self.uploads_of[token]:
+        del self.uploads_of[token]
 
-  def _refusal(self, scope, headers: dict, authorization: str | None) -> JSONResponse | None:
+  def _refusal(self, scope, headers: dict, token: str | None) -> JSONResponse | None:
     if scope["method"] not in _WRITES:
       return None
-    if authorization is None or not authorization.startswith("Bearer "):
-      return _refusal(401, "missing API token: send 'Authorization: Bearer <token>' (create "
-                      "one with 'dvbench token create OWNER').")
+    if token is None:
+      return _refusal(401, MISSING_TOKEN)
     declared = headers.get("content-length", "0")
     if parse_int(declared, 0, self.limits.max_body) is None:
       return _refusal(413, f"request body of {declared[:20]} bytes exceeds the limit of "
@@ -123,8 +139,8 @@ class Guard:
     if self.uploads >= self.limits.max_uploads:
       return _refusal(503, f"the server is taking {self.uploads} uploads; retry shortly.",
                       retry_after=1)
-    if self.uploads_of[authorization] >= self.limits.max_uploads_per_token:
-      return _refusal(503, f"this token is sending {self.uploads_of[authorization]} uploads "
+    if self.uploads_of[token] >= self.limits.max_uploads_per_token:
+      return _refusal(503, f"this token is sending {self.uploads_of[token]} uploads "
                       "already, the most one token may (dvbench serve "
                       "--max-uploads-per-token); retry when one is done.", retry_after=1)
     return None

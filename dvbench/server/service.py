@@ -21,7 +21,7 @@ from starlette.requests import Request
 from dvbench.server.attempts import DEFAULT_MAX_SLOTS_PER_HOUR
 from dvbench.server.blobs import BlobStore
 from dvbench.server.db import Store
-from dvbench.server.guard import LOCKOUT
+from dvbench.server.guard import LOCKOUT, MISSING_TOKEN, request_token
 from dvbench.server.limits import Limits, Quotas
 from dvbench.server.ingest_processes import IngestProcesses
 from dvbench.server.quotas import QUOTAS_SETTING, QuotaKeeper
@@ -109,11 +109,10 @@ class Service:
     return request.scope["dvbench.owner"]
 
   def _owner_of_token(self, request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    if not header.startswith("Bearer "):
-      raise HTTPException(401, "missing API token: send 'Authorization: Bearer <token>' "
-                          "(create one with 'dvbench token create OWNER').")
-    found = self.store.token_owner(header[len("Bearer "):].strip())
+    token = request_token(request.headers.getlist("authorization"))
+    if token is None:
+      raise HTTPException(401, MISSING_TOKEN)
+    found = self.store.token_owner(token)
     locked_for = request.scope.get(LOCKOUT, 0)
     if found.owner is None and locked_for:
       raise HTTPException(429, "too many unknown tokens from this address; retry in "
