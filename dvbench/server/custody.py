@@ -62,15 +62,26 @@ def challenge_row(proof_id: str, step: int, record_id: bytes, challenge_key: byt
           **{f"answered_{k}": False for k in needs}}
 
 
-def unanswered_failure(rows: list[dict]) -> str | None:
-  """Names the first of the unanswered challenge rows ``rows``, if any, e.g. 'step 3 was
-  challenged for probes and never answered.'"""
-  missing = [(r["step"], k) for r in rows for k in _CHECK_NAMES
-             if r[f"needs_{k}"] and not r[f"answered_{k}"]]
+def unanswered_checks(rows: list[dict]) -> list[tuple[int, str]]:
+  """(step, check) of each check the challenge rows ``rows`` need and no record answered."""
+  return [(r["step"], k) for r in rows for k in _CHECK_NAMES
+          if r[f"needs_{k}"] and not r[f"answered_{k}"]]
+
+
+def first_unanswered(store, conn, proof_id: str, derived=()) -> str | None:
+  """Names the first check a proof's challenges need that no record answered, if any: of
+  its stored challenges (the first one read, the rest counted by the database) and those
+  ``derived`` by the request being stored. E.g. 'step 3 was challenged for probes and
+  never answered (2 more challenges unanswered).'"""
+  derived = list(derived)
+  rows = sorted([*store.unanswered_challenges(conn, proof_id, limit=1), *derived],
+                key=lambda r: r["step"])
+  missing = unanswered_checks(rows)
   if not missing:
     return None
   step, kind = missing[0]
-  more = f" ({len(missing) - 1} more challenges unanswered)" if len(missing) > 1 else ""
+  others = store.unanswered_checks(conn, proof_id) + len(unanswered_checks(derived)) - 1
+  more = f" ({others} more challenges unanswered)" if others > 0 else ""
   return f"step {step} was challenged for {_CHECK_NAMES[kind]} and never answered{more}."
 
 
@@ -233,9 +244,7 @@ class Ingest:
                           "must go on from the committed post-state of the last step that "
                           f"stored one (step {last}).")
     self._write_answers()
-    failure = unanswered_failure(sorted(
-        [*self.store.unanswered_challenges(self.conn, self.proof_id), *self._derived.values()],
-        key=lambda r: r["step"]))
+    failure = first_unanswered(self.store, self.conn, self.proof_id, self._derived.values())
     if failure is not None:
       raise HTTPException(409, f"record {n} resumes the run, but {failure} A run resumes only "
                           "once every challenge so far is answered, the data probes of the "

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from dvbench import transport
 from dvbench.server import receipts
 from dvbench.server import validation
-from dvbench.server.custody import Ingest, ProofChallenger, parse_record, unanswered_failure
+from dvbench.server.custody import Ingest, ProofChallenger, first_unanswered, parse_record
 from dvbench.server.decoding import decode
 from dvbench.server.db import Store
 from dvbench.server.store_custody import RecordTooLarge
@@ -114,7 +114,7 @@ class Ingestion:
     if head.last_kind != "final":
       raise HTTPException(409, "cannot close: the last stored record is a "
                           f"{head.last_kind} record; a proof closes after its final record.")
-    failure = unanswered_failure(self.store.unanswered_challenges(conn, proof_id))
+    failure = first_unanswered(self.store, conn, proof_id)
     if failure is not None:
       self.store.set_proof_state(proof_id, "invalid", failure, conn=conn)
       receipts.issue(self.store, self.signing_key, proof_id, "invalid", 0, conn,

@@ -348,10 +348,21 @@ class CustodyQueries:
       query = query.where(challenges.c.step.in_(sorted(steps)))
     return [dict(r) for r in conn.execute(query.order_by(challenges.c.step)).mappings()]
 
-  def unanswered_challenges(self, conn, proof_id: str) -> list[dict]:
-    """The proof's derived challenges that need a check no record answered yet."""
+  def unanswered_challenges(self, conn, proof_id: str, limit: int) -> list[dict]:
+    """The first ``limit`` (by step) of the proof's derived challenges that need a check no
+    record answered yet."""
     return [dict(r) for r in conn.execute(sa.select(challenges).where(
-        (challenges.c.proof_id == proof_id) & unanswered()).order_by(challenges.c.step)).mappings()]
+        (challenges.c.proof_id == proof_id) & unanswered()).order_by(challenges.c.step)
+        .limit(limit)).mappings()]
+
+  def unanswered_checks(self, conn, proof_id: str) -> int:
+    """How many checks the proof's challenges need that no record answered yet, counted
+    by the database (a proof may hold millions of challenges)."""
+    counts = conn.execute(sa.select(*(
+        sa.func.coalesce(sa.func.sum(sa.case(
+            (challenges.c[f"needs_{k}"] & ~challenges.c[f"answered_{k}"], 1), else_=0)), 0)
+        for k in challenge.ANSWER_KINDS)).where(challenges.c.proof_id == proof_id)).one()
+    return sum(counts)
 
   def challenge_rows(self, proof_id: str) -> list[dict]:
     with self.engine.connect() as conn:
