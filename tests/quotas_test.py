@@ -11,10 +11,12 @@ import sys
 
 import cbor2
 import httpx
+import sqlalchemy as sa
 from absl.testing import absltest
 
 from dvbench.server import quotas
 from dvbench.server.db import Store
+from dvbench.server.schema import streams
 from dvbench.server.local import LocalServer
 from tests import postgres
 from tests.fake_prover import FakeProver
@@ -170,6 +172,26 @@ class QuotaCases:
     store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
     self.assertEqual(store.proof(prover.proof_id)["probed_rows"], len(rows))
     self.assertEqual(store.probe_count(prover.proof_id), 0)  # indexed by the worker, later
+
+  def test_stream_acknowledgements_are_stored_bytes(self):
+    # Attack: the same records resent under ever new client ids are taken as duplicates,
+    # and each stream keeps its last acknowledgement (every challenge of the envelope):
+    # the database grew by those acknowledgements while the quota counted none of them.
+    prover = FakeProver(self.server.url, self.server.token("sid"), "sid/run").start()
+    prover.run(steps=8)
+    envelope = {"seq": 0, "kind": "records", "records": list(prover.records[1:])}
+    before = int(self.usage("sid")["stored_bytes"][0])
+    for n in range(20):
+      response = prover.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
+                                  content=cbor2.dumps({**envelope, "client_id": f"again-{n}"}))
+      self.assertEqual(response.status_code, 200, response.text)
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    with store.engine.connect() as conn:
+      kept = conn.execute(sa.select(sa.func.sum(sa.func.length(streams.c.last_ack))).where(
+          (streams.c.proof_id == prover.proof_id)
+          & streams.c.client_id.startswith("again-"))).scalar()
+    self.assertGreater(kept, 0)
+    self.assertEqual(int(self.usage("sid")["stored_bytes"][0]), before + kept)
 
   def test_a_row_count_its_bytes_do_not_carry_is_not_charged(self):
     # Attack: an entry says how many rows its bytes join. Counted as said, 4,096 entries

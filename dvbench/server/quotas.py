@@ -1,6 +1,7 @@
 """Quotas per owner: what one owner's tokens may hold on the server.
 
-* ``stored_bytes``: records, chunks and blobs of the owner's proofs and benchmarks (a blob
+* ``stored_bytes``: records, chunks, the upload streams' last acknowledgements (one a
+  client id) and blobs of the owner's proofs and benchmarks (a blob
   counted once per owner however many hold it; a discarded proof's blobs too, as they stay
   on disk), the records of its measurements, and
   ``OPENED_ROW_BYTES`` for each batch row their probes opened, counted as the records
@@ -38,7 +39,8 @@ from dvbench.server.limits import QUOTA_FLAGS as FLAGS
 from dvbench.server.limits import Quotas
 from dvbench.server.refusals import Refusal
 from dvbench.server.schema import (benchmark_blobs, chunks, experiments, measurements,
-                                   owner_blobs, owners, proof_blobs, proofs, records, slots)
+                                   owner_blobs, owners, proof_blobs, proofs, records, slots,
+                                   streams)
 from dvbench.server.store_custody import BODY_SIZE
 
 STORED_BYTES_TTL = 10.0
@@ -67,7 +69,8 @@ def usage(store, blob_size, owner: str) -> dict[str, int]:
                                         ).scalar()}
     held = sum(int(conn.execute(sa.select(sa.func.coalesce(sa.func.sum(size), 0)).where(
         t.c.proof_id.in_(owned))).scalar())  # PostgreSQL sums a bigint as a Decimal
-               for t, size in ((records, BODY_SIZE), (chunks, sa.func.length(chunks.c.data))))
+               for t, size in ((records, BODY_SIZE), (chunks, sa.func.length(chunks.c.data)),
+                               (streams, sa.func.length(streams.c.last_ack))))
     held += conn.execute(sa.select(sa.func.coalesce(sa.func.sum(sa.func.length(
         measurements.c.record)), 0)).where(measurements.c.experiment_id.in_(exp))).scalar()
     digests = set(conn.execute(sa.select(proof_blobs.c.digest).where(
