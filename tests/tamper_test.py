@@ -164,6 +164,24 @@ class ProgramTamperTest(VerifierTestCase):
                                    required=("program",)).exit_code, 1)
 
 
+def _one_element_a_leaf_step(w, b, x):
+  """Trains w[0] and b on the batch; the rest of w is a carried constant."""
+  return (w.at[1:].set(jnp.array([0.25, 0.75])).at[0].add(jnp.sum(x) * 1e-3),
+          b + jnp.sum(x) * 1e-3)
+
+
+class ProgramClaimLimitTest(VerifierTestCase):
+  """What the program claim does not show, shown: an update moved by its batch in one
+  element a leaf reads its batch, and the claim says that is all it shows."""
+
+  def test_a_program_that_trains_one_element_a_leaf_holds_the_claim_and_names_the_limit(self):
+    report = verify.verify(write_transcript(fn=_one_element_a_leaf_step))
+    program = report.claim("program")
+    self.assertEqual(program.status, verify.HOLDS, report.dumps())
+    self.assertIn("lets them move only some elements or the last bits of params it carries",
+                  program.detail)
+
+
 class PostStateDtypeTamperTest(VerifierTestCase):
   """A program record that claims its post-state leaves another dtype than it is."""
 

@@ -267,8 +267,8 @@ def left_open(definition: dict, allowed_programs) -> list[str]:
     open_.append(f"the training program's constants: enough for a copy of the model's "
                  f"{params_bytes} bytes of params, so an update may return a model it carries "
                  "on the batches it was committed with, moved by them only in its last bits "
-                 "(the program claim shows that other batches change the params, not how "
-                 "much); pinning allowed_programs closes this")
+                 "or in one element a leaf (the program claim shows that other batches "
+                 "change the params, not how much); pinning allowed_programs closes this")
   if allowed_programs is None:
     open_.append(
         f"the training program: any, and a program may embed up to {budget} bytes of "

@@ -173,8 +173,8 @@ def _start(ctx: Verification) -> Claim:
 # What the program claim's replays do not show (zkdv.verify.sensitivity), said where it holds.
 PROGRAM_TEST_LIMIT = ("this shows that the batch changes the params, not how much: a program "
                       "written against the test (one that recognizes its committed batches, or "
-                      "lets them move only the last bits of params it carries) passes it; "
-                      "pinned programs rule that out")
+                      "lets them move only some elements or the last bits of params it "
+                      "carries) passes it; pinned programs rule that out")
 
 
 def _program(ctx: Verification) -> Claim:

@@ -20,8 +20,9 @@ changes no params leaf trains nothing and fails too.
 
 What it shows is that the batch changes the params, not how much nor how: a program
 written against the test (one that recognizes its own committed batches by their
-step, or lets the batch move only the last bits of params it carries as constants)
-passes it. Only a pinned program (a benchmark's ``allowed_programs``) rules that out.
+step, or lets the batch move only one element of each params leaf, or the last bits of
+params it carries as constants) passes it. Only a pinned program (a benchmark's
+``allowed_programs``) rules that out.
 
 Example::
 
