@@ -16,6 +16,9 @@ import numpy as np
 
 AGGREGATES = {"mean": np.mean, "sum": np.sum}
 SHARD_JOB = "score-shard"  # the job kind of one shard
+# A shard, and its submission, the server gave up scoring (out of time or killed, each
+# attempt): the server's fault, not the entry's; submitting the proof again scores it again.
+UNSCORED = "unscored"
 OUTPUT_DTYPE = np.dtype("<f8")  # per-row outputs as workers return them
 OUTPUTS_FILE = "outputs.f64"  # where a scoring child writes them
 

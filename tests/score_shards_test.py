@@ -12,6 +12,7 @@ from absl.testing import parameterized
 from dvbench.server import db
 from dvbench import scoring
 from dvbench.server import store_benchmarks
+from dvbench.server import store_jobs
 from tests.store_test import _fresh_url
 from zkdv import challenge
 
@@ -95,6 +96,48 @@ class ScoreShardsTest(parameterized.TestCase):
     submission = store.submission(SUBMISSION)
     self.assertEqual((submission["state"], submission["failure"]),
                      ("failed", "the sum of the outputs is inf."))
+
+  def test_a_shard_given_up_leaves_the_entry_unscored_and_submitting_again_scores_it(
+      self, backend):
+    # Before, a shard the server gave up (its child out of time or killed each attempt)
+    # failed the entry for good: one entry a proof, and submitting again changed nothing.
+    store = db.Store.open(_fresh_url(backend))
+    row = {"id": SUBMISSION, "benchmark_id": _benchmark(store)["id"], "proof_id": "ab" * 32,
+           "record": b"checkpoint"}
+    store.add_submission(row, [(0, 3), (3, 2)], [])
+    first = store.claim_job("w0", lease_seconds=30)
+    stalled = store.claim_job("w1", lease_seconds=-1)  # its lease ran out at once
+    self.assertTrue(self.complete(store, first, [1.0, 1.0, 0.0]))
+    self.assertIsNone(store.claim_job("w2", lease_seconds=30, max_attempts=1))  # given up
+    submission = store.submission(SUBMISSION)
+    self.assertEqual((submission["state"], submission["value"]), (scoring.UNSCORED, None))
+    self.assertEqual(submission["failure"], (
+        "shard 1 (rows 3-4): could not score: scoring was given up after 1 attempts; the last "
+        "one ended because the worker stopped before finishing (its lease expired)."))
+    store.add_submission(row, [(0, 3), (3, 2)], [])  # submitted again: the given-up shard
+    again = store.claim_job("w3", lease_seconds=30)
+    self.assertEqual(again["subject"], stalled["subject"])
+    self.assertIsNone(store.claim_job("idle", lease_seconds=30))  # the scored one stays
+    self.assertTrue(self.complete(store, again, [1.0, 0.0]))
+    submission = store.submission(SUBMISSION)
+    self.assertEqual((submission["state"], submission["value"]), ("scored", 0.6))
+
+  def test_a_submissions_shards_count_as_one_queued_job_of_its_owner(self, backend):
+    # Before, each shard counted: an evaluation set of more shards than the per-owner
+    # queue could never be submitted (429 with nothing else queued).
+    store = db.Store.open(_fresh_url(backend))
+    store.max_queued_per_owner = 2
+    bench = _benchmark(store)
+    shards = [(first, 1) for first in range(5)]
+    for n in range(2):
+      store.add_submission({"id": f"{n:02x}" * 32, "benchmark_id": bench["id"],
+                            "proof_id": "ab" * 32, "record": b"checkpoint"}, shards, [])
+    claimed = [store.claim_job(f"w{i}", lease_seconds=30) for i in range(10)]
+    self.assertEqual([j["kind"] for j in claimed], [scoring.SHARD_JOB] * 10)
+    with self.assertRaisesRegex(store_jobs.QueueFull, "'alice' already has 2 jobs waiting for "
+                                "verification .*a submission's scoring counts as one"):
+      store.add_submission({"id": "ff" * 32, "benchmark_id": bench["id"],
+                            "proof_id": "ab" * 32, "record": b"checkpoint"}, shards, [])
 
   def test_probed_rows_outside_the_training_set_are_counted_per_proof(self, backend):
     store = db.Store.open(_fresh_url(backend))

@@ -14,6 +14,7 @@ Example::
 
 import math
 
+from dvbench import scoring
 from dvbench.server import attempts as attempts_lib
 from dvbench.server import labels
 from dvbench.server import pins
@@ -88,7 +89,10 @@ def _strictness(store, proof_id: str) -> dict:
 def _unranked_because(entry: dict, audit_level: str, broken: list[str]) -> list[str]:
   """Why a leaderboard entry is not ranked (``broken``: the start and probe pins it breaks,
   ``pins.check``); empty when it is."""
-  reasons = [] if entry["state"] == "scored" else [f"not scored ({entry['state']})"]
+  reasons = ([] if entry["state"] == "scored" else
+             ["not scored: the server could not score it (submit the proof again to score "
+              "it again)"] if entry["state"] == scoring.UNSCORED else
+             [f"not scored ({entry['state']})"])
   reasons += [f"a pin does not hold: {text}" for text in broken]
   if entry["copy_of"] is not None:
     reasons.append(copy_reason(entry["checkpoint"], entry["copy_of"]))

@@ -246,7 +246,7 @@ submissions = sa.Table(
     sa.Column("id", sa.String(64), primary_key=True),  # BLAKE3 of benchmark and submission
     sa.Column("benchmark_id", sa.Integer, sa.ForeignKey("benchmarks.id"), nullable=False),
     sa.Column("proof_id", sa.String(64), sa.ForeignKey("proofs.id"), nullable=False),
-    sa.Column("state", sa.String(20), nullable=False),  # pending, scoring, scored, failed
+    sa.Column("state", sa.String(20), nullable=False),  # pending, scoring, scored, failed, unscored
     sa.Column("value", sa.Float),
     sa.Column("failure", sa.Text),
     sa.Column("record", sa.LargeBinary, nullable=False),  # params layout and blobs, CBOR
@@ -284,7 +284,7 @@ score_shards = sa.Table(  # a row range of a submission, scored by one worker jo
     sa.Column("shard", sa.Integer, nullable=False),
     sa.Column("first_row", sa.Integer, nullable=False),
     sa.Column("rows", sa.Integer, nullable=False),
-    sa.Column("state", sa.String(20), nullable=False),  # queued, scoring, done, failed
+    sa.Column("state", sa.String(20), nullable=False),  # queued, scoring, done, failed, unscored
     sa.Column("outputs", sa.LargeBinary),  # little-endian float64 per row, once done
     sa.Column("failure", sa.Text),
     sa.Column("updated_at", sa.Float))

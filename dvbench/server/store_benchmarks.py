@@ -17,13 +17,14 @@ import sqlalchemy as sa
 from dvbench import scoring
 from dvbench.server.labels import BASE_CHECKPOINT, REPLAYED_STATES
 from dvbench.server.schema import (benchmark_blobs, benchmark_rows, benchmarks, experiments,
-                                   probe_examples, probes, proof_claims, proofs, records,
+                                   jobs, probe_examples, probes, proof_claims, proofs, records,
                                    score_shards, submissions, training_members)
 from dvbench.server.store_custody import BODY, add_held_blob, add_proof_digests, has_held_blob
 
 # "pending": no shard scored yet; "scoring": some shards scored; "scored": the server
-# aggregated every row's output; "failed": a shard or the aggregate failed (why is shown).
-SUBMISSION_STATES = ("pending", "scoring", "scored", "failed")
+# aggregated every row's output; "failed": a shard or the aggregate failed (why is shown);
+# "unscored": the server gave a shard up (out of time or killed each attempt).
+SUBMISSION_STATES = ("pending", "scoring", "scored", "failed", scoring.UNSCORED)
 
 
 def shard_id(submission_id: str, shard: int) -> str:
@@ -159,11 +160,13 @@ class BenchmarkQueries:
   def add_submission(self, row: dict, shards: list[tuple[int, int]],
                      member_rows: list[str]) -> dict:
     """Stores a submission (idempotent by id), the probed rows it proved training rows, and
-    queues a scoring job per shard ``(first row, rows)``."""
+    queues a scoring job per shard ``(first row, rows)``; a submission the server could not
+    score (``scoring.UNSCORED``) has those shards queued again."""
     now = time.time()
     with self.engine.begin() as conn:
-      if not conn.execute(sa.select(submissions.c.id).where(
-          submissions.c.id == row["id"])).first():
+      stored = conn.execute(sa.select(submissions.c.state).where(
+          submissions.c.id == row["id"])).first()
+      if stored is None:
         conn.execute(submissions.insert().values(**row, state="pending", created_at=now,
                                                  updated_at=now))
         for i, (first, rows) in enumerate(shards):
@@ -171,6 +174,8 @@ class BenchmarkQueries:
               id=shard_id(row["id"], i), submission_id=row["id"], shard=i, first_row=first,
               rows=rows, state="queued", updated_at=now))
           self.enqueue_job(conn, scoring.SHARD_JOB, shard_id(row["id"], i))
+      elif stored[0] == scoring.UNSCORED:
+        self._score_again(conn, row["id"], now)
       known = {r[0] for r in conn.execute(sa.select(training_members.c.digest).where(
           training_members.c.benchmark_id == row["benchmark_id"]))}
       new = sorted(set(member_rows) - known)
@@ -178,6 +183,20 @@ class BenchmarkQueries:
         conn.execute(training_members.insert(), [
             {"benchmark_id": row["benchmark_id"], "digest": d} for d in new])
     return self.submission(row["id"])
+
+  def _score_again(self, conn, submission_id: str, now: float) -> None:
+    """Queues the shards of ``submission_id`` the server gave up scoring again."""
+    given_up = [r[0] for r in conn.execute(sa.select(score_shards.c.id).where(
+        (score_shards.c.submission_id == submission_id)
+        & (score_shards.c.state == scoring.UNSCORED)))]
+    conn.execute(jobs.delete().where((jobs.c.kind == scoring.SHARD_JOB)
+                                     & jobs.c.subject.in_(given_up)))
+    conn.execute(score_shards.update().where(score_shards.c.id.in_(given_up)).values(
+        state="queued", failure=None, updated_at=now))
+    for shard in given_up:
+      self.enqueue_job(conn, scoring.SHARD_JOB, shard)
+    conn.execute(submissions.update().where(submissions.c.id == submission_id).values(
+        **self._settled(conn, submission_id), updated_at=now))
 
   def submission(self, submission_id: str) -> dict | None:
     with self.engine.connect() as conn:
@@ -235,11 +254,12 @@ class BenchmarkQueries:
     shards = conn.execute(sa.select(score_shards).where(
         score_shards.c.submission_id == submission_id).order_by(score_shards.c.shard)
     ).mappings().all()
-    for s in shards:
-      if s["state"] == "failed":
-        rows = f"rows {s['first_row']}-{s['first_row'] + s['rows'] - 1}"
-        return {"state": "failed", "value": None,
-                "failure": f"shard {s['shard']} ({rows}): {s['failure']}"}
+    for state in ("failed", scoring.UNSCORED):  # what the entry's program did comes first
+      for s in shards:
+        if s["state"] == state:
+          rows = f"rows {s['first_row']}-{s['first_row'] + s['rows'] - 1}"
+          return {"state": state, "value": None,
+                  "failure": f"shard {s['shard']} ({rows}): {s['failure']}"}
     if any(s["state"] != "done" for s in shards):
       return {"state": "scoring"}
     name = conn.execute(sa.select(benchmarks.c.aggregate).select_from(

@@ -12,9 +12,10 @@ import time
 import sqlalchemy as sa
 
 from dvbench import scoring
-from dvbench.server.schema import (challengers, checks, chunks, experiments, jobs, measurement_samples,
-                                   measurements, owners, pending_verdicts, probes, proof_claims,
-                                   proofs, records, score_shards, submissions)
+from dvbench.server.schema import (challengers, checks, chunks, experiments, jobs,
+                                   measurement_samples, measurements, owners, pending_verdicts,
+                                   probes, proof_claims, proofs, records, score_shards,
+                                   submissions)
 from dvbench.server.store_custody import add_proof_digests
 
 # The state of a proof or measurement whose verification itself failed (its worker died, ran
@@ -28,8 +29,11 @@ MEASUREMENT_STATES = ("committed", "pending", "verifying", "self-reported", "inv
                       UNVERIFIABLE)
 _RUNNING = {"proof": (proofs, "verifying"), "measurement": (measurements, "verifying"),
             scoring.SHARD_JOB: (score_shards, "scoring")}
-# A job given up never says "invalid": that needs a finding about what was verified.
-_GIVEN_UP = {"proof": UNVERIFIABLE, "measurement": UNVERIFIABLE, scoring.SHARD_JOB: "failed"}
+# A job given up never says "invalid": that needs a finding about what was verified; nor
+# "failed" for a scoring shard: its program and rows are the benchmark's, the params' layout
+# fixed, so what gave up is the server (resubmitting scores it again).
+_GIVEN_UP = {"proof": UNVERIFIABLE, "measurement": UNVERIFIABLE,
+             scoring.SHARD_JOB: scoring.UNSCORED}
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_MAX_QUEUED_PER_OWNER = 16
 
@@ -111,14 +115,37 @@ class JobQueries:
         (jobs.c.kind == kind) & (jobs.c.subject == subject))).first():
       return
     owner = self.subject_owner(conn, kind, subject)
-    waiting = conn.execute(sa.select(sa.func.count()).select_from(jobs).where(
-        (jobs.c.owner == owner) & jobs.c.state.in_(("queued", "running")))).scalar()
-    if waiting >= self.max_queued_per_owner:
+    waiting = self._waiting(conn, owner)
+    if waiting >= self.max_queued_per_owner and not (
+        kind == scoring.SHARD_JOB and self._scoring(conn, subject)):
       raise QueueFull(f"'{owner}' already has {waiting} jobs waiting for verification (the "
-                      f"server queues at most {self.max_queued_per_owner} per owner); retry "
-                      "when some have finished.")
+                      f"server queues at most {self.max_queued_per_owner} per owner; a "
+                      "submission's scoring counts as one); retry when some have finished.")
     conn.execute(jobs.insert().values(kind=kind, subject=subject, state="queued", attempts=0,
                                       owner=owner, created_at=time.time()))
+
+  @staticmethod
+  def _waiting(conn, owner: str | None) -> int:
+    """The owner's jobs queued or running, a submission's scoring shards as one."""
+    active = (jobs.c.owner == owner) & jobs.c.state.in_(("queued", "running"))
+    alone = conn.execute(sa.select(sa.func.count()).select_from(jobs).where(
+        active & (jobs.c.kind != scoring.SHARD_JOB))).scalar()
+    if not conn.execute(sa.select(jobs.c.id).where(
+        active & (jobs.c.kind == scoring.SHARD_JOB)).limit(1)).first():
+      return alone
+    return alone + conn.execute(
+        sa.select(sa.func.count(sa.distinct(score_shards.c.submission_id)))
+        .select_from(jobs.join(score_shards, score_shards.c.id == jobs.c.subject))
+        .where(active & (jobs.c.kind == scoring.SHARD_JOB))).scalar()
+
+  @staticmethod
+  def _scoring(conn, shard: str) -> bool:
+    """Whether another shard of ``shard``'s submission is queued or running (counted)."""
+    submission = sa.select(score_shards.c.submission_id).where(score_shards.c.id == shard)
+    return conn.execute(sa.select(jobs.c.id).select_from(
+        jobs.join(score_shards, score_shards.c.id == jobs.c.subject)).where(
+            (jobs.c.kind == scoring.SHARD_JOB) & jobs.c.state.in_(("queued", "running"))
+            & score_shards.c.submission_id.in_(submission)).limit(1)).first() is not None
 
   def claim_job(self, worker: str, lease_seconds: float,
                 max_attempts: int = DEFAULT_MAX_ATTEMPTS,
@@ -168,7 +195,7 @@ class JobQueries:
       table = _RUNNING[job["kind"]][0]
       conn.execute(table.update().where(table.c.id == job["subject"]).values(
           state=state, failure=failure, updated_at=now))
-    if job["kind"] == scoring.SHARD_JOB and state == "failed":  # the submission fails with it
+    if job["kind"] == scoring.SHARD_JOB and state in ("failed", scoring.UNSCORED):
       submission_id = conn.execute(sa.select(score_shards.c.submission_id).where(
           score_shards.c.id == job["subject"])).scalar_one()
       conn.execute(submissions.update().where(submissions.c.id == submission_id).values(
@@ -176,7 +203,8 @@ class JobQueries:
 
   def _give_up(self, conn, job: dict, now: float) -> None:
     cause = job["failure"] or "the worker stopped before finishing (its lease expired)"
-    failure = (f"could not verify: verification was given up after {job['attempts']} "
+    what = ("score", "scoring") if job["kind"] == scoring.SHARD_JOB else ("verify", "verification")
+    failure = (f"could not {what[0]}: {what[1]} was given up after {job['attempts']} "
                f"attempts; the last one ended because {cause}.")
     conn.execute(jobs.update().where(jobs.c.id == job["id"]).values(
         state="failed", failure=failure, lease_owner=None))

@@ -312,8 +312,8 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
   (folder / "job.cbor").write_bytes(cbor2.dumps(job))
   result, failure = run_confined([sys.executable, "-m", "dvbench.benchmark", str(folder)],
                                  work, limits, limits.time_limit)
-  if result is None and TIME_LIMIT_TEXT not in failure:
-    raise VerifierFault(failure)  # the child died: retried, not a failure of the entry
+  if result is None:  # the child died or ran out of time: retried, given up as unscored
+    raise VerifierFault(failure)  # the program and rows are the benchmark's, not the entry's
   outputs = _read_own_file(folder / scoring.OUTPUTS_FILE)
   if result is not None and result["failure"] is None and outputs is not None:
     if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
