@@ -302,7 +302,7 @@ class LifecycleTest(parameterized.TestCase):
     proof.finish()
     _assert_verified(self, proof, 8)
 
-  def test_background_failure_surfaces_at_the_next_step_and_finish(self):
+  def test_background_failure_surfaces_at_wait_for_commitments_the_next_step_and_finish(self):
     proof = testing.new_proof("failure", update_p=0.0)
     proof.start()
     state = testing.classifier_state(proof)
@@ -311,7 +311,9 @@ class LifecycleTest(parameterized.TestCase):
     proof.wait_for_commitments()
     proof._writer._file.close()  # pylint: disable=protected-access  # the disk goes away
     state = train_step(state, BATCH)  # its commitment fails on the commit thread
-    proof._committer.pipeline.drain()  # pylint: disable=protected-access
+    # Before, this returned: a checkpoint saved next was of a step never committed.
+    with self.assertRaisesRegex(errors.CommitmentError, "ValueError.*closed file"):
+      proof.wait_for_commitments()
     with self.assertRaises(errors.CommitmentError):
       train_step(state, BATCH)
     with self.assertRaises(errors.ZKDVError):

@@ -117,9 +117,13 @@ class ClosingRun:
 
     ``finish()`` does this itself; benchmarks and tests use it to settle a run, and a
     run that checkpoints calls it first (docs/jax.md, "Resuming a run").
-    Raises ChallengeTimeoutError when a server's challenges do not come.
+    Raises ChallengeTimeoutError when a server's challenges do not come, and what failed
+    in the background (CommitmentError, e.g. a full disk) in a single process: a state
+    checkpointed after it is then not one its checks were written for.
     """
     self._settle_commitments()
+    if not self._group.multi:  # across processes, failures wait for finish()
+      self._committer.pipeline.raise_if_failed()
 
   def _settle_commitments(self) -> None:
     pipeline = self._committer.pipeline
