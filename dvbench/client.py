@@ -213,7 +213,9 @@ class Experiment:
 
     Records the server already has are skipped, so a client restarted after a
     crash sends the same transcript and the server ends with exactly its records;
-    a proof the server has closed with all of them is not sent again.
+    a proof the server has closed with all of them is not sent again, and a ``crashed``
+    one (a live run killed before it closed its proof, perhaps after its final record)
+    is reopened, sent what it lacks and closed.
     """
     from dvbench.upload import Uploader, uploaded_already  # pylint: disable=g-import-not-at-top
     done = uploaded_already(self.client.http, pathlib.Path(path))

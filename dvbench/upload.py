@@ -41,7 +41,9 @@ HANDED_BYTES = 8 * 1024 * 1024
 
 def uploaded_already(http, folder: pathlib.Path) -> str | None:
   """The proof id of ``folder``'s transcript when the server has closed that proof with
-  every record the folder holds (sending it again would change nothing); else None."""
+  every record the folder holds (sending it again would change nothing); else None. A
+  ``crashed`` proof of it is reopened (its run died before closing it, perhaps after its
+  final record), so that the upload sends what it lacks and closes it."""
   try:
     contents = read_transcript(folder)
   except (OSError, ValueError):
@@ -53,6 +55,9 @@ def uploaded_already(http, folder: pathlib.Path) -> str | None:
   if status.status_code != 200:
     return None
   proof = status.json()
+  if proof.get("state") == "crashed":
+    http.request("POST", f"/api/v1/proofs/{proof_id}/resume")
+    return None
   closed = proof.get("state") not in ("receiving", None)
   return proof_id if closed and proof.get("records") == len(contents.records) else None
 

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from absl.testing import parameterized
 
 from starlette.testclient import TestClient
 
+import dvbench
 from dvbench import cli as dvbench_cli
 from dvbench.server import sandbox
 from dvbench.server.app import create_app
@@ -41,6 +43,7 @@ from tests import testing
 from tests.fake_prover import FakeProver
 from tests import postgres
 from zkdv import receipt
+from zkdv import transcript
 from zkdv.transcript import record_id
 
 def processes_mentioning(text: str) -> dict[int, str]:
@@ -384,6 +387,28 @@ class IdleServerTest(absltest.TestCase):
   def tearDownClass(cls):
     cls.server.stop()
     super().tearDownClass()
+
+  def test_a_run_killed_after_its_final_record_is_closed_by_uploading_its_folder(self):
+    # Before, the crashed proof counted as uploaded already: upload(folder) returned at once
+    # and the proof stayed crashed, its message saying to resume a finished run.
+    prover = FakeProver(self.server.url, self.token, "alice/killed-before-close").start()
+    prover.run(2)
+    self.assertEqual(prover.send(prover.final_record()).status_code, 200)  # then killed
+    store = self.server.store()
+    crashed, _ = store.settle_silent_proofs(silent_seconds=0.0)  # the sweep, run now
+    self.assertIn(prover.proof_id, crashed)
+    failure = store.proof(prover.proof_id)["failure"]
+    self.assertIn("after its final record (2 steps): the run stopped before it closed the "
+                  "proof; close it with experiment.upload(FOLDER)", failure)
+    folder = pathlib.Path(tempfile.mkdtemp())
+    self.addCleanup(shutil.rmtree, folder)
+    (folder / transcript.BLOBS_DIR).mkdir()
+    (folder / transcript.RECORDS_FILE).write_bytes(b"".join(prover.records))
+    experiment = dvbench.Client(self.server.url, token=self.token).experiment(
+        "alice/killed-before-close")
+    self.assertEqual(experiment.upload(folder), prover.proof_id)
+    proof = store.proof(prover.proof_id)
+    self.assertEqual((proof["state"], proof["records"]), ("closed", len(prover.records)))
 
   def test_a_proof_left_receiving_is_abandoned_and_never_verified(self):
     prover = FakeProver(self.server.url, self.token, "alice/crashed").start()

@@ -33,8 +33,14 @@ def resume_hint(proof_id: str) -> str:
           f"experiment.proof(resume={proof_id!r})")
 
 
-def crashed_failure(silent_seconds: float, steps: int, proof_id: str) -> str:
-  """Why a proof is ``crashed``, e.g. 'nothing arrived for 2 s after 7 steps: ...'."""
+def crashed_failure(silent_seconds: float, steps: int, proof_id: str, finished: bool) -> str:
+  """Why a proof is ``crashed`` (``finished``: its final record is stored), e.g. 'nothing
+  arrived for 2 s after 7 steps: ...'."""
+  if finished:
+    return (f"nothing arrived for {silent_seconds:g} s after its final record ({steps} "
+            "steps): the run stopped before it closed the proof; close it with "
+            "experiment.upload(FOLDER), FOLDER the run's transcript folder (its output_dir), "
+            "which sends what the server lacks and closes it.")
   return (f"nothing arrived for {silent_seconds:g} s after {steps} steps: the run stopped "
           f"before proof.finish(), so it is never verified as it is; {resume_hint(proof_id)}.")
 
@@ -111,8 +117,10 @@ class LivenessQueries:
     with self.engine.begin() as conn:
       for proof_id, steps in conn.execute(sa.select(proofs.c.id, proofs.c.steps).where(silent)):
         if steps:
-          self.set_proof_state(proof_id, "crashed",
-                               crashed_failure(silent_seconds, steps, proof_id), conn)
+          last = conn.execute(sa.select(records.c.kind).where(records.c.proof_id == proof_id)
+                              .order_by(records.c.position.desc()).limit(1)).scalar()
+          self.set_proof_state(proof_id, "crashed", crashed_failure(
+              silent_seconds, steps, proof_id, finished=last == "final"), conn)
           crashed.append(proof_id)
         elif self.discard_in(conn, proof_id) is None:
           discarded.append(proof_id)
