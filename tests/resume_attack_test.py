@@ -3,8 +3,9 @@ SQLite and PostgreSQL.
 
 A pure-Python prover (``tests.fake_prover``) reopens its proof with
 ``POST /api/v1/proofs/{id}/resume`` and streams ``resume`` records by hand: the server takes
-one only from the last committed post-state and once every challenge so far is answered,
-and takes an honest second resume after a second crash.
+one only from the last committed post-state and once every challenge of the steps up to it
+is answered (the probes of the steps it discards stay owed until the close), and takes an
+honest second resume after a second crash.
 """
 
 from absl.testing import absltest
@@ -52,25 +53,37 @@ class ResumeAttackTest(absltest.TestCase):
       prover.segment_first, prover.state = None, state
     return response
 
-  def test_attack_a_resume_that_discards_a_step_with_unanswered_probes_is_refused(self):
+  def test_attack_probes_a_resume_discards_stay_owed_until_the_close(self):
     # Step 3 is stored, the server draws its probed rows; the prover does not like them,
-    # leaves them unanswered and resumes from step 2, to send step 3's batch again as step 4.
+    # leaves them unanswered and resumes from step 2, to send step 3's batch again as step 4
+    # (other rows drawn for step 4). Step 3's rows are still owed: the close refuses to
+    # verify without them, and the prover can answer them only with step 3's batch.
     prover = self.prover()
     prover.run(SEGMENT)
     committed = prover.state
     drawn = prover.decisions(prover.step())
     self.assertEqual([(d.step, d.probe_ratio) for d in drawn], [(3, 0.5)])
-    response = self.resume(prover, 2, committed)
-    self.assertEqual(response.status_code, 409, response.text)
-    self.assertIn("record 0 resumes the run, but step 3 was challenged for probes and never "
-                  "answered. A run resumes only once every challenge so far is answered, the "
-                  "data probes of the steps a resume discards included", response.text)
-    prover.answer(drawn[0])  # answered, the same resume is taken
     self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
+    prover.run(SEGMENT)
+    closed = prover.finish().json()
+    self.assertEqual(closed["state"], "invalid", closed)
+    self.assertEqual(closed["failure"], "step 3 was challenged for probes and never answered.")
 
-  def test_attack_a_resume_in_the_envelope_of_the_step_it_discards_is_refused(self):
+  def test_probes_a_resume_discards_are_answered_after_it(self):
+    # An honest run killed before step 3's answer left: its resumed run trains step 3's
+    # batch again and answers step 3's probes from it.
+    prover = self.prover()
+    prover.run(SEGMENT)
+    committed = prover.state
+    drawn = prover.decisions(prover.step())
+    self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
+    prover.answer(drawn[0])
+    prover.run(SEGMENT)
+    self.assertEqual(prover.finish().json()["state"], "closed")
+
+  def test_attack_a_resume_in_the_envelope_of_the_step_it_discards_owes_its_probes(self):
     # Step 3 and the resume that discards it travel together: step 3's probes are drawn
-    # while the envelope is stored, before anything of it is written.
+    # while the envelope is stored, before anything of it is written; they stay owed.
     prover = self.prover()
     prover.run(SEGMENT)
     committed = prover.state
@@ -80,9 +93,12 @@ class ResumeAttackTest(absltest.TestCase):
     resume = prover.chain({"type": "resume", "step": SEGMENT + 1, "after": SEGMENT - 1,
                            "state": committed}, prev=record_id(step))
     response = prover.send(step, resume)
-    self.assertEqual(response.status_code, 409, response.text)
-    self.assertIn("record 1 resumes the run, but step 3 was challenged for probes and never "
-                  "answered.", response.text)
+    self.assertEqual(response.status_code, 200, response.text)
+    prover.steps, prover.segment_first, prover.state = SEGMENT + 1, None, committed
+    prover.run(SEGMENT)
+    closed = prover.finish().json()
+    self.assertEqual((closed["state"], closed["failure"]),
+                     ("invalid", "step 3 was challenged for probes and never answered."))
 
   def test_attack_a_resume_before_a_committed_check_is_answered_is_refused(self):
     prover = self.prover()

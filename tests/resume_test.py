@@ -237,6 +237,76 @@ class ResumeAfterKillTest(absltest.TestCase):
         client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
       self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
 
+class LiveResumeOwingProbesTest(absltest.TestCase):
+  """A live run killed before its answer to step 6's probes left (step 6 in the open
+  segment, discarded by the resume): the resumed run trains step 6's batch again, answers
+  them from it, and the proof ends ``verified``. Before, the resume was refused and the
+  whole proof lost (``UnanswerableChallengeError``)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.server = LocalServer(workers=1, extra_args=(
+        "--min-update-check-probability", "1.0", "--crash-after", "2s")).start()
+    cls.addClassCleanup(cls.server.stop)
+    cls.env = {**os.environ, "DVBENCH_TOKEN": cls.server.token("your-name")}
+    cls.client = dvbench.Client(cls.server.url, cls.env["DVBENCH_TOKEN"])
+    root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-owed-"))
+    cls.proof_id, cls.resumed = cls.killed_and_resumed(root / "owed")
+    cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
+    cls.records = [p.record for p in transcript.read_transcript(root / "owed/resumed").records]
+    # Resumed with other batches: step 6's batch never comes again.
+    cls.unpaid_id, cls.unpaid = cls.killed_and_resumed(root / "unpaid", "--other-batches")
+    cls.unpaid_verdict = cls.client.wait_for_verdict(cls.unpaid_id, 240)
+
+  @classmethod
+  def killed_and_resumed(cls, root: pathlib.Path, *resumed_flags):
+    """(proof id, the resumed trainer's outcome) of a run killed after step 7 with step
+    6's probes unanswered, resumed from its checkpoint of step 5."""
+    killed = _kill_when_ready(cls.trainer(root, "first", "--stop-at", "7",
+                                          "--unanswered", "6", stdin=subprocess.PIPE))
+    proof_id = killed[1][-2].removeprefix("proof ")
+    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
+                       timeout=60, every=0.2)
+    return proof_id, _finish(cls.trainer(root, "resumed", "--resume", "--proof-id", proof_id,
+                                         *resumed_flags))
+
+  @classmethod
+  def trainer(cls, root, folder, *flags, stdin=None):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.resume_trainer", str(root / folder), str(root / "ckpt"),
+         "--server", cls.server.url, "--experiment", "your-name/owed", *flags],
+        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cls.env)
+
+  def test_the_resumed_run_says_what_it_owes_and_finishes(self):
+    code, out, err = self.resumed
+    self.assertEqual(code, 0, err)
+    self.assertIn("finished", out)
+    self.assertIn("the probes DVBench drew for discarded step 6 have no answer: the resumed "
+                  "run answers them when it trains its batch again", err)
+
+  def test_step_6_is_answered_after_the_resume_from_a_step_of_its_batch(self):
+    kinds = [(r["type"], r.get("step"), r.get("kind")) for r in self.records]
+    resumed_at = [k[0] for k in kinds].index("resume")
+    first_resumed = self.records[resumed_at]["step"]  # the index iteration 6 trains as
+    self.assertEqual(self.records[resumed_at]["after"], 5)
+    self.assertIn(("check", 6, "probe"), kinds[resumed_at:])
+    self.assertNotIn(("check", 6, "probe"), kinds[:resumed_at])
+    steps = {r["index"]: r["batch"] for r in self.records if r["type"] == "step"}
+    self.assertEqual(steps[first_resumed], steps[6])  # the same batch, trained again
+
+  def test_the_proof_ends_verified(self):
+    self.assertEqual(self.verdict["state"], "verified", self.verdict)
+
+  def test_probes_still_owed_at_finish_are_named_and_the_proof_is_invalid(self):
+    code, _, err = self.unpaid
+    self.assertNotEqual(code, 0)
+    self.assertIn("UnanswerableChallengeError: the probes DVBench drew for discarded step 6 "
+                  "were never answered: the resumed run did not train its batch again", err)
+    self.assertEqual((self.unpaid_verdict["state"], self.unpaid_verdict["failure"]),
+                     ("invalid", "step 6 was challenged for probes and never answered."))
+
+
 class LiveResumeAfterKillTest(absltest.TestCase):
   """A DVBench proof whose trainer is killed mid-segment becomes ``crashed``; resumed with
   ``experiment.proof(resume=ID)`` from its Orbax checkpoint it ends ``verified`` and ranks."""
@@ -380,9 +450,10 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     challenges = {row["step"]: bytes.fromhex(row["challenge"]) for row in
                   self.client.http.listing(f"/api/v1/proofs/{self.proof_id}/challenges")}
     at_resume = stored[:[r["type"] for r in stored].index("resume")]
-    with self.assertRaisesRegex(errors.UnanswerableChallengeError,
-                                r"^step 6 was challenged for a probe check before the crash"):
-      zkdv.jax.resume.read_point(at_resume, challenges.__getitem__)
+    step_6 = next(r for r in at_resume if r["type"] == "step" and r["index"] == 6)
+    point = zkdv.jax.resume.read_point(at_resume, challenges.__getitem__)
+    self.assertEqual({batch: [d.step for d in owed] for batch, owed in point.owed_probes.items()},
+                     {step_6["batch"]: [6]})  # owed: a step of that batch answers them
     server_key = bytes.fromhex(self.client.http.request("GET", "/api/v1/server-key")
                                .json()["server_key"])
     key = receipt.open_receipt((folder / receipt.RECEIPT_FILE).read_bytes(),

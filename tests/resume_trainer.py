@@ -1,12 +1,15 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
-[--server URL --experiment OWNER/NAME [--proof-id ID]] [--orbax]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
+[--unanswered I] [--other-batches] [--server URL --experiment OWNER/NAME [--proof-id ID]] [--orbax]`` trains
+``ITERATIONS`` steps of the tutorial classifier (its start attested with
 ``proof.init``) with ``flax.serialization``
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
 waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
 there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
-changes one leaf of the restored state first; ``--data`` draws the batches with
+changes one leaf of the restored state first; ``--unanswered I`` writes no answer to step
+``I``'s probes (as a run killed before its answer left), ``--other-batches`` trains other
+batches than the first run did; ``--data`` draws the batches with
 ``proof.batches`` from ``DATASET``. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
@@ -75,7 +78,13 @@ def main() -> None:
   parser.add_argument("--proof-id")
   parser.add_argument("--orbax", action="store_true")
   parser.add_argument("--data", action="store_true", help="draw batches with proof.batches")
+  parser.add_argument("--unanswered", type=int, help="write no answer to this step's probes")
+  parser.add_argument("--other-batches", action="store_true")
   args = parser.parse_args()
+  if args.unanswered is not None:
+    probe = zkdv.jax.openings.Openings.probe
+    zkdv.jax.openings.Openings.probe = lambda self, job, *more: (
+        None if job.index == args.unanswered else probe(self, job, *more))
   save, restore = (_orbax if args.orbax else _flax_serialization)(args.checkpoint)
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
                                                                state_check_probability=1.0),
@@ -100,7 +109,10 @@ def main() -> None:
   step = proof.jit(testing.classifier_step, donate_argnums=(0,))
   drawn = proof.batches(DATASET, batch_size=4, epochs=ITERATIONS // 4) if args.data else None
   for iteration in range(int(state.step), ITERATIONS):
-    state = step(state, next(drawn) if drawn else jnp.asarray(batch_for(iteration)))
+    batch = batch_for(iteration)
+    if args.other_batches:  # its columns turned: no row of any batch_for
+      batch = np.roll(batch, 1, axis=1)
+    state = step(state, next(drawn) if drawn else jnp.asarray(batch))
     if (iteration + 1) % SEGMENT == 0:  # the state a segment ends with, once committed
       proof.wait_for_commitments()
       save(iteration, state)

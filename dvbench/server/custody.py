@@ -68,19 +68,21 @@ def unanswered_checks(rows: list[dict]) -> list[tuple[int, str]]:
           if r[f"needs_{k}"] and not r[f"answered_{k}"]]
 
 
-def first_unanswered(store, conn, proof_id: str, derived=()) -> str | None:
-  """Names the first check a proof's challenges need that no record answered, if any: of
-  its stored challenges (the first one read, the rest counted by the database) and those
-  ``derived`` by the request being stored. E.g. 'step 3 was challenged for probes and
-  never answered (2 more challenges unanswered).'"""
-  derived = list(derived)
-  rows = sorted([*store.unanswered_challenges(conn, proof_id, limit=1), *derived],
+def first_unanswered(store, conn, proof_id: str, derived=(),
+                     through: int | None = None) -> str | None:
+  """Names the first check a proof's challenges (of steps up to ``through``; default all)
+  need that no record answered, if any: of its stored challenges (the first one read, the
+  rest counted by the database) and those ``derived`` by the request being stored. E.g.
+  'step 3 was challenged for probes and never answered (2 more challenges unanswered).'"""
+  derived = [r for r in derived if through is None or r["step"] <= through]
+  rows = sorted([*store.unanswered_challenges(conn, proof_id, 1, through), *derived],
                 key=lambda r: r["step"])
   missing = unanswered_checks(rows)
   if not missing:
     return None
   step, kind = missing[0]
-  others = store.unanswered_checks(conn, proof_id) + len(unanswered_checks(derived)) - 1
+  others = (store.unanswered_checks(conn, proof_id, through)
+            + len(unanswered_checks(derived)) - 1)
   more = f" ({others} more challenges unanswered)" if others > 0 else ""
   return f"step {step} was challenged for {_CHECK_NAMES[kind]} and never answered{more}."
 
@@ -228,8 +230,10 @@ class Ingest:
     """A run resumed after a crash (``zkdv.jax.resume``): it goes on from the last
     committed post-state, discarding only the steps of the open segment after it (their
     segment was never decided: a server decides a segment at its last step), and only once
-    every challenge derived so far is answered: the probes of a discarded step were drawn
-    when it was stored, so the prover saw them and may not replace the step instead."""
+    every challenge of the steps up to that state is answered. The probes of a discarded
+    step stay owed until the close: drawn when it was stored, they open the rows of the
+    batch it committed whatever the prover saw, so a resumed run answers them when it
+    trains that batch again."""
     step, after = record["step"], record["after"]
     if step != self.head.steps:
       raise HTTPException(409, f"record {n} resumes the run at step {step}, but "
@@ -244,12 +248,16 @@ class Ingest:
                           "must go on from the committed post-state of the last step that "
                           f"stored one (step {last}).")
     self._write_answers()
-    failure = first_unanswered(self.store, self.conn, self.proof_id, self._derived.values())
+    # The probes of the steps it discards stay owed: the resumed run answers them when it
+    # trains their batches again, and the close requires them (the rows they open are
+    # those of the batches the steps committed, seen or not: resending a batch as another
+    # step draws other rows for that step, not for these).
+    failure = first_unanswered(self.store, self.conn, self.proof_id, self._derived.values(),
+                               through=after)
     if failure is not None:
       raise HTTPException(409, f"record {n} resumes the run, but {failure} A run resumes only "
-                          "once every challenge so far is answered, the data probes of the "
-                          "steps a resume discards included (the prover has seen those "
-                          "rows); answer them first, or start a new proof.")
+                          "once every challenge of the steps up to the state it goes on "
+                          "from is answered; answer it first, or start a new proof.")
     self._open_segment = 0
     self._discarded.update(records.discarded_steps(after, step))
 

@@ -80,6 +80,12 @@ _CHALLENGER = (sa.select(challengers, slots.c.challenge_key, slots.c.policy.labe
                .where(challengers.c.proof_id == _P("proof")))
 
 
+def _of_steps(proof_id: str, through: int | None):
+  """The clause of a proof's challenge rows of steps up to ``through`` (None: every step)."""
+  clause = challenges.c.proof_id == proof_id
+  return clause if through is None else clause & (challenges.c.step <= through)
+
+
 class RecordTooLarge(ValueError):
   """A chunked record larger than the server takes."""
 
@@ -348,20 +354,21 @@ class CustodyQueries:
       query = query.where(challenges.c.step.in_(sorted(steps)))
     return [dict(r) for r in conn.execute(query.order_by(challenges.c.step)).mappings()]
 
-  def unanswered_challenges(self, conn, proof_id: str, limit: int) -> list[dict]:
-    """The first ``limit`` (by step) of the proof's derived challenges that need a check no
-    record answered yet."""
+  def unanswered_challenges(self, conn, proof_id: str, limit: int,
+                            through: int | None = None) -> list[dict]:
+    """The first ``limit`` (by step) of the proof's derived challenges, of steps up to
+    ``through`` (default: all), that need a check no record answered yet."""
     return [dict(r) for r in conn.execute(sa.select(challenges).where(
-        (challenges.c.proof_id == proof_id) & unanswered()).order_by(challenges.c.step)
+        _of_steps(proof_id, through) & unanswered()).order_by(challenges.c.step)
         .limit(limit)).mappings()]
 
-  def unanswered_checks(self, conn, proof_id: str) -> int:
-    """How many checks the proof's challenges need that no record answered yet, counted
-    by the database (a proof may hold millions of challenges)."""
+  def unanswered_checks(self, conn, proof_id: str, through: int | None = None) -> int:
+    """How many checks the proof's challenges (of steps up to ``through``) need that no
+    record answered yet, counted by the database (a proof may hold millions)."""
     counts = conn.execute(sa.select(*(
         sa.func.coalesce(sa.func.sum(sa.case(
             (challenges.c[f"needs_{k}"] & ~challenges.c[f"answered_{k}"], 1), else_=0)), 0)
-        for k in challenge.ANSWER_KINDS)).where(challenges.c.proof_id == proof_id)).one()
+        for k in challenge.ANSWER_KINDS)).where(_of_steps(proof_id, through))).one()
     return sum(counts)
 
   def challenge_rows(self, proof_id: str) -> list[dict]:

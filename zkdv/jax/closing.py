@@ -72,6 +72,13 @@ class ClosingRun:
     self._write_pending_init()
     self._dispatcher.close()
     error = self._complete_commitments()
+    owed = self._committer.owed_steps
+    if error is None and owed:
+      error = errors.UnanswerableChallengeError(
+          f"the probes DVBench drew for discarded step{'s' * (len(owed) > 1)} "
+          f"{', '.join(map(str, owed))} were never answered: the resumed run did not train "
+          f"{'their batches' if len(owed) > 1 else 'its batch'} again (a step of the same "
+          "batch answers them), so this proof cannot be verified. Start a new proof.")
     if error is None and self.failed_checks:
       first = self.failed_checks[0]
       error = errors.ReplayError(

@@ -70,6 +70,7 @@ class Committer:
     self._open: Segment | None = None
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._init = None
+    self._owed_probes: dict[bytes, list] = {}  # a resumed run's, by batch digest
 
   @property
   def checks(self) -> dict:
@@ -118,6 +119,20 @@ class Committer:
     self.last = CommittedState(point.state, point.pieces, point.layouts, point.params_mask)
     self.committed_steps = self.written_steps = point.steps
     self._init = point.attested_start or None
+    self._owed_probes = {batch: list(owed) for batch, owed in point.owed_probes.items()}
+
+  @property
+  def owed_steps(self) -> list[int]:
+    """The discarded steps whose probes a resumed run still owes."""
+    return sorted(d.step for owed in self._owed_probes.values() for d in owed)
+
+  def _answer_owed(self, job: StepJob, batch: bytes, trees) -> None:
+    """Answers the probes a resumed run owes for discarded steps that committed ``batch``
+    (``ResumePoint.owed_probes``) from this step's batch: the same rows. A step drawn
+    with ``proof.batches`` leaves them owed (its rows' dataset paths are its own)."""
+    if job.data is None and job.opened is not None:
+      for decision in self._owed_probes.pop(batch, ()):
+        self.openings.probe(dataclasses.replace(job, index=decision.step), decision, trees)
 
   def submit_resume(self, record: dict) -> None:
     """Queues the ``resume`` record, before the resumed run's first step."""
@@ -235,6 +250,8 @@ class Committer:
     if step_metrics:
       record["metrics"] = step_metrics
     self.answers.keep(job, gathered.trees)
+    if self._owed_probes:
+      self._answer_owed(job, record["batch"], gathered.trees)
     self._open.last = job.index
     if job.ends:
       post_pieces = gathered.post_pieces()

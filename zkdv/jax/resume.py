@@ -44,6 +44,9 @@ class ResumePoint:
     layouts: its leaf layouts; ``params_mask`` which leaves are params.
     program_numbers: program id -> number of the programs recorded.
     attested_start: whether the transcript holds an ``init`` record.
+    owed_probes: batch digest -> the decisions of the discarded steps that committed that
+      batch whose probes have no answer: the resumed run answers them when it trains the
+      same batch again (``Committer.answer_owed``).
   """
 
   steps: int
@@ -54,6 +57,7 @@ class ResumePoint:
   params_mask: list
   program_numbers: dict
   attested_start: bool
+  owed_probes: dict = dataclasses.field(default_factory=dict)
 
   def record(self) -> dict:
     return {"type": "resume", "step": self.steps, "after": self.after, "state": self.state}
@@ -91,7 +95,8 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
 
   Raises ProofStateError when no step committed a state, and
   UnanswerableChallengeError naming the step when a check chosen before the crash is
-  missing: its openings died with the process, so the proof could never be verified.
+  missing: its openings died with the process, so the proof could never be verified. The
+  probes of a discarded step are owed instead (``ResumePoint.owed_probes``).
   """
   root = records[0]
   programs, steps, answered = {}, [], set()
@@ -117,22 +122,34 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   for r in records:
     if r.get("type") == "resume":
       discarded |= set(records_lib.discarded_steps(r["after"], r["step"]))
-  _require_answers(steps, discarded, programs, answered, challenge_of, fields["kind"], policy)
+  owed = _require_answers(steps, discarded, programs, answered, challenge_of,
+                          fields["kind"], policy)
+  if owed:
+    logger.warning("ZKDV: the probes DVBench drew for discarded step%s %s have no answer: "
+                   "the resumed run answers them when it trains %s again (the same batch), "
+                   "else the proof will not verify.", "s" * (len(owed) > 1),
+                   ", ".join(str(d.step) for d, _ in owed),
+                   "their batches" if len(owed) > 1 else "its batch")
+  owed_probes = {}
+  for decision, batch in owed:
+    owed_probes.setdefault(batch, []).append(decision)
   params = set(program.get("params_leaves", []))
   layouts = [LeafLayout.from_record(l)
              for l in program.get("post_state_layout", program["state_layout"])]
   return ResumePoint(len(steps), last["index"], last["post_state"], last["post_state_leaves"],
                      layouts, [i in params for i in range(len(layouts))],
                      {p["program_id"]: n for n, p in programs.items()},
-                     any(r.get("type") == "init" for r in records))
+                     any(r.get("type") == "init" for r in records), owed_probes)
 
 
 def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
                      challenge_of: Callable[[int], bytes], kind: str,
-                     policy: challenge.Policy) -> None:
+                     policy: challenge.Policy) -> list:
   """Raises UnanswerableChallengeError for the first step whose chosen check has no record
   (``zkdv.challenge.required_checks``, and ``discarded_checks`` for the ``discarded``
-  steps, as the server and the verifier require them)."""
+  steps, as the server and the verifier require them); returns (decision, batch digest)
+  of each discarded step whose probes have none, which a run can still answer."""
+  owed = []
   first = None
   for s in steps:
     index = s["index"]
@@ -151,11 +168,14 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
         decision.leaf_probe_rows(i, l) for i, l in enumerate(batch))
     missing = [kind for kind, wanted in required.items()
                if wanted and (index, kind) not in answered]
-    if missing:
+    if missing == ["probe"] and index in discarded:
+      owed.append((decision, s["batch"]))
+    elif missing:
       raise errors.UnanswerableChallengeError(
           f"step {index} was challenged for a {missing[0]} check before the crash and the "
           "transcript has no answer; its openings were lost with the process, so this "
           "proof can never be verified. Start a new proof.")
+  return owed
 
 
 def saved_seed(path: pathlib.Path, fields: dict) -> bytes:
