@@ -1,8 +1,8 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
-[--unanswered I] [--other-batches] [--server URL --experiment OWNER/NAME [--proof-id ID]] [--orbax]`` trains
-``ITERATIONS`` steps of the tutorial classifier (its start attested with
+[--unanswered I] [--other-batches] [--server URL --experiment OWNER/NAME [--proof-id ID]]
+[--orbax]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
 ``proof.init``) with ``flax.serialization``
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
 waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
