@@ -391,7 +391,16 @@ class IdleServerTest(absltest.TestCase):
   def test_a_run_killed_after_its_final_record_is_closed_by_uploading_its_folder(self):
     # Before, the crashed proof counted as uploaded already: upload(folder) returned at once
     # and the proof stayed crashed, its message saying to resume a finished run.
-    prover = FakeProver(self.server.url, self.token, "alice/killed-before-close").start()
+    token = self.server.token("kim")  # an owner of its own: its closed proof stays queued
+    prover = FakeProver(self.server.url, token, "kim/killed-before-close").start()
+    folder = pathlib.Path(tempfile.mkdtemp())
+    self.addCleanup(shutil.rmtree, folder)
+    (folder / transcript.BLOBS_DIR).mkdir()
+    upload = prover.upload
+    def kept(data):  # the run's transcript folder keeps each blob it sends
+      (folder / transcript.BLOBS_DIR / prover.digest_hex(data)).write_bytes(data)
+      return upload(data)
+    prover.upload = kept
     prover.run(2)
     self.assertEqual(prover.send(prover.final_record()).status_code, 200)  # then killed
     store = self.server.store()
@@ -400,12 +409,9 @@ class IdleServerTest(absltest.TestCase):
     failure = store.proof(prover.proof_id)["failure"]
     self.assertIn("after its final record (2 steps): the run stopped before it closed the "
                   "proof; close it with experiment.upload(FOLDER)", failure)
-    folder = pathlib.Path(tempfile.mkdtemp())
-    self.addCleanup(shutil.rmtree, folder)
-    (folder / transcript.BLOBS_DIR).mkdir()
     (folder / transcript.RECORDS_FILE).write_bytes(b"".join(prover.records))
-    experiment = dvbench.Client(self.server.url, token=self.token).experiment(
-        "alice/killed-before-close")
+    experiment = dvbench.Client(self.server.url, token=token).experiment(
+        "kim/killed-before-close")
     self.assertEqual(experiment.upload(folder), prover.proof_id)
     proof = store.proof(prover.proof_id)
     self.assertEqual((proof["state"], proof["records"]), ("closed", len(prover.records)))

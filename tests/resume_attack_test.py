@@ -81,6 +81,23 @@ class ResumeAttackTest(absltest.TestCase):
     prover.run(SEGMENT)
     self.assertEqual(prover.finish().json()["state"], "closed")
 
+  def test_probes_owed_since_an_earlier_resume_do_not_hold_up_the_next(self):
+    # Crashed after step 3 (its probes owed), resumed, crashed again after step 7: the
+    # second resume goes on from step 6 with step 3 still owed; both are answered later.
+    prover = self.prover()
+    prover.run(SEGMENT)
+    owed = prover.decisions(prover.step())
+    self.assertEqual(self.resume(prover, 2, prover.state).status_code, 200)
+    prover.run(SEGMENT)
+    committed = prover.state
+    owed += prover.decisions(prover.step())
+    self.assertEqual([d.step for d in owed], [3, 7])
+    self.assertEqual(self.resume(prover, 6, committed).status_code, 200)
+    for decision in owed:
+      prover.answer(decision)
+    prover.run(SEGMENT)
+    self.assertEqual(prover.finish().json()["state"], "closed")
+
   def test_attack_a_resume_in_the_envelope_of_the_step_it_discards_owes_its_probes(self):
     # Step 3 and the resume that discards it travel together: step 3's probes are drawn
     # while the envelope is stored, before anything of it is written; they stay owed.

@@ -70,9 +70,10 @@ def unanswered_checks(rows: list[dict]) -> list[tuple[int, str]]:
 
 def first_unanswered(store, conn, proof_id: str, derived=(),
                      through: int | None = None) -> str | None:
-  """Names the first check a proof's challenges (of steps up to ``through``; default all)
-  need that no record answered, if any: of its stored challenges (the first one read, the
-  rest counted by the database) and those ``derived`` by the request being stored. E.g.
+  """Names the first check a proof's challenges (of the steps up to ``through`` that no
+  resume discarded; default all) need that no record answered, if any: of its stored
+  challenges (the first one read, the rest counted by the database) and those ``derived``
+  by the request being stored. E.g.
   'step 3 was challenged for probes and never answered (2 more challenges unanswered).'"""
   derived = [r for r in derived if through is None or r["step"] <= through]
   rows = sorted([*store.unanswered_challenges(conn, proof_id, 1, through), *derived],
@@ -252,6 +253,7 @@ class Ingest:
     # trains their batches again, and the close requires them (the rows they open are
     # those of the batches the steps committed, seen or not: resending a batch as another
     # step draws other rows for that step, not for these).
+    self.store.add_discarded(self.conn, self.proof_id, self._discarded)  # an earlier resume's
     failure = first_unanswered(self.store, self.conn, self.proof_id, self._derived.values(),
                                through=after)
     if failure is not None:

@@ -81,9 +81,13 @@ _CHALLENGER = (sa.select(challengers, slots.c.challenge_key, slots.c.policy.labe
 
 
 def _of_steps(proof_id: str, through: int | None):
-  """The clause of a proof's challenge rows of steps up to ``through`` (None: every step)."""
+  """The clause of a proof's challenge rows: of every step (``through`` None), or of the
+  steps up to ``through`` that no resume discarded."""
   clause = challenges.c.proof_id == proof_id
-  return clause if through is None else clause & (challenges.c.step <= through)
+  if through is None:
+    return clause
+  return clause & (challenges.c.step <= through) & challenges.c.step.not_in(
+      sa.select(discarded_steps.c.step).where(discarded_steps.c.proof_id == proof_id))
 
 
 class RecordTooLarge(ValueError):
@@ -356,15 +360,16 @@ class CustodyQueries:
 
   def unanswered_challenges(self, conn, proof_id: str, limit: int,
                             through: int | None = None) -> list[dict]:
-    """The first ``limit`` (by step) of the proof's derived challenges, of steps up to
-    ``through`` (default: all), that need a check no record answered yet."""
+    """The first ``limit`` (by step) of the proof's derived challenges (of the steps up to
+    ``through`` that no resume discarded; default: all) that need a check no record
+    answered yet."""
     return [dict(r) for r in conn.execute(sa.select(challenges).where(
         _of_steps(proof_id, through) & unanswered()).order_by(challenges.c.step)
         .limit(limit)).mappings()]
 
   def unanswered_checks(self, conn, proof_id: str, through: int | None = None) -> int:
-    """How many checks the proof's challenges (of steps up to ``through``) need that no
-    record answered yet, counted by the database (a proof may hold millions)."""
+    """How many checks the proof's challenges (as ``unanswered_challenges`` selects them)
+    need that no record answered yet, counted by the database (a proof may hold millions)."""
     counts = conn.execute(sa.select(*(
         sa.func.coalesce(sa.func.sum(sa.case(
             (challenges.c[f"needs_{k}"] & ~challenges.c[f"answered_{k}"], 1), else_=0)), 0)
