@@ -240,8 +240,9 @@ class ResumeAfterKillTest(absltest.TestCase):
 class LiveResumeOwingProbesTest(absltest.TestCase):
   """A live run killed before its answer to step 6's probes left (step 6 in the open
   segment, discarded by the resume): the resumed run trains step 6's batch again, answers
-  them from it, and the proof ends ``verified``. Before, the resume was refused and the
-  whole proof lost (``UnanswerableChallengeError``)."""
+  them from it, and the proof ends ``verified``: with batches fed by the loop, with a
+  PRNG key a step (its keys differ from step 6's), and drawn with ``proof.batches``.
+  Before, the resume was refused and the whole proof lost (``UnanswerableChallengeError``)."""
 
   @classmethod
   def setUpClass(cls):
@@ -255,16 +256,21 @@ class LiveResumeOwingProbesTest(absltest.TestCase):
     cls.proof_id, cls.resumed = cls.killed_and_resumed(root / "owed")
     cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
     cls.records = [p.record for p in transcript.read_transcript(root / "owed/resumed").records]
+    cls.variants = {}
+    for name, flags in (("keyed", ("--key",)), ("seeded order", ("--data",))):
+      proof_id, outcome = cls.killed_and_resumed(root / name, *flags, both=flags)
+      cls.variants[name] = outcome, cls.client.wait_for_verdict(proof_id, 240)
     # Resumed with other batches: step 6's batch never comes again.
     cls.unpaid_id, cls.unpaid = cls.killed_and_resumed(root / "unpaid", "--other-batches")
     cls.unpaid_verdict = cls.client.wait_for_verdict(cls.unpaid_id, 240)
 
   @classmethod
-  def killed_and_resumed(cls, root: pathlib.Path, *resumed_flags):
+  def killed_and_resumed(cls, root: pathlib.Path, *resumed_flags, both=()):
     """(proof id, the resumed trainer's outcome) of a run killed after step 7 with step
-    6's probes unanswered, resumed from its checkpoint of step 5."""
-    killed = _kill_when_ready(cls.trainer(root, "first", "--stop-at", "7",
-                                          "--unanswered", "6", stdin=subprocess.PIPE))
+    6's probes unanswered, resumed from its checkpoint of step 5 (``both``: flags of
+    both runs)."""
+    killed = _kill_when_ready(cls.trainer(root, "first", "--stop-at", "7", "--unanswered",
+                                          "6", *both, stdin=subprocess.PIPE))
     proof_id = killed[1][-2].removeprefix("proof ")
     testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
                        timeout=60, every=0.2)
@@ -297,6 +303,12 @@ class LiveResumeOwingProbesTest(absltest.TestCase):
 
   def test_the_proof_ends_verified(self):
     self.assertEqual(self.verdict["state"], "verified", self.verdict)
+
+  def test_a_keyed_or_seeded_run_answers_them_too(self):
+    for name, ((code, _, err), verdict) in self.variants.items():
+      with self.subTest(name):
+        self.assertEqual(code, 0, err)
+        self.assertEqual(verdict["state"], "verified", verdict)
 
   def test_probes_still_owed_at_finish_are_named_and_the_proof_is_invalid(self):
     code, _, err = self.unpaid

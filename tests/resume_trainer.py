@@ -1,7 +1,7 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
-[--unanswered I] [--other-batches] [--server URL --experiment OWNER/NAME [--proof-id ID]]
+[--unanswered I] [--other-batches] [--key] [--server URL --experiment OWNER/NAME [--proof-id ID]]
 [--orbax]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
 ``proof.init``) with ``flax.serialization``
 checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
@@ -9,7 +9,8 @@ waits for its commitments after iteration ``I`` and blocks on stdin (the test ki
 there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
 changes one leaf of the restored state first; ``--unanswered I`` writes no answer to step
 ``I``'s probes (as a run killed before its answer left), ``--other-batches`` trains other
-batches than the first run did; ``--data`` draws the batches with
+batches than the first run did, ``--key`` passes ``proof.step_key()`` to a step that drops
+no input with it (as dropout would); ``--data`` draws the batches with
 ``proof.batches`` from ``DATASET``. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
@@ -80,6 +81,7 @@ def main() -> None:
   parser.add_argument("--data", action="store_true", help="draw batches with proof.batches")
   parser.add_argument("--unanswered", type=int, help="write no answer to this step's probes")
   parser.add_argument("--other-batches", action="store_true")
+  parser.add_argument("--key", action="store_true", help="pass proof.step_key() to the step")
   args = parser.parse_args()
   if args.unanswered is not None:
     probe = zkdv.jax.openings.Openings.probe
@@ -106,13 +108,17 @@ def main() -> None:
       params = state.params
       bias = params["Dense_0"]["bias"]
       state = state.replace(params={"Dense_0": {**params["Dense_0"], "bias": bias + 1}})
-  step = proof.jit(testing.classifier_step, donate_argnums=(0,))
+  def keyed_step(state, batch, key):  # its key reaches the update, as dropout's would
+    keep = jax.random.uniform(key, batch.shape) >= 0.0
+    return testing.classifier_step(state, batch * keep.astype(batch.dtype))
+  step = proof.jit(keyed_step if args.key else testing.classifier_step, donate_argnums=(0,))
   drawn = proof.batches(DATASET, batch_size=4, epochs=ITERATIONS // 4) if args.data else None
   for iteration in range(int(state.step), ITERATIONS):
     batch = batch_for(iteration)
     if args.other_batches:  # its columns turned: no row of any batch_for
       batch = np.roll(batch, 1, axis=1)
-    state = step(state, next(drawn) if drawn else jnp.asarray(batch))
+    inputs = (next(drawn) if drawn else jnp.asarray(batch),)
+    state = step(state, *inputs, *((proof.step_key(),) if args.key else ()))
     if (iteration + 1) % SEGMENT == 0:  # the state a segment ends with, once committed
       proof.wait_for_commitments()
       save(iteration, state)

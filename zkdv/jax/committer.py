@@ -70,7 +70,8 @@ class Committer:
     self._open: Segment | None = None
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._init = None
-    self._owed_probes: dict[bytes, list] = {}  # a resumed run's, by batch digest
+    self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
+    self._key_seed: bytes | None = None
 
   @property
   def checks(self) -> dict:
@@ -112,27 +113,35 @@ class Committer:
     self._init = init
     self.pipeline.submit(lambda job: self._write_init(init))
 
-  def continue_from(self, point) -> None:
+  def continue_from(self, point, key_seed: bytes) -> None:
     """Continues a transcript a crashed run left (a ``zkdv.jax.resume.ResumePoint``):
-    its programs keep their numbers and the next segment starts from its committed state."""
+    its programs keep their numbers and the next segment starts from its committed state;
+    ``key_seed`` derives the keys of the steps whose probes it owes."""
     self._program_numbers = dict(point.program_numbers)
     self.last = CommittedState(point.state, point.pieces, point.layouts, point.params_mask)
     self.committed_steps = self.written_steps = point.steps
     self._init = point.attested_start or None
-    self._owed_probes = {batch: list(owed) for batch, owed in point.owed_probes.items()}
+    self._owed_probes, self._key_seed = list(point.owed_probes), key_seed
 
   @property
   def owed_steps(self) -> list[int]:
     """The discarded steps whose probes a resumed run still owes."""
-    return sorted(d.step for owed in self._owed_probes.values() for d in owed)
+    return sorted(owed.decision.step for owed in self._owed_probes)
 
-  def _answer_owed(self, job: StepJob, batch: bytes, trees) -> None:
-    """Answers the probes a resumed run owes for discarded steps that committed ``batch``
-    (``ResumePoint.owed_probes``) from this step's batch: the same rows. A step drawn
-    with ``proof.batches`` leaves them owed (its rows' dataset paths are its own)."""
-    if job.data is None and job.opened is not None:
-      for decision in self._owed_probes.pop(batch, ()):
-        self.openings.probe(dataclasses.replace(job, index=decision.step), decision, trees)
+  def _answer_owed(self, job: StepJob, roots: list, trees) -> None:
+    """Answers the probes a resumed run owes for discarded steps whose batch this step
+    (batch leaves' row ``roots``) trains again: the same rows, the same dataset rows
+    under ``proof.batches``; its keys are its own step's, which probes never open."""
+    if job.opened is None:
+      return
+    data_rows = None if job.data is None else job.data.record_field()
+    layouts = job.program.batch_layouts
+    for owed in list(self._owed_probes):
+      own = owed.answered_by(layouts, roots, self._key_seed, data_rows)
+      if own is not None:
+        self._owed_probes.remove(owed)
+        self.openings.probe(dataclasses.replace(job, index=owed.decision.step),
+                            owed.decision, trees, own)
 
   def submit_resume(self, record: dict) -> None:
     """Queues the ``resume`` record, before the resumed run's first step."""
@@ -237,10 +246,10 @@ class Committer:
       held_job, held_record = self._held
       self._held = None
       self._write_step(held_job, held_record, ends=False)
+    roots = [digest.tree_root(t) for t in gathered.trees[0]]
     record = {"type": "step", "index": job.index,
               "program": self._program_numbers[program.program_id],
-              "batch": digest.batch_digest(program.batch_layouts,
-                                           [digest.tree_root(t) for t in gathered.trees[0]])}
+              "batch": digest.batch_digest(program.batch_layouts, roots)}
     if job.starts:
       record["pre_state"] = self._open.start_digest
     if job.data is not None:
@@ -251,7 +260,7 @@ class Committer:
       record["metrics"] = step_metrics
     self.answers.keep(job, gathered.trees)
     if self._owed_probes:
-      self._answer_owed(job, record["batch"], gathered.trees)
+      self._answer_owed(job, roots, gathered.trees)
     self._open.last = job.index
     if job.ends:
       post_pieces = gathered.post_pieces()

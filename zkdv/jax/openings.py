@@ -146,8 +146,10 @@ class Openings:
                         "post_state_blobs": blobs}, durable=True)
     self.checks["state"] += 1
 
-  def probe(self, job: StepJob, decision, trees) -> None:
-    """Opens the batch rows ``decision`` probes with their inclusion proofs."""
+  def probe(self, job: StepJob, decision, trees, roots: list | None = None) -> None:
+    """Opens the batch rows ``decision`` probes with their inclusion proofs (``roots``: the
+    batch leaves' roots the record names, where they are not the trees', as a resumed
+    run's answer for a discarded step whose keys were another step's)."""
     program = job.program
     tree_levels, row_data = trees
     layouts = program.batch_layouts
@@ -162,7 +164,7 @@ class Openings:
     if not probes:
       return
     self.writer.append({"type": "check", "step": job.index, "kind": "probe",
-                        "batch_roots": [digest.tree_root(t) for t in tree_levels],
+                        "batch_roots": roots or [digest.tree_root(t) for t in tree_levels],
                         "probes": probes, **({} if job.data is None else {
                             "data_paths": job.data.probe_paths(layouts, probes)})})
     self.checks["probe"] += 1

@@ -19,8 +19,11 @@ import logging
 import pathlib
 from collections.abc import Callable
 
+import numpy as np
+
 from zkdv import challenge
 from zkdv import challengers
+from zkdv import digest
 from zkdv import errors
 from zkdv import keys
 from zkdv import records as records_lib
@@ -34,6 +37,33 @@ SEED_FILE = "challenger-seed"  # a self-challenged run's seed, kept until final 
 
 
 @dataclasses.dataclass(frozen=True)
+class OwedProbes:
+  """The unanswered probes of a step a resume discarded: its ``decision``, the digest of
+  the ``batch`` it committed and its ``data_rows`` (``proof.batches``; None without)."""
+
+  decision: challenge.Decision
+  batch: bytes
+  data_rows: object = None
+
+  def answered_by(self, layouts, roots: list, key_seed: bytes, data_rows) -> list | None:
+    """The batch roots of the discarded step when a step of batch leaves ``layouts`` with
+    row roots ``roots`` and ``data_rows`` trained its batch again (its PRNG-key leaves
+    hold its own step's keys, which probes never open), else None."""
+    if data_rows != self.data_rows:
+      return None
+    own = [digest.tree_root(digest.batch_trees([l], [_key_array(l, key_seed,
+                                                                 self.decision.step)])[0])
+           if l.key_impl is not None else r for l, r in zip(layouts, roots)]
+    return own if digest.batch_digest(layouts, own) == self.batch else None
+
+
+def _key_array(layout: LeafLayout, seed: bytes, step: int) -> np.ndarray:
+  """The key data step ``step``'s PRNG-key leaf of ``layout`` holds (``zkdv.keys``)."""
+  dtype = digest.numpy_dtype(layout.dtype)
+  return np.frombuffer(keys.key_data(seed, step, layout.nbytes), dtype).reshape(layout.shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class ResumePoint:
   """Where an unfinished transcript stopped.
 
@@ -44,9 +74,9 @@ class ResumePoint:
     layouts: its leaf layouts; ``params_mask`` which leaves are params.
     program_numbers: program id -> number of the programs recorded.
     attested_start: whether the transcript holds an ``init`` record.
-    owed_probes: batch digest -> the decisions of the discarded steps that committed that
-      batch whose probes have no answer: the resumed run answers them when it trains the
-      same batch again (``Committer.answer_owed``).
+    owed_probes: ``OwedProbes`` of the discarded steps whose probes have no answer: the
+      resumed run answers them when it trains the same batch again
+      (``Committer._answer_owed``).
   """
 
   steps: int
@@ -57,7 +87,7 @@ class ResumePoint:
   params_mask: list
   program_numbers: dict
   attested_start: bool
-  owed_probes: dict = dataclasses.field(default_factory=dict)
+  owed_probes: list = dataclasses.field(default_factory=list)
 
   def record(self) -> dict:
     return {"type": "resume", "step": self.steps, "after": self.after, "state": self.state}
@@ -128,18 +158,15 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
     logger.warning("ZKDV: the probes DVBench drew for discarded step%s %s have no answer: "
                    "the resumed run answers them when it trains %s again (the same batch), "
                    "else the proof will not verify.", "s" * (len(owed) > 1),
-                   ", ".join(str(d.step) for d, _ in owed),
+                   ", ".join(str(o.decision.step) for o in owed),
                    "their batches" if len(owed) > 1 else "its batch")
-  owed_probes = {}
-  for decision, batch in owed:
-    owed_probes.setdefault(batch, []).append(decision)
   params = set(program.get("params_leaves", []))
   layouts = [LeafLayout.from_record(l)
              for l in program.get("post_state_layout", program["state_layout"])]
   return ResumePoint(len(steps), last["index"], last["post_state"], last["post_state_leaves"],
                      layouts, [i in params for i in range(len(layouts))],
                      {p["program_id"]: n for n, p in programs.items()},
-                     any(r.get("type") == "init" for r in records), owed_probes)
+                     any(r.get("type") == "init" for r in records), owed)
 
 
 def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
@@ -147,8 +174,8 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
                      policy: challenge.Policy) -> list:
   """Raises UnanswerableChallengeError for the first step whose chosen check has no record
   (``zkdv.challenge.required_checks``, and ``discarded_checks`` for the ``discarded``
-  steps, as the server and the verifier require them); returns (decision, batch digest)
-  of each discarded step whose probes have none, which a run can still answer."""
+  steps, as the server and the verifier require them); returns the ``OwedProbes`` of each
+  discarded step whose probes have none, which a run can still answer."""
   owed = []
   first = None
   for s in steps:
@@ -169,7 +196,7 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
     missing = [kind for kind, wanted in required.items()
                if wanted and (index, kind) not in answered]
     if missing == ["probe"] and index in discarded:
-      owed.append((decision, s["batch"]))
+      owed.append(OwedProbes(decision, s["batch"], s.get("data_rows")))
     elif missing:
       raise errors.UnanswerableChallengeError(
           f"step {index} was challenged for a {missing[0]} check before the crash and the "
@@ -221,7 +248,7 @@ class ResumingRun:
     self._writer = writer
     self._key_seed = keys.key_seed(fields, writer.transcript_id)
     self._open(path, group)
-    self._committer.continue_from(point)
+    self._committer.continue_from(point, self._key_seed)
     self._dispatcher.steps = point.steps
     self._dispatcher.restored = point
     logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s)",
