@@ -86,8 +86,9 @@ class ResumeAttackTest(absltest.TestCase):
     # second resume goes on from step 6 with step 3 still owed; both are answered later.
     prover = self.prover()
     prover.run(SEGMENT)
+    committed = prover.state
     owed = prover.decisions(prover.step())
-    self.assertEqual(self.resume(prover, 2, prover.state).status_code, 200)
+    self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
     prover.run(SEGMENT)
     committed = prover.state
     owed += prover.decisions(prover.step())

@@ -464,8 +464,8 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     at_resume = stored[:[r["type"] for r in stored].index("resume")]
     step_6 = next(r for r in at_resume if r["type"] == "step" and r["index"] == 6)
     point = zkdv.jax.resume.read_point(at_resume, challenges.__getitem__)
-    self.assertEqual({batch: [d.step for d in owed] for batch, owed in point.owed_probes.items()},
-                     {step_6["batch"]: [6]})  # owed: a step of that batch answers them
+    self.assertEqual([(o.decision.step, o.batch) for o in point.owed_probes],
+                     [(6, step_6["batch"])])  # owed: a step of that batch answers them
     server_key = bytes.fromhex(self.client.http.request("GET", "/api/v1/server-key")
                                .json()["server_key"])
     key = receipt.open_receipt((folder / receipt.RECEIPT_FILE).read_bytes(),
