@@ -305,7 +305,30 @@ class Uploader(threading.Thread):
     if (self.proof_id is None or self.heartbeat_seconds is None
         or time.monotonic() - self._last_contact < self.heartbeat_seconds):
       return
-    self._request("POST", f"/api/v1/proofs/{self.proof_id}/alive", ok=(204,))
+    self._reopening(lambda: self._request("POST", f"/api/v1/proofs/{self.proof_id}/alive",
+                                          ok=(204,)))
+
+  def _reopening(self, send: Callable[[], object]):
+    """``send()``, sent once more if the server took the proof for crashed meanwhile (the
+    run fell silent past its ``--crash-after``: a suspended machine, a long stall) and it
+    was reopened: this process holds the whole chain, so the run goes on."""
+    try:
+      return send()
+    except errors.ApiError as e:
+      if e.status != 409 or not self._reopened():
+        raise
+    return send()
+
+  def _reopened(self) -> bool:
+    """Reopens the proof if the server holds it ``crashed``; whether it did."""
+    path = f"/api/v1/proofs/{self.proof_id}"
+    if self.http.request("GET", path).json().get("state") != "crashed":
+      return False
+    self.http.request("POST", f"{path}/resume")
+    logger.warning("dvbench: the server took proof %s for crashed (nothing reached it for a "
+                   "while: a suspended machine or a long stall); it is reopened and the run "
+                   "goes on.", self.proof_id)
+    return True
 
   def _create_proof(self, root: bytes) -> None:
     owner, name = self.experiment.split("/")
@@ -342,10 +365,11 @@ class Uploader(threading.Thread):
     refuses one that does)."""
     body = {**body, "client_id": self.client_id, "seq": self._seq}
     self._seq += 1
+    encoded = transport.encode(body)
     try:
-      ack = self._request("POST", f"/api/v1/proofs/{self.proof_id}/stream",
-                          content=transport.encode(body),
-                          headers={"content-type": "application/cbor"}).json()
+      ack = self._reopening(lambda: self._request(
+          "POST", f"/api/v1/proofs/{self.proof_id}/stream", content=encoded,
+          headers={"content-type": "application/cbor"})).json()
     except errors.ApiError:
       self._raise_blob_failure(wait=True)  # a refused blob (the proof is invalid) says why
       raise
@@ -406,8 +430,9 @@ class Uploader(threading.Thread):
     for digest in digests:
       path = self.folder / BLOBS_DIR / digest
       if path.stat().st_size > transport.SMALL_BLOB_BYTES:
-        self.http.put_blob(self.proof_id, digest, path.read_bytes,
-                           retry_seconds=self.retry_seconds, while_retrying=self.while_retrying)
+        self._reopening(lambda d=digest, p=path: self.http.put_blob(
+            self.proof_id, d, p.read_bytes, retry_seconds=self.retry_seconds,
+            while_retrying=self.while_retrying))
         self._last_contact = time.monotonic()
         continue
       data = path.read_bytes()
@@ -420,6 +445,7 @@ class Uploader(threading.Thread):
       self._post_blobs(small)
 
   def _post_blobs(self, blobs: list[tuple[str, bytes]]) -> None:
-    self.http.post_blobs(self.proof_id, blobs, retry_seconds=self.retry_seconds,
-                         while_retrying=self.while_retrying)
+    self._reopening(lambda: self.http.post_blobs(
+        self.proof_id, blobs, retry_seconds=self.retry_seconds,
+        while_retrying=self.while_retrying))
     self._last_contact = time.monotonic()

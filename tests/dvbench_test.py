@@ -19,6 +19,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import dvbench
+import zkdv
 from dvbench import contamination
 from dvbench import transport
 from dvbench import upload
@@ -541,6 +542,28 @@ class CrashRecoveryTest(DVBenchTestCase):
     self.assertEqual(self.server_ids(client, proof_id), local_ids(folder))
     self.assertEqual(experiment.upload(folder), proof_id)  # and again: nothing doubles
     self.assertEqual(self.server_ids(client, proof_id), local_ids(folder))
+
+  def test_a_run_the_server_took_for_crashed_reopens_its_proof_and_goes_on(self):
+    # A run silent past --crash-after (a suspended machine, a long stall) found its proof
+    # crashed: before, its next envelope was refused (409) and the run ended in an error.
+    client = dvbench.Client(self.server.url)
+    proof = client.experiment("your-name/paused").proof(config=zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.5)))
+    proof.start()
+    state = testing.classifier_state(proof)
+    step = proof.jit(testing.classifier_step)
+    for _ in range(4):
+      state = step(state, jnp.asarray(testing.TUTORIAL_BATCH))
+    proof.wait_for_commitments()
+    crashed, _ = self.store().settle_silent_proofs(silent_seconds=0.0)  # the sweep, now
+    self.assertIn(proof.proof_id, crashed)
+    with self.assertLogs("dvbench", "WARNING") as logs:
+      for _ in range(4):
+        state = step(state, jnp.asarray(testing.TUTORIAL_BATCH))
+      proof.finish()
+    self.assertIn(f"the server took proof {proof.proof_id} for crashed", "\n".join(logs.output))
+    verdict = client.wait_for_verdict(proof.proof_id, 240)
+    self.assertEqual((verdict["state"], verdict["steps"]), ("verified steps", 8), verdict)
 
   def test_server_restarted_mid_upload_loses_nothing(self):
     server = Server(workers=1).start()
