@@ -186,8 +186,9 @@ class DVBenchProof(zkdv.jax.ZKDV):
 
   def wait_for_commitments(self) -> None:
     """Blocks until every step so far is committed, its challenges answered, and all of
-    it stored by the server: a checkpoint saved then is a state a resumed run goes on
-    from (``experiment.proof(resume=...)``)."""
+    it stored by the server: a checkpoint saved then, at the end of a segment (every
+    ``segment_length`` steps, fixed in the config), is a state a resumed run goes on from
+    (``experiment.proof(resume=...)``)."""
     super().wait_for_commitments()
     if self._uploader is not None and not self._upload_done:
       self._uploader.flush(self.upload_timeout)

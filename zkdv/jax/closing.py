@@ -123,7 +123,8 @@ class ClosingRun:
     """Blocks until every step so far is committed and its challenges are answered.
 
     ``finish()`` does this itself; benchmarks and tests use it to settle a run, and a
-    run that checkpoints calls it first (docs/jax.md, "Resuming a run").
+    run that checkpoints calls it first, at the end of a segment (a fixed
+    ``segment_length``; docs/jax.md, "Resuming a run").
     Raises ChallengeTimeoutError when a server's challenges do not come, and what failed
     in the background (CommitmentError, e.g. a full disk) in a single process: a state
     checkpointed after it is then not one its checks were written for.

@@ -96,7 +96,9 @@ class ResumePoint:
     """Raises ResumeStateError unless the restored state (its ``layouts`` and piece
     digests) is the committed post-state of step ``after``, naming the leaves that differ."""
     fix = (f"Restore the state saved at the end of step {self.after} (the last state the "
-           "transcript committed; save checkpoints after proof.wait_for_commitments()).")
+           "transcript committed). Checkpoint where a segment ends: fix "
+           "ZKDVConfig(segment_length=K) and save every K steps, after "
+           "proof.wait_for_commitments().")
     shapes = [(l.path, l.dtype, tuple(l.shape)) for l in layouts]
     committed = [(l.path, l.dtype, tuple(l.shape)) for l in self.layouts]
     if shapes != committed:
