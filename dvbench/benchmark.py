@@ -53,7 +53,7 @@ from zkdv.jax import replay
 from zkdv.jax import stablehlo
 
 AGGREGATES = tuple(scoring.AGGREGATES)
-SUBMISSION_SETTLED = ("scored", "failed")
+SUBMISSION_SETTLED = ("scored", "failed", scoring.UNSCORED)
 
 
 def export_evaluation(evaluate, params, rows, batch_rows: int) -> bytes:
@@ -239,7 +239,8 @@ class Benchmark:
                                     content=cbor2.dumps(record, canonical=True)).json()
 
   def wait(self, submission_id: str, timeout: float = 300.0) -> dict:
-    """Polls until the submission is ``scored`` or ``failed``; returns it."""
+    """Polls until the submission is ``scored``, ``failed`` or ``unscored`` (the server
+    gave up scoring it: submit it again); returns it."""
     deadline = time.monotonic() + timeout
     while True:
       entry = self.client.http.request("GET", f"/api/v1/submissions/{submission_id}").json()

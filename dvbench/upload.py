@@ -42,8 +42,9 @@ HANDED_BYTES = 8 * 1024 * 1024
 def uploaded_already(http, folder: pathlib.Path) -> str | None:
   """The proof id of ``folder``'s transcript when the server has closed that proof with
   every record the folder holds (sending it again would change nothing); else None. A
-  ``crashed`` proof of it is reopened (its run died before closing it, perhaps after its
-  final record), so that the upload sends what it lacks and closes it."""
+  ``crashed`` proof holding every record of the folder, its final one included (its run
+  died between the final record and the close), is reopened, so the upload closes it; one
+  that lacks records is left to ``experiment.proof(resume=...)``."""
   try:
     contents = read_transcript(folder)
   except (OSError, ValueError):
@@ -55,11 +56,20 @@ def uploaded_already(http, folder: pathlib.Path) -> str | None:
   if status.status_code != 200:
     return None
   proof = status.json()
+  holds_all = proof.get("records") == len(contents.records)
   if proof.get("state") == "crashed":
-    http.request("POST", f"/api/v1/proofs/{proof_id}/resume")
+    if holds_all and contents.records[-1].record.get("type") == "final":
+      reopen(http, proof_id)
     return None
   closed = proof.get("state") not in ("receiving", None)
-  return proof_id if closed and proof.get("records") == len(contents.records) else None
+  return proof_id if closed and holds_all else None
+
+
+def reopen(http, proof_id: str) -> None:
+  """Reopens a ``crashed`` proof (its owner's token), saying so."""
+  http.request("POST", f"/api/v1/proofs/{proof_id}/resume")
+  logger.warning("dvbench: proof %s was crashed (nothing reached the server for a while); it "
+                 "is reopened.", proof_id)
 
 
 def _to_send(raw: bytes, record: dict) -> tuple[bytes, bool, set[str]]:
@@ -96,6 +106,7 @@ class Uploader(threading.Thread):
     self._scanner = transport.RecordScanner()
     self._sent_blobs: set[str] = set()  # sent or queued
     self._blob_queue: queue.SimpleQueue = queue.SimpleQueue()  # (future, digests) or None
+    self._reopen_lock = threading.Lock()  # one thread reopens a crashed proof
     self._blob_thread = threading.Thread(target=self._send_queued_blobs, daemon=True,
                                          name="dvbench-blobs")
     self._blob_uploads: list[futures.Future] = []
@@ -315,20 +326,20 @@ class Uploader(threading.Thread):
     try:
       return send()
     except errors.ApiError as e:
-      if e.status != 409 or not self._reopened():
+      if e.status != 409 or not self._reopened(e):
         raise
     return send()
 
-  def _reopened(self) -> bool:
-    """Reopens the proof if the server holds it ``crashed``; whether it did."""
-    path = f"/api/v1/proofs/{self.proof_id}"
-    if self.http.request("GET", path).json().get("state") != "crashed":
-      return False
-    self.http.request("POST", f"{path}/resume")
-    logger.warning("dvbench: the server took proof %s for crashed (nothing reached it for a "
-                   "while: a suspended machine or a long stall); it is reopened and the run "
-                   "goes on.", self.proof_id)
-    return True
+  def _reopened(self, refusal: errors.ApiError) -> bool:
+    """Whether the proof takes records again after ``refusal`` (409): reopened here if the
+    server holds it ``crashed``, or by the other thread (blobs travel on their own) after
+    refusing this request as crashed."""
+    with self._reopen_lock:
+      state = self.http.request("GET", f"/api/v1/proofs/{self.proof_id}").json().get("state")
+      if state == "crashed":
+        reopen(self.http, self.proof_id)
+        return True
+      return state == "receiving" and " is crashed;" in refusal.message
 
   def _create_proof(self, root: bytes) -> None:
     owner, name = self.experiment.split("/")

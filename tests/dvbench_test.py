@@ -561,7 +561,7 @@ class CrashRecoveryTest(DVBenchTestCase):
       for _ in range(4):
         state = step(state, jnp.asarray(testing.TUTORIAL_BATCH))
       proof.finish()
-    self.assertIn(f"the server took proof {proof.proof_id} for crashed", "\n".join(logs.output))
+    self.assertIn(f"proof {proof.proof_id} was crashed", "\n".join(logs.output))
     verdict = client.wait_for_verdict(proof.proof_id, 240)
     self.assertEqual((verdict["state"], verdict["steps"]), ("verified steps", 8), verdict)
 

@@ -10,6 +10,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 from dvbench.server import db
+from dvbench.server import leaderboard
 from dvbench import scoring
 from dvbench.server import store_benchmarks
 from dvbench.server import store_jobs
@@ -114,13 +115,20 @@ class ScoreShardsTest(parameterized.TestCase):
     self.assertEqual(submission["failure"], (
         "shard 1 (rows 3-4): could not score: scoring was given up after 1 attempts; the last "
         "one ended because the worker stopped before finishing (its lease expired)."))
+    entry = {"state": submission["state"], "copy_of": None, "full_replay": True,
+             "contamination": 0, "outside_training_set": 0, "strict": True}
+    reasons = leaderboard._unranked_because(entry, "sampled", [])  # pylint: disable=protected-access
+    self.assertEqual(reasons, [
+        "not scored: the server could not score it (submit the proof again to score it "
+        "again)"])
     store.add_submission(row, [(0, 3), (3, 2)], [])  # submitted again: the given-up shard
     again = store.claim_job("w3", lease_seconds=30)
     self.assertEqual(again["subject"], stalled["subject"])
     self.assertIsNone(store.claim_job("idle", lease_seconds=30))  # the scored one stays
     self.assertTrue(self.complete(store, again, [1.0, 0.0]))
     submission = store.submission(SUBMISSION)
-    self.assertEqual((submission["state"], submission["value"]), ("scored", 0.6))
+    self.assertEqual((submission["state"], submission["value"], submission["failure"]),
+                     ("scored", 0.6, None))
 
   def test_a_submissions_shards_count_as_one_queued_job_of_its_owner(self, backend):
     # Before, each shard counted: an evaluation set of more shards than the per-owner

@@ -62,7 +62,7 @@ def challenge_row(proof_id: str, step: int, record_id: bytes, challenge_key: byt
           **{f"answered_{k}": False for k in needs}}
 
 
-def unanswered_checks(rows: list[dict]) -> list[tuple[int, str]]:
+def missing_checks(rows: list[dict]) -> list[tuple[int, str]]:
   """(step, check) of each check the challenge rows ``rows`` need and no record answered."""
   return [(r["step"], k) for r in rows for k in _CHECK_NAMES
           if r[f"needs_{k}"] and not r[f"answered_{k}"]]
@@ -78,12 +78,12 @@ def first_unanswered(store, conn, proof_id: str, derived=(),
   derived = [r for r in derived if through is None or r["step"] <= through]
   rows = sorted([*store.unanswered_challenges(conn, proof_id, 1, through), *derived],
                 key=lambda r: r["step"])
-  missing = unanswered_checks(rows)
+  missing = missing_checks(rows)
   if not missing:
     return None
   step, kind = missing[0]
   others = (store.unanswered_checks(conn, proof_id, through)
-            + len(unanswered_checks(derived)) - 1)
+            + len(missing_checks(derived)) - 1)
   more = f" ({others} more challenges unanswered)" if others > 0 else ""
   return f"step {step} was challenged for {_CHECK_NAMES[kind]} and never answered{more}."
 
@@ -254,12 +254,13 @@ class Ingest:
     # those of the batches the steps committed, seen or not: resending a batch as another
     # step draws other rows for that step, not for these).
     self.store.add_discarded(self.conn, self.proof_id, self._discarded)  # an earlier resume's
-    failure = first_unanswered(self.store, self.conn, self.proof_id, self._derived.values(),
-                               through=after)
+    failure = first_unanswered(self.store, self.conn, self.proof_id, [
+        r for r in self._derived.values() if r["step"] not in self._discarded], through=after)
     if failure is not None:
       raise HTTPException(409, f"record {n} resumes the run, but {failure} A run resumes only "
                           "once every challenge of the steps up to the state it goes on "
-                          "from is answered; answer it first, or start a new proof.")
+                          "from that no resume discarded is answered; answer it first, or "
+                          "start a new proof.")
     self._open_segment = 0
     self._discarded.update(records.discarded_steps(after, step))
 

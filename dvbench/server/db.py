@@ -405,8 +405,8 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
 
   def set_proof_state(self, proof_id: str, state: str, failure: str | None = None,
                       conn=None, **fields) -> None:
-    """Sets the proof's state; a proof that takes no more records (any state but
-    ``receiving``) keeps no chunks of records it never completed."""
+    """Sets the proof's state; a proof that takes no more records keeps no chunks of
+    records it never completed (a ``crashed`` one keeps them: its run may go on)."""
     if state not in PROOF_STATES:
       raise ValueError(f"unknown proof state {state!r}.")
     if conn is None:
@@ -417,7 +417,7 @@ class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQ
         state=state, failure=failure, updated_at=now,
         ended_at=None if state == "receiving" else sa.func.coalesce(proofs.c.ended_at, now),
         **fields))
-    if state != "receiving":
+    if state not in ("receiving", "crashed"):
       conn.execute(chunks.delete().where(chunks.c.proof_id == proof_id))
     return None
 

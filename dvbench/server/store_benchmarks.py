@@ -261,7 +261,7 @@ class BenchmarkQueries:
           return {"state": state, "value": None,
                   "failure": f"shard {s['shard']} ({rows}): {s['failure']}"}
     if any(s["state"] != "done" for s in shards):
-      return {"state": "scoring"}
+      return {"state": "scoring", "failure": None}
     name = conn.execute(sa.select(benchmarks.c.aggregate).select_from(
         submissions.join(benchmarks)).where(submissions.c.id == submission_id)).scalar_one()
     outputs = np.concatenate([np.frombuffer(s["outputs"], scoring.OUTPUT_DTYPE)

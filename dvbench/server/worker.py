@@ -315,12 +315,12 @@ def score_shard(store: Store, blobs: BlobStore, shard_id: str, work: pathlib.Pat
   if result is None:  # the child died or ran out of time: retried, given up as unscored
     raise VerifierFault(failure)  # the program and rows are the benchmark's, not the entry's
   outputs = _read_own_file(folder / scoring.OUTPUTS_FILE)
-  if result is not None and result["failure"] is None and outputs is not None:
+  if result["failure"] is None and outputs is not None:
     if len(outputs) == scoring.OUTPUT_DTYPE.itemsize * shard["rows"]:
       return outputs, None
     failure = (f"the program gave {len(outputs) // scoring.OUTPUT_DTYPE.itemsize} outputs "
                f"for {shard['rows']} rows.")
-  return None, failure or _public((result or {}).get("failure"), work) or (
+  return None, failure or _public(result.get("failure"), work) or (
       "no outputs were written.")
 
 
