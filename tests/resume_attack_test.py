@@ -53,6 +53,14 @@ class ResumeAttackTest(absltest.TestCase):
       prover.segment_first, prover.state = None, state
     return response
 
+  def resumed_owing(self, prover: FakeProver, after: int) -> list:
+    """Stores one more step (the server draws its probes), leaves them unanswered and
+    resumes from step ``after`` (the state the prover holds); the drawn decisions."""
+    committed = prover.state
+    drawn = prover.decisions(prover.step())
+    self.assertEqual(self.resume(prover, after, committed).status_code, 200)
+    return drawn
+
   def test_attack_probes_a_resume_discards_stay_owed_until_the_close(self):
     # Step 3 is stored, the server draws its probed rows; the prover does not like them,
     # leaves them unanswered and resumes from step 2, to send step 3's batch again as step 4
@@ -60,10 +68,8 @@ class ResumeAttackTest(absltest.TestCase):
     # verify without them, and the prover can answer them only with step 3's batch.
     prover = self.prover()
     prover.run(SEGMENT)
-    committed = prover.state
-    drawn = prover.decisions(prover.step())
+    drawn = self.resumed_owing(prover, 2)
     self.assertEqual([(d.step, d.probe_ratio) for d in drawn], [(3, 0.5)])
-    self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
     prover.run(SEGMENT)
     closed = prover.finish().json()
     self.assertEqual(closed["state"], "invalid", closed)
@@ -74,10 +80,7 @@ class ResumeAttackTest(absltest.TestCase):
     # batch again and answers step 3's probes from it.
     prover = self.prover()
     prover.run(SEGMENT)
-    committed = prover.state
-    drawn = prover.decisions(prover.step())
-    self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
-    prover.answer(drawn[0])
+    prover.answer(self.resumed_owing(prover, 2)[0])
     prover.run(SEGMENT)
     self.assertEqual(prover.finish().json()["state"], "closed")
 
@@ -86,14 +89,10 @@ class ResumeAttackTest(absltest.TestCase):
     # second resume goes on from step 6 with step 3 still owed; both are answered later.
     prover = self.prover()
     prover.run(SEGMENT)
-    committed = prover.state
-    owed = prover.decisions(prover.step())
-    self.assertEqual(self.resume(prover, 2, committed).status_code, 200)
+    owed = self.resumed_owing(prover, 2)
     prover.run(SEGMENT)
-    committed = prover.state
-    owed += prover.decisions(prover.step())
+    owed += self.resumed_owing(prover, 6)
     self.assertEqual([d.step for d in owed], [3, 7])
-    self.assertEqual(self.resume(prover, 6, committed).status_code, 200)
     for decision in owed:
       prover.answer(decision)
     prover.run(SEGMENT)

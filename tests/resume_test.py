@@ -237,6 +237,17 @@ class ResumeAfterKillTest(absltest.TestCase):
         client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
       self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
 
+def _live_server(cls, prefix: str) -> pathlib.Path:
+  """Starts ``cls.server`` (every segment update-checked, a proof silent for 2 s crashed),
+  ``cls.env`` and ``cls.client`` of its owner your-name; a new folder for the runs."""
+  cls.server = LocalServer(workers=1, extra_args=(
+      "--min-update-check-probability", "1.0", "--crash-after", "2s")).start()
+  cls.addClassCleanup(cls.server.stop)
+  cls.env = {**os.environ, "DVBENCH_TOKEN": cls.server.token("your-name")}
+  cls.client = dvbench.Client(cls.server.url, cls.env["DVBENCH_TOKEN"])
+  return pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+
+
 class LiveResumeOwingProbesTest(absltest.TestCase):
   """A live run killed before its answer to step 6's probes left (step 6 in the open
   segment, discarded by the resume): the resumed run trains step 6's batch again, answers
@@ -247,12 +258,7 @@ class LiveResumeOwingProbesTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=1, extra_args=(
-        "--min-update-check-probability", "1.0", "--crash-after", "2s")).start()
-    cls.addClassCleanup(cls.server.stop)
-    cls.env = {**os.environ, "DVBENCH_TOKEN": cls.server.token("your-name")}
-    cls.client = dvbench.Client(cls.server.url, cls.env["DVBENCH_TOKEN"])
-    root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-owed-"))
+    root = _live_server(cls, "dvbench-owed-")
     cls.proof_id, cls.resumed = cls.killed_and_resumed(root / "owed")
     cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
     cls.records = [p.record for p in transcript.read_transcript(root / "owed/resumed").records]
@@ -328,12 +334,7 @@ class LiveResumeAfterKillTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=1, extra_args=(
-        "--min-update-check-probability", "1.0", "--crash-after", "2s")).start()
-    cls.addClassCleanup(cls.server.stop)
-    cls.env = {**os.environ, "DVBENCH_TOKEN": cls.server.token("your-name")}
-    cls.client = dvbench.Client(cls.server.url, cls.env["DVBENCH_TOKEN"])
-    root = pathlib.Path(tempfile.mkdtemp(prefix="dvbench-resume-"))
+    root = _live_server(cls, "dvbench-resume-")
     cls.checkpoint = root / "ckpt"
     # Step 5 committed, step 6 stored in the open segment, step 7 held.
     cls.killed = _kill_when_ready(

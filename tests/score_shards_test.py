@@ -117,7 +117,8 @@ class ScoreShardsTest(parameterized.TestCase):
         "one ended because the worker stopped before finishing (its lease expired)."))
     entry = {"state": submission["state"], "copy_of": None, "full_replay": True,
              "contamination": 0, "outside_training_set": 0, "strict": True}
-    reasons = leaderboard._unranked_because(entry, "sampled", [])  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    reasons = leaderboard._unranked_because(entry, "sampled", [])
     self.assertEqual(reasons, [
         "not scored: the server could not score it (submit the proof again to score it "
         "again)"])
