@@ -33,6 +33,7 @@ from dvbench.server import schema
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import testing
+from tests import fake_prover
 from tests.fake_prover import FakeProver
 from zkdv import receipt
 
@@ -302,6 +303,26 @@ class RetriesTest(absltest.TestCase):
     self.assertEqual(shown["attempts"]["by_outcome"], {"crashed": n + 1})
     self.assertEqual(shown["attempts"]["after_unanswered_challenge"], 1)
     self.assertIn("1 stopped right after an unanswered challenge", shown["attempts"]["summary"])
+
+  def test_a_caught_attempt_answered_without_openings_still_counts(self):
+    # Its answer to the challenged segment claims the replay matched, names openings it
+    # never uploads, then the proof falls silent: counting only challenges with no record,
+    # the attempts read "0 stopped right after an unanswered challenge", a plain crash.
+    token = self.server.token("oscar")
+    prover = FakeProver(self.server.url, token, "oscar/throwaway")
+    self.addCleanup(prover.http.close)
+    slot = prover.slot()
+    root = prover.root(slot, policy={**slot["policy"], "segment_length": 1,
+                                     "update_check_probability": 1.0})
+    self.assertEqual(prover.post_root(root).status_code, 201)
+    prover.upload = fake_prover.digest  # openings named, never sent
+    prover.run(2)
+    store = Store.open(f"sqlite:///{self.server.data / 'dvbench.db'}")
+    crashed, _ = store.settle_silent_proofs(silent_seconds=0.0)  # the sweep, run now
+    self.assertIn(prover.proof_id, crashed)
+    shown = httpx.get(f"{self.server.url}/api/v1/experiments/oscar/throwaway").json()
+    self.assertEqual(shown["attempts"]["by_outcome"], {"crashed": 1})
+    self.assertEqual(shown["attempts"]["after_unanswered_challenge"], 1)
 
   def test_slots_per_owner_are_rate_limited_with_a_typed_429(self):
     http = httpx.Client(base_url=self.server.url, headers={

@@ -17,7 +17,8 @@ import time
 
 import sqlalchemy as sa
 from dvbench.server.refusals import Refusal
-from dvbench.server.schema import challenges, experiments, owners, proofs, slots
+from dvbench.server.schema import (blob_refs, challenges, experiments, owners, proof_blobs,
+                                   proofs, slots)
 from dvbench.server.store_custody import unanswered
 from zkdv import challenge
 
@@ -40,18 +41,26 @@ def _owner_slots(owner: str):
 
 
 def _unanswered(conn, proof_ids: list[str]) -> set[str]:
-  """The proofs among ``proof_ids`` holding a challenge they never answered."""
+  """The proofs among ``proof_ids`` holding a challenge they never answered: no record
+  answers it, or one does whose openings (the blobs it names) never arrived, which an
+  answer to a challenged faked segment can claim as well as a record can be left out."""
   if not proof_ids:
     return set()
-  return {r[0] for r in conn.execute(sa.select(challenges.c.proof_id).distinct().where(
-      challenges.c.proof_id.in_(proof_ids) & unanswered()))}
+  never_sent = ~sa.exists().where((proof_blobs.c.proof_id == blob_refs.c.proof_id)
+                                  & (proof_blobs.c.digest == blob_refs.c.digest))
+  return {r[0] for r in conn.execute(sa.union(
+      sa.select(challenges.c.proof_id).where(challenges.c.proof_id.in_(proof_ids)
+                                             & unanswered()),
+      sa.select(blob_refs.c.proof_id).where(blob_refs.c.proof_id.in_(proof_ids)
+                                            & never_sent)))}
 
 
 def owner_attempts(store, owner: str, conn=None) -> dict:
   """``{"owner", "slots", "by_outcome": {outcome: n}, "after_unanswered_challenge"}``:
   every slot issued to ``owner``, by what became of it (a settled proof's state, or
   ``unfinished``), and how many proofs stopped right after a challenge they did not
-  answer (dropped, crashed, abandoned or refused at close). ``conn``: read inside that
+  answer, or answered without its openings (dropped, crashed, abandoned or refused at
+  close). ``conn``: read inside that
   transaction (it sees the state it set)."""
   if conn is None:
     with store.engine.connect() as c:
