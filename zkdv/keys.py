@@ -17,6 +17,7 @@ Example::
 """
 
 import blake3
+import numpy as np
 
 _CONTEXT = b"zkdv proof keys v1"
 
@@ -34,3 +35,11 @@ def key_data(seed: bytes, step: int | None, nbytes: int) -> bytes:
   """The bytes of the start key (``step`` None) or of step ``step``'s key."""
   label = b"start" if step is None else b"step" + int(step).to_bytes(8, "little")
   return blake3.blake3(seed + label).digest(length=nbytes)
+
+
+def key_array(seed: bytes, step: int | None, dtype, shape) -> np.ndarray:
+  """``key_data`` as an array of ``dtype`` and ``shape`` (a key leaf's data, as its
+  layout describes it). Example: ``key_array(seed, 12, np.uint32, (2,))``."""
+  dtype = np.dtype(dtype)
+  return np.frombuffer(key_data(seed, step, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize),
+                       dtype).reshape(shape)

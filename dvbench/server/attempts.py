@@ -60,8 +60,7 @@ def owner_attempts(store, owner: str, conn=None) -> dict:
   every slot issued to ``owner``, by what became of it (a settled proof's state, or
   ``unfinished``), and how many proofs stopped right after a challenge they did not
   answer, or answered without its openings (dropped, crashed, abandoned or refused at
-  close). ``conn``: read inside that
-  transaction (it sees the state it set)."""
+  close). ``conn``: read inside that transaction (it sees the state it set)."""
   if conn is None:
     with store.engine.connect() as c:
       return owner_attempts(store, owner, c)

@@ -19,8 +19,6 @@ import logging
 import pathlib
 from collections.abc import Callable
 
-import numpy as np
-
 from zkdv import challenge
 from zkdv import challengers
 from zkdv import digest
@@ -51,16 +49,10 @@ class OwedProbes:
     hold its own step's keys, which probes never open), else None."""
     if data_rows != self.data_rows:
       return None
-    own = [digest.tree_root(digest.batch_trees([l], [_key_array(l, key_seed,
-                                                                 self.decision.step)])[0])
+    own = [digest.tree_root(digest.batch_trees([l], [keys.key_array(
+        key_seed, self.decision.step, digest.numpy_dtype(l.dtype), l.shape)])[0])
            if l.key_impl is not None else r for l, r in zip(layouts, roots)]
     return own if digest.batch_digest(layouts, own) == self.batch else None
-
-
-def _key_array(layout: LeafLayout, seed: bytes, step: int) -> np.ndarray:
-  """The key data step ``step``'s PRNG-key leaf of ``layout`` holds (``zkdv.keys``)."""
-  dtype = digest.numpy_dtype(layout.dtype)
-  return np.frombuffer(keys.key_data(seed, step, layout.nbytes), dtype).reshape(layout.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,6 @@ import dataclasses
 
 import blake3
 import jax
-import numpy as np
 
 from zkdv import digest
 from zkdv import errors
@@ -53,9 +52,7 @@ def proof_key(seed: bytes, step: int | None, impl=None) -> jax.Array:
   Example: ``proof_key(seed, 3)`` is what a PRNG-key batch leaf of step 3 must be.
   """
   template = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
-  nbytes = int(np.prod(template.shape)) * template.dtype.itemsize
-  data = np.frombuffer(keys.key_data(seed, step, nbytes), template.dtype).reshape(
-      template.shape)
+  data = keys.key_array(seed, step, template.dtype, template.shape)
   return jax.random.wrap_key_data(data, impl=jax.random.key_impl(jax.random.key(0, impl=impl)))
 
 

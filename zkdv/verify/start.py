@@ -140,8 +140,7 @@ def _other_inputs(ctx: Verification, inputs, what: str):
   other = []
   for n, (array, layout) in enumerate(inputs):
     if _input_kind(n, layout, base) == what == "key":
-      array = np.frombuffer(keys.key_data(seed, n, array.nbytes), array.dtype).reshape(
-          array.shape)
+      array = keys.key_array(seed, n, array.dtype, array.shape)
     elif _input_kind(n, layout, base) == what:
       array = sensitivity.perturbed_batch([layout], [array], seed, draw=n)[0]
     other.append((array, layout))
