@@ -187,20 +187,81 @@ class ResumeAfterKillTest(absltest.TestCase):
     self.assertIn("step 2: post_state_leaves do not make up its post_state.",
                   [f.message for f in report.findings])
 
-  def test_an_unanswered_check_cannot_be_resumed(self):
-    folder = pathlib.Path(tempfile.mkdtemp()) / "unanswered"
+  def _crashed_copy(self, name: str, cut_after_step: int | None = None) -> pathlib.Path:
+    """A copy of the crashed transcript, cut after step ``cut_after_step``'s record when
+    given (killed before that step's checks were written)."""
+    folder = pathlib.Path(tempfile.mkdtemp()) / name
     shutil.copytree(self.crashed, folder)
-    contents = transcript.read_transcript(folder)
-    step5 = next(p for p in contents.records
-                 if p.record["type"] == "step" and p.record["index"] == 5)
-    cut = step5.offset + len(step5.raw)  # killed before step 5's checks were written
-    with open(folder / transcript.RECORDS_FILE, "r+b") as f:
-      f.truncate(cut)
+    if cut_after_step is not None:
+      step = next(p for p in transcript.read_transcript(folder).records
+                  if p.record["type"] == "step" and p.record["index"] == cut_after_step)
+      with open(folder / transcript.RECORDS_FILE, "r+b") as f:
+        f.truncate(step.offset + len(step.raw))
+    return folder
+
+  def _resumed_from(self, folder: pathlib.Path, iteration: int, *flags):
+    """The trainer resumed in ``folder`` from a copy of its checkpoint of ``iteration``."""
+    checkpoint = folder.with_name(f"{folder.name}-ckpt")
+    shutil.copy(self.checkpoint.with_name(f"{self.checkpoint.name}.{iteration}"), checkpoint)
+    return _finish(_trainer(folder, checkpoint, "--resume", *flags))
+
+  def test_a_check_no_earlier_state_can_replay_cannot_be_resumed(self):
+    folder = self._crashed_copy("unanswered", cut_after_step=2)
+    size = (folder / transcript.RECORDS_FILE).stat().st_size
     proof = zkdv.jax.ZKDV(NAME, resume=folder)
     with self.assertRaisesRegex(errors.UnanswerableChallengeError,
-                                r"^step 5 was challenged for a update check before the crash"):
+                                r"^step 2 was challenged for an update check before the crash "
+                                r"and the transcript has no answer; its openings were lost "
+                                r"with the process and no committed state before it can be "
+                                r"replayed"):
       proof.start()
-    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, cut)
+    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
+
+  def test_a_run_restored_from_an_earlier_segment_end_replays_to_the_committed_state(self):
+    # Killed while saving the checkpoint of step 5, which the transcript committed: the
+    # newest checkpoint is step 2's. Before, the resume was refused (ResumeStateError).
+    folder = self._crashed_copy("caught-up")
+    code, _, err = self._resumed_from(folder, 2)
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertIn("the restored state is the one step 2 committed: steps 3..5 are replayed "
+                  "and compared with their records before the run goes on at step 7.", err)
+    kinds = [(r["type"], r.get("index", r.get("step"))) for r in testing.records_of(folder)
+             if r["type"] in ("step", "resume")]
+    self.assertEqual(kinds, [("step", i) for i in range(7)] + [("resume", 7)]
+                     + [("step", i) for i in range(7, 13)])  # nothing written twice
+    resume, = testing.records_of(folder, "resume")
+    self.assertEqual(resume["after"], 5)
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
+    final, = testing.records_of(folder, "final")
+    resumed_final, = testing.records_of(self.folder, "final")  # resumed from step 5's
+    self.assertEqual(final["final_state"], resumed_final["final_state"])
+
+  def test_a_check_the_kill_left_unanswered_is_answered_by_replaying_its_segment(self):
+    folder = self._crashed_copy("replayed", cut_after_step=5)  # step 5's checks never written
+    size = (folder / transcript.RECORDS_FILE).stat().st_size
+    code, _, err = self._resumed_from(folder, 5)
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for an update "
+                  "check before the crash and the transcript has no answer. Restore the state "
+                  "saved at the end of step 2 or of an earlier segment end, not the one of "
+                  "step 5", err)
+    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
+    code, _, err = self._resumed_from(folder, 2)
+    self.assertEqual(code, 0, err[-2000:])
+    kinds = [(r["type"], r.get("step"), r.get("kind")) for r in testing.records_of(folder)]
+    resumed_at = kinds.index(("resume", 6, None))
+    for kind in ("update", "state", "probe"):
+      self.assertIn(("check", 5, kind), kinds[:resumed_at])
+    self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
+
+  def test_a_replay_with_other_batches_is_refused_naming_the_step(self):
+    folder = self._crashed_copy("other-batches")
+    code, _, err = self._resumed_from(folder, 2, "--other-batches")
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.ResumeStateError: the replayed step 3 differs from the step the "
+                  "transcript committed in its batch", err)
+    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), self.crashed_bytes)
 
   def test_a_torn_last_record_is_cut_off(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
@@ -236,6 +297,25 @@ class ResumeAfterKillTest(absltest.TestCase):
                                   r"one \(step 5\)"):
         client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
       self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
+
+class KeyedCatchUpTest(absltest.TestCase):
+  """A run passing ``proof.step_key()`` to its steps, killed after step 7 and restored from
+  its checkpoint of step 2: its first step's key was drawn for step 7 before the run knew
+  that it replays step 3, and it trains with step 3's; the proof verifies."""
+
+  def test_a_keyed_run_replays_with_its_steps_own_keys(self):
+    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-keyed-"))
+    folder, checkpoint = root / "run", root / "ckpt"
+    code, _ = _kill_when_ready(_trainer(folder, checkpoint, "--stop-at", "7", "--key",
+                                        stdin=subprocess.PIPE))
+    self.assertEqual(code, -signal.SIGKILL)
+    shutil.copy(checkpoint.with_name("ckpt.2"), checkpoint)
+    code, _, err = _finish(_trainer(folder, checkpoint, "--resume", "--key"))
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertIn("steps 3..5 are replayed", err)
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
+
 
 def _live_server(cls, prefix: str) -> pathlib.Path:
   """Starts ``cls.server`` (every segment update-checked, a proof silent for 2 s crashed),
@@ -349,6 +429,29 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     cls.records_after_altered = cls.client.proof_status(cls.proof_id)["records"]
     cls.resumed = _finish(cls.trainer(root / "resumed", "--resume"))
     cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
+    cls.caught_up = cls.killed_saving_a_checkpoint(root)
+
+  @classmethod
+  def killed_saving_a_checkpoint(cls, root: pathlib.Path) -> dict:
+    """A run killed after step 7 with the probes of step 5 (a committed step) unanswered
+    and its checkpoint of step 5 lost (as when killed while saving it), resumed: first from
+    a checkpoint of step 5 (refused), then from the one of step 2 (replays steps 3..5)."""
+    checkpoint, out = root / "ckpt-lost", {}
+    killed = _kill_when_ready(cls.trainer(root / "lost", "--stop-at", "7", "--unanswered",
+                                          "5", stdin=subprocess.PIPE, checkpoint=checkpoint))
+    out["proof_id"] = proof_id = killed[1][-2].removeprefix("proof ")
+    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
+                       timeout=60, every=0.2)
+    out["records_before"] = cls.client.proof_status(proof_id)["records"]
+    out["refused"] = _finish(cls.trainer(root / "lost-refused", "--resume",
+                                         checkpoint=checkpoint, proof_id=proof_id))
+    out["records_after_refused"] = cls.client.proof_status(proof_id)["records"]
+    shutil.rmtree(checkpoint / "5")  # its save never finished: the newest is step 2's
+    out["folder"] = root / "lost-resumed"
+    out["resumed"] = _finish(cls.trainer(out["folder"], "--resume", checkpoint=checkpoint,
+                                         proof_id=proof_id))
+    out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
+    return out
 
   @classmethod
   def resume_past_a_committed_state(cls):
@@ -372,10 +475,11 @@ class LiveResumeAfterKillTest(absltest.TestCase):
                  "authorization": f"Bearer {cls.env['DVBENCH_TOKEN']}"})
 
   @classmethod
-  def trainer(cls, folder, *flags, stdin=None):
-    extra = ("--proof-id", cls.proof_id) if "--resume" in flags else ()
+  def trainer(cls, folder, *flags, stdin=None, checkpoint=None, proof_id=None):
+    extra = ("--proof-id", proof_id or cls.proof_id) if "--resume" in flags else ()
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.resume_trainer", str(folder), str(cls.checkpoint),
+        [sys.executable, "-m", "tests.resume_trainer", str(folder),
+         str(checkpoint or cls.checkpoint),
          "--server", cls.server.url, "--experiment", cls.EXPERIMENT, "--orbax", *flags,
          *extra],
         stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cls.env)
@@ -405,6 +509,26 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertIn("zkdv.errors.ResumeStateError: the restored state differs from the "
                   "post-state step 5 committed in leaf .params['Dense_0']['bias'].", err)
     self.assertEqual(self.records_after_altered, self.records_before)
+
+  def test_a_run_killed_saving_a_checkpoint_replays_from_the_one_before(self):
+    # Before, the probes of step 5 could never be answered (UnanswerableChallengeError)
+    # and the proof was lost.
+    out = self.caught_up
+    code, _, err = out["refused"]
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for probes "
+                  "before the crash and the transcript has no answer. Restore the state "
+                  "saved at the end of step 2 or of an earlier segment end, not the one of "
+                  "step 5", err)
+    self.assertEqual(out["records_after_refused"], out["records_before"])
+    code, _, err = out["resumed"]
+    self.assertEqual(code, 0, err[-3000:])
+    self.assertEqual(out["verdict"]["state"], "verified", out["verdict"])
+    kinds = [(r["type"], r.get("index", r.get("step")), r.get("kind"))
+             for r in testing.records_of(out["folder"])]
+    resumed_at = kinds.index(("resume", 7, None))
+    self.assertIn(("check", 5, "probe"), kinds[out["records_before"]:resumed_at])
+    self.assertEqual([k[1] for k in kinds if k[0] == "step"], list(range(13)))
 
   def test_the_resumed_proof_is_verified_with_every_claim_and_ranks(self):
     self.assertEqual(self.resumed[0], 0, self.resumed[2][-3000:])

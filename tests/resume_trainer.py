@@ -45,10 +45,12 @@ def batch_for(iteration: int) -> np.ndarray:
 
 
 def _flax_serialization(path: pathlib.Path):
-  """(save, restore) of the state as one ``flax.serialization`` file at ``path``."""
+  """(save, restore) of the state as one ``flax.serialization`` file at ``path`` (a copy of
+  each kept as ``path.I``, for resumes from an earlier one)."""
   def save(iteration, state):
-    del iteration
-    transcript.write_atomically(path, serialization.to_bytes(state))
+    data = serialization.to_bytes(state)
+    transcript.write_atomically(path, data)
+    transcript.write_atomically(path.with_name(f"{path.name}.{iteration}"), data)
   return save, lambda state: serialization.from_bytes(state, path.read_bytes())
 
 

@@ -71,7 +71,8 @@ class Committer:
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._init = None
     self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
-    self._key_seed: bytes | None = None
+    self.key_seed: bytes | None = None  # a resumed run's (``zkdv.keys.key_seed``)
+    self._catch_up = None  # a resumed run's ``zkdv.jax.resume.CatchUp`` while it replays
 
   @property
   def checks(self) -> dict:
@@ -121,7 +122,7 @@ class Committer:
     self.last = CommittedState(point.state, point.pieces, point.layouts, point.params_mask)
     self.committed_steps = self.written_steps = point.steps
     self._init = point.attested_start or None
-    self._owed_probes, self._key_seed = list(point.owed_probes), key_seed
+    self._owed_probes, self.key_seed = list(point.owed_probes), key_seed
 
   @property
   def owed_steps(self) -> list[int]:
@@ -137,11 +138,23 @@ class Committer:
     data_rows = None if job.data is None else job.data.record_field()
     layouts = job.program.batch_layouts
     for owed in list(self._owed_probes):
-      own = owed.answered_by(layouts, roots, self._key_seed, data_rows)
+      own = owed.answered_by(layouts, roots, self.key_seed, data_rows)
       if own is not None:
         self._owed_probes.remove(owed)
         self.openings.probe(dataclasses.replace(job, index=owed.decision.step),
                             owed.decision, trees, own)
+
+  def submit_catch_up(self, catch_up) -> None:
+    """Queues the replay of committed steps (a ``zkdv.jax.resume.CatchUp``), before its
+    first step: segments go on from the restored committed state, replayed step records
+    are compared with the committed ones, and only checks without a record are answered."""
+    def start(job):
+      del job
+      self._catch_up = catch_up
+      self.last = dataclasses.replace(self.last, digest=catch_up.start_state,
+                                      pieces=catch_up.start_pieces)
+      self.answers.answered = catch_up.answered
+    self.pipeline.submit(start)
 
   def submit_resume(self, record: dict) -> None:
     """Queues the ``resume`` record, before the resumed run's first step."""
@@ -270,7 +283,7 @@ class Committer:
       gathered.cross_check_replicas(job.index, program.post_layouts, post_pieces)
     else:
       self._held = (job, record)
-    self.committed_steps = job.index + 1
+    self.committed_steps = max(self.committed_steps, job.index + 1)
 
   def _ended(self, program, record: dict, pieces) -> tuple[dict, bytes]:
     """The step record ending a segment at post-state ``pieces``, and its digest
@@ -324,10 +337,17 @@ class Committer:
 
   def _write_step(self, job: StepJob, record: dict, end: bytes | None = None,
                   end_views=None, ends: bool = True) -> None:
-    """Writes a step record (ending the open segment when ``ends``); a decision known
-    already (self-chosen) is answered now."""
-    self.writer.append(record)
-    self.written_steps = job.index + 1
+    """Writes a step record (ending the open segment when ``ends``), or compares a
+    replayed one with its committed record; a decision known already (self-chosen, or a
+    replayed step's) is answered now."""
+    catch_up = self._catch_up
+    if catch_up is not None and job.index <= catch_up.last:
+      catch_up.check_replayed(record)
+      if job.index == catch_up.last:
+        self._catch_up = None
+    else:
+      self.writer.append(record)
+      self.written_steps = job.index + 1
     if job.index == 0 and self._init is not None:  # links the attested start to step 0
       self.writer.append({"type": "check", "step": 0, "kind": "start",
                           "pre_state_pieces": self.answers.segments[0].start_pieces})

@@ -19,6 +19,7 @@ import statistics
 import threading
 import time
 
+import jax
 import numpy as np
 
 from zkdv import challenge
@@ -29,6 +30,7 @@ from zkdv import overlap as overlap_lib
 from zkdv import records
 from zkdv.jax import _compat
 from zkdv.jax import arrays
+from zkdv.jax import start as start_lib
 from zkdv.jax.commit_jobs import StepJob
 from zkdv.jax.shared_decisions import SharedDecisions
 
@@ -79,6 +81,7 @@ class Dispatcher:
     self._waited = 0.0  # since the last dispatch, on the window, hashes and checks
     self._viewing = None  # (pipeline job, step) of the last step, if it views its post-state
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
+    self.catch_up = None  # a resumed run's CatchUp while it replays committed steps
     self._said_window_short = False
     self.shared = (SharedDecisions(group, challenger, committer)
                    if group.multi and challenger.kind == "dvbench" else None)
@@ -99,7 +102,7 @@ class Dispatcher:
           self._size_window()
         with self._waiting():  # for process 0's decisions: not a step's own time
           self.shared.settle(self.steps, committer.pipeline.window)
-    elif isinstance(self._challenger, challengers.ServerChallenger):
+    elif isinstance(self._challenger, challengers.ServerChallenger) and self.catch_up is None:
       if committer.pipeline.full:
         self._size_window()
       elif 2 * (committer.written_steps - self._challenger.decided_steps) >= (
@@ -112,7 +115,9 @@ class Dispatcher:
     with self._lock:
       index = self.steps
       self.steps += 1
-    decision = self._challenger.decision_now(index)
+    catch_up = self.catch_up
+    decision = (self._challenger.decision_now(index) if catch_up is None else
+                catch_up.decision(index))
     job = self._prepare(program, index, leaves, decision)
     job.data = data
     if any(program.donated) and self._viewing is not None:
@@ -153,20 +158,44 @@ class Dispatcher:
     elif overlap is overlap_lib.UNCHECKED and checked and job.ends:
       with self._waiting():
         submitted.replayed.wait()  # a fence: its openings are written behind training
+    if catch_up is not None and index == catch_up.last:  # replayed: the run goes on
+      with self._lock:
+        self.steps = catch_up.resume["step"]
+      committer.submit_resume(catch_up.resume)
+      self.catch_up = None
     if not multi:
       committer.pipeline.raise_if_failed()
     return outs
 
   def _check_restored(self, program, leaves: list) -> None:
-    """A resumed run's first step: its state must be the committed one (ResumeStateError
-    names the leaves that differ, and nothing is written); then the ``resume`` record."""
+    """A resumed run's first step: its state must be the committed one, or an earlier
+    committed one the run replays from (``zkdv.jax.resume.CatchUp``); ResumeStateError
+    names the leaves that differ, and nothing is written. Then the ``resume`` record, or
+    the replay first."""
     digests = self._digests
     state = [leaves[i] for i in program.state_indices]
     pieces = digests.state_digests(digests.materialize(
         digests.start_state(state, program.state_layouts)))
-    self.restored.check_restored(program.state_layouts, pieces)
-    self._committer.submit_resume(self.restored.record())
+    catch_up = self.restored.plan(program.state_layouts, pieces)
+    if catch_up is None:
+      self._committer.submit_resume(self.restored.record())
+    else:
+      self._rekey(program, leaves, self.steps, catch_up.first)
+      self.catch_up, self.steps = catch_up, catch_up.first
+      self._committer.submit_catch_up(catch_up)
     self.restored = None
+
+  def _rekey(self, program, leaves: list, drawn_for: int, step: int) -> None:
+    """Gives the PRNG-key batch leaves that hold step ``drawn_for``'s key (``proof.step_key()``
+    named the step after the transcript, before the run knew it replays from ``step``)
+    step ``step``'s key instead: the only key that step may hold."""
+    seed = self._committer.key_seed
+    for i, layout in zip(program.batch_indices, program.batch_layouts):
+      if layout.key_impl is None:
+        continue
+      drawn = start_lib.proof_key(seed, drawn_for, jax.random.key_impl(leaves[i]))
+      if np.array_equal(jax.random.key_data(leaves[i]), jax.random.key_data(drawn)):
+        leaves[i] = start_lib.proof_key(seed, step, jax.random.key_impl(leaves[i]))
 
   def _time_step(self) -> None:
     """Records the interval since the last dispatch, less the time it waited on
@@ -225,11 +254,15 @@ class Dispatcher:
             previous.state or (previous.update and not self._last_program.exact))
         if not continuous:
           job.previous_end_started = self._readable_last_post()
-      self._segment_first, self._segment_length = index, self.next_segment_length(program)
-      # Known now when this step decides the segment (a self-chosen one's first step); a
-      # server decides it after the segment's last step is stored (Committer.answer).
-      deciding = challenge.deciding_step(self._challenger.kind, index, None)
-      self._segment_decision = decision if deciding == index else None
+      if self.catch_up is not None:  # a replayed segment: as committed, decided already
+        self._segment_first = index
+        self._segment_length, self._segment_decision = self.catch_up.segment(index)
+      else:
+        self._segment_first, self._segment_length = index, self.next_segment_length(program)
+        # Known now when this step decides the segment (a self-chosen one's first step); a
+        # server decides it after the segment's last step is stored (Committer.answer).
+        deciding = challenge.deciding_step(self._challenger.kind, index, None)
+        self._segment_decision = decision if deciding == index else None
       if not (continuous and self._ended):  # else the committed post-state, not hashed again
         job.pre_started = digests.start_state(state, program.state_layouts)
         if any(program.donated[i] for i in program.state_indices):  # hash before donation
@@ -279,7 +312,14 @@ class Dispatcher:
       return None
 
   def close(self) -> None:
-    """Ends the open segment at the last step (``finish``)."""
+    """Ends the open segment at the last step (``finish``); ResumeStateError while a
+    resumed run has committed steps left to replay."""
+    if self.catch_up is not None:
+      raise errors.ResumeStateError(
+          f"the run finished at step {self.steps} while replaying the committed steps "
+          f"{self.catch_up.first}..{self.catch_up.last} from the restored state: a run "
+          "restored from an earlier segment end trains at least up to the last committed "
+          "step before it finishes.")
     if self.shared is not None:
       self.shared.close()
     if self._ended or self._last_post_leaves is None:

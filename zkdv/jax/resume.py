@@ -4,13 +4,16 @@ A resumed run appends to the same transcript: a ``resume`` record, then steps wh
 go on where the transcript stopped. It continues from the last post-state the transcript
 committed (the end of its last committed segment); steps recorded after it, in a segment
 that never committed its end, are discarded. The restored state must hash to that post-state,
-leaf by leaf, or the first step raises ``ResumeStateError`` naming the leaves that differ
-before anything is written (docs/jax.md, "Resuming a run").
+leaf by leaf, or to an earlier committed one: the run then replays the committed steps after
+it first (``CatchUp``: their records are compared, not written again, and the checks a crash
+left unanswered are answered from the replay). Else the first step raises
+``ResumeStateError`` naming the leaves that differ before anything is written (docs/jax.md,
+"Resuming a run").
 
 Example::
 
   point = read_point(records, lambda step: challenge.step_challenge_self(seed, step))
-  point.check_restored(layouts, pieces)  # raises ResumeStateError naming the leaf
+  catch_up = point.plan(layouts, pieces)  # None, a CatchUp, or ResumeStateError
   writer.append(point.record())
 """
 
@@ -32,6 +35,9 @@ from zkdv.jax import processes
 logger = logging.getLogger("zkdv")
 
 SEED_FILE = "challenger-seed"  # a self-challenged run's seed, kept until final reveals it
+# A resumed run may restore the state of one of this many last committed segment ends and
+# replay the committed steps after it (``CatchUp``); their records are kept for the replay.
+CATCH_UP_SEGMENTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,15 +86,33 @@ class ResumePoint:
   program_numbers: dict
   attested_start: bool
   owed_probes: list = dataclasses.field(default_factory=list)
+  replayable: "Replayable | None" = None
 
   def record(self) -> dict:
     return {"type": "resume", "step": self.steps, "after": self.after, "state": self.state}
+
+  def plan(self, layouts: list, pieces: list) -> "CatchUp | None":
+    """None when the restored state (its ``layouts`` and piece digests) is the committed
+    post-state of step ``after`` and every check up to it is answered; a ``CatchUp`` when
+    it is an earlier committed end the run replays from. Raises ResumeStateError naming
+    the leaves that differ from the last committed state, and UnanswerableChallengeError
+    when a check the crash left unanswered is not after the restored state."""
+    replayable = self.replayable
+    if replayable is not None:
+      end = replayable.end_of(pieces)
+      if end is not None and end != self.after:
+        return replayable.catch_up(end, self)
+    self.check_restored(layouts, pieces)
+    if replayable is not None and replayable.unanswered:
+      raise errors.UnanswerableChallengeError(replayable.unanswered_message(self.after))
+    return None
 
   def check_restored(self, layouts: list, pieces: list) -> None:
     """Raises ResumeStateError unless the restored state (its ``layouts`` and piece
     digests) is the committed post-state of step ``after``, naming the leaves that differ."""
     fix = (f"Restore the state saved at the end of step {self.after} (the last state the "
-           "transcript committed). Checkpoint where a segment ends: fix "
+           "transcript committed), or one saved at an earlier segment end (the run replays "
+           "the committed steps after it). Checkpoint where a segment ends: fix "
            "ZKDVConfig(segment_length=K) and save every K steps, after "
            "proof.wait_for_commitments().")
     shapes = [(l.path, l.dtype, tuple(l.shape)) for l in layouts]
@@ -112,6 +136,9 @@ def check_unfinished(records: list[dict]) -> None:
                                  "resumed. Start a new proof.")
 
 
+_CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
+
+
 def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> ResumePoint:
   """The ``ResumePoint`` of an unfinished transcript's records; ``challenge_of(step)`` is
   step ``step``'s challenge (a self-challenged run's from its seed, a DVBench proof's as
@@ -119,11 +146,12 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
 
   Raises ProofStateError when no step committed a state, and
   UnanswerableChallengeError naming the step when a check chosen before the crash is
-  missing: its openings died with the process, so the proof could never be verified. The
-  probes of a discarded step are owed instead (``ResumePoint.owed_probes``).
+  missing and no committed state before it is one the run could replay from (its openings
+  died with the process, so the proof could never be verified). The probes of a discarded
+  step are owed instead (``ResumePoint.owed_probes``).
   """
   root = records[0]
-  programs, steps, answered = {}, [], set()
+  programs, steps, answered, resumed_after = {}, [], set(), -1
   for r in records:
     if r.get("type") == "program":
       programs[r["number"]] = r
@@ -131,6 +159,8 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
       steps.append(r)
     elif r.get("type") == "check":
       answered.add((r["step"], r["kind"]))
+    elif r.get("type") == "resume":
+      resumed_after = r["after"]
   committed = [s for s in steps if "post_state" in s]
   if not committed:
     raise errors.ProofStateError("no step of the transcript committed a state yet, so there "
@@ -146,8 +176,22 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   for r in records:
     if r.get("type") == "resume":
       discarded |= set(records_lib.discarded_steps(r["after"], r["step"]))
-  owed = _require_answers(steps, discarded, programs, answered, challenge_of,
-                          fields["kind"], policy)
+  owed, unanswered, decisions = _require_answers(steps, discarded, programs, answered,
+                                                 challenge_of, fields["kind"], policy)
+  # The committed ends a run may restore: the last CATCH_UP_SEGMENTS, none before a resume.
+  ends = [s for s in committed[-CATCH_UP_SEGMENTS:]
+          if s["index"] >= resumed_after and "post_state_leaves" in s]
+  replayable = Replayable(
+      {s["index"]: s for s in ends},
+      {s["index"]: s for s in steps[ends[0]["index"] + 1:last["index"] + 1]},
+      frozenset(answered), tuple(unanswered),
+      {i: d for i, d in decisions.items() if _step_of(i) > ends[0]["index"]},
+      any(r.get("type") == "data" for r in records))
+  if unanswered:
+    message = replayable.unanswered_message(None)
+    if not replayable.restores_before(unanswered[0][0]):
+      raise errors.UnanswerableChallengeError(message)
+    logger.warning("ZKDV: %s", message)
   if owed:
     logger.warning("ZKDV: the probes DVBench drew for discarded step%s %s have no answer: "
                    "the resumed run answers them when it trains %s again (the same batch), "
@@ -160,22 +204,24 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   return ResumePoint(len(steps), last["index"], last["post_state"], last["post_state_leaves"],
                      layouts, [i in params for i in range(len(layouts))],
                      {p["program_id"]: n for n, p in programs.items()},
-                     any(r.get("type") == "init" for r in records), owed)
+                     any(r.get("type") == "init" for r in records), owed, replayable)
 
 
 def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
                      challenge_of: Callable[[int], bytes], kind: str,
-                     policy: challenge.Policy) -> list:
-  """Raises UnanswerableChallengeError for the first step whose chosen check has no record
-  (``zkdv.challenge.required_checks``, and ``discarded_checks`` for the ``discarded``
-  steps, as the server and the verifier require them); returns the ``OwedProbes`` of each
-  discarded step whose probes have none, which a run can still answer."""
-  owed = []
+                     policy: challenge.Policy) -> tuple[list, list, dict]:
+  """(the ``OwedProbes`` of each discarded step whose probes have no answer, which a run
+  can still answer; (step, kind) of each chosen check of a kept step that has no record
+  (``zkdv.challenge.required_checks``, as the server and the verifier require them; a
+  replay can still answer it), in step order; step -> its decision (with its segment's
+  as a ``SegmentDecision`` at a segment's first step)."""
+  owed, unanswered, decisions = [], [], {}
   first = None
   for s in steps:
     index = s["index"]
     first = index if "pre_state" in s else first
     decision = challenge.decide(index, challenge_of(index), policy)
+    decisions[index] = decision
     if index in discarded:
       required = challenge.discarded_checks(kind, decision)
     else:
@@ -183,6 +229,7 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
       if "post_state" in s:
         deciding = challenge.deciding_step(kind, first, index)
         segment = challenge.decide(deciding, challenge_of(deciding), policy)
+        decisions[("segment", first)] = (index - first + 1, segment)
       required = challenge.required_checks(decision, segment)
     batch = [LeafLayout.from_record(l) for l in programs[s["program"]]["batch_layout"]]
     required["probe"] = required["probe"] and any(
@@ -192,11 +239,145 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
     if missing == ["probe"] and index in discarded:
       owed.append(OwedProbes(decision, s["batch"], s.get("data_rows")))
     elif missing:
-      raise errors.UnanswerableChallengeError(
-          f"step {index} was challenged for a {missing[0]} check before the crash and the "
-          "transcript has no answer; its openings were lost with the process, so this "
-          "proof can never be verified. Start a new proof.")
-  return owed
+      unanswered.extend((index, kind) for kind in missing)
+  return owed, unanswered, decisions
+
+
+def _step_of(key) -> int:
+  """The step a ``Replayable.decisions`` key is of."""
+  return key[1] if isinstance(key, tuple) else key
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayable:
+  """What a resumed run may replay of a transcript's committed steps (``CatchUp``).
+
+  Attributes:
+    ends: step -> record of the committed segment ends it may restore (the last
+      ``CATCH_UP_SEGMENTS``, none before a ``resume``).
+    steps: step -> record of every step after the first of them, up to the last end.
+    answered: (step, kind) of every check record.
+    unanswered: (step, kind) of the chosen checks of kept steps without a record.
+    decisions: step -> decision, and ("segment", first step) -> (the segment's length,
+      its deciding step's decision), of the steps after the first end.
+    draws_data: the run draws its batches with ``proof.batches``.
+  """
+
+  ends: dict
+  steps: dict
+  answered: frozenset
+  unanswered: tuple
+  decisions: dict
+  draws_data: bool
+
+  def end_of(self, pieces: list) -> int | None:
+    """The last committed end whose post-state has these piece digests, else None."""
+    pieces = [list(p) for p in pieces]
+    for index, record in reversed(self.ends.items()):
+      if record["post_state_leaves"] == pieces:
+        return index
+    return None
+
+  def restores_before(self, step: int) -> bool:
+    return any(end < step for end in self.ends)
+
+  def unanswered_message(self, restored: int | None) -> str:
+    """What the first unanswered check needs: a state restored before it, else a new proof."""
+    step, kind = self.unanswered[0]
+    said = (f"step {step} was challenged for {_CHECK_NAMES[kind]} before the crash and the "
+            "transcript has no answer")
+    before = [end for end in self.ends if end < step]
+    if not before:
+      return (f"{said}; its openings were lost with the process and no committed state "
+              "before it can be replayed, so this proof can never be verified. Start a new "
+              "proof.")
+    restored = "" if restored is None else f", not the one of step {restored}"
+    return (f"{said}. Restore the state saved at the end of step {max(before)} or of an "
+            f"earlier segment end{restored}: the resumed run replays the committed steps "
+            "after it (the same batches in the same order) and answers the check from the "
+            "replay.")
+
+  def catch_up(self, end: int, point: ResumePoint) -> "CatchUp":
+    """The ``CatchUp`` of a run restored at committed end ``end``, before ``point.after``.
+    Raises ResumeStateError for a run drawing with ``proof.batches``, and
+    UnanswerableChallengeError when an unanswered check is not after ``end``."""
+    if self.draws_data:
+      raise errors.ResumeStateError(
+          f"the restored state is the one step {end} committed, but a run drawing with "
+          "proof.batches resumes only from the last committed state: restore the state "
+          f"saved at the end of step {point.after}.")
+    if self.unanswered and self.unanswered[0][0] <= end:
+      raise errors.UnanswerableChallengeError(self.unanswered_message(end))
+    logger.info("ZKDV: the restored state is the one step %d committed: steps %d..%d are "
+                "replayed and compared with their records before the run goes on at step "
+                "%d.", end, end + 1, point.after, point.steps)
+    start = self.ends[end]
+    return CatchUp(end + 1, point.after, {i: self.steps[i] for i in range(end + 1,
+                                                                        point.after + 1)},
+                   self.decisions, self.answered, start["post_state"],
+                   start["post_state_leaves"], point.record())
+
+
+@dataclasses.dataclass
+class CatchUp:
+  """Committed steps ``first..last`` a resumed run replays from an earlier committed
+  state: their records are compared with those built again (``records``), not written;
+  the checks with no record (``answered`` lists those with one) are answered from the
+  replay; then the ``resume`` record goes on at its ``step``.
+
+  Example::
+
+    catch_up.decision(4)   # step 4's recorded decision
+    catch_up.segment(3)    # (3, decision): the recorded segment starting at step 3
+  """
+
+  first: int
+  last: int
+  records: dict
+  decisions: dict
+  answered: frozenset
+  start_state: bytes
+  start_pieces: list
+  resume: dict
+
+  def decision(self, step: int) -> challenge.Decision:
+    return self.decisions[step]
+
+  def segment(self, step: int) -> tuple[int, challenge.Decision]:
+    """(length, decision) of the committed segment starting at ``step``; ResumeStateError
+    when none did."""
+    try:
+      return self.decisions[("segment", step)]
+    except KeyError:
+      raise errors.ResumeStateError(
+          f"the replayed step {step} starts a segment where the committed run did not (a "
+          "new program, or a state changed outside proof.jit): the committed steps "
+          f"{self.first}..{self.last} are replayed as they ran.") from None
+
+  def check_replayed(self, record: dict) -> None:
+    """Raises ResumeStateError unless a replayed step built its committed record again,
+    naming the first field that differs. The program's number may differ: a restored
+    state can export as another program (Orbax restores a weakly typed ``step`` as a
+    strongly typed one); the batch, the states and the metrics it committed may not, and
+    nothing of the replay is written but answers the verifier checks against the
+    committed records."""
+    index = record["index"]
+    recorded = self.records[index]
+    differ = sorted(k for k in recorded.keys() | record.keys()
+                    if k not in ("prev", "program") and recorded.get(k) != record.get(k))
+    if differ:
+      field = differ[0]
+      raise errors.ResumeStateError(
+          f"the replayed step {index} differs from the step the transcript committed in "
+          f"its {field} ({_shown(record.get(field))}, committed "
+          f"{_shown(recorded.get(field))}): the committed steps {self.first}..{self.last} "
+          f"are replayed from the state of step {self.first - 1}; feed them the same "
+          "batches in the same order.")
+
+
+def _shown(value) -> str:
+  """A record field's value, short, for a message."""
+  return value[:8].hex() + "…" if isinstance(value, bytes) else f"{value!r:.40}"
 
 
 def saved_seed(path: pathlib.Path, fields: dict) -> bytes:
