@@ -263,6 +263,29 @@ class ResumeAfterKillTest(absltest.TestCase):
                   "transcript committed in its batch", err)
     self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), self.crashed_bytes)
 
+  def test_a_resumed_run_that_stops_short_of_its_resume_writes_nothing(self):
+    # Before, finish() wrote a final record: the transcript was finished and invalid (its
+    # step 6 had no end state), where resuming again could still have saved it.
+    folder = self._crashed_copy("no-step")
+    proof = zkdv.jax.ZKDV(NAME, resume=folder)
+    proof.start()
+    with self.assertRaisesRegex(errors.ResumeStateError,
+                                r"^the resumed run finished without a step: step 6 ran after "
+                                r"the last committed state \(step 5\), and only a resumed "
+                                r"run's first step discards it. Nothing was written"):
+      proof.finish()
+    proof = zkdv.jax.ZKDV(NAME, resume=folder)
+    proof.start()
+    state = serialization.from_bytes(testing.classifier_state(proof), self.checkpoint.with_name(
+        f"{self.checkpoint.name}.2").read_bytes())
+    step = proof.jit(testing.classifier_step, donate_argnums=(0,))
+    step(state, jnp.asarray(resume_trainer.batch_for(3)))
+    with self.assertRaisesRegex(errors.ResumeStateError,
+                                r"^the run finished at step 4 while replaying the committed "
+                                r"steps 3..5 from the restored state"):
+      proof.finish()
+    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), self.crashed_bytes)
+
   def test_a_torn_last_record_is_cut_off(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
     shutil.copytree(self.crashed, folder)

@@ -61,14 +61,17 @@ class ClosingRun:
 
     Returns the transcript folder. Raises the first background failure, a
     failed check, or NoTranscriptUpdateError when no step was recorded; the
-    ``final`` record is written in every case. In a multi-process run every
-    process calls it, and every process raises if process 0's transcript failed.
+    ``final`` record is written in every case but one: a resumed run that stops
+    short of what its resume needs raises first and writes nothing
+    (``Dispatcher.check_finishable``). In a multi-process run every process calls
+    it, and every process raises if process 0's transcript failed.
     """
     if self._finished:
       if self._finish_error is not None:
         raise self._finish_error
       return self.path
     self.ensure_started()
+    self._dispatcher.check_finishable()
     self._write_pending_init()
     self._dispatcher.close()
     error = self._complete_commitments()

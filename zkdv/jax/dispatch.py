@@ -311,15 +311,35 @@ class Dispatcher:
     except (RuntimeError, ValueError):
       return None
 
-  def close(self) -> None:
-    """Ends the open segment at the last step (``finish``); ResumeStateError while a
-    resumed run has committed steps left to replay."""
+  def check_finishable(self) -> None:
+    """Raises, before ``finish`` writes anything, when a resumed run stops short of what
+    its resume needs: while it replays committed steps (ResumeStateError), and without a
+    step when the transcript holds steps after its last committed state (the first step's
+    ``resume`` discards them: ResumeStateError) or checks a crash left unanswered
+    (UnanswerableChallengeError). The transcript stays resumable."""
+    fix = "Nothing was written: resume again and train past it before proof.finish()."
     if self.catch_up is not None:
       raise errors.ResumeStateError(
           f"the run finished at step {self.steps} while replaying the committed steps "
-          f"{self.catch_up.first}..{self.catch_up.last} from the restored state: a run "
-          "restored from an earlier segment end trains at least up to the last committed "
-          "step before it finishes.")
+          f"{self.catch_up.first}..{self.catch_up.last} from the restored state, before "
+          f"the last committed one (step {self.catch_up.last}). {fix}")
+    point = self.restored
+    if point is None:
+      return
+    if point.steps > point.after + 1:
+      ran = (f"step {point.after + 1}" if point.steps == point.after + 2 else
+             f"steps {point.after + 1}..{point.steps - 1}")
+      raise errors.ResumeStateError(
+          f"the resumed run finished without a step: {ran} ran after the last committed "
+          f"state (step {point.after}), and only a resumed run's first step discards "
+          f"{'it' if point.steps == point.after + 2 else 'them'}. {fix}")
+    if point.replayable is not None and point.replayable.unanswered:
+      raise errors.UnanswerableChallengeError(
+          f"the resumed run finished without a step: "
+          f"{point.replayable.unanswered_message(None)}")
+
+  def close(self) -> None:
+    """Ends the open segment at the last step (``finish``)."""
     if self.shared is not None:
       self.shared.close()
     if self._ended or self._last_post_leaves is None:
