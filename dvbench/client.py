@@ -190,8 +190,9 @@ class Experiment:
     root record and onto its pages, shown as declared by you; e.g.
     ``experiment.proof(run_name="lr 3e-4", tags=["sweep-1"], run_config={"lr": 3e-4})``.
     ``resume=PROOF_ID`` continues a proof of this experiment whose run stopped before
-    ``finish()`` (crashed, preempted) from the checkpoint of its last committed state
-    (docs/jax.md, "Resuming a run"); its root keeps the first run's fields.
+    ``finish()`` (crashed, preempted) from the checkpoint of its last committed state, or
+    of an earlier segment end it replays from (docs/jax.md, "Resuming a run"); its root
+    keeps the first run's fields.
     """
     if backend != "jax":
       raise ValueError(f"backend {backend!r} is not available; use backend='jax'.")

@@ -201,7 +201,8 @@ class DVBenchProof(zkdv.jax.ZKDV):
       error = e
     if not self._upload_done:
       if self._uploader is not None:  # None on the processes other than 0
-        self._uploader.finish(timeout=self.upload_timeout)
+        # A resumed run that never went on closes nothing: the proof stays resumable.
+        self._uploader.finish(timeout=self.upload_timeout, require_final=not self.unresumed)
       self._upload_done = True
       if self._temporary is not None:
         shutil.rmtree(self._temporary, ignore_errors=True)

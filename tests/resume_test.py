@@ -6,6 +6,7 @@ killed mid-segment, once resumed from a checkpoint whose state was altered (refu
 once resumed as saved; the tests judge the outcomes and attack the resume record.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -19,6 +20,7 @@ from unittest import mock
 
 import httpx
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as orbax
 from absl.testing import absltest
 from flax import serialization
@@ -31,6 +33,7 @@ from dvbench.server.local import LocalServer
 from tests import benchmark_test
 from tests import resume_trainer
 from tests import testing
+from zkdv import challenge
 from zkdv import errors
 from zkdv import receipt
 from zkdv import transcript
@@ -276,15 +279,86 @@ class ResumeAfterKillTest(absltest.TestCase):
       proof.finish()
     proof = zkdv.jax.ZKDV(NAME, resume=folder)
     proof.start()
-    state = serialization.from_bytes(testing.classifier_state(proof), self.checkpoint.with_name(
-        f"{self.checkpoint.name}.2").read_bytes())
     step = proof.jit(testing.classifier_step, donate_argnums=(0,))
-    step(state, jnp.asarray(resume_trainer.batch_for(3)))
+    step(self._state_of(proof, 2), jnp.asarray(resume_trainer.batch_for(3)))
     with self.assertRaisesRegex(errors.ResumeStateError,
                                 r"^the run finished at step 4 while replaying the committed "
                                 r"steps 3..5 from the restored state"):
       proof.finish()
     self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), self.crashed_bytes)
+
+  def _state_of(self, proof, iteration: int):
+    """The tutorial state, restored from the trainer's checkpoint of ``iteration``."""
+    return serialization.from_bytes(testing.classifier_state(proof), self.checkpoint.with_name(
+        f"{self.checkpoint.name}.{iteration}").read_bytes())
+
+  def test_a_resume_refused_or_a_failed_replay_under_with_stays_resumable(self):
+    # Before, leaving `with proof:` by the refusal wrote a final record (aborted): the
+    # checkpoint the refusal named could no longer be restored, the proof was lost.
+    folder = self._crashed_copy("with", cut_after_step=5)  # step 5's checks never written
+    before = (folder / transcript.RECORDS_FILE).read_bytes()
+    proof = zkdv.jax.ZKDV(NAME, resume=folder)
+    proof.start()
+    state = self._state_of(proof, 5)
+    with self.assertRaisesRegex(errors.UnanswerableChallengeError, "Restore the state saved at "
+                                "the end of step 2"):
+      with proof:
+        proof.jit(testing.classifier_step, donate_argnums=(0,))(
+            state, jnp.asarray(resume_trainer.batch_for(6)))
+    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), before)
+    proof = zkdv.jax.ZKDV(NAME, resume=folder)  # its last replayed step trains another batch
+    proof.start()
+    state = self._state_of(proof, 2)
+    with self.assertRaisesRegex(errors.ResumeStateError, "the replayed step 5 differs from "
+                                "the step the transcript committed in its batch"):
+      with proof:
+        step = proof.jit(testing.classifier_step, donate_argnums=(0,))
+        for iteration in range(3, 8):
+          batch = resume_trainer.batch_for(iteration)
+          state = step(state, jnp.asarray(np.roll(batch, 1, axis=1) if iteration == 5 else batch))
+    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), before)
+    code, _, err = self._resumed_from(folder, 2)
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
+
+  def test_a_second_resume_may_restore_the_state_the_first_went_on_from(self):
+    # Resumed from step 5 at step 7 (step 6 discarded), killed after committing step 9 and
+    # before its checkpoint: restored from step 5 again, the replay goes on at step 7 (before,
+    # it replayed from step 6 and was refused: "starts a segment where the committed run did
+    # not").
+    folder = self._crashed_copy("twice")
+    checkpoint = folder.with_name("twice-ckpt")
+    shutil.copy(self.checkpoint5, checkpoint)
+    code, _ = _kill_when_ready(_trainer(folder, checkpoint, "--resume", "--stop-at", "9",
+                                        stdin=subprocess.PIPE))
+    self.assertEqual(code, -signal.SIGKILL)
+    shutil.copy(self.checkpoint5, checkpoint)
+    code, _, err = _finish(_trainer(folder, checkpoint, "--resume"))
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertIn("steps 7..9 are replayed", err)
+    self.assertEqual([(r["after"], r["step"]) for r in testing.records_of(folder, "resume")],
+                     [(5, 7), (9, 10)])
+    self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
+
+  def test_a_run_drawing_batches_with_an_unanswered_check_is_told_at_start(self):
+    # proof.batches resumes from the last committed state only: no checkpoint can answer.
+    folder = self._crashed_copy("drawn", cut_after_step=5)
+    records = testing.records_of(folder)
+    records.insert(1, {"type": "data"})  # as proof.batches declares its dataset
+    seed = zkdv.jax.resume.saved_seed(folder, records[0]["challenger"])
+    with self.assertRaisesRegex(errors.UnanswerableChallengeError,
+                                "a run drawing with proof.batches replays nothing, so this "
+                                "proof can never be verified"):
+      zkdv.jax.resume.read_point(records,
+                                 lambda step: challenge.step_challenge_self(seed, step))
+
+  def test_an_earlier_end_of_the_same_state_is_restored_when_a_check_needs_it(self):
+    same = {"post_state_leaves": [[b"state"]]}
+    replayable = zkdv.jax.resume.Replayable({2: same, 5: same}, {}, frozenset(), (), {}, False)
+    self.assertEqual(replayable.end_of([[b"state"]]), 5)
+    unanswered = dataclasses.replace(replayable, unanswered=((5, "update"),))
+    self.assertEqual(unanswered.end_of([[b"state"]]), 2)
+    self.assertIsNone(unanswered.end_of([[b"other"]]))
 
   def test_a_torn_last_record_is_cut_off(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
@@ -470,6 +544,10 @@ class LiveResumeAfterKillTest(absltest.TestCase):
                                          checkpoint=checkpoint, proof_id=proof_id))
     out["records_after_refused"] = cls.client.proof_status(proof_id)["records"]
     shutil.rmtree(checkpoint / "5")  # its save never finished: the newest is step 2's
+    out["cut_short"] = _finish(cls.trainer(root / "lost-cut-short", "--resume",
+                                           "--finish-after", "3", checkpoint=checkpoint,
+                                           proof_id=proof_id))
+    out["after_cut_short"] = cls.client.proof_status(proof_id)
     out["folder"] = root / "lost-resumed"
     out["resumed"] = _finish(cls.trainer(out["folder"], "--resume", checkpoint=checkpoint,
                                          proof_id=proof_id))
@@ -544,6 +622,13 @@ class LiveResumeAfterKillTest(absltest.TestCase):
                   "saved at the end of step 2 or of an earlier segment end, not the one of "
                   "step 5", err)
     self.assertEqual(out["records_after_refused"], out["records_before"])
+    # finish() during the replay names that, and leaves the proof open to be resumed.
+    code, _, err = out["cut_short"]
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.ResumeStateError: the run finished at step 4 while replaying "
+                  "the committed steps 3..5", err)
+    self.assertNotIn("UploadError", err)
+    self.assertIn(out["after_cut_short"]["state"], ("receiving", "crashed"))  # not closed
     code, _, err = out["resumed"]
     self.assertEqual(code, 0, err[-3000:])
     self.assertEqual(out["verdict"]["state"], "verified", out["verdict"])

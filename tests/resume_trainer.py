@@ -1,17 +1,18 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
-[--unanswered I] [--other-batches] [--key] [--server URL --experiment OWNER/NAME [--proof-id ID]]
-[--orbax]`` trains ``ITERATIONS`` steps of the tutorial classifier (its start attested with
-``proof.init``) with ``flax.serialization``
-checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md shows. ``--stop-at I``
-waits for its commitments after iteration ``I`` and blocks on stdin (the test kills it
-there); ``--resume`` restores the checkpoint and continues the transcript; ``--alter``
-changes one leaf of the restored state first; ``--unanswered I`` writes no answer to step
-``I``'s probes (as a run killed before its answer left), ``--other-batches`` trains other
-batches than the first run did, ``--key`` passes ``proof.step_key()`` to a step that drops
-no input with it (as dropout would); ``--data`` draws the batches with
-``proof.batches`` from ``DATASET``. With ``--server`` the proof is DVBench's,
+[--unanswered I] [--other-batches] [--key] [--finish-after I]
+[--server URL --experiment OWNER/NAME [--proof-id ID]] [--orbax]`` trains ``ITERATIONS``
+steps of the tutorial classifier (its start attested with ``proof.init``) with
+``flax.serialization`` checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md
+shows. ``--stop-at I`` waits for its commitments after iteration ``I`` and blocks on stdin
+(the test kills it there); ``--resume`` restores the checkpoint and continues the
+transcript; ``--alter`` changes one leaf of the restored state first; ``--unanswered I``
+writes no answer to step ``I``'s probes (as a run killed before its answer left),
+``--other-batches`` trains other batches than the first run did, ``--key`` passes
+``proof.step_key()`` to a step that drops no input with it (as dropout would); ``--data``
+draws the batches with ``proof.batches`` from ``DATASET``; ``--finish-after I`` calls
+``proof.finish()`` right after iteration ``I``. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
 lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
@@ -84,6 +85,7 @@ def main() -> None:
   parser.add_argument("--unanswered", type=int, help="write no answer to this step's probes")
   parser.add_argument("--other-batches", action="store_true")
   parser.add_argument("--key", action="store_true", help="pass proof.step_key() to the step")
+  parser.add_argument("--finish-after", type=int, help="finish right after this iteration")
   args = parser.parse_args()
   if args.unanswered is not None:
     probe = zkdv.jax.openings.Openings.probe
@@ -131,6 +133,8 @@ def main() -> None:
         print(f"proof {proof.proof_id}", flush=True)
       print("ready", flush=True)
       sys.stdin.read()  # killed here
+    if iteration == args.finish_after:
+      break
   proof.finish()
   print("finished", flush=True)
 

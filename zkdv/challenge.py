@@ -35,6 +35,8 @@ import blake3
 KEY_BYTES = 32
 CHECK_KINDS = ("update", "state")
 ANSWER_KINDS = ("update", "state", "probe")
+# How a message names the check of each answer kind ("step 3 was challenged for probes").
+CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 CHALLENGER_KINDS = ("self", "dvbench")
 _SELF_CONTEXT = b"zkdv-self-step\x00"
 _SERVER_CONTEXT = b"zkdv-server-step\x00"

@@ -50,7 +50,6 @@ def parse_record(raw, n: int) -> dict:
 
 
 _UNKNOWN = object()  # a value not read from the store yet
-_CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 
 
 def challenge_row(proof_id: str, step: int, record_id: bytes, challenge_key: bytes,
@@ -64,7 +63,7 @@ def challenge_row(proof_id: str, step: int, record_id: bytes, challenge_key: byt
 
 def missing_checks(rows: list[dict]) -> list[tuple[int, str]]:
   """(step, check) of each check the challenge rows ``rows`` need and no record answered."""
-  return [(r["step"], k) for r in rows for k in _CHECK_NAMES
+  return [(r["step"], k) for r in rows for k in challenge.CHECK_NAMES
           if r[f"needs_{k}"] and not r[f"answered_{k}"]]
 
 
@@ -85,7 +84,7 @@ def first_unanswered(store, conn, proof_id: str, derived=(),
   others = (store.unanswered_checks(conn, proof_id, through)
             + len(missing_checks(derived)) - 1)
   more = f" ({others} more challenges unanswered)" if others > 0 else ""
-  return f"step {step} was challenged for {_CHECK_NAMES[kind]} and never answered{more}."
+  return f"step {step} was challenged for {challenge.CHECK_NAMES[kind]} and never answered{more}."
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,9 +61,9 @@ class ClosingRun:
 
     Returns the transcript folder. Raises the first background failure, a
     failed check, or NoTranscriptUpdateError when no step was recorded; the
-    ``final`` record is written in every case but one: a resumed run that stops
-    short of what its resume needs raises first and writes nothing
-    (``Dispatcher.check_finishable``). In a multi-process run every process calls
+    ``final`` record is written in every case but one: a resumed run that never
+    wrote its ``resume`` record (``Dispatcher.check_finishable`` names why first)
+    writes none, and stays resumable. In a multi-process run every process calls
     it, and every process raises if process 0's transcript failed.
     """
     if self._finished:
@@ -71,10 +71,16 @@ class ClosingRun:
         raise self._finish_error
       return self.path
     self.ensure_started()
-    self._dispatcher.check_finishable()
+    try:
+      self._dispatcher.check_finishable()
+    except errors.ZKDVError as e:
+      self._complete_commitments()  # what the replay wrote so far stays
+      self._end_unresumed(e)
     self._write_pending_init()
     self._dispatcher.close()
     error = self._complete_commitments()
+    if self.resume_from is not None and not self._committer.resume_written:
+      self._end_unresumed(error)
     owed = self._committer.owed_steps
     if error is None and owed:
       error = errors.UnanswerableChallengeError(
@@ -121,6 +127,20 @@ class ClosingRun:
     if error is not None:
       raise error
     return self.path
+
+  def _end_unresumed(self, error) -> None:
+    """Ends a resumed run that never wrote its ``resume`` record (its restored state was
+    refused, its replay failed or stopped short) without ``final``, which would finish a
+    proof the run can still resume: the transcript stays as the crash left it, with any
+    answers the replay wrote. Raises ``error``, or ResumeStateError saying so."""
+    if self._writer is not None:
+      self._writer.close()
+    self.unresumed = True
+    self._finished = True
+    self._finish_error = error or errors.ResumeStateError(
+        "the resumed run ended before it went on from the last committed state, so no "
+        "final record was written: resume it again.")
+    raise self._finish_error
 
   def wait_for_commitments(self) -> None:
     """Blocks until every step so far is committed and its challenges are answered.

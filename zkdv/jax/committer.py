@@ -73,6 +73,7 @@ class Committer:
     self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
     self.key_seed: bytes | None = None  # a resumed run's (``zkdv.keys.key_seed``)
     self._catch_up = None  # a resumed run's ``zkdv.jax.resume.CatchUp`` while it replays
+    self.resume_written = False  # a resumed run's ``resume`` record is in the transcript
 
   @property
   def checks(self) -> dict:
@@ -157,8 +158,14 @@ class Committer:
     self.pipeline.submit(start)
 
   def submit_resume(self, record: dict) -> None:
-    """Queues the ``resume`` record, before the resumed run's first step."""
-    self.pipeline.submit(lambda job: self.writer.append(record, durable=True))
+    """Queues the ``resume`` record, before the resumed run's first step (after its
+    replayed ones)."""
+    def write(job):
+      del job
+      self.writer.append(record, durable=True)
+      self.resume_written = True
+      self.answers.answered = frozenset()
+    self.pipeline.submit(write)
 
   def submit_step(self, job: StepJob):
     """Queues a step's commitment; it holds its window slot until answered."""
@@ -341,7 +348,8 @@ class Committer:
     replayed one with its committed record; a decision known already (self-chosen, or a
     replayed step's) is answered now."""
     catch_up = self._catch_up
-    if catch_up is not None and job.index <= catch_up.last:
+    replayed = catch_up is not None and job.index <= catch_up.last
+    if replayed:
       catch_up.check_replayed(record)
       if job.index == catch_up.last:
         self._catch_up = None
@@ -353,14 +361,15 @@ class Committer:
                           "pre_state_pieces": self.answers.segments[0].start_pieces})
     if ends:
       self._open.last = job.index
-      self._end_open(end, end_views)
+      self._end_open(end, end_views, counted=not replayed)
     if job.decision is not None:  # self-chosen: the segment by its first step's decision
       self.answers.answer(job.decision, job.segment_decision if ends else None)
 
-  def _end_open(self, end: bytes | None, end_views) -> None:
+  def _end_open(self, end: bytes | None, end_views, counted: bool = True) -> None:
     segment = self._open
     segment.end, segment.end_views = end, end_views
-    self.segment_lengths.append(segment.last - segment.first + 1)
+    if counted:  # a replayed segment was counted by the run that committed it
+      self.segment_lengths.append(segment.last - segment.first + 1)
     if end is None:  # nothing to challenge against: the verifier reports it
       segment.answered = True
       self.answers.release()

@@ -119,6 +119,7 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     self.name = name
     self.config = config
     self.resume_from = None if resume is None else pathlib.Path(resume)
+    self.unresumed = False  # a resumed run that ended before its resume record (``finish``)
     self.path: pathlib.Path | None = None
     self.policy: challenge.Policy | None = None
     self._writer: transcript.TranscriptWriter | None = None  # process 0 only

@@ -111,9 +111,9 @@ class ResumePoint:
     """Raises ResumeStateError unless the restored state (its ``layouts`` and piece
     digests) is the committed post-state of step ``after``, naming the leaves that differ."""
     fix = (f"Restore the state saved at the end of step {self.after} (the last state the "
-           "transcript committed), or one saved at an earlier segment end (the run replays "
-           "the committed steps after it). Checkpoint where a segment ends: fix "
-           "ZKDVConfig(segment_length=K) and save every K steps, after "
+           "transcript committed), or one of the last segment ends since the last resume "
+           "(the run replays the committed steps after it). Checkpoint where a segment "
+           "ends: fix ZKDVConfig(segment_length=K) and save every K steps, after "
            "proof.wait_for_commitments().")
     shapes = [(l.path, l.dtype, tuple(l.shape)) for l in layouts]
     committed = [(l.path, l.dtype, tuple(l.shape)) for l in self.layouts]
@@ -136,9 +136,6 @@ def check_unfinished(records: list[dict]) -> None:
                                  "resumed. Start a new proof.")
 
 
-_CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
-
-
 def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> ResumePoint:
   """The ``ResumePoint`` of an unfinished transcript's records; ``challenge_of(step)`` is
   step ``step``'s challenge (a self-challenged run's from its seed, a DVBench proof's as
@@ -151,7 +148,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   step are owed instead (``ResumePoint.owed_probes``).
   """
   root = records[0]
-  programs, steps, answered, resumed_after = {}, [], set(), -1
+  programs, steps, answered, resumed = {}, [], set(), None
   for r in records:
     if r.get("type") == "program":
       programs[r["number"]] = r
@@ -160,7 +157,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
     elif r.get("type") == "check":
       answered.add((r["step"], r["kind"]))
     elif r.get("type") == "resume":
-      resumed_after = r["after"]
+      resumed = (r["after"], r["step"])
   committed = [s for s in steps if "post_state" in s]
   if not committed:
     raise errors.ProofStateError("no step of the transcript committed a state yet, so there "
@@ -178,15 +175,16 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
       discarded |= set(records_lib.discarded_steps(r["after"], r["step"]))
   owed, unanswered, decisions = _require_answers(steps, discarded, programs, answered,
                                                  challenge_of, fields["kind"], policy)
-  # The committed ends a run may restore: the last CATCH_UP_SEGMENTS, none before a resume.
+  # The committed ends a run may restore: the last CATCH_UP_SEGMENTS (their records are
+  # kept while the run goes on), none before the state the last resume went on from.
   ends = [s for s in committed[-CATCH_UP_SEGMENTS:]
-          if s["index"] >= resumed_after and "post_state_leaves" in s]
+          if (resumed is None or s["index"] >= resumed[0]) and "post_state_leaves" in s]
   replayable = Replayable(
       {s["index"]: s for s in ends},
       {s["index"]: s for s in steps[ends[0]["index"] + 1:last["index"] + 1]},
       frozenset(answered), tuple(unanswered),
       {i: d for i, d in decisions.items() if _step_of(i) > ends[0]["index"]},
-      any(r.get("type") == "data" for r in records))
+      any(r.get("type") == "data" for r in records), resumed)
   if unanswered:
     message = replayable.unanswered_message(None)
     if not replayable.restores_before(unanswered[0][0]):
@@ -260,7 +258,8 @@ class Replayable:
     unanswered: (step, kind) of the chosen checks of kept steps without a record.
     decisions: step -> decision, and ("segment", first step) -> (the segment's length,
       its deciding step's decision), of the steps after the first end.
-    draws_data: the run draws its batches with ``proof.batches``.
+    draws_data: the run draws its batches with ``proof.batches`` (it replays nothing).
+    resumed: (after, step) of the transcript's last ``resume`` record, or None.
   """
 
   ends: dict
@@ -269,28 +268,30 @@ class Replayable:
   unanswered: tuple
   decisions: dict
   draws_data: bool
+  resumed: tuple | None = None
 
   def end_of(self, pieces: list) -> int | None:
-    """The last committed end whose post-state has these piece digests, else None."""
+    """The last committed end whose post-state has these piece digests (before the first
+    unanswered check, where one matches there: states can repeat), else None."""
     pieces = [list(p) for p in pieces]
-    for index, record in reversed(self.ends.items()):
-      if record["post_state_leaves"] == pieces:
-        return index
-    return None
+    matching = [i for i, record in self.ends.items() if record["post_state_leaves"] == pieces]
+    before = [i for i in matching if self.unanswered and i < self.unanswered[0][0]]
+    return max(before or matching, default=None)
 
   def restores_before(self, step: int) -> bool:
-    return any(end < step for end in self.ends)
+    return not self.draws_data and any(end < step for end in self.ends)
 
   def unanswered_message(self, restored: int | None) -> str:
     """What the first unanswered check needs: a state restored before it, else a new proof."""
     step, kind = self.unanswered[0]
-    said = (f"step {step} was challenged for {_CHECK_NAMES[kind]} before the crash and the "
+    said = (f"step {step} was challenged for {challenge.CHECK_NAMES[kind]} before the crash and the "
             "transcript has no answer")
     before = [end for end in self.ends if end < step]
-    if not before:
-      return (f"{said}; its openings were lost with the process and no committed state "
-              "before it can be replayed, so this proof can never be verified. Start a new "
-              "proof.")
+    if not before or self.draws_data:
+      why = ("a run drawing with proof.batches replays nothing" if self.draws_data else
+             "no committed state before it can be replayed")
+      return (f"{said}; its openings were lost with the process and {why}, so this proof "
+              "can never be verified. Start a new proof.")
     restored = "" if restored is None else f", not the one of step {restored}"
     return (f"{said}. Restore the state saved at the end of step {max(before)} or of an "
             f"earlier segment end{restored}: the resumed run replays the committed steps "
@@ -308,22 +309,24 @@ class Replayable:
           f"saved at the end of step {point.after}.")
     if self.unanswered and self.unanswered[0][0] <= end:
       raise errors.UnanswerableChallengeError(self.unanswered_message(end))
+    # From the state a resume went on from, the replay goes on where that resume did.
+    first = self.resumed[1] if self.resumed and end == self.resumed[0] else end + 1
     logger.info("ZKDV: the restored state is the one step %d committed: steps %d..%d are "
                 "replayed and compared with their records before the run goes on at step "
-                "%d.", end, end + 1, point.after, point.steps)
+                "%d.", end, first, point.after, point.steps)
     start = self.ends[end]
-    return CatchUp(end + 1, point.after, {i: self.steps[i] for i in range(end + 1,
-                                                                        point.after + 1)},
+    return CatchUp(end, first, point.after,
+                   {i: self.steps[i] for i in range(first, point.after + 1)},
                    self.decisions, self.answered, start["post_state"],
                    start["post_state_leaves"], point.record())
 
 
 @dataclasses.dataclass
 class CatchUp:
-  """Committed steps ``first..last`` a resumed run replays from an earlier committed
-  state: their records are compared with those built again (``records``), not written;
-  the checks with no record (``answered`` lists those with one) are answered from the
-  replay; then the ``resume`` record goes on at its ``step``.
+  """Committed steps ``first..last`` a resumed run replays from the committed post-state
+  of step ``restored``: their records are compared with those built again (``records``),
+  not written; the checks with no record (``answered`` lists those with one) are answered
+  from the replay; then the ``resume`` record goes on at its ``step``.
 
   Example::
 
@@ -331,6 +334,7 @@ class CatchUp:
     catch_up.segment(3)    # (3, decision): the recorded segment starting at step 3
   """
 
+  restored: int
   first: int
   last: int
   records: dict
@@ -344,15 +348,20 @@ class CatchUp:
     return self.decisions[step]
 
   def segment(self, step: int) -> tuple[int, challenge.Decision]:
-    """(length, decision) of the committed segment starting at ``step``; ResumeStateError
-    when none did."""
+    """(length, decision) of the committed segment starting at ``step``, the decision
+    without the checks a record answers already (nothing is kept to open them);
+    ResumeStateError when no committed segment started there."""
     try:
-      return self.decisions[("segment", step)]
+      length, decision = self.decisions[("segment", step)]
     except KeyError:
       raise errors.ResumeStateError(
           f"the replayed step {step} starts a segment where the committed run did not (a "
           "new program, or a state changed outside proof.jit): the committed steps "
           f"{self.first}..{self.last} are replayed as they ran.") from None
+    last = step + length - 1
+    return length, dataclasses.replace(
+        decision, update=decision.update and (last, "update") not in self.answered,
+        state=decision.state and (last, "state") not in self.answered)
 
   def check_replayed(self, record: dict) -> None:
     """Raises ResumeStateError unless a replayed step built its committed record again,
@@ -371,7 +380,7 @@ class CatchUp:
           f"the replayed step {index} differs from the step the transcript committed in "
           f"its {field} ({_shown(record.get(field))}, committed "
           f"{_shown(recorded.get(field))}): the committed steps {self.first}..{self.last} "
-          f"are replayed from the state of step {self.first - 1}; feed them the same "
+          f"are replayed from the state of step {self.restored}; feed them the same "
           "batches in the same order.")
 
 
@@ -400,7 +409,8 @@ class ResumingRun:
   def _start_resumed(self) -> "ResumingRun":
     """Continues the unfinished transcript in ``resume_from`` (``zkdv.jax.resume``): the
     policy and challenges are the root's, step indices go on, and the first step checks
-    that the restored state is the last committed one."""
+    that the restored state is the last committed one, or an earlier one it replays from
+    (``ResumePoint.plan``)."""
     group = processes.ProcessGroup.current()
     if group.multi:
       raise errors.ProofStateError("resuming needs a single-process run.")
