@@ -176,6 +176,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
       stored = self._stored
       self._uploader.continue_proof(stored.proof_id, stored.size, stored.records,
                                     stored.heartbeat_seconds, stored.max_body_bytes)
+      if stored.unsent_blobs:
+        logger.info("%s proof %s: %d blobs its stored records name never reached the server; "
+                    "sent from %s", self.experiment.name, stored.proof_id,
+                    len(stored.unsent_blobs), self.path)
+        self._uploader.send_blobs(stored.unsent_blobs)
       logger.info("%s proof %s resumes at step %d; its page: %s/proofs/%s",
                   self.experiment.name, stored.proof_id, self.steps,
                   self.experiment.client.url, stored.proof_id)

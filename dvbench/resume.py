@@ -35,6 +35,7 @@ class StoredProof:
   challenges: dict
   heartbeat_seconds: float | None
   max_body_bytes: int | None = None  # the server's largest request body, where it says
+  unsent_blobs: tuple = ()  # blobs its records name that the server lacks and folder holds
 
   def challenge(self, step: int) -> bytes:
     """Step ``step``'s challenge as the server derived it after storing the step."""
@@ -51,7 +52,8 @@ def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
 
   Raises ApiError when the proof is not this experiment's or is finished, and
   ProofStateError when a blob its records name never reached the server (the run died
-  before uploading it: the proof can never be closed).
+  before uploading it) and ``folder`` holds no copy of it: the proof can never be closed.
+  One the folder holds (the crashed run's own ``output_dir``) is sent again.
   """
   http = experiment.client.http
   if not isinstance(proof_id, str) or len(proof_id) != 64:
@@ -79,14 +81,16 @@ def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
   for parsed in contents.records:
     named |= transport.blob_refs(parsed.record)
   missing = sorted(named - set(http.listing(f"{path}/blobs")))
-  if missing:
+  lost = [d for d in missing if not (folder / transcript.BLOBS_DIR / d).is_file()]
+  if lost:
     raise zkdv_errors.ProofStateError(
-        f"the server never received blob {missing[0]} (and {len(missing) - 1} more) that "
-        f"proof {proof_id}'s stored records name: the run stopped before uploading it, so "
-        "the proof can never be closed. Start a new proof (save checkpoints after "
-        "proof.wait_for_commitments(), which waits for the upload).")
+        f"the server never received blob {lost[0]} (and {len(lost) - 1} more) that "
+        f"proof {proof_id}'s stored records name, and {folder / transcript.BLOBS_DIR} holds "
+        "no copy: the run stopped before uploading it. Resume into the output_dir of the "
+        "run that wrote it (its blobs are kept there), or start a new proof (save "
+        "checkpoints after proof.wait_for_commitments(), which waits for the upload).")
   heartbeat = info.get("heartbeat_seconds")
   steps = sum(p.record.get("type") == "step" for p in contents.records)
   return StoredProof(proof_id, folder, len(contents.records), steps, len(data), challenges,
                      float(heartbeat) if isinstance(heartbeat, (int, float)) else None,
-                     info.get("max_body_bytes"))
+                     info.get("max_body_bytes"), tuple(missing))

@@ -133,6 +133,11 @@ class Uploader(threading.Thread):
     self.heartbeat_seconds = heartbeat_seconds
     self._fit_envelopes(max_body_bytes)
 
+  def send_blobs(self, digests) -> None:
+    """Before ``start()``: sends blobs of the folder that records the server stored already
+    name (a resumed run's, which the crashed one never sent: ``dvbench.resume``)."""
+    self._upload_blobs(set(digests))
+
   def _fit_envelopes(self, max_body_bytes: object) -> None:
     """Envelopes of at most half the server's largest request body (``max_body_bytes``,
     as the server sends it: ignored unless a positive integer), so that a server run with

@@ -527,6 +527,24 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     cls.resumed = _finish(cls.trainer(root / "resumed", "--resume"))
     cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
     cls.caught_up = cls.killed_saving_a_checkpoint(root)
+    cls.unsent = cls.killed_before_its_blobs_left(root)
+
+  @classmethod
+  def killed_before_its_blobs_left(cls, root: pathlib.Path) -> dict:
+    """A run whose blobs never reached the server, killed after step 7: resumed into
+    another folder (refused), then into its own output_dir, which holds them."""
+    checkpoint, folder, out = root / "ckpt-unsent", root / "unsent", {}
+    killed = _kill_when_ready(cls.trainer(folder, "--stop-at", "7", "--unsent-blobs",
+                                          stdin=subprocess.PIPE, checkpoint=checkpoint))
+    proof_id = killed[1][-2].removeprefix("proof ")
+    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
+                       timeout=60, every=0.2)
+    out["elsewhere"] = _finish(cls.trainer(root / "unsent-elsewhere", "--resume",
+                                           checkpoint=checkpoint, proof_id=proof_id))
+    out["resumed"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
+                                         proof_id=proof_id))
+    out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
+    return out
 
   @classmethod
   def killed_saving_a_checkpoint(cls, root: pathlib.Path) -> dict:
@@ -637,6 +655,18 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     resumed_at = kinds.index(("resume", 7, None))
     self.assertIn(("check", 5, "probe"), kinds[out["records_before"]:resumed_at])
     self.assertEqual([k[1] for k in kinds if k[0] == "step"], list(range(13)))
+
+  def test_blobs_that_never_left_are_sent_from_the_runs_own_folder(self):
+    # Before, any blob the server lacked made the proof impossible to resume or close.
+    code, _, err = self.unsent["elsewhere"]
+    self.assertNotEqual(code, 0)
+    self.assertRegex(err, r"zkdv.errors.ProofStateError: the server never received blob "
+                     r"[0-9a-f]{64} \(and \d+ more\) that proof [0-9a-f]{64}'s stored records "
+                     r"name, and .*unsent-elsewhere/blobs holds no copy")
+    code, _, err = self.unsent["resumed"]
+    self.assertEqual(code, 0, err[-3000:])
+    self.assertRegex(err, r"blobs its stored records name never reached the server; sent from")
+    self.assertEqual(self.unsent["verdict"]["state"], "verified", self.unsent["verdict"])
 
   def test_the_resumed_proof_is_verified_with_every_claim_and_ranks(self):
     self.assertEqual(self.resumed[0], 0, self.resumed[2][-3000:])

@@ -1,7 +1,7 @@
 """A trainer that checkpoints at segment ends, for the resume tests (run as a subprocess).
 
 ``python -m tests.resume_trainer FOLDER CHECKPOINT [--resume] [--stop-at I] [--alter]
-[--unanswered I] [--other-batches] [--key] [--finish-after I]
+[--unanswered I] [--other-batches] [--key] [--finish-after I] [--unsent-blobs]
 [--server URL --experiment OWNER/NAME [--proof-id ID]] [--orbax]`` trains ``ITERATIONS``
 steps of the tutorial classifier (its start attested with ``proof.init``) with
 ``flax.serialization`` checkpoints after every segment (``SEGMENT`` steps), as docs/jax.md
@@ -14,7 +14,8 @@ writes no answer to step ``I``'s probes (as a run killed before its answer left)
 draws the batches with ``proof.batches`` from ``DATASET``; ``--finish-after I`` calls
 ``proof.finish()`` right after iteration ``I``. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
-(``experiment.proof(resume=...)``). Prints ``checkpoint I``, ``ready`` and ``proof ID``
+(``experiment.proof(resume=...)``); ``--unsent-blobs`` sends no blob (as a run killed
+before its uploads left). Prints ``checkpoint I``, ``ready`` and ``proof ID``
 lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
 instead (restoring the newest).
 """
@@ -30,6 +31,7 @@ import optax
 from flax import serialization
 
 import dvbench
+from dvbench import upload
 import zkdv
 from tests import testing
 from zkdv import transcript
@@ -86,11 +88,14 @@ def main() -> None:
   parser.add_argument("--other-batches", action="store_true")
   parser.add_argument("--key", action="store_true", help="pass proof.step_key() to the step")
   parser.add_argument("--finish-after", type=int, help="finish right after this iteration")
+  parser.add_argument("--unsent-blobs", action="store_true", help="send no blob to the server")
   args = parser.parse_args()
   if args.unanswered is not None:
     probe = zkdv.jax.openings.Openings.probe
     zkdv.jax.openings.Openings.probe = lambda self, job, *more: (
         None if job.index == args.unanswered else probe(self, job, *more))
+  if args.unsent_blobs:
+    upload.Uploader._send_blobs = lambda self, digests: None
   save, restore = (_orbax if args.orbax else _flax_serialization)(args.checkpoint)
   config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0,
                                                                state_check_probability=1.0),
