@@ -15,6 +15,8 @@ Example::
 import dataclasses
 import pathlib
 
+import blake3
+
 from zkdv import transcript
 from zkdv import errors as zkdv_errors
 
@@ -47,13 +49,27 @@ class StoredProof:
                             "version?") from None
 
 
+def _holds(path: pathlib.Path, digest: str) -> bool:
+  """Whether ``path`` is a file whose BLAKE3 is ``digest`` (hex): a copy worth sending."""
+  try:
+    if not path.is_file():
+      return False
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if path.stat().st_size:  # an empty file cannot be mapped
+      hasher.update_mmap(str(path))
+    return hasher.hexdigest() == digest
+  except (OSError, ValueError):
+    return False
+
+
 def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
   """Reopens ``proof_id`` on the server and writes its stored records into ``folder``.
 
-  Raises ApiError when the proof is not this experiment's or is finished, and
-  ProofStateError when a blob its records name never reached the server (the run died
-  before uploading it) and ``folder`` holds no copy of it: the proof can never be closed.
-  One the folder holds (the crashed run's own ``output_dir``) is sent again.
+  Raises ApiError when the proof is not this experiment's or is finished; ProofStateError
+  when it holds its final record (its run ended: ``experiment.upload`` closes it), and when
+  a blob its records name never reached the server (the run died before uploading it) and
+  ``folder`` holds no intact copy of it: the proof can never be closed. One the folder
+  holds (the crashed run's own ``output_dir``) is sent again.
   """
   http = experiment.client.http
   if not isinstance(proof_id, str) or len(proof_id) != 64:
@@ -64,7 +80,6 @@ def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
     raise errors.ApiError(409, f"proof {proof_id} belongs to experiment "
                           f"{info.get('experiment')!r}, not {experiment.name!r}; resume it "
                           "from its own experiment.")
-  info = http.request("POST", f"{path}/resume").json()
   data = http.request("GET", f"{path}/transcript").content
   challenges = {}
   for row in http.listing(f"{path}/challenges"):
@@ -80,14 +95,21 @@ def reopen(experiment, proof_id: str, folder: pathlib.Path) -> StoredProof:
   named = set()
   for parsed in contents.records:
     named |= transport.blob_refs(parsed.record)
+  unfinished = info.get("state") in ("receiving", "crashed")  # else the server says why not
+  if unfinished and any(p.record.get("type") == "final" for p in contents.records):
+    raise zkdv_errors.ProofStateError(
+        f"proof {proof_id} holds its final record: its run ended and only its close is "
+        f"missing. Send what the server lacks and close it with experiment.upload(FOLDER) "
+        "of the folder the run wrote (its output_dir); a finished run is not resumed.")
+  info = http.request("POST", f"{path}/resume").json()
   missing = sorted(named - set(http.listing(f"{path}/blobs")))
-  lost = [d for d in missing if not (folder / transcript.BLOBS_DIR / d).is_file()]
+  lost = [d for d in missing if not _holds(folder / transcript.BLOBS_DIR / d, d)]
   if lost:
     raise zkdv_errors.ProofStateError(
         f"the server never received blob {lost[0]} (and {len(lost) - 1} more) that "
         f"proof {proof_id}'s stored records name, and {folder / transcript.BLOBS_DIR} holds "
-        "no copy: the run stopped before uploading it. Resume into the output_dir of the "
-        "run that wrote it (its blobs are kept there), or start a new proof (save "
+        "no intact copy: the run stopped before uploading it. Resume into the output_dir of "
+        "the run that wrote it (its blobs are kept there), or start a new proof (save "
         "checkpoints after proof.wait_for_commitments(), which waits for the upload).")
   heartbeat = info.get("heartbeat_seconds")
   steps = sum(p.record.get("type") == "step" for p in contents.records)

@@ -548,7 +548,7 @@ class CrashRecoveryTest(DVBenchTestCase):
     # crashed: before, its next envelope was refused (409) and the run ended in an error.
     client = dvbench.Client(self.server.url)
     proof = client.experiment("your-name/paused").proof(config=zkdv.ZKDVConfig(
-        sampling_policy=zkdv.SamplingPolicy(update_check_probability=0.5)))
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0)))  # no draw skips
     proof.start()
     state = testing.classifier_state(proof)
     step = proof.jit(testing.classifier_step)

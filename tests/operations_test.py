@@ -28,6 +28,7 @@ from starlette.testclient import TestClient
 
 import dvbench
 from dvbench import cli as dvbench_cli
+from dvbench import resume
 from dvbench.server import sandbox
 from dvbench.server.app import create_app
 from dvbench.server.blobs import BlobStore
@@ -42,6 +43,7 @@ from dvbench.server.supervisor import Supervisor
 from tests import testing
 from tests.fake_prover import FakeProver
 from tests import postgres
+from zkdv import errors as zkdv_errors
 from zkdv import receipt
 from zkdv import transcript
 from zkdv.transcript import record_id
@@ -412,6 +414,14 @@ class IdleServerTest(absltest.TestCase):
     (folder / transcript.RECORDS_FILE).write_bytes(b"".join(prover.records))
     experiment = dvbench.Client(self.server.url, token=token).experiment(
         "kim/killed-before-close")
+    # Resuming it says how to close it (before: "the transcript is finished ... Start a new
+    # proof"), and leaves it as it was.
+    with self.assertRaisesRegex(zkdv_errors.ProofStateError,
+                                r"holds its final record: its run ended and only its close "
+                                r"is missing\. Send what the server lacks and close it with "
+                                r"experiment\.upload\(FOLDER\)"):
+      resume.reopen(experiment, prover.proof_id, pathlib.Path(tempfile.mkdtemp()))
+    self.assertEqual(store.proof(prover.proof_id)["state"], "crashed")
     self.assertEqual(experiment.upload(folder), prover.proof_id)
     proof = store.proof(prover.proof_id)
     self.assertEqual((proof["state"], proof["records"]), ("closed", len(prover.records)))

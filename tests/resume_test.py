@@ -360,6 +360,34 @@ class ResumeAfterKillTest(absltest.TestCase):
     self.assertEqual(unanswered.end_of([[b"state"]]), 2)
     self.assertIsNone(unanswered.end_of([[b"other"]]))
 
+  def test_a_run_killed_after_its_last_checkpoint_finishes_when_resumed(self):
+    # Nothing is left to train: finish() writes the final record (a regression of the
+    # replay's first version raised "resume it again" here, every time).
+    folder = pathlib.Path(tempfile.mkdtemp()) / "last"
+    checkpoint = folder.with_name("last-ckpt")
+    code, _ = _kill_when_ready(_trainer(folder, checkpoint, "--stop-at", "11",
+                                        stdin=subprocess.PIPE))
+    self.assertEqual(code, -signal.SIGKILL)
+    code, _, err = _finish(_trainer(folder, checkpoint, "--resume"))
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertEqual(len(testing.records_of(folder, "final")), 1)
+    self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
+
+  def test_a_run_killed_right_after_its_replay_may_restore_the_same_checkpoint(self):
+    # Killed after replaying steps 3..5 (saving step 5's checkpoint, say): no resume record
+    # was written yet, so step 2's checkpoint is restored again.
+    folder = self._crashed_copy("replayed-then-killed")
+    checkpoint = folder.with_name("replayed-then-killed-ckpt")
+    shutil.copy(self.checkpoint.with_name(f"{self.checkpoint.name}.2"), checkpoint)
+    code, _ = _kill_when_ready(_trainer(folder, checkpoint, "--resume", "--stop-at", "5",
+                                        stdin=subprocess.PIPE))
+    self.assertEqual(code, -signal.SIGKILL)
+    self.assertEqual(testing.records_of(folder, "resume"), [])
+    shutil.copy(self.checkpoint.with_name(f"{self.checkpoint.name}.2"), checkpoint)
+    code, _, err = _finish(_trainer(folder, checkpoint, "--resume"))
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
+
   def test_a_torn_last_record_is_cut_off(self):
     folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
     shutil.copytree(self.crashed, folder)
@@ -541,6 +569,12 @@ class LiveResumeAfterKillTest(absltest.TestCase):
                        timeout=60, every=0.2)
     out["elsewhere"] = _finish(cls.trainer(root / "unsent-elsewhere", "--resume",
                                            checkpoint=checkpoint, proof_id=proof_id))
+    blob = sorted((folder / transcript.BLOBS_DIR).iterdir())[0]
+    intact = blob.read_bytes()
+    blob.write_bytes(bytes([intact[0] ^ 1]) + intact[1:])  # a damaged copy is not sent
+    out["damaged"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
+                                         proof_id=proof_id))
+    blob.write_bytes(intact)
     out["resumed"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
                                          proof_id=proof_id))
     out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
@@ -662,7 +696,10 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertNotEqual(code, 0)
     self.assertRegex(err, r"zkdv.errors.ProofStateError: the server never received blob "
                      r"[0-9a-f]{64} \(and \d+ more\) that proof [0-9a-f]{64}'s stored records "
-                     r"name, and .*unsent-elsewhere/blobs holds no copy")
+                     r"name, and .*unsent-elsewhere/blobs holds no intact copy")
+    code, _, err = self.unsent["damaged"]
+    self.assertNotEqual(code, 0)
+    self.assertIn("holds no intact copy", err)
     code, _, err = self.unsent["resumed"]
     self.assertEqual(code, 0, err[-3000:])
     self.assertRegex(err, r"blobs its stored records name never reached the server; sent from")

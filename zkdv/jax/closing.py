@@ -61,8 +61,8 @@ class ClosingRun:
 
     Returns the transcript folder. Raises the first background failure, a
     failed check, or NoTranscriptUpdateError when no step was recorded; the
-    ``final`` record is written in every case but one: a resumed run that never
-    wrote its ``resume`` record (``Dispatcher.check_finishable`` names why first)
+    ``final`` record is written in every case but one: a resumed run that failed
+    before its ``resume`` record (``Dispatcher.check_finishable`` names why first)
     writes none, and stays resumable. In a multi-process run every process calls
     it, and every process raises if process 0's transcript failed.
     """
@@ -79,7 +79,8 @@ class ClosingRun:
     self._write_pending_init()
     self._dispatcher.close()
     error = self._complete_commitments()
-    if self.resume_from is not None and not self._committer.resume_written:
+    if self.resume_from is not None and not self._committer.resume_written and (
+        error is not None or self._aborted):  # its restored state refused, its replay failed
       self._end_unresumed(error)
     owed = self._committer.owed_steps
     if error is None and owed:
@@ -129,10 +130,11 @@ class ClosingRun:
     return self.path
 
   def _end_unresumed(self, error) -> None:
-    """Ends a resumed run that never wrote its ``resume`` record (its restored state was
+    """Ends a resumed run that failed before its ``resume`` record (its restored state was
     refused, its replay failed or stopped short) without ``final``, which would finish a
     proof the run can still resume: the transcript stays as the crash left it, with any
-    answers the replay wrote. Raises ``error``, or ResumeStateError saying so."""
+    answers the replay wrote. Raises ``error``, or ResumeStateError saying so. (A resumed
+    run with nothing left to train, whose crash came after its last step, finishes.)"""
     if self._writer is not None:
       self._writer.close()
     self.unresumed = True

@@ -82,6 +82,7 @@ class Dispatcher:
     self._viewing = None  # (pipeline job, step) of the last step, if it views its post-state
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
     self.catch_up = None  # a resumed run's CatchUp while it replays committed steps
+    self._replayed = None  # a CatchUp replayed, until its run's first new step
     self._said_window_short = False
     self.shared = (SharedDecisions(group, challenger, committer)
                    if group.multi and challenger.kind == "dvbench" else None)
@@ -96,6 +97,9 @@ class Dispatcher:
       committer.pipeline.raise_if_failed()
     if self.restored is not None:
       self._check_restored(program, leaves)
+    elif self._replayed is not None:  # the first step after a replay: the run goes on
+      committer.submit_resume(self._replayed.resume)
+      self._replayed = None
     if self.shared is not None:  # across processes, the window changes only in rounds
       if self.shared.due(self.steps, committer.pipeline.window):
         if self._group.is_writer:
@@ -158,11 +162,12 @@ class Dispatcher:
     elif overlap is overlap_lib.UNCHECKED and checked and job.ends:
       with self._waiting():
         submitted.replayed.wait()  # a fence: its openings are written behind training
-    if catch_up is not None and index == catch_up.last:  # replayed: the run goes on
+    if catch_up is not None and index == catch_up.last:  # replayed: the next step goes on
       with self._lock:
         self.steps = catch_up.resume["step"]
-      committer.submit_resume(catch_up.resume)
-      self.catch_up = None
+      # Its resume record waits for that step: a run killed before it (saving this state's
+      # checkpoint, say) may still restore the state it replayed from.
+      self.catch_up, self._replayed = None, catch_up
     if not multi:
       committer.pipeline.raise_if_failed()
     return outs
@@ -318,6 +323,13 @@ class Dispatcher:
     ``resume`` discards them: ResumeStateError) or checks a crash left unanswered
     (UnanswerableChallengeError). The transcript stays resumable."""
     fix = "Nothing was written: resume again and train past it before proof.finish()."
+    replayed = self._replayed
+    if replayed is not None and replayed.resume["step"] > replayed.last + 1:
+      raise errors.ResumeStateError(
+          f"the resumed run finished after replaying the committed steps "
+          f"{replayed.first}..{replayed.last} without a new step: steps "
+          f"{replayed.last + 1}..{replayed.resume['step'] - 1} ran after the last committed "
+          f"state, and only a resumed run's first new step discards them. {fix}")
     if self.catch_up is not None:
       raise errors.ResumeStateError(
           f"the run finished at step {self.steps} while replaying the committed steps "
