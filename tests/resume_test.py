@@ -190,6 +190,62 @@ class ResumeAfterKillTest(absltest.TestCase):
     self.assertIn("step 2: post_state_leaves do not make up its post_state.",
                   [f.message for f in report.findings])
 
+  def test_a_torn_last_record_is_cut_off(self):
+    folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
+    shutil.copytree(self.crashed, folder)
+    whole = (folder / transcript.RECORDS_FILE).read_bytes()
+    with open(folder / transcript.RECORDS_FILE, "ab") as f:
+      f.write(transcript.encode_record({"type": "step", "index": 7})[:-3])
+    writer, contents = transcript.TranscriptWriter.reopen(folder)
+    writer.close()
+    self.assertIsNone(contents.torn_tail)
+    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), whole)
+
+  def test_a_finished_or_foreign_transcript_is_not_resumed(self):
+    with self.assertRaisesRegex(errors.ProofStateError, "a finished proof is not resumed"):
+      zkdv.jax.ZKDV(NAME, resume=self.reference).start()
+    with self.assertRaisesRegex(errors.ProofStateError, "holds proof 'resumed-run'"):
+      zkdv.jax.ZKDV("another-run", resume=self.crashed).start()
+
+  def test_dvbench_takes_a_resumed_transcript_and_refuses_a_resume_past_a_commitment(self):
+    server = LocalServer(workers=1).start()
+    self.addCleanup(server.stop)
+    def back_to_step_2(records):  # another proof (root), as the attack above
+      step2 = [r for r in records if r["type"] == "step"][2]
+      return [{**records[0], "name": "dropped"}] + [
+          {**r, "after": 2, "state": step2["post_state"]} if r["type"] == "resume" else r
+          for r in records[1:] if not (r["type"] == "check" and 3 <= r["step"] <= 5)]
+    with mock.patch.dict(os.environ, {"DVBENCH_TOKEN": server.token("your-name")}):
+      client = dvbench.Client(server.url)
+      proof_id = client.experiment("your-name/resumed").upload(self.folder)
+      with self.assertRaisesRegex(dvbench.errors.ApiError,
+                                  r"409.*resumes the run from step 2's state; it must go on "
+                                  r"from the committed post-state of the last step that stored "
+                                  r"one \(step 5\)"):
+        client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
+      self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
+
+class CatchUpAfterKillTest(absltest.TestCase):
+  """A run killed mid-segment (step 7) restored from an earlier checkpoint than its last
+  committed state (step 5's): it replays the committed steps after it, answers the checks
+  the kill left unanswered, and refuses what it cannot replay, leaving the transcript
+  resumable."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-catch-up-"))
+    cls.crashed, cls.checkpoint = root / "crashed", root / "ckpt"
+    _kill_when_ready(_trainer(cls.crashed, cls.checkpoint, "--stop-at", "7",
+                              stdin=subprocess.PIPE))
+    cls.crashed_bytes = (cls.crashed / transcript.RECORDS_FILE).read_bytes()
+    cls.checkpoint5 = cls.checkpoint.with_name(f"{cls.checkpoint.name}.5")
+    # Resumed from its last committed state, as ResumeAfterKillTest checks it.
+    cls.folder = root / "resumed"
+    shutil.copytree(cls.crashed, cls.folder)
+    shutil.copy(cls.checkpoint5, root / "resumed-ckpt")
+    _finish(_trainer(cls.folder, root / "resumed-ckpt", "--resume"))
+
   def _crashed_copy(self, name: str, cut_after_step: int | None = None) -> pathlib.Path:
     """A copy of the crashed transcript, cut after step ``cut_after_step``'s record when
     given (killed before that step's checks were written)."""
@@ -388,40 +444,6 @@ class ResumeAfterKillTest(absltest.TestCase):
     self.assertEqual(code, 0, err[-2000:])
     self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
 
-  def test_a_torn_last_record_is_cut_off(self):
-    folder = pathlib.Path(tempfile.mkdtemp()) / "torn"
-    shutil.copytree(self.crashed, folder)
-    whole = (folder / transcript.RECORDS_FILE).read_bytes()
-    with open(folder / transcript.RECORDS_FILE, "ab") as f:
-      f.write(transcript.encode_record({"type": "step", "index": 7})[:-3])
-    writer, contents = transcript.TranscriptWriter.reopen(folder)
-    writer.close()
-    self.assertIsNone(contents.torn_tail)
-    self.assertEqual((folder / transcript.RECORDS_FILE).read_bytes(), whole)
-
-  def test_a_finished_or_foreign_transcript_is_not_resumed(self):
-    with self.assertRaisesRegex(errors.ProofStateError, "a finished proof is not resumed"):
-      zkdv.jax.ZKDV(NAME, resume=self.reference).start()
-    with self.assertRaisesRegex(errors.ProofStateError, "holds proof 'resumed-run'"):
-      zkdv.jax.ZKDV("another-run", resume=self.crashed).start()
-
-  def test_dvbench_takes_a_resumed_transcript_and_refuses_a_resume_past_a_commitment(self):
-    server = LocalServer(workers=1).start()
-    self.addCleanup(server.stop)
-    def back_to_step_2(records):  # another proof (root), as the attack above
-      step2 = [r for r in records if r["type"] == "step"][2]
-      return [{**records[0], "name": "dropped"}] + [
-          {**r, "after": 2, "state": step2["post_state"]} if r["type"] == "resume" else r
-          for r in records[1:] if not (r["type"] == "check" and 3 <= r["step"] <= 5)]
-    with mock.patch.dict(os.environ, {"DVBENCH_TOKEN": server.token("your-name")}):
-      client = dvbench.Client(server.url)
-      proof_id = client.experiment("your-name/resumed").upload(self.folder)
-      with self.assertRaisesRegex(dvbench.errors.ApiError,
-                                  r"409.*resumes the run from step 2's state; it must go on "
-                                  r"from the committed post-state of the last step that stored "
-                                  r"one \(step 5\)"):
-        client.experiment("your-name/dropped").upload(_rewrite(self.folder, back_to_step_2))
-      self.assertEqual(client.wait_for_verdict(proof_id, 240)["state"], "self-audited")
 
 class KeyedCatchUpTest(absltest.TestCase):
   """A run passing ``proof.step_key()`` to its steps, killed after step 7 and restored from
@@ -530,7 +552,25 @@ class LiveResumeOwingProbesTest(absltest.TestCase):
                      ("invalid", "step 6 was challenged for probes and never answered."))
 
 
-class LiveResumeAfterKillTest(absltest.TestCase):
+class _LiveOrbaxRuns:
+  """The live trainer with Orbax checkpoints (``cls.server``, ``cls.env`` of
+  ``_live_server``, ``cls.EXPERIMENT``; ``cls.checkpoint`` and ``cls.proof_id`` unless
+  given)."""
+
+  checkpoint = proof_id = None
+
+  @classmethod
+  def trainer(cls, folder, *flags, stdin=None, checkpoint=None, proof_id=None):
+    extra = ("--proof-id", proof_id or cls.proof_id) if "--resume" in flags else ()
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.resume_trainer", str(folder),
+         str(checkpoint or cls.checkpoint),
+         "--server", cls.server.url, "--experiment", cls.EXPERIMENT, "--orbax", *flags,
+         *extra],
+        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cls.env)
+
+
+class LiveResumeAfterKillTest(_LiveOrbaxRuns, absltest.TestCase):
   """A DVBench proof whose trainer is killed mid-segment becomes ``crashed``; resumed with
   ``experiment.proof(resume=ID)`` from its Orbax checkpoint it ends ``verified`` and ranks."""
 
@@ -554,57 +594,6 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     cls.records_after_altered = cls.client.proof_status(cls.proof_id)["records"]
     cls.resumed = _finish(cls.trainer(root / "resumed", "--resume"))
     cls.verdict = cls.client.wait_for_verdict(cls.proof_id, 240)
-    cls.caught_up = cls.killed_saving_a_checkpoint(root)
-    cls.unsent = cls.killed_before_its_blobs_left(root)
-
-  @classmethod
-  def killed_before_its_blobs_left(cls, root: pathlib.Path) -> dict:
-    """A run whose blobs never reached the server, killed after step 7: resumed into
-    another folder (refused), then into its own output_dir, which holds them."""
-    checkpoint, folder, out = root / "ckpt-unsent", root / "unsent", {}
-    killed = _kill_when_ready(cls.trainer(folder, "--stop-at", "7", "--unsent-blobs",
-                                          stdin=subprocess.PIPE, checkpoint=checkpoint))
-    proof_id = killed[1][-2].removeprefix("proof ")
-    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
-                       timeout=60, every=0.2)
-    out["elsewhere"] = _finish(cls.trainer(root / "unsent-elsewhere", "--resume",
-                                           checkpoint=checkpoint, proof_id=proof_id))
-    blob = sorted((folder / transcript.BLOBS_DIR).iterdir())[0]
-    intact = blob.read_bytes()
-    blob.write_bytes(bytes([intact[0] ^ 1]) + intact[1:])  # a damaged copy is not sent
-    out["damaged"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
-                                         proof_id=proof_id))
-    blob.write_bytes(intact)
-    out["resumed"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
-                                         proof_id=proof_id))
-    out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
-    return out
-
-  @classmethod
-  def killed_saving_a_checkpoint(cls, root: pathlib.Path) -> dict:
-    """A run killed after step 7 with the probes of step 5 (a committed step) unanswered
-    and its checkpoint of step 5 lost (as when killed while saving it), resumed: first from
-    a checkpoint of step 5 (refused), then from the one of step 2 (replays steps 3..5)."""
-    checkpoint, out = root / "ckpt-lost", {}
-    killed = _kill_when_ready(cls.trainer(root / "lost", "--stop-at", "7", "--unanswered",
-                                          "5", stdin=subprocess.PIPE, checkpoint=checkpoint))
-    out["proof_id"] = proof_id = killed[1][-2].removeprefix("proof ")
-    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
-                       timeout=60, every=0.2)
-    out["records_before"] = cls.client.proof_status(proof_id)["records"]
-    out["refused"] = _finish(cls.trainer(root / "lost-refused", "--resume",
-                                         checkpoint=checkpoint, proof_id=proof_id))
-    out["records_after_refused"] = cls.client.proof_status(proof_id)["records"]
-    shutil.rmtree(checkpoint / "5")  # its save never finished: the newest is step 2's
-    out["cut_short"] = _finish(cls.trainer(root / "lost-cut-short", "--resume",
-                                           "--finish-after", "3", checkpoint=checkpoint,
-                                           proof_id=proof_id))
-    out["after_cut_short"] = cls.client.proof_status(proof_id)
-    out["folder"] = root / "lost-resumed"
-    out["resumed"] = _finish(cls.trainer(out["folder"], "--resume", checkpoint=checkpoint,
-                                         proof_id=proof_id))
-    out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
-    return out
 
   @classmethod
   def resume_past_a_committed_state(cls):
@@ -626,16 +615,6 @@ class LiveResumeAfterKillTest(absltest.TestCase):
         {"kind": "records", "records": [record], "client_id": "f" * 32, "seq": 0}),
         headers={"content-type": "application/cbor",
                  "authorization": f"Bearer {cls.env['DVBENCH_TOKEN']}"})
-
-  @classmethod
-  def trainer(cls, folder, *flags, stdin=None, checkpoint=None, proof_id=None):
-    extra = ("--proof-id", proof_id or cls.proof_id) if "--resume" in flags else ()
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.resume_trainer", str(folder),
-         str(checkpoint or cls.checkpoint),
-         "--server", cls.server.url, "--experiment", cls.EXPERIMENT, "--orbax", *flags,
-         *extra],
-        stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cls.env)
 
   def test_the_killed_run_is_crashed_and_says_how_to_resume(self):
     code, lines = self.killed
@@ -662,48 +641,6 @@ class LiveResumeAfterKillTest(absltest.TestCase):
     self.assertIn("zkdv.errors.ResumeStateError: the restored state differs from the "
                   "post-state step 5 committed in leaf .params['Dense_0']['bias'].", err)
     self.assertEqual(self.records_after_altered, self.records_before)
-
-  def test_a_run_killed_saving_a_checkpoint_replays_from_the_one_before(self):
-    # Before, the probes of step 5 could never be answered (UnanswerableChallengeError)
-    # and the proof was lost.
-    out = self.caught_up
-    code, _, err = out["refused"]
-    self.assertNotEqual(code, 0)
-    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for probes "
-                  "before the crash and the transcript has no answer. Restore the state "
-                  "saved at the end of step 2 or of an earlier segment end, not the one of "
-                  "step 5", err)
-    self.assertEqual(out["records_after_refused"], out["records_before"])
-    # finish() during the replay names that, and leaves the proof open to be resumed.
-    code, _, err = out["cut_short"]
-    self.assertNotEqual(code, 0)
-    self.assertIn("zkdv.errors.ResumeStateError: the run finished at step 4 while replaying "
-                  "the committed steps 3..5", err)
-    self.assertNotIn("UploadError", err)
-    self.assertIn(out["after_cut_short"]["state"], ("receiving", "crashed"))  # not closed
-    code, _, err = out["resumed"]
-    self.assertEqual(code, 0, err[-3000:])
-    self.assertEqual(out["verdict"]["state"], "verified", out["verdict"])
-    kinds = [(r["type"], r.get("index", r.get("step")), r.get("kind"))
-             for r in testing.records_of(out["folder"])]
-    resumed_at = kinds.index(("resume", 7, None))
-    self.assertIn(("check", 5, "probe"), kinds[out["records_before"]:resumed_at])
-    self.assertEqual([k[1] for k in kinds if k[0] == "step"], list(range(13)))
-
-  def test_blobs_that_never_left_are_sent_from_the_runs_own_folder(self):
-    # Before, any blob the server lacked made the proof impossible to resume or close.
-    code, _, err = self.unsent["elsewhere"]
-    self.assertNotEqual(code, 0)
-    self.assertRegex(err, r"zkdv.errors.ProofStateError: the server never received blob "
-                     r"[0-9a-f]{64} \(and \d+ more\) that proof [0-9a-f]{64}'s stored records "
-                     r"name, and .*unsent-elsewhere/blobs holds no intact copy")
-    code, _, err = self.unsent["damaged"]
-    self.assertNotEqual(code, 0)
-    self.assertIn("holds no intact copy", err)
-    code, _, err = self.unsent["resumed"]
-    self.assertEqual(code, 0, err[-3000:])
-    self.assertRegex(err, r"blobs its stored records name never reached the server; sent from")
-    self.assertEqual(self.unsent["verdict"]["state"], "verified", self.unsent["verdict"])
 
   def test_the_resumed_proof_is_verified_with_every_claim_and_ranks(self):
     self.assertEqual(self.resumed[0], 0, self.resumed[2][-3000:])
@@ -787,6 +724,112 @@ class LiveResumeAfterKillTest(absltest.TestCase):
       self.client.experiment(self.EXPERIMENT).proof(
           resume=self.proof_id, config=zkdv.ZKDVConfig(
               output_dir=tempfile.mkdtemp() + "/t")).start()
+
+
+class LiveCatchUpTest(_LiveOrbaxRuns, absltest.TestCase):
+  """Live runs killed where a resume from the newest checkpoint used to lose the proof:
+  while saving a committed segment's checkpoint with a committed step's probes unanswered,
+  and before any blob reached the server."""
+
+  EXPERIMENT = "your-name/caught-up"
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = _live_server(cls, "dvbench-catch-up-")
+    cls.caught_up = cls.killed_saving_a_checkpoint(root)
+    cls.unsent = cls.killed_before_its_blobs_left(root)
+
+  @classmethod
+  def killed_before_its_blobs_left(cls, root: pathlib.Path) -> dict:
+    """A run whose blobs never reached the server, killed after step 7: resumed into
+    another folder (refused), then into its own output_dir, which holds them."""
+    checkpoint, folder, out = root / "ckpt-unsent", root / "unsent", {}
+    killed = _kill_when_ready(cls.trainer(folder, "--stop-at", "7", "--unsent-blobs",
+                                          stdin=subprocess.PIPE, checkpoint=checkpoint))
+    proof_id = killed[1][-2].removeprefix("proof ")
+    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
+                       timeout=60, every=0.2)
+    out["elsewhere"] = _finish(cls.trainer(root / "unsent-elsewhere", "--resume",
+                                           checkpoint=checkpoint, proof_id=proof_id))
+    blob = sorted((folder / transcript.BLOBS_DIR).iterdir())[0]
+    intact = blob.read_bytes()
+    blob.write_bytes(bytes([intact[0] ^ 1]) + intact[1:])  # a damaged copy is not sent
+    out["damaged"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
+                                         proof_id=proof_id))
+    blob.write_bytes(intact)
+    out["resumed"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
+                                         proof_id=proof_id))
+    out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
+    return out
+
+  @classmethod
+  def killed_saving_a_checkpoint(cls, root: pathlib.Path) -> dict:
+    """A run killed after step 7 with the probes of step 5 (a committed step) unanswered
+    and its checkpoint of step 5 lost (as when killed while saving it), resumed: first from
+    a checkpoint of step 5 (refused), then from the one of step 2 (replays steps 3..5)."""
+    checkpoint, out = root / "ckpt-lost", {}
+    killed = _kill_when_ready(cls.trainer(root / "lost", "--stop-at", "7", "--unanswered",
+                                          "5", stdin=subprocess.PIPE, checkpoint=checkpoint))
+    out["proof_id"] = proof_id = killed[1][-2].removeprefix("proof ")
+    testing.wait_until(lambda: cls.client.proof_status(proof_id)["state"] == "crashed",
+                       timeout=60, every=0.2)
+    out["records_before"] = cls.client.proof_status(proof_id)["records"]
+    out["refused"] = _finish(cls.trainer(root / "lost-refused", "--resume",
+                                         checkpoint=checkpoint, proof_id=proof_id))
+    out["records_after_refused"] = cls.client.proof_status(proof_id)["records"]
+    shutil.rmtree(checkpoint / "5")  # its save never finished: the newest is step 2's
+    out["cut_short"] = _finish(cls.trainer(root / "lost-cut-short", "--resume",
+                                           "--finish-after", "3", checkpoint=checkpoint,
+                                           proof_id=proof_id))
+    out["after_cut_short"] = cls.client.proof_status(proof_id)
+    out["folder"] = root / "lost-resumed"
+    out["resumed"] = _finish(cls.trainer(out["folder"], "--resume", checkpoint=checkpoint,
+                                         proof_id=proof_id))
+    out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
+    return out
+
+  def test_a_run_killed_saving_a_checkpoint_replays_from_the_one_before(self):
+    # Before, the probes of step 5 could never be answered (UnanswerableChallengeError)
+    # and the proof was lost.
+    out = self.caught_up
+    code, _, err = out["refused"]
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for probes "
+                  "before the crash and the transcript has no answer. Restore the state "
+                  "saved at the end of step 2 or of an earlier segment end, not the one of "
+                  "step 5", err)
+    self.assertEqual(out["records_after_refused"], out["records_before"])
+    # finish() during the replay names that, and leaves the proof open to be resumed.
+    code, _, err = out["cut_short"]
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.ResumeStateError: the run finished at step 4 while replaying "
+                  "the committed steps 3..5", err)
+    self.assertNotIn("UploadError", err)
+    self.assertIn(out["after_cut_short"]["state"], ("receiving", "crashed"))  # not closed
+    code, _, err = out["resumed"]
+    self.assertEqual(code, 0, err[-3000:])
+    self.assertEqual(out["verdict"]["state"], "verified", out["verdict"])
+    kinds = [(r["type"], r.get("index", r.get("step")), r.get("kind"))
+             for r in testing.records_of(out["folder"])]
+    resumed_at = kinds.index(("resume", 7, None))
+    self.assertIn(("check", 5, "probe"), kinds[out["records_before"]:resumed_at])
+    self.assertEqual([k[1] for k in kinds if k[0] == "step"], list(range(13)))
+
+  def test_blobs_that_never_left_are_sent_from_the_runs_own_folder(self):
+    # Before, any blob the server lacked made the proof impossible to resume or close.
+    code, _, err = self.unsent["elsewhere"]
+    self.assertNotEqual(code, 0)
+    self.assertRegex(err, r"zkdv.errors.ProofStateError: the server never received blob "
+                     r"[0-9a-f]{64} \(and \d+ more\) that proof [0-9a-f]{64}'s stored records "
+                     r"name, and .*unsent-elsewhere/blobs holds no intact copy")
+    code, _, err = self.unsent["damaged"]
+    self.assertNotEqual(code, 0)
+    self.assertIn("holds no intact copy", err)
+    code, _, err = self.unsent["resumed"]
+    self.assertEqual(code, 0, err[-3000:])
+    self.assertRegex(err, r"blobs its stored records name never reached the server; sent from")
+    self.assertEqual(self.unsent["verdict"]["state"], "verified", self.unsent["verdict"])
 
 
 class ResumedDataOrderTest(absltest.TestCase):
