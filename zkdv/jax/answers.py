@@ -34,7 +34,7 @@ class Answers:
     self.openings = openings
     self.replay = replay
     self.segments: dict[int, Segment] = {}  # first step -> segment
-    self.answered: frozenset = frozenset()  # (step, kind) a replayed step's records answer
+    self.answered: frozenset = frozenset()  # (step, kind) the records of replayed steps answer
     self._kept: dict[int, Kept] = {}
 
   @property
@@ -90,19 +90,19 @@ class Answers:
   def answer(self, decision: challenge.Decision, segment_decision) -> None:
     """Writes the check records that answer ``decision``: the probes of its step and,
     when the step ends a segment, the segment's update and state checks as
-    ``segment_decision`` chose them; none that a record answers already (``answered``:
-    a resumed run's replayed steps)."""
+    ``segment_decision`` chose them (a replayed segment's without the checks a record
+    answers: ``zkdv.jax.resume.CatchUp.segment``); probes only where no record answers
+    them already (``answered``: a resumed run's replayed steps)."""
     kept = self._kept[decision.step]
     segment = self._segment_ending(decision.step) if segment_decision is not None else None
-    answered = self.answered
     if segment is not None:
-      if segment_decision.update and (segment.last, "update") not in answered:
+      if segment_decision.update:
         jobs = [self._kept[i].job for i in range(segment.first, segment.last + 1)]
         self.openings.update(segment, jobs, self.replay)
-      if segment_decision.state and (segment.last, "state") not in answered:
+      if segment_decision.state:
         self.openings.state(segment.last, segment.end_views)
       segment.answered = True
-    if (decision.step, "probe") not in answered:
+    if (decision.step, "probe") not in self.answered:
       self.openings.probe(kept.job, decision, kept.trees)
     kept.answered = True
     self.release()
