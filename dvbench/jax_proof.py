@@ -13,6 +13,8 @@ import pathlib
 import shutil
 import tempfile
 
+import jax
+
 import zkdv
 from zkdv import challenge
 from zkdv import challengers
@@ -161,6 +163,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
     """Takes a proof slot and starts the run; a resumed proof (``resume=PROOF_ID``)
     reopens its stored records instead and goes on from its last committed state."""
     if self._resume_id is not None and self._group is None:
+      if jax.process_count() > 1:
+        raise zkdv_errors.ProofStateError(
+            f"proof {self._resume_id} cannot be resumed by a multi-process run: DVBench "
+            "resumes single-process proofs (a multi-process run resumes a self-challenged "
+            "transcript with zkdv.jax.ZKDV(name, config, resume=folder)).")
       folder = pathlib.Path(self.config.output_dir)
       self._stored = resume.reopen(self.experiment, self._resume_id, folder)
       self.resume_from = folder

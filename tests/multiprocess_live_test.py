@@ -44,16 +44,7 @@ from tests import testing
 """ + multiprocess_test.MESH + """
 x = np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
 y = np.arange(8, dtype=np.int32) % 10
-replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-by_column = NamedSharding(mesh, P(None, "model"))
-place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
-
-def plain_step(state, x, y):
-  def loss(params):
-    logits = state.apply_fn({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
+""" + multiprocess_test.STEP + """
 def halved_step(state, x, y):  # a second program: a new segment wherever it follows the first
   def loss(params):
     logits = state.apply_fn({"params": params}, x)

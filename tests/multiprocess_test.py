@@ -44,6 +44,19 @@ d = jax.devices()
 mesh = Mesh(np.array([[d[0], d[2]], [d[3], d[1]]]), ("data", "model"))
 model = testing.MLP(width=64)
 """
+# The shardings of the state (kernels by column) and of batches (by row) on MESH, a host
+# value placed with one of them, and the training step.
+STEP = """
+replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+by_column = NamedSharding(mesh, P(None, "model"))
+place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
+
+def plain_step(state, x, y):
+  def loss(params):
+    logits = state.apply_fn({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+"""
 
 TRAINER = """
 import json, os, sys
@@ -60,16 +73,7 @@ params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
 x = np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
 y = np.arange(8, dtype=np.int32) % 10
 
-def plain_step(state, x, y):
-  def loss(params):
-    logits = state.apply_fn({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-by_column = NamedSharding(mesh, P(None, "model"))
-place = lambda v, s: jax.make_array_from_callback(np.shape(v), s, lambda i: np.asarray(v)[i])
-
+""" + STEP + """
 def train(backend, name, folder, steps, checks, overlap, break_blobs=False, donate=(0,),
           placed=False):
   proof = zkdv.jax.ZKDV(name, zkdv.ZKDVConfig(

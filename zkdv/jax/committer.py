@@ -162,7 +162,8 @@ class Committer:
     replayed ones)."""
     def write(job):
       del job
-      self.writer.append(record, durable=True)
+      if self.writer is not None:  # in a multi-process run, process 0 writes it
+        self.writer.append(record, durable=True)
       self.resume_written = True
       self.answers.answered = frozenset()
     self.pipeline.submit(write)

@@ -30,6 +30,7 @@ from zkdv import overlap as overlap_lib
 from zkdv import records
 from zkdv.jax import _compat
 from zkdv.jax import arrays
+from zkdv.jax import resume as resume_lib
 from zkdv.jax import start as start_lib
 from zkdv.jax.commit_jobs import StepJob
 from zkdv.jax.shared_decisions import SharedDecisions
@@ -144,9 +145,11 @@ class Dispatcher:
     job.metrics = [(name, outs[i]) for name, i in program.metric_outputs]
     if self.shared is not None:
       self.shared.keep_post(job, post)
-    elif multi and decision.any_check:  # collectives stay on this thread
+    elif multi and job.segment_decision.any_check:  # collectives stay on this thread
+      # (a step is a segment here: its decision, less what a replayed step answered)
       job.checked = ([arrays.gather(x) for x in post],
-                     program.replay_sharded(job.opened) if decision.update else None)
+                     program.replay_sharded(job.opened) if job.segment_decision.update
+                     else None)
     submitted = committer.submit_step(job)
     # Only a step that ends a segment views its post-state (this step's input) on the
     # commit thread; a commit thread busy with other work (a check's openings) need not
@@ -181,7 +184,8 @@ class Dispatcher:
     state = [leaves[i] for i in program.state_indices]
     pieces = digests.state_digests(digests.materialize(
         digests.start_state(state, program.state_layouts)))
-    catch_up = self.restored.plan(program.state_layouts, pieces)
+    catch_up = resume_lib.plan_across(self._group, self.restored, program.state_layouts,
+                                      pieces, self._challenger.policy)
     if catch_up is None:
       self._committer.submit_resume(self.restored.record())
     else:
@@ -321,7 +325,12 @@ class Dispatcher:
     its resume needs: while it replays committed steps (ResumeStateError), and without a
     step when the transcript holds steps after its last committed state (the first step's
     ``resume`` discards them: ResumeStateError) or checks a crash left unanswered
-    (UnanswerableChallengeError). The transcript stays resumable."""
+    (UnanswerableChallengeError). The transcript stays resumable. In a multi-process run
+    process 0 decides, and every process raises the same error."""
+    if self.restored is not None or self.catch_up is not None or self._replayed is not None:
+      self._group.agree("resume/finish", self._check_resume_finishable)
+
+  def _check_resume_finishable(self) -> None:
     fix = "Nothing was written: resume again and train past it before proof.finish()."
     replayed = self._replayed
     if replayed is not None and replayed.resume["step"] > replayed.last + 1:

@@ -74,15 +74,6 @@ def _root_record(name: str, config: config_lib.ZKDVConfig, group, challenger,
   }
 
 
-def _follower_challenger(fields: dict, seed: bytes):
-  """The challenger of a process other than 0, from the root's challenger fields process 0
-  shared: the same effective policy, and process 0's seed or its server's decisions."""
-  policy = challenge.Policy.from_record(fields["policy"])
-  if fields["kind"] == "dvbench":
-    return shared_decisions.FollowerChallenger(fields, policy)
-  return challengers.SelfChallenger(policy, seed)
-
-
 def _identity(base):
   """The init function of ``proof.init_from(base)``: the base params themselves."""
   return base
@@ -218,8 +209,13 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     if group.is_writer:
       logger.info("ZKDV proof %r: transcript at %s (checks chosen by %s)", self.name, path,
                   self._challenger.kind)
+    elif "resume" in run:
+      message = ("process 0 resumes a proof while this process starts a new one: pass the "
+                 "same resume= on every process.")
+      group.report_failure(f"ProofStateError: {message}")
+      raise errors.ProofStateError(message)
     else:
-      self._challenger = _follower_challenger(run["challenger"], run["seed"])
+      self._challenger = shared_decisions.follower_challenger(run["challenger"], run["seed"])
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",
                   self.name, group.index, path)
     self._open(path, group, run["window"])  # process 0's: rounds follow the same window

@@ -118,6 +118,29 @@ class ProcessGroup:
       return value
     return cbor2.loads(self._get(key, f"{topic} from process 0", source=0, patient=True))
 
+  def agree(self, topic: str, decide: Callable[[], object]):
+    """``decide()``, run on process 0, and its value (CBOR-encodable) on every process.
+    A ZKDVError it raises is raised on every process, with process 0's message.
+
+    Example::
+
+      catch_up = group.agree("resume/plan", lambda: point.plan(layouts, pieces))
+    """
+    if not self.multi:
+      return decide()
+    if not self.is_writer:
+      outcome = self.broadcast(topic)
+      if "error" in outcome:
+        raise _error_named(outcome["error"], outcome["message"])
+      return outcome["value"]
+    try:
+      value = decide()
+    except errors.ZKDVError as e:
+      self.broadcast(topic, {"error": type(e).__name__, "message": str(e)})
+      raise
+    self.broadcast(topic, {"value": value})
+    return value
+
   def delete(self, topic: str) -> None:
     """Deletes process 0's ``broadcast`` of ``topic`` (once every process has read it)."""
     if self.multi:
@@ -177,6 +200,16 @@ class ProcessGroup:
               f"nothing ({type(e).__name__}: {e}). Every process of a multi-process run "
               "must call the same proof.jit steps in the same order; a process that "
               "stopped or diverged leaves the others waiting.") from e
+
+
+def _error_named(name: str, message: str) -> errors.ZKDVError:
+  """Process 0's ``zkdv.errors`` error ``name`` with its ``message``, to raise elsewhere."""
+  kind = getattr(errors, name, None)
+  if not (isinstance(kind, type) and issubclass(kind, errors.ZKDVError)):
+    kind = errors.CommitmentError
+  error = kind.__new__(kind)
+  Exception.__init__(error, message)  # the message as process 0 said it, not prefixed again
+  return error
 
 
 def merge(per_process: list, what: str) -> list:

@@ -19,6 +19,7 @@ Example::
 
 import dataclasses
 import logging
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -31,13 +32,15 @@ from zkdv import records as records_lib
 from zkdv import transcript
 from zkdv.digest import LeafLayout
 from zkdv.jax import processes
+from zkdv.jax import shared_decisions
 
 logger = logging.getLogger("zkdv")
 
 SEED_FILE = "challenger-seed"  # a self-challenged run's seed, kept until final reveals it
-# A resumed run may restore the state of one of this many last committed segment ends and
-# replay the committed steps after it (``CatchUp``); their records are kept for the replay.
-CATCH_UP_SEGMENTS = 64
+# A resumed run may restore the state of a committed segment end among this many last
+# steps and replay the committed steps after it (``CatchUp``); their records are kept for
+# the replay. (A multi-process run without a server commits every step.)
+CATCH_UP_STEPS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,18 @@ class ResumePoint:
 
   def record(self) -> dict:
     return {"type": "resume", "step": self.steps, "after": self.after, "state": self.state}
+
+  def shared(self) -> dict:
+    """What the other processes of a multi-process run follow of it (``following``)."""
+    return {"steps": self.steps, "after": self.after, "attested_start": self.attested_start,
+            "programs": [[i, n] for i, n in self.program_numbers.items()]}
+
+  @classmethod
+  def following(cls, shared: dict) -> "ResumePoint":
+    """The point of a process other than 0, from process 0's ``shared()``: process 0
+    alone reads the transcript and decides what the restored state is (``plan_across``)."""
+    return cls(shared["steps"], shared["after"], b"", [], [], [],
+               {i: n for i, n in shared["programs"]}, shared["attested_start"])
 
   def plan(self, layouts: list, pieces: list) -> "CatchUp | None":
     """None when the restored state (its ``layouts`` and piece digests) is the committed
@@ -175,10 +190,11 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
       discarded |= set(records_lib.discarded_steps(r["after"], r["step"]))
   owed, unanswered, decisions = _require_answers(steps, discarded, programs, answered,
                                                  challenge_of, fields["kind"], policy)
-  # The committed ends a run may restore: the last CATCH_UP_SEGMENTS (their records are
-  # kept while the run goes on), none before the state the last resume went on from.
-  ends = [s for s in committed[-CATCH_UP_SEGMENTS:]
-          if (resumed is None or s["index"] >= resumed[0]) and "post_state_leaves" in s]
+  # The committed ends a run may restore: those of the last CATCH_UP_STEPS steps (their
+  # records are kept while the run goes on), none before the state the last resume went on
+  # from.
+  ends = [s for s in committed if s["index"] > last["index"] - CATCH_UP_STEPS
+          and (resumed is None or s["index"] >= resumed[0]) and "post_state_leaves" in s]
   replayable = Replayable(
       {s["index"]: s for s in ends},
       {s["index"]: s for s in steps[ends[0]["index"] + 1:last["index"] + 1]},
@@ -251,8 +267,8 @@ class Replayable:
   """What a resumed run may replay of a transcript's committed steps (``CatchUp``).
 
   Attributes:
-    ends: step -> record of the committed segment ends it may restore (the last
-      ``CATCH_UP_SEGMENTS``, none before a ``resume``).
+    ends: step -> record of the committed segment ends it may restore (those of the last
+      ``CATCH_UP_STEPS`` steps, none before a ``resume``).
     steps: step -> record of every step after the first of them, up to the last end.
     answered: (step, kind) of every check record.
     unanswered: (step, kind) of the chosen checks of kept steps without a record.
@@ -321,6 +337,23 @@ class Replayable:
                    start["post_state_leaves"], point.record())
 
 
+def plan_across(group, point: ResumePoint, layouts: list, pieces: list,
+                policy: challenge.Policy) -> "CatchUp | None":
+  """``point.plan`` of a restored state of which this process hashed ``pieces`` (None
+  where another process holds a piece): process 0 plans from every process's pieces, and
+  every process gets the same ``CatchUp``, or raises the same error."""
+  every = group.gather("resume/state", pieces)
+  planned = None
+
+  def plan():  # on process 0
+    nonlocal planned
+    planned = point.plan(layouts, processes.merge(every, "restored state"))
+    return None if planned is None else planned.shared()
+
+  shared = group.agree("resume/plan", plan)
+  return planned if group.is_writer or shared is None else CatchUp.following(shared, policy)
+
+
 @dataclasses.dataclass
 class CatchUp:
   """Committed steps ``first..last`` a resumed run replays from the committed post-state
@@ -346,6 +379,29 @@ class CatchUp:
 
   def decision(self, step: int) -> challenge.Decision:
     return self.decisions[step]
+
+  def shared(self) -> dict:
+    """What the other processes of a multi-process run replay of it (``following``): the
+    steps, their challenges and segments, and which of their checks have records."""
+    steps = range(self.first, self.last + 1)
+    segments = []
+    for i in steps:
+      if ("segment", i) in self.decisions:
+        length, decision = self.decisions["segment", i]
+        segments.append([i, length, decision.step, decision.challenge])
+    return {"restored": self.restored, "first": self.first, "last": self.last,
+            "resume": self.resume, "answered": [[i, k] for i, k in self.answered if i in steps],
+            "steps": [[i, self.decisions[i].challenge] for i in steps], "segments": segments}
+
+  @classmethod
+  def following(cls, shared: dict, policy: challenge.Policy) -> "CatchUp":
+    """The replay of a process other than 0, from process 0's ``shared()``: the same
+    decisions; process 0 alone compares the records."""
+    decisions = {i: challenge.decide(i, c, policy) for i, c in shared["steps"]}
+    decisions.update({("segment", i): (length, challenge.decide(at, c, policy))
+                      for i, length, at, c in shared["segments"]})
+    return cls(shared["restored"], shared["first"], shared["last"], {}, decisions,
+               frozenset((i, k) for i, k in shared["answered"]), b"", [], shared["resume"])
 
   def segment(self, step: int) -> tuple[int, challenge.Decision]:
     """(length, decision) of the committed segment starting at ``step``, the decision
@@ -410,34 +466,57 @@ class ResumingRun:
     """Continues the unfinished transcript in ``resume_from`` (``zkdv.jax.resume``): the
     policy and challenges are the root's, step indices go on, and the first step checks
     that the restored state is the last committed one, or an earlier one it replays from
-    (``ResumePoint.plan``)."""
+    (``ResumePoint.plan``). In a multi-process run process 0 reads the transcript and the
+    others follow what it shares (every process passes ``resume=``)."""
     group = processes.ProcessGroup.current()
-    if group.multi:
-      raise errors.ProofStateError("resuming needs a single-process run.")
-    path = self.resume_from
-    writer, contents = transcript.TranscriptWriter.reopen(path)
-    try:
-      records = [p.record for p in contents.records]
-      check_unfinished(records)
-      root = records[0]
-      fields = root.get("challenger", {})
-      if root.get("name") != self.name:
-        raise errors.ProofStateError(
-            f"{path} holds proof {root.get('name')!r}; ZKDV({self.name!r}, resume=...) "
-            "continues a transcript of the same name.")
-      self._challenger, challenge_of = self._resumed_challenger(path, fields)
-      point = read_point(records, challenge_of)
-    except BaseException:
-      writer.close()
-      raise
-    self._writer = writer
-    self._key_seed = keys.key_seed(fields, writer.transcript_id)
+    path, point = self.resume_from, None
+
+    def reopen() -> dict:  # on process 0
+      nonlocal point
+      writer, contents = transcript.TranscriptWriter.reopen(path)
+      try:
+        records = [p.record for p in contents.records]
+        check_unfinished(records)
+        root = records[0]
+        fields = root.get("challenger", {})
+        if root.get("name") != self.name:
+          raise errors.ProofStateError(
+              f"{path} holds proof {root.get('name')!r}; ZKDV({self.name!r}, resume=...) "
+              "continues a transcript of the same name.")
+        if group.multi and fields.get("kind") != "self":
+          raise errors.ProofStateError(
+              f"{path} holds a proof challenged by {fields.get('kind')!r}: a multi-process "
+              "run resumes a self-challenged transcript only.")
+        self._challenger, challenge_of = self._resumed_challenger(path, fields)
+        point = read_point(records, challenge_of)
+      except BaseException:
+        writer.close()
+        raise
+      self._writer = writer
+      return {"run_id": os.urandom(16), "folder": str(path), "challenger": fields,
+              "resume": point.shared(),
+              "seed": self._challenger.seed if fields.get("kind") == "self" else None,
+              "key_seed": keys.key_seed(fields, writer.transcript_id)}
+
+    run = group.open_run(reopen)
+    if "resume" not in run:
+      message = ("process 0 started a new proof while this process resumes one: pass the "
+                 "same resume= on every process.")
+      group.report_failure(f"ProofStateError: {message}")
+      raise errors.ProofStateError(message)
+    if not group.is_writer:
+      self._challenger = shared_decisions.follower_challenger(run["challenger"], run["seed"])
+      point = ResumePoint.following(run["resume"])
+    path = pathlib.Path(run["folder"])
+    self._key_seed = run["key_seed"]
     self._open(path, group)
     self._committer.continue_from(point, self._key_seed)
     self._dispatcher.steps = point.steps
     self._dispatcher.restored = point
-    logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s)",
-                self.name, point.steps, point.after, path)
+    logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s%s)",
+                self.name, point.steps, point.after, path,
+                "" if group.is_writer else f", written by process 0; process {group.index} "
+                "commits its shards")
     return self
 
   def _resumed_challenger(self, path: pathlib.Path, fields: dict):

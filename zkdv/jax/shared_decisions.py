@@ -29,8 +29,18 @@ import dataclasses
 import numpy as np
 
 from zkdv import challenge
+from zkdv import challengers
 from zkdv import errors
 from zkdv.jax import arrays
+
+
+def follower_challenger(fields: dict, seed: bytes | None):
+  """The challenger of a process other than 0, from the root's challenger fields process 0
+  shared: the same effective policy, and process 0's seed or its server's decisions."""
+  policy = challenge.Policy.from_record(fields["policy"])
+  if fields["kind"] == "dvbench":
+    return FollowerChallenger(fields, policy)
+  return challengers.SelfChallenger(policy, seed)
 
 
 class FollowerChallenger:

@@ -1,0 +1,179 @@
+"""A preempted two-process run resumes: both processes are killed after step 5 (the last
+step's checks not yet written), then resumed from a checkpoint saved two steps earlier. The
+processes agree on what the restored state is (process 0 decides from every process's
+pieces), replay the committed steps 4 and 5, answer step 5's checks from the replay, and go
+on to a transcript that verifies and ends where a run that never crashed ends."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+from flax import serialization
+
+from dvbench.server.local import free_port
+from tests import testing
+from tests.multiprocess_test import JOIN
+from tests.multiprocess_test import MESH
+from tests.multiprocess_test import ROOT
+from tests.multiprocess_test import STEP
+from tests.multiprocess_test import run_python
+from zkdv import transcript
+
+STEPS, KILLED_AFTER, EVERY = 8, 6, 2  # steps in all; steps the killed run trained; checkpoints
+
+TRAINER = """
+import json, os, pathlib, sys
+process, port, work, mode = int(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3]), sys.argv[4]
+""" + JOIN + """
+import jax.numpy as jnp, numpy as np, optax
+from flax import serialization
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import zkdv
+from tests import testing
+""" + MESH + """
+""" + f"STEPS, KILLED_AFTER, EVERY = {STEPS}, {KILLED_AFTER}, {EVERY}\n" + """
+params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+xs = np.asarray(jax.random.normal(jax.random.key(1), (STEPS, 8, 16)))
+y = np.arange(8, dtype=np.int32) % 10
+""" + STEP + """
+def proof_of(name, resume=None):
+  config = zkdv.ZKDVConfig(output_dir=str(work / name), sampling_policy=zkdv.SamplingPolicy(
+      update_check_probability=1.0, state_check_probability=1.0))
+  return zkdv.jax.ZKDV(name, config, resume=resume)
+
+def run(proof, first=0, last=STEPS, restore=None, altered=False):
+  state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
+                                             tx=optax.adam(1e-3))
+  shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated,
+                           state)
+  if restore is not None:  # every process restores the whole state and places its shards
+    state = serialization.from_bytes(state, (work / f"ckpt-{process}-{restore}").read_bytes())
+    if altered:
+      state = state.replace(params=jax.tree.map(lambda v: v + 1, state.params))
+  state = jax.tree.map(place, state, shardings)
+  step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
+                   donate_argnums=0)
+  for i in range(first, last):
+    state = step(state, place(xs[i], rows), place(y, rows))
+    if proof.resume_from is None and (i + 1) % EVERY == 0:
+      proof.wait_for_commitments()
+      whole = multihost_utils.process_allgather(state, tiled=True)
+      (work / f"ckpt-{process}-{i + 1}").write_bytes(serialization.to_bytes(whole))
+  return multihost_utils.process_allgather(state.params, tiled=True)
+
+def attempt(restore, altered=False, resumed_here=True):
+  proof = proof_of("killed", resume=str(work / "killed") if resumed_here else None)
+  try:
+    with proof:
+      final = run(proof, restore, STEPS, restore, altered)
+  except zkdv.errors.ZKDVError as e:
+    return {"error": type(e).__name__, "message": str(e)}
+  if process == 0:
+    (work / "resumed-final").write_bytes(serialization.to_bytes(final))
+  return {"steps": proof.steps, "path": str(proof.path)}
+
+if mode == "kill":
+  with proof_of("reference") as proof:
+    final = run(proof)
+  if process == 0:
+    (work / "reference-final").write_bytes(serialization.to_bytes(final))
+  run(proof_of("killed"), 0, KILLED_AFTER)
+  print(json.dumps({"process": process}), flush=True)
+  os._exit(0)  # as a preemption: no finish(), nothing flushed or shut down
+print(json.dumps({"altered": attempt(KILLED_AFTER - EVERY, altered=True),
+                  "mismatched": attempt(KILLED_AFTER - EVERY, resumed_here=process == 0),
+                  "too_late": attempt(KILLED_AFTER),
+                  "resumed": attempt(KILLED_AFTER - EVERY)}))
+"""
+
+
+def _both(work: pathlib.Path, mode: str) -> list[dict]:
+  """Runs the trainer as the two processes of a run; each one's JSON output."""
+  port = free_port()
+  trainers = [subprocess.Popen(
+      [sys.executable, "-c", TRAINER, str(i), str(port), str(work), mode], cwd=work,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "PYTHONPATH": str(ROOT)}) for i in range(2)]
+  outputs = []
+  for trainer in trainers:
+    out, err = trainer.communicate(timeout=600)
+    assert trainer.returncode == 0, err[-3000:]
+    outputs.append(json.loads(out.strip().splitlines()[-1]))
+  return outputs
+
+
+class MultiProcessResumeTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.work = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-multiprocess-resume-"))
+    _both(cls.work, "kill")
+    cls.folder = cls.work / "killed"
+    # The kill came after step 5's record, before its checks: cut them off.
+    records = transcript.read_transcript(cls.folder).records
+    last = next(p for p in reversed(records) if p.record["type"] == "step")
+    assert last.record["index"] == KILLED_AFTER - 1, last.record
+    cls.cut = [p.record["kind"] for p in records[records.index(last) + 1:]]
+    with open(cls.folder / transcript.RECORDS_FILE, "r+b") as f:
+      f.truncate(last.offset + len(last.raw))
+    cls.crashed = (cls.folder / transcript.RECORDS_FILE).read_bytes()
+    cls.outputs = _both(cls.work, "resume")
+
+  def test_the_kill_left_step_5_committed_and_its_checks_unwritten(self):
+    self.assertEqual(self.cut, ["update", "state"])
+    self.assertTrue(self.crashed)
+
+  def test_an_altered_restored_state_is_refused_on_every_process(self):
+    for output in self.outputs:
+      refused = output["altered"]
+      self.assertEqual(refused["error"], "ResumeStateError", refused)
+      self.assertIn("the restored state differs from the post-state", refused["message"])
+      self.assertIn(".params['Dense_0']['bias']", refused["message"])
+
+  def test_a_process_that_does_not_resume_while_process_0_does_is_named(self):
+    said = "process 0 resumes a proof while this process starts a new one"
+    self.assertEqual(self.outputs[1]["mismatched"]["error"], "ProofStateError")
+    self.assertIn(said, self.outputs[1]["mismatched"]["message"])
+    self.assertEqual(self.outputs[0]["mismatched"]["error"], "CommitmentError")
+    self.assertIn(f"process 1 stopped committing, so resume/state from process 1 never came: "
+                  f"ProofStateError: {said}", self.outputs[0]["mismatched"]["message"])
+
+  def test_a_checkpoint_too_late_for_an_unanswered_check_is_refused_on_every_process(self):
+    for output in self.outputs:
+      refused = output["too_late"]
+      self.assertEqual(refused["error"], "UnanswerableChallengeError", refused)
+      self.assertIn(f"step {KILLED_AFTER - 1} was challenged for", refused["message"])
+      self.assertIn(f"Restore the state saved at the end of step {KILLED_AFTER - 2}",
+                    refused["message"])
+
+  def test_the_resumed_run_replays_answers_and_goes_on_in_one_chain(self):
+    self.assertEqual([o["resumed"] for o in self.outputs],
+                     [{"steps": STEPS, "path": str(self.folder)}] * 2)
+    records = testing.records_of(self.folder)
+    self.assertEqual([r["index"] for r in records if r["type"] == "step"], list(range(STEPS)))
+    resume = [(r["step"], r["after"]) for r in records if r["type"] == "resume"]
+    self.assertEqual(resume, [(KILLED_AFTER, KILLED_AFTER - 1)])
+    checks = [(r["step"], r["kind"]) for r in records if r["type"] == "check"]
+    self.assertEqual(sorted(checks), [(i, k) for i in range(STEPS) for k in ("state", "update")])
+    # The refused attempts wrote nothing: the transcript goes on from the crashed bytes.
+    self.assertEqual((self.folder / transcript.RECORDS_FILE).read_bytes()[:len(self.crashed)],
+                     self.crashed)
+
+  def test_the_resumed_run_verifies_and_ends_as_a_run_that_never_crashed(self):
+    result = run_python("from zkdv import cli; import sys; sys.exit(cli.main(sys.argv[1:]))",
+                        "verify", self.folder, "--json")
+    self.assertEqual(result.returncode, 0, result.stdout[-3000:] + result.stderr[-3000:])
+    self.assertEqual(json.loads(result.stdout)["verdict"], "verified")
+    reference = serialization.msgpack_restore((self.work / "reference-final").read_bytes())
+    resumed = serialization.msgpack_restore((self.work / "resumed-final").read_bytes())
+    testing.assert_bitwise_equal(resumed, reference)
+
+
+if __name__ == "__main__":
+  absltest.main()
