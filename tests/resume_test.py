@@ -264,17 +264,35 @@ class CatchUpAfterKillTest(absltest.TestCase):
     shutil.copy(self.checkpoint.with_name(f"{self.checkpoint.name}.{iteration}"), checkpoint)
     return _finish(_trainer(folder, checkpoint, "--resume", *flags))
 
-  def test_a_check_no_earlier_state_can_replay_cannot_be_resumed(self):
-    folder = self._crashed_copy("unanswered", cut_after_step=2)
+  def test_a_run_killed_before_its_first_checkpoint_replays_from_its_attested_start(self):
+    # Killed after step 2's record (the first segment end), before its checks and its
+    # checkpoint. Before, the proof was lost: "no committed state before it can be replayed".
+    folder = self._crashed_copy("from-start", cut_after_step=2)
     size = (folder / transcript.RECORDS_FILE).stat().st_size
-    proof = zkdv.jax.ZKDV(NAME, resume=folder)
-    with self.assertRaisesRegex(errors.UnanswerableChallengeError,
-                                r"^step 2 was challenged for an update check before the crash "
-                                r"and the transcript has no answer; its openings were lost "
-                                r"with the process and no committed state before it can be "
-                                r"replayed"):
-      proof.start()
+    code, _, err = self._resumed_from(folder, 2)
+    self.assertNotEqual(code, 0)
+    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 2 was challenged for an update "
+                  "check before the crash and the transcript has no answer. Restore the "
+                  "attested start (proof.init's state, no checkpoint restored), not the one "
+                  "step 2 committed", err)
     self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
+    code, _, err = _finish(_trainer(folder, folder.with_name("none"), "--resume", "--from-start"))
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertIn("the restored state is the attested start: steps 0..2 are replayed and "
+                  "compared with their records before the run goes on at step 3.", err)
+    kinds = [(r["type"], r.get("index", r.get("step")), r.get("kind"))
+             for r in testing.records_of(folder) if r["type"] in ("step", "resume", "check")]
+    resumed_at = kinds.index(("resume", 3, None))
+    self.assertEqual([k for k in kinds if k[0] == "step"],
+                     [("step", i, None) for i in range(resume_trainer.ITERATIONS)])  # once each
+    self.assertEqual([k for k in kinds if k[2] == "start"], [("check", 0, "start")])
+    for kind in ("update", "state", "probe"):
+      self.assertIn(("check", 2, kind), kinds[:resumed_at])
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
+    final, = testing.records_of(folder, "final")
+    resumed_final, = testing.records_of(self.folder, "final")  # resumed from step 5's
+    self.assertEqual(final["final_state"], resumed_final["final_state"])
 
   def test_a_run_restored_from_an_earlier_segment_end_replays_to_the_committed_state(self):
     # Killed while saving the checkpoint of step 5, which the transcript committed: the
@@ -303,8 +321,8 @@ class CatchUpAfterKillTest(absltest.TestCase):
     self.assertNotEqual(code, 0)
     self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for an update "
                   "check before the crash and the transcript has no answer. Restore the state "
-                  "saved at the end of step 2 or of an earlier segment end, not the one of "
-                  "step 5", err)
+                  "saved at the end of step 2 or of an earlier segment end, not the one step 5 "
+                  "committed", err)
     self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
     code, _, err = self._resumed_from(folder, 2)
     self.assertEqual(code, 0, err[-2000:])
@@ -743,7 +761,8 @@ class LiveCatchUpTest(_LiveOrbaxRuns, absltest.TestCase):
   @classmethod
   def killed_before_its_blobs_left(cls, root: pathlib.Path) -> dict:
     """A run whose blobs never reached the server, killed after step 7: resumed into
-    another folder (refused), then into its own output_dir, which holds them."""
+    another folder (refused), then into its own output_dir, which holds them (from its
+    attested start, without a checkpoint)."""
     checkpoint, folder, out = root / "ckpt-unsent", root / "unsent", {}
     killed = _kill_when_ready(cls.trainer(folder, "--stop-at", "7", "--unsent-blobs",
                                           stdin=subprocess.PIPE, checkpoint=checkpoint))
@@ -758,7 +777,9 @@ class LiveCatchUpTest(_LiveOrbaxRuns, absltest.TestCase):
     out["damaged"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
                                          proof_id=proof_id))
     blob.write_bytes(intact)
-    out["resumed"] = _finish(cls.trainer(folder, "--resume", checkpoint=checkpoint,
+    # From the attested start, as a run whose checkpoints were all lost: steps 0..5 replayed.
+    out["resumed"] = _finish(cls.trainer(folder, "--resume", "--from-start",
+                                         checkpoint=root / "ckpt-unsent-again",
                                          proof_id=proof_id))
     out["verdict"] = cls.client.wait_for_verdict(proof_id, 240)
     return out
@@ -797,8 +818,8 @@ class LiveCatchUpTest(_LiveOrbaxRuns, absltest.TestCase):
     self.assertNotEqual(code, 0)
     self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for probes "
                   "before the crash and the transcript has no answer. Restore the state "
-                  "saved at the end of step 2 or of an earlier segment end, not the one of "
-                  "step 5", err)
+                  "saved at the end of step 2 or of an earlier segment end, not the one step 5 "
+                  "committed", err)
     self.assertEqual(out["records_after_refused"], out["records_before"])
     # finish() during the replay names that, and leaves the proof open to be resumed.
     code, _, err = out["cut_short"]
@@ -829,6 +850,7 @@ class LiveCatchUpTest(_LiveOrbaxRuns, absltest.TestCase):
     code, _, err = self.unsent["resumed"]
     self.assertEqual(code, 0, err[-3000:])
     self.assertRegex(err, r"blobs its stored records name never reached the server; sent from")
+    self.assertIn("the restored state is the attested start: steps 0..5 are replayed", err)
     self.assertEqual(self.unsent["verdict"]["state"], "verified", self.unsent["verdict"])
 
 

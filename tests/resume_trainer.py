@@ -15,7 +15,8 @@ draws the batches with ``proof.batches`` from ``DATASET``; ``--finish-after I`` 
 ``proof.finish()`` right after iteration ``I``. With ``--server`` the proof is DVBench's,
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``); ``--unsent-blobs`` sends no blob (as a run killed
-before its uploads left). Prints ``checkpoint I``, ``ready`` and ``proof ID``
+before its uploads left); ``--from-start`` resumes without a checkpoint, from the state
+``proof.init`` gives (as a run killed before its first checkpoint). Prints ``checkpoint I``, ``ready`` and ``proof ID``
 lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
 instead (restoring the newest).
 """
@@ -89,6 +90,8 @@ def main() -> None:
   parser.add_argument("--key", action="store_true", help="pass proof.step_key() to the step")
   parser.add_argument("--finish-after", type=int, help="finish right after this iteration")
   parser.add_argument("--unsent-blobs", action="store_true", help="send no blob to the server")
+  parser.add_argument("--from-start", action="store_true",
+                      help="resumed, restore no checkpoint: go on from proof.init's state")
   args = parser.parse_args()
   if args.unanswered is not None:
     probe = zkdv.jax.openings.Openings.probe
@@ -111,7 +114,7 @@ def main() -> None:
   params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
   state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
                                              tx=optax.adam(1e-2))
-  if args.resume:
+  if args.resume and not args.from_start:
     state = restore(state)
     if args.alter:
       params = state.params

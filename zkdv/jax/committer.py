@@ -357,7 +357,7 @@ class Committer:
     else:
       self.writer.append(record)
       self.written_steps = job.index + 1
-    if job.index == 0 and self._init is not None:  # links the attested start to step 0
+    if job.index == 0 and self._init is not None and not replayed:  # links the start to step 0
       self.writer.append({"type": "check", "step": 0, "kind": "start",
                           "pre_state_pieces": self.answers.segments[0].start_pieces})
     if ends:

@@ -41,6 +41,7 @@ SEED_FILE = "challenger-seed"  # a self-challenged run's seed, kept until final 
 # steps and replay the committed steps after it (``CatchUp``); their records are kept for
 # the replay. (A multi-process run without a server commits every step.)
 CATCH_UP_STEPS = 2048
+START = -1  # the attested start as an end a run may restore: the state step 0 began from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +196,8 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   # from.
   ends = [s for s in committed if s["index"] > last["index"] - CATCH_UP_STEPS
           and (resumed is None or s["index"] >= resumed[0]) and "post_state_leaves" in s]
+  if resumed is None and last["index"] < CATCH_UP_STEPS:
+    ends = _attested_start(records, steps) + ends
   replayable = Replayable(
       {s["index"]: s for s in ends},
       {s["index"]: s for s in steps[ends[0]["index"] + 1:last["index"] + 1]},
@@ -257,6 +260,22 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
   return owed, unanswered, decisions
 
 
+def _attested_start(records: list[dict], steps: list[dict]) -> list[dict]:
+  """The attested start as an end a run may restore (``START``): step 0's pre-state, with
+  the piece digests its ``start`` check links to the init program's outputs; [] without an
+  attested start."""
+  linked = [r for r in records if r.get("type") == "check" and r.get("kind") == "start"]
+  if not linked or "pre_state" not in steps[0]:
+    return []
+  return [{"index": START, "post_state": steps[0]["pre_state"],
+           "post_state_leaves": linked[0]["pre_state_pieces"]}]
+
+
+def _state_at(end: int) -> str:
+  """How a message names the committed end ``end``: a step's, or the attested start."""
+  return "the attested start" if end == START else f"the one step {end} committed"
+
+
 def _step_of(key) -> int:
   """The step a ``Replayable.decisions`` key is of."""
   return key[1] if isinstance(key, tuple) else key
@@ -308,9 +327,12 @@ class Replayable:
              "no committed state before it can be replayed")
       return (f"{said}; its openings were lost with the process and {why}, so this proof "
               "can never be verified. Start a new proof.")
-    restored = "" if restored is None else f", not the one of step {restored}"
-    return (f"{said}. Restore the state saved at the end of step {max(before)} or of an "
-            f"earlier segment end{restored}: the resumed run replays the committed steps "
+    restored = "" if restored is None else f", not {_state_at(restored)}"
+    newest = max(before)
+    state = ("the attested start (proof.init's state, no checkpoint restored)"
+             if newest == START else
+             f"the state saved at the end of step {newest} or of an earlier segment end")
+    return (f"{said}. Restore {state}{restored}: the resumed run replays the committed steps "
             "after it (the same batches in the same order) and answers the check from the "
             "replay.")
 
@@ -320,16 +342,16 @@ class Replayable:
     UnanswerableChallengeError when an unanswered check is not after ``end``."""
     if self.draws_data:
       raise errors.ResumeStateError(
-          f"the restored state is the one step {end} committed, but a run drawing with "
+          f"the restored state is {_state_at(end)}, but a run drawing with "
           "proof.batches resumes only from the last committed state: restore the state "
           f"saved at the end of step {point.after}.")
     if self.unanswered and self.unanswered[0][0] <= end:
       raise errors.UnanswerableChallengeError(self.unanswered_message(end))
     # From the state a resume went on from, the replay goes on where that resume did.
     first = self.resumed[1] if self.resumed and end == self.resumed[0] else end + 1
-    logger.info("ZKDV: the restored state is the one step %d committed: steps %d..%d are "
-                "replayed and compared with their records before the run goes on at step "
-                "%d.", end, first, point.after, point.steps)
+    logger.info("ZKDV: the restored state is %s: steps %d..%d are replayed and compared "
+                "with their records before the run goes on at step %d.", _state_at(end),
+                first, point.after, point.steps)
     start = self.ends[end]
     return CatchUp(end, first, point.after,
                    {i: self.steps[i] for i in range(first, point.after + 1)},
