@@ -46,9 +46,11 @@ def proof_of(name, resume=None):
       update_check_probability=1.0, state_check_probability=1.0))
   return zkdv.jax.ZKDV(name, config, resume=resume)
 
-def run(proof, first=0, last=STEPS, restore=None, altered=False):
+def run(proof, first=0, last=STEPS, restore=None, altered=False, lost=None):
   state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
                                              tx=optax.adam(1e-3))
+  if process == lost:  # this process's checkpoint is gone
+    (work / "no-such-checkpoint").read_bytes()
   shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else replicated,
                            state)
   if restore is not None:  # every process restores the whole state and places its shards
@@ -66,12 +68,12 @@ def run(proof, first=0, last=STEPS, restore=None, altered=False):
       (work / f"ckpt-{process}-{i + 1}").write_bytes(serialization.to_bytes(whole))
   return multihost_utils.process_allgather(state.params, tiled=True)
 
-def attempt(restore, altered=False, resumed_here=True):
+def attempt(restore, altered=False, resumed_here=True, lost=None):
   proof = proof_of("killed", resume=str(work / "killed") if resumed_here else None)
   try:
     with proof:
-      final = run(proof, restore, STEPS, restore, altered)
-  except zkdv.errors.ZKDVError as e:
+      final = run(proof, restore, STEPS, restore, altered, lost)
+  except (zkdv.errors.ZKDVError, OSError) as e:
     return {"error": type(e).__name__, "message": str(e)}
   if process == 0:
     (work / "resumed-final").write_bytes(serialization.to_bytes(final))
@@ -87,6 +89,8 @@ if mode == "kill":
   os._exit(0)  # as a preemption: no finish(), nothing flushed or shut down
 print(json.dumps({"altered": attempt(KILLED_AFTER - EVERY, altered=True),
                   "mismatched": attempt(KILLED_AFTER - EVERY, resumed_here=process == 0),
+                  "lost": attempt(KILLED_AFTER - EVERY, lost=1),
+                  "mixed": attempt(KILLED_AFTER - EVERY * process),  # one checkpoint each
                   "too_late": attempt(KILLED_AFTER),
                   "resumed": attempt(KILLED_AFTER - EVERY)}))
 """
@@ -143,6 +147,22 @@ class MultiProcessResumeTest(absltest.TestCase):
     self.assertEqual(self.outputs[0]["mismatched"]["error"], "CommitmentError")
     self.assertIn(f"process 1 stopped committing, so resume/state from process 1 never came: "
                   f"ProofStateError: {said}", self.outputs[0]["mismatched"]["message"])
+
+  def test_a_process_that_fails_before_its_first_step_is_named_not_waited_for(self):
+    # Before, process 0 waited 600 s for process 1's restored state, which never came.
+    self.assertEqual(self.outputs[1]["lost"]["error"], "FileNotFoundError")
+    self.assertEqual(self.outputs[0]["lost"]["error"], "CommitmentError")
+    self.assertIn("process 1 stopped committing, so resume/state from process 1 never came: "
+                  "FileNotFoundError:", self.outputs[0]["lost"]["message"])
+
+  def test_processes_that_restore_different_checkpoints_are_named(self):
+    for output in self.outputs:
+      refused = output["mixed"]
+      self.assertEqual(refused["error"], "ResumeStateError", refused)
+      self.assertIn("the restored state differs from the post-state step 5 committed",
+                    refused["message"])
+      self.assertIn("Only process 1 restored pieces that differ: every process restores the "
+                    "same checkpoint.", refused["message"])
 
   def test_a_checkpoint_too_late_for_an_unanswered_check_is_refused_on_every_process(self):
     for output in self.outputs:

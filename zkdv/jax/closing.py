@@ -51,6 +51,11 @@ class ClosingRun:
   def _report_failure(self, error: BaseException) -> None:
     if isinstance(self._challenger, challengers.ServerChallenger):
       self._challenger.fail(f"committing failed: {type(error).__name__}: {error}")
+    self._tell_other_processes(error)
+
+  def _tell_other_processes(self, error: BaseException) -> None:
+    """Tells the other processes of a multi-process run that this one stopped, and why:
+    they may be waiting for it (a resumed run's first step waits for every process)."""
     try:
       self._group.report_failure(f"{type(error).__name__}: {error}")
     except Exception:  # pylint: disable=broad-except  # the failure itself is raised at finish
@@ -195,6 +200,7 @@ class ClosingRun:
       self.finish()
     elif not self._finished and self._group is not None:
       self._aborted = True  # the final record says the run did not end cleanly
+      self._tell_other_processes(exc)
       try:
         self.finish()
       except errors.ZKDVError:

@@ -124,7 +124,7 @@ class ProcessGroup:
 
     Example::
 
-      catch_up = group.agree("resume/plan", lambda: point.plan(layouts, pieces))
+      fields = group.agree("resume/plan", lambda: catch_up.shared())
     """
     if not self.multi:
       return decide()
@@ -135,8 +135,10 @@ class ProcessGroup:
       return outcome["value"]
     try:
       value = decide()
-    except errors.ZKDVError as e:
-      self.broadcast(topic, {"error": type(e).__name__, "message": str(e)})
+    except Exception as e:  # any failure: the others wait for this topic without a deadline
+      said = e if isinstance(e, errors.ZKDVError) else errors.CommitmentError(
+          f"process 0 failed: {type(e).__name__}: {e}")
+      self.broadcast(topic, {"error": type(said).__name__, "message": str(said)})
       raise
     self.broadcast(topic, {"value": value})
     return value

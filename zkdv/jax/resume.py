@@ -103,7 +103,8 @@ class ResumePoint:
   @classmethod
   def following(cls, shared: dict) -> "ResumePoint":
     """The point of a process other than 0, from process 0's ``shared()``: process 0
-    alone reads the transcript and decides what the restored state is (``plan_across``)."""
+    alone reads the transcript and decides what the restored state is (``plan_across``),
+    so the committed state's digests are empty here, and never read."""
     return cls(shared["steps"], shared["after"], b"", [], [], [],
                {i: n for i, n in shared["programs"]}, shared["attested_start"])
 
@@ -369,11 +370,25 @@ def plan_across(group, point: ResumePoint, layouts: list, pieces: list,
 
   def plan():  # on process 0
     nonlocal planned
-    planned = point.plan(layouts, processes.merge(every, "restored state"))
+    try:
+      planned = point.plan(layouts, processes.merge(every, "restored state"))
+    except errors.ResumeStateError as e:
+      differ = [i for i, held in enumerate(every) if _differs(held, point.pieces)]
+      if not 0 < len(differ) < len(every):
+        raise
+      raise errors.ResumeStateError(
+          f"{e} Only process{'es' * (len(differ) > 1)} {', '.join(map(str, differ))} "
+          "restored pieces that differ: every process restores the same checkpoint.") from None
     return None if planned is None else planned.shared()
 
   shared = group.agree("resume/plan", plan)
   return planned if group.is_writer or shared is None else CatchUp.following(shared, policy)
+
+
+def _differs(held: list, pieces: list) -> bool:
+  """Whether a process's piece digests (None where it holds no piece) differ from ``pieces``."""
+  return any(h is not None and h != p for leaf, committed in zip(held, pieces)
+             for h, p in zip(leaf, committed))
 
 
 @dataclasses.dataclass
@@ -418,7 +433,8 @@ class CatchUp:
   @classmethod
   def following(cls, shared: dict, policy: challenge.Policy) -> "CatchUp":
     """The replay of a process other than 0, from process 0's ``shared()``: the same
-    decisions; process 0 alone compares the records."""
+    decisions; process 0 alone compares the records (``records``, ``start_state`` and
+    ``start_pieces`` are empty here, and never read)."""
     decisions = {i: challenge.decide(i, c, policy) for i, c in shared["steps"]}
     decisions.update({("segment", i): (length, challenge.decide(at, c, policy))
                       for i, length, at, c in shared["segments"]})
