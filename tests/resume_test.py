@@ -428,7 +428,7 @@ class CatchUpAfterKillTest(absltest.TestCase):
 
   def test_an_earlier_end_of_the_same_state_is_restored_when_a_check_needs_it(self):
     same = {"post_state_leaves": [[b"state"]]}
-    replayable = zkdv.jax.resume.Replayable({2: same, 5: same}, {}, frozenset(), (), {}, False)
+    replayable = zkdv.jax.catch_up.Replayable({2: same, 5: same}, {}, frozenset(), (), {}, False)
     self.assertEqual(replayable.end_of([[b"state"]]), 5)
     unanswered = dataclasses.replace(replayable, unanswered=((5, "update"),))
     self.assertEqual(unanswered.end_of([[b"state"]]), 2)

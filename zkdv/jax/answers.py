@@ -91,7 +91,7 @@ class Answers:
     """Writes the check records that answer ``decision``: the probes of its step and,
     when the step ends a segment, the segment's update and state checks as
     ``segment_decision`` chose them (a replayed segment's without the checks a record
-    answers: ``zkdv.jax.resume.CatchUp.segment``); probes only where no record answers
+    answers: ``zkdv.jax.catch_up.CatchUp.segment``); probes only where no record answers
     them already (``answered``: a resumed run's replayed steps)."""
     kept = self._kept[decision.step]
     segment = self._segment_ending(decision.step) if segment_decision is not None else None

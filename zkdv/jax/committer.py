@@ -72,7 +72,7 @@ class Committer:
     self._init = None
     self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
     self.key_seed: bytes | None = None  # a resumed run's (``zkdv.keys.key_seed``)
-    self._catch_up = None  # a resumed run's ``zkdv.jax.resume.CatchUp`` while it replays
+    self._catch_up = None  # a resumed run's ``zkdv.jax.catch_up.CatchUp`` while it replays
     self.resume_written = False  # a resumed run's ``resume`` record is in the transcript
 
   @property
@@ -146,7 +146,7 @@ class Committer:
                             owed.decision, trees, own)
 
   def submit_catch_up(self, catch_up) -> None:
-    """Queues the replay of committed steps (a ``zkdv.jax.resume.CatchUp``), before its
+    """Queues the replay of committed steps (a ``zkdv.jax.catch_up.CatchUp``), before its
     first step: segments go on from the restored committed state, replayed step records
     are compared with the committed ones, and only checks without a record are answered."""
     def start(job):

@@ -30,7 +30,7 @@ from zkdv import overlap as overlap_lib
 from zkdv import records
 from zkdv.jax import _compat
 from zkdv.jax import arrays
-from zkdv.jax import resume as resume_lib
+from zkdv.jax import catch_up as catch_up_lib
 from zkdv.jax import start as start_lib
 from zkdv.jax.commit_jobs import StepJob
 from zkdv.jax.shared_decisions import SharedDecisions
@@ -177,14 +177,14 @@ class Dispatcher:
 
   def _check_restored(self, program, leaves: list) -> None:
     """A resumed run's first step: its state must be the committed one, or an earlier
-    committed one the run replays from (``zkdv.jax.resume.CatchUp``); ResumeStateError
+    committed one the run replays from (``zkdv.jax.catch_up.CatchUp``); ResumeStateError
     names the leaves that differ, and nothing is written. Then the ``resume`` record, or
     the replay first."""
     digests = self._digests
     state = [leaves[i] for i in program.state_indices]
     pieces = digests.state_digests(digests.materialize(
         digests.start_state(state, program.state_layouts)))
-    catch_up = resume_lib.plan_across(self._group, self.restored, program.state_layouts,
+    catch_up = catch_up_lib.plan_across(self._group, self.restored, program.state_layouts,
                                       pieces, self._challenger.policy)
     if catch_up is None:
       self._committer.submit_resume(self.restored.record())

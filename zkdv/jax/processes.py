@@ -120,7 +120,8 @@ class ProcessGroup:
 
   def agree(self, topic: str, decide: Callable[[], object]):
     """``decide()``, run on process 0, and its value (CBOR-encodable) on every process.
-    A ZKDVError it raises is raised on every process, with process 0's message.
+    What it raises is raised on process 0, and on the others as the same ZKDVError with
+    process 0's message (any other exception as a CommitmentError quoting it).
 
     Example::
 
