@@ -33,7 +33,6 @@ from dvbench.server.local import LocalServer
 from tests import benchmark_test
 from tests import resume_trainer
 from tests import testing
-from zkdv import challenge
 from zkdv import errors
 from zkdv import receipt
 from zkdv import transcript
@@ -414,21 +413,9 @@ class CatchUpAfterKillTest(absltest.TestCase):
                      [(5, 7), (9, 10)])
     self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
 
-  def test_a_run_drawing_batches_with_an_unanswered_check_is_told_at_start(self):
-    # proof.batches resumes from the last committed state only: no checkpoint can answer.
-    folder = self._crashed_copy("drawn", cut_after_step=5)
-    records = testing.records_of(folder)
-    records.insert(1, {"type": "data"})  # as proof.batches declares its dataset
-    seed = zkdv.jax.resume.saved_seed(folder, records[0]["challenger"])
-    with self.assertRaisesRegex(errors.UnanswerableChallengeError,
-                                "a run drawing with proof.batches replays nothing, so this "
-                                "proof can never be verified"):
-      zkdv.jax.resume.read_point(records,
-                                 lambda step: challenge.step_challenge_self(seed, step))
-
   def test_an_earlier_end_of_the_same_state_is_restored_when_a_check_needs_it(self):
     same = {"post_state_leaves": [[b"state"]]}
-    replayable = zkdv.jax.catch_up.Replayable({2: same, 5: same}, {}, frozenset(), (), {}, False)
+    replayable = zkdv.jax.catch_up.Replayable({2: same, 5: same}, {}, frozenset(), (), {})
     self.assertEqual(replayable.end_of([[b"state"]]), 5)
     unanswered = dataclasses.replace(replayable, unanswered=((5, "update"),))
     self.assertEqual(unanswered.end_of([[b"state"]]), 2)
@@ -854,21 +841,73 @@ class LiveCatchUpTest(_LiveOrbaxRuns, absltest.TestCase):
 
 class ResumedDataOrderTest(absltest.TestCase):
   """A run drawing ``proof.batches``, killed mid-segment and resumed: the resumed run goes
-  on with the batch after its restored state's, and verifies with its data order."""
+  on with the batch after its restored state's, and verifies with its data order; restored
+  from an earlier checkpoint, it replays from that checkpoint's batch."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-resume-data-"))
+    cls.folder, checkpoint = root / "run", root / "ckpt"
+    _kill_when_ready(_trainer(cls.folder, checkpoint, "--data", "--stop-at", "7",
+                              stdin=subprocess.PIPE))
+    # Killed after step 5's record, before its checks, while saving its checkpoint.
+    cls.caught_up = root / "caught-up"
+    shutil.copytree(cls.folder, cls.caught_up)
+    step = next(p for p in transcript.read_transcript(cls.caught_up).records
+                if p.record["type"] == "step" and p.record["index"] == 5)
+    with open(cls.caught_up / transcript.RECORDS_FILE, "r+b") as f:
+      f.truncate(step.offset + len(step.raw))
+    shutil.copy(checkpoint.with_name("ckpt.2"), root / "ckpt-2")
+    cls.resumed = _finish(_trainer(cls.folder, checkpoint, "--data", "--resume"))
+    cls.replayed = _finish(_trainer(cls.caught_up, root / "ckpt-2", "--data", "--resume"))
 
   def test_a_resumed_run_goes_on_with_the_seeded_order(self):
-    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-resume-data-"))
-    folder, checkpoint = root / "run", root / "ckpt"
-    _kill_when_ready(_trainer(folder, checkpoint, "--data", "--stop-at", "7",
-                              stdin=subprocess.PIPE))
-    code, _, err = _finish(_trainer(folder, checkpoint, "--data", "--resume"))
+    code, _, err = self.resumed
     self.assertEqual(code, 0, err[-2000:])
-    report = verify.verify(folder)
+    report = verify.verify(self.folder)
     self.assertEqual(report.verdict, "verified", [f.message for f in report.findings])
     self.assertStartsWith(report.claim("data").detail, "data order: self-seeded")
-    rows = [r["data_rows"] for r in testing.records_of(folder, "step")]
+    rows = [r["data_rows"] for r in testing.records_of(self.folder, "step")]
     self.assertEqual(rows[7], rows[6])  # step 6 was discarded: step 7 draws its batch again
     self.assertLen(set(rows[:7]), 7)
+
+  def test_a_run_restored_from_an_earlier_checkpoint_replays_its_batches(self):
+    # Before, a run drawing with proof.batches replayed nothing: step 5's unanswered checks
+    # made the proof one that could never be verified (UnanswerableChallengeError).
+    code, _, err = self.replayed
+    self.assertEqual(code, 0, err[-2000:])
+    self.assertIn("the restored state is the one step 2 committed: steps 3..5 are replayed",
+                  err)
+    records = testing.records_of(self.caught_up)
+    kinds = [(r["type"], r.get("step"), r.get("kind")) for r in records]
+    resumed_at = kinds.index(("resume", 6, None))
+    for kind in ("update", "state", "probe"):
+      self.assertIn(("check", 5, kind), kinds[:resumed_at])
+    report = verify.verify(self.caught_up)
+    self.assertEqual(report.verdict, "verified", [f.message for f in report.findings])
+    # The same batches, and the same end, as the run resumed from step 5's checkpoint.
+    resumed_steps = testing.records_of(self.folder, "step")
+    self.assertEqual([(r["index"], r["data_rows"]) for r in records if r["type"] == "step"],
+                     [(r["index"] - (r["index"] > 6), r["data_rows"]) for r in resumed_steps
+                      if r["index"] != 6])
+    final, = testing.records_of(self.caught_up, "final")
+    resumed_final, = testing.records_of(self.folder, "final")
+    self.assertEqual(final["final_state"], resumed_final["final_state"])
+
+  def test_a_grain_loader_cannot_go_back_and_says_what_can(self):
+    proof = testing.new_proof("grain-order")
+    proof.start()
+    order = zkdv.jax.sampler.DataOrder(
+        proof, zkdv.data.DatasetTree([np.arange(8, dtype=np.int32)]),
+        zkdv.data.DatasetTree([np.arange(8, dtype=np.int32)]).declaration(2))
+    self.assertEqual(order.go_back(1).number, 1)
+    self.assertEqual(order.drawn, 2)
+    order.reads_ahead = True  # as proof.grain_batches sets it
+    with self.assertRaisesRegex(errors.ResumeStateError,
+                                "proof.grain_batches reads its batches on from the last "
+                                "committed state: draw them with proof.batches"):
+      order.go_back(0)
 
 
 class DiscardedStepsLabelTest(absltest.TestCase):

@@ -47,7 +47,6 @@ class Replayable:
     unanswered: (step, kind) of the chosen checks of kept steps without a record.
     decisions: step -> decision, and ("segment", first step) -> (the segment's length,
       its deciding step's decision), of the steps after the first end.
-    draws_data: the run draws its batches with ``proof.batches`` (it replays nothing).
     resumed: (after, step) of the transcript's last ``resume`` record, or None.
   """
 
@@ -56,7 +55,6 @@ class Replayable:
   answered: frozenset
   unanswered: tuple
   decisions: dict
-  draws_data: bool
   resumed: tuple | None = None
 
   def end_of(self, pieces: list) -> int | None:
@@ -68,7 +66,7 @@ class Replayable:
     return max(before or matching, default=None)
 
   def restores_before(self, step: int) -> bool:
-    return not self.draws_data and any(end < step for end in self.ends)
+    return any(end < step for end in self.ends)
 
   def unanswered_message(self, restored: int | None) -> str:
     """What the first unanswered check needs: a state restored before it, else a new proof."""
@@ -76,11 +74,10 @@ class Replayable:
     said = (f"step {step} was challenged for {challenge.CHECK_NAMES[kind]} before the crash and the "
             "transcript has no answer")
     before = [end for end in self.ends if end < step]
-    if not before or self.draws_data:
-      why = ("a run drawing with proof.batches replays nothing" if self.draws_data else
-             "no committed state before it can be replayed")
-      return (f"{said}; its openings were lost with the process and {why}, so this proof "
-              "can never be verified. Start a new proof.")
+    if not before:
+      return (f"{said}; its openings were lost with the process and no committed state "
+              "before it can be replayed, so this proof can never be verified. Start a new "
+              "proof.")
     restored = "" if restored is None else f", not {_state_at(restored)}"
     newest = max(before)
     state = ("the attested start (proof.init's state, no checkpoint restored)"
@@ -93,13 +90,7 @@ class Replayable:
   def catch_up(self, end: int, point) -> "CatchUp":
     """The ``CatchUp`` of a run restored at committed end ``end``, before ``point.after``
     (``point``: the transcript's ``zkdv.jax.resume.ResumePoint``).
-    Raises ResumeStateError for a run drawing with ``proof.batches``, and
-    UnanswerableChallengeError when an unanswered check is not after ``end``."""
-    if self.draws_data:
-      raise errors.ResumeStateError(
-          f"the restored state is {_state_at(end)}, but a run drawing with "
-          "proof.batches resumes only from the last committed state: restore the state "
-          f"saved at the end of step {point.after}.")
+    Raises UnanswerableChallengeError when an unanswered check is not after ``end``."""
     if self.unanswered and self.unanswered[0][0] <= end:
       raise errors.UnanswerableChallengeError(self.unanswered_message(end))
     # From the state a resume went on from, the replay goes on where that resume did.

@@ -202,8 +202,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
       {s["index"]: s for s in ends},
       {s["index"]: s for s in steps[ends[0]["index"] + 1:last["index"] + 1]},
       frozenset(answered), tuple(unanswered),
-      {i: d for i, d in decisions.items() if _step_of(i) > ends[0]["index"]},
-      any(r.get("type") == "data" for r in records), resumed)
+      {i: d for i, d in decisions.items() if _step_of(i) > ends[0]["index"]}, resumed)
   if unanswered:
     message = replayable.unanswered_message(None)
     if not replayable.restores_before(unanswered[0][0]):

@@ -35,6 +35,17 @@ class SampledBatch:
   def __init__(self, order: "DataOrder", number: int, rows: np.ndarray):
     self.order, self.number, self.rows = order, number, rows
 
+  def inputs(self, program, leaves: list) -> list:
+    """A step's input ``leaves`` with its batch leaves holding this batch's dataset rows,
+    placed as they were (a resumed run's replay: ``DataOrder.go_back``)."""
+    out = list(leaves)
+    for i, held in zip(program.batch_indices, self._data_leaves(program.batch_layouts)):
+      if held is not None:
+        rows = self.order.tree.leaves[held][self.rows]
+        sharding = getattr(leaves[i], "sharding", None)
+        out[i] = rows if sharding is None else jax.device_put(rows, sharding)
+    return out
+
   def record_field(self) -> bytes:
     """The step record's ``data_rows``."""
     return data_lib.pack_rows(self.rows)
@@ -96,6 +107,7 @@ class DataOrder:
     self.tree, self.declaration = tree, declaration
     self.order = data_lib.Order(proof._key_seed, declaration)  # pylint: disable=protected-access
     self.drawn = 0  # batches drawn so far
+    self.reads_ahead = False  # a Grain loader reads the order from where it was created
     self._pending: list[SampledBatch] = []
     self._lock = threading.Lock()
 
@@ -106,6 +118,21 @@ class DataOrder:
       self.drawn += 1
       self._pending.append(batch)
     return batch
+
+  def go_back(self, number: int) -> SampledBatch:
+    """Batch ``number`` again, for a resumed run that replays the committed steps after an
+    earlier end than the last: the order goes on after it. ResumeStateError when a Grain
+    loader reads the order ahead (``proof.grain_batches``)."""
+    if self.reads_ahead:
+      raise errors.ResumeStateError(
+          "the restored state is an earlier committed end than the last, and "
+          "proof.grain_batches reads its batches on from the last committed state: draw "
+          "them with proof.batches (the same order) to replay the steps after it, or "
+          "restore the last committed state.")
+    with self._lock:
+      self._pending.clear()
+      self.drawn = number + 1
+      return SampledBatch(self, number, self.order.batch(number))
 
   def take(self, step: int) -> SampledBatch:
     """The batch step ``step`` consumes: the oldest drawn and not yet stepped on."""
@@ -217,6 +244,7 @@ def grain_batches(proof, source, batch_size: int, epochs: int = 1, read_options=
   del records
   order = _order_for(proof, leaves, [jax.tree_util.keystr(p) for p, _ in flat], batch_size)
   count = epochs * order.declaration.batches_per_epoch
+  order.reads_ahead = True
   dataset = grain.MapDataset.source(_Ordered(source, order, order.drawn, count)).batch(
       batch_size, drop_remainder=True).to_iter_dataset(read_options)
   for batch in dataset:
