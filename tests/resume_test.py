@@ -19,8 +19,10 @@ import tempfile
 from unittest import mock
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as orbax
 from absl.testing import absltest
 from flax import serialization
@@ -450,6 +452,61 @@ class CatchUpAfterKillTest(absltest.TestCase):
     self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
 
 
+def _computing_init_adam():
+  """Adam beside a state its init computes from the params (floats whose bits differ when
+  run eagerly and compiled)."""
+  adam = optax.adam(1e-2)
+
+  def init(params):
+    return adam.init(params), jax.tree.map(
+        lambda x: jnp.tanh(x) * 0.3 + jnp.exp(x * 0.1) * jnp.sin(x) + x * x * 1.7, params)
+
+  def update(grads, state, params=None):
+    updates, inner = adam.update(grads, state[0], params)
+    return updates, (inner, state[1])
+
+  return optax.GradientTransformation(init, update)
+
+
+class StartStateRebuiltTest(absltest.TestCase):
+  """A resume from the attested start builds the start state with the init program that
+  recorded it (``TrainState.create`` through ``proof.extend_init``), not eagerly: with an
+  optimizer whose init computes floats, the eager state had other bits and the resume was
+  refused (``ResumeStateError`` naming every leaf)."""
+
+  def _train(self, folder: pathlib.Path, resume: bool = False, copy_to=None):
+    config = zkdv.ZKDVConfig(sampling_policy=zkdv.SamplingPolicy(
+        update_check_probability=1.0, state_check_probability=1.0),
+                             output_dir=folder, segment_length=resume_trainer.SEGMENT)
+    proof = zkdv.jax.ZKDV(NAME, config, resume=folder if resume else None)
+    proof.start(rolling_window=4, probe_ratio=0.5)
+    model = testing.TinyClassifier()
+    params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
+    state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply,
+                                               params=params, tx=_computing_init_adam())
+    step = proof.jit(testing.classifier_step, donate_argnums=(0,))
+    for iteration in range(resume_trainer.ITERATIONS):
+      state = step(state, jnp.asarray(resume_trainer.batch_for(iteration)))
+      if iteration == 4 and copy_to is not None:  # killed here, before its checkpoint
+        proof.wait_for_commitments()
+        shutil.copytree(folder, copy_to)
+    proof.finish()
+
+  def test_a_resume_from_the_start_rebuilds_the_start_state_bit_for_bit(self):
+    root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-start-state-"))
+    self._train(root / "run", copy_to=root / "killed")
+    step = next(p for p in transcript.read_transcript(root / "killed").records
+                if p.record["type"] == "step" and p.record["index"] == 2)
+    with open(root / "killed" / transcript.RECORDS_FILE, "r+b") as f:
+      f.truncate(step.offset + len(step.raw))  # step 2's checks never written
+    self._train(root / "killed", resume=True)
+    report = verify.verify(root / "killed")
+    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
+    final, = testing.records_of(root / "killed", "final")
+    uncrashed, = testing.records_of(root / "run", "final")
+    self.assertEqual(final["final_state"], uncrashed["final_state"])
+
+
 class KeyedCatchUpTest(absltest.TestCase):
   """A run passing ``proof.step_key()`` to its steps, killed after step 7 and restored from
   its checkpoint of step 2: its first step's key was drawn for step 7 before the run knew
@@ -860,7 +917,8 @@ class ResumedDataOrderTest(absltest.TestCase):
       f.truncate(step.offset + len(step.raw))
     shutil.copy(checkpoint.with_name("ckpt.2"), root / "ckpt-2")
     cls.resumed = _finish(_trainer(cls.folder, checkpoint, "--data", "--resume"))
-    cls.replayed = _finish(_trainer(cls.caught_up, root / "ckpt-2", "--data", "--resume"))
+    cls.replayed = _finish(_trainer(cls.caught_up, root / "ckpt-2", "--data", "--resume",
+                                    "--prefetch", "2"))
 
   def test_a_resumed_run_goes_on_with_the_seeded_order(self):
     code, _, err = self.resumed
@@ -874,7 +932,8 @@ class ResumedDataOrderTest(absltest.TestCase):
 
   def test_a_run_restored_from_an_earlier_checkpoint_replays_its_batches(self):
     # Before, a run drawing with proof.batches replayed nothing: step 5's unanswered checks
-    # made the proof one that could never be verified (UnanswerableChallengeError).
+    # made the proof one that could never be verified (UnanswerableChallengeError). Its loop
+    # draws two batches ahead, on the device: they are drawn again from the replay's batch.
     code, _, err = self.replayed
     self.assertEqual(code, 0, err[-2000:])
     self.assertIn("the restored state is the one step 2 committed: steps 3..5 are replayed",
@@ -901,13 +960,15 @@ class ResumedDataOrderTest(absltest.TestCase):
     order = zkdv.jax.sampler.DataOrder(
         proof, zkdv.data.DatasetTree([np.arange(8, dtype=np.int32)]),
         zkdv.data.DatasetTree([np.arange(8, dtype=np.int32)]).declaration(2))
-    self.assertEqual(order.go_back(1).number, 1)
+    self.assertEqual(order.go_back(1, "the one step 1 committed").number, 1)
     self.assertEqual(order.drawn, 2)
     order.reads_ahead = True  # as proof.grain_batches sets it
     with self.assertRaisesRegex(errors.ResumeStateError,
-                                "proof.grain_batches reads its batches on from the last "
-                                "committed state: draw them with proof.batches"):
-      order.go_back(0)
+                                "the restored state is the attested start, before the last "
+                                "committed state, and proof.grain_batches reads its batches "
+                                "on from the last committed state: draw them with "
+                                "proof.batches"):
+      order.go_back(0, "the attested start")
 
 
 class DiscardedStepsLabelTest(absltest.TestCase):

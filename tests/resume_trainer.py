@@ -16,12 +16,15 @@ draws the batches with ``proof.batches`` from ``DATASET``; ``--finish-after I`` 
 challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof-id``
 (``experiment.proof(resume=...)``); ``--unsent-blobs`` sends no blob (as a run killed
 before its uploads left); ``--from-start`` resumes without a checkpoint, from the state
-``proof.init`` gives (as a run killed before its first checkpoint). Prints ``checkpoint I``, ``ready`` and ``proof ID``
+``proof.init`` gives (as a run killed before its first checkpoint); ``--prefetch N`` draws
+``--data`` batches ``N`` ahead of the loop, on the device. Prints ``checkpoint I``, ``ready`` and ``proof ID``
 lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
 instead (restoring the newest).
 """
 
 import argparse
+import collections
+import itertools
 import pathlib
 import sys
 
@@ -46,6 +49,16 @@ DATASET = np.concatenate([np.roll(testing.TUTORIAL_BATCH, n, axis=1) for n in ra
 def batch_for(iteration: int) -> np.ndarray:
   """The batch of a training iteration: the same wherever a run resumes."""
   return np.roll(testing.TUTORIAL_BATCH, iteration, axis=0)
+
+
+def _prefetched(batches, ahead: int):
+  """``batches`` drawn ``ahead`` batches ahead of the loop and put on the first device, as
+  a loader that prefetches to the device does."""
+  queue = collections.deque(jax.device_put(b, jax.devices()[0])
+                            for b in itertools.islice(batches, ahead))
+  while queue:
+    yield queue.popleft()
+    queue.extend(jax.device_put(b, jax.devices()[0]) for b in itertools.islice(batches, 1))
 
 
 def _flax_serialization(path: pathlib.Path):
@@ -90,6 +103,8 @@ def main() -> None:
   parser.add_argument("--key", action="store_true", help="pass proof.step_key() to the step")
   parser.add_argument("--finish-after", type=int, help="finish right after this iteration")
   parser.add_argument("--unsent-blobs", action="store_true", help="send no blob to the server")
+  parser.add_argument("--prefetch", type=int, default=0,
+                      help="with --data, draw this many batches ahead, put on the device")
   parser.add_argument("--from-start", action="store_true",
                       help="resumed, restore no checkpoint: go on from proof.init's state")
   args = parser.parse_args()
@@ -125,6 +140,8 @@ def main() -> None:
     return testing.classifier_step(state, batch * keep.astype(batch.dtype))
   step = proof.jit(keyed_step if args.key else testing.classifier_step, donate_argnums=(0,))
   drawn = proof.batches(DATASET, batch_size=4, epochs=ITERATIONS // 4) if args.data else None
+  if drawn is not None and args.prefetch:
+    drawn = _prefetched(drawn, args.prefetch)
   for iteration in range(int(state.step), ITERATIONS):
     batch = batch_for(iteration)
     if args.other_batches:  # its columns turned: no row of any batch_for

@@ -30,7 +30,7 @@ CATCH_UP_STEPS = 2048
 START = -1  # the attested start as an end a run may restore: the state step 0 began from
 
 
-def _state_at(end: int) -> str:
+def state_at(end: int) -> str:
   """How a message names the committed end ``end``: a step's, or the attested start."""
   return "the attested start" if end == START else f"the one step {end} committed"
 
@@ -41,7 +41,7 @@ class Replayable:
 
   Attributes:
     ends: step -> record of the committed segment ends it may restore (those of the last
-      ``CATCH_UP_STEPS`` steps, none before a ``resume``).
+      ``CATCH_UP_STEPS`` steps, none before a ``resume``; ``START``: the attested start).
     steps: step -> record of every step after the first of them, up to the last end.
     answered: (step, kind) of every check record.
     unanswered: (step, kind) of the chosen checks of kept steps without a record.
@@ -78,7 +78,7 @@ class Replayable:
       return (f"{said}; its openings were lost with the process and no committed state "
               "before it can be replayed, so this proof can never be verified. Start a new "
               "proof.")
-    restored = "" if restored is None else f", not {_state_at(restored)}"
+    restored = "" if restored is None else f", not {state_at(restored)}"
     newest = max(before)
     state = ("the attested start (proof.init's state, no checkpoint restored)"
              if newest == START else
@@ -96,7 +96,7 @@ class Replayable:
     # From the state a resume went on from, the replay goes on where that resume did.
     first = self.resumed[1] if self.resumed and end == self.resumed[0] else end + 1
     logger.info("ZKDV: the restored state is %s: steps %d..%d are replayed and compared "
-                "with their records before the run goes on at step %d.", _state_at(end),
+                "with their records before the run goes on at step %d.", state_at(end),
                 first, point.after, point.steps)
     start = self.ends[end]
     return CatchUp(end, first, point.after,

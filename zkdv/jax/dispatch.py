@@ -97,7 +97,9 @@ class Dispatcher:
     if not multi:  # across processes, failures wait for finish(): see ProcessGroup.agree_on_outcome
       committer.pipeline.raise_if_failed()
     if self.restored is not None:
-      leaves, data = self._check_restored(program, leaves, data)
+      data = self._check_restored(program, leaves, data)
+    if data is not None and data.redrawn:  # drawn before the replay went back: other rows
+      leaves = data.put_into(program, leaves)
     elif self._replayed is not None:  # the first step after a replay: the run goes on
       committer.submit_resume(self._replayed.resume)
       self._replayed = None
@@ -175,12 +177,12 @@ class Dispatcher:
       committer.pipeline.raise_if_failed()
     return outs
 
-  def _check_restored(self, program, leaves: list, data) -> tuple[list, object]:
+  def _check_restored(self, program, leaves: list, data):
     """A resumed run's first step: its state must be the committed one, or an earlier
     committed one the run replays from (``zkdv.jax.catch_up.CatchUp``); ResumeStateError
     names the leaves that differ, and nothing is written. Then the ``resume`` record, or
-    the replay first: returns the step's inputs and batch, for a run drawing with
-    ``proof.batches`` those of its first replayed step."""
+    the replay first. Returns the step's batch from ``proof.batches`` (``data``), the first
+    replayed step's when the run replays."""
     digests = self._digests
     state = [leaves[i] for i in program.state_indices]
     pieces = digests.state_digests(digests.materialize(
@@ -191,13 +193,13 @@ class Dispatcher:
       self._committer.submit_resume(self.restored.record())
     else:
       if data is not None:  # proof.batches drew the batch after the last committed state
-        data = data.order.go_back(data.number - (catch_up.last + 1 - catch_up.first))
-        leaves = data.inputs(program, leaves)
+        data = data.order.go_back(data.number - (catch_up.last + 1 - catch_up.first),
+                                  catch_up_lib.state_at(catch_up.restored))
       self._rekey(program, leaves, self.steps, catch_up.first)
       self.catch_up, self.steps = catch_up, catch_up.first
       self._committer.submit_catch_up(catch_up)
     self.restored = None
-    return leaves, data
+    return data
 
   def _rekey(self, program, leaves: list, drawn_for: int, step: int) -> None:
     """Gives the PRNG-key batch leaves that hold step ``drawn_for``'s key (``proof.step_key()``

@@ -126,6 +126,7 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     self._dispatcher: Dispatcher | None = None
     self._key_seed: bytes | None = None  # the seed of the proof's keys (zkdv.keys)
     self._pending_init: start_lib.InitProgram | None = None  # written before step 0
+    self._resumed_init: start_lib.InitProgram | None = None  # recorded before a crash
     self._data_order: sampler.DataOrder | None = None  # set by proof.batches
 
   def __repr__(self):
@@ -302,8 +303,10 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
   def _attest_start(self, init_fn, args: tuple, kwargs: dict, base=None):
     self.ensure_started()
     if self.resume_from is not None and self._committer.init_recorded:
-      # attested before the crash: the same outputs, from the same start key
-      return start_lib.run_init(init_fn, args, kwargs, self._key_seed, base).outputs
+      # attested before the crash: the same outputs, from the same start key (kept, so that
+      # TrainState.create builds the start state with the program that recorded it)
+      self._resumed_init = start_lib.run_init(init_fn, args, kwargs, self._key_seed, base)
+      return self._resumed_init.outputs
     if self.steps:
       raise errors.ProofStateError(
           f"{self!r} already recorded {self.steps} steps; proof.init() attests the "
@@ -316,7 +319,13 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
 
   def extend_init(self, part, build):
     """``build(part)`` as outputs of the init program when ``part`` came from
-    ``proof.init`` and no step ran yet (``TrainState.create`` calls it); else None."""
+    ``proof.init`` and no step ran yet (``TrainState.create`` calls it); else None. A
+    resumed run builds it the same way, recording nothing: a state built outside that
+    program may differ in its bits (an optimizer's init computed eagerly), and the attested
+    start is a state the run may replay from."""
+    if self._resumed_init is not None and self._dispatcher.restored is not None:
+      init = start_lib.extend_init(self._resumed_init, part, build, self._key_seed)
+      return None if init is None else init.outputs
     if self._pending_init is None or self.steps:
       return None
     init = start_lib.extend_init(self._pending_init, part, build, self._key_seed)

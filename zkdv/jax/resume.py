@@ -126,9 +126,11 @@ class ResumePoint:
   def check_restored(self, layouts: list, pieces: list) -> None:
     """Raises ResumeStateError unless the restored state (its ``layouts`` and piece
     digests) is the committed post-state of step ``after``, naming the leaves that differ."""
+    start = self.replayable is not None and START in self.replayable.ends
     fix = (f"Restore the state saved at the end of step {self.after} (the last state the "
-           "transcript committed), or one of the last segment ends since the last resume "
-           "(the run replays the committed steps after it). Checkpoint where a segment "
+           "transcript committed), or one of the last segment ends since the last resume"
+           f"{' or, with no checkpoint, the attested start' if start else ''} (the run "
+           "replays the committed steps after it). Checkpoint where a segment "
            "ends: fix ZKDVConfig(segment_length=K) and save every K steps, after "
            "proof.wait_for_commitments().")
     shapes = [(l.path, l.dtype, tuple(l.shape)) for l in layouts]
@@ -176,8 +178,10 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
       resumed = (r["after"], r["step"])
   committed = [s for s in steps if "post_state" in s]
   if not committed:
-    raise errors.ProofStateError("no step of the transcript committed a state yet, so there "
-                                 "is nothing to resume from. Start a new proof.")
+    raise errors.ProofStateError(
+        "no step of the transcript committed a state yet, so there is nothing to resume "
+        "from. Start a new proof: move or delete this transcript's folder, or give the new "
+        "proof another output_dir.")
   last = committed[-1]
   if "post_state_leaves" not in last:
     raise errors.ProofStateError(f"step {last['index']} records no post_state_leaves (the "
@@ -343,8 +347,8 @@ class ResumingRun:
     self._committer.continue_from(point, self._key_seed)
     self._dispatcher.steps = point.steps
     self._dispatcher.restored = point
-    logger.info("ZKDV proof %r resumes at step %d from the state step %d committed (%s%s)",
-                self.name, point.steps, point.after, path,
+    logger.info("ZKDV proof %r resumes at step %d; its last committed state is step %d's "
+                "(%s%s)", self.name, point.steps, point.after, path,
                 "" if group.is_writer else f", written by process 0; process {group.index} "
                 "commits its shards")
     return self

@@ -17,6 +17,7 @@ Example::
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zkdv import data as data_lib
@@ -30,20 +31,27 @@ _FIX = ("Pass each batch proof.batches yields to the next step unchanged, in ord
 
 
 class SampledBatch:
-  """A drawn batch: its number in the order and its dataset rows."""
+  """A drawn batch: its number in the order and its dataset rows; ``redrawn`` when the
+  arrays the loop was given hold other rows (``DataOrder.go_back``)."""
 
-  def __init__(self, order: "DataOrder", number: int, rows: np.ndarray):
-    self.order, self.number, self.rows = order, number, rows
+  def __init__(self, order: "DataOrder", number: int, rows: np.ndarray,
+               redrawn: bool = False):
+    self.order, self.number, self.rows, self.redrawn = order, number, rows, redrawn
 
-  def inputs(self, program, leaves: list) -> list:
-    """A step's input ``leaves`` with its batch leaves holding this batch's dataset rows,
-    placed as they were (a resumed run's replay: ``DataOrder.go_back``)."""
+  def put_into(self, program, leaves: list) -> list:
+    """A step's input ``leaves`` with this batch's dataset rows in its batch leaves, in
+    place of the rows drawn before a resumed run went back (``DataOrder.go_back``), and
+    placed as those were: NumPy, an array JAX placed, or one committed to its sharding."""
     out = list(leaves)
     for i, held in zip(program.batch_indices, self._data_leaves(program.batch_layouts)):
       if held is not None:
-        rows = self.order.tree.leaves[held][self.rows]
-        sharding = getattr(leaves[i], "sharding", None)
-        out[i] = rows if sharding is None else jax.device_put(rows, sharding)
+        rows, drawn = self.order.tree.leaves[held][self.rows], leaves[i]
+        if getattr(drawn, "committed", False):
+          out[i] = jax.device_put(rows, drawn.sharding)
+        elif isinstance(drawn, jax.Array):
+          out[i] = jnp.asarray(rows)
+        else:
+          out[i] = rows
     return out
 
   def record_field(self) -> bytes:
@@ -119,20 +127,22 @@ class DataOrder:
       self._pending.append(batch)
     return batch
 
-  def go_back(self, number: int) -> SampledBatch:
-    """Batch ``number`` again, for a resumed run that replays the committed steps after an
-    earlier end than the last: the order goes on after it. ResumeStateError when a Grain
-    loader reads the order ahead (``proof.grain_batches``)."""
+  def go_back(self, number: int, restored: str) -> SampledBatch:
+    """Batch ``number`` again, for a resumed run that replays the committed steps after
+    ``restored`` (how a message names that state): the order goes on after it, batches
+    drawn ahead and not yet stepped on included (``SampledBatch.redrawn``).
+    ResumeStateError when a Grain loader reads the order ahead (``proof.grain_batches``)."""
     if self.reads_ahead:
       raise errors.ResumeStateError(
-          "the restored state is an earlier committed end than the last, and "
+          f"the restored state is {restored}, before the last committed state, and "
           "proof.grain_batches reads its batches on from the last committed state: draw "
-          "them with proof.batches (the same order) to replay the steps after it, or "
-          "restore the last committed state.")
+          "them with proof.batches (the same order) to replay the steps after it.")
     with self._lock:
-      self._pending.clear()
-      self.drawn = number + 1
-      return SampledBatch(self, number, self.order.batch(number))
+      ahead = len(self._pending)
+      self._pending = [SampledBatch(self, n, self.order.batch(n), redrawn=True)
+                       for n in range(number + 1, number + 1 + ahead)]
+      self.drawn = number + 1 + ahead
+      return SampledBatch(self, number, self.order.batch(number), redrawn=True)
 
   def take(self, step: int) -> SampledBatch:
     """The batch step ``step`` consumes: the oldest drawn and not yet stepped on."""
