@@ -75,6 +75,20 @@ class ChallengeFunctionsTest(parameterized.TestCase):
     self.assertEqual(asked.at_least(minimum), challenge.Policy(0.5, 0.1, 0.01, 8))
     self.assertEqual(asked.at_least(minimum).weaker_than(minimum), [])
 
+  def test_a_step_is_decided_for_waiters_only_once_its_answer_is_queued(self):
+    # Before, finish() could see step 0 decided while the uploader thread had not yet
+    # queued its answer: the final record went first, and an honest one-step DVBench proof
+    # ended invalid ("step 0 was challenged for an update check and never answered").
+    policy = challenge.Policy(1.0, 0.0, 0.0, 4, 1)
+    server = challengers.ServerChallenger({}, policy)
+    seen = []
+    server.on_decision = lambda decision: seen.append((decision.step, server.decided_steps))
+    server.deliver(0, challenge.new_key())
+    server.deliver(0, challenge.new_key())  # a resent acknowledgement: no second answer
+    self.assertEqual(seen, [(0, 0)])
+    self.assertEqual(server.decided_steps, 1)
+    server.wait_for(1)
+
   def test_escape_probability(self):
     self.assertAlmostEqual(challenge.escape_probability(0.5, 20), 0.5**20)
     self.assertEqual(challenge.escape_probability(1.0, 1), 0.0)

@@ -71,6 +71,7 @@ class ServerChallenger:
     self.timeout_s = timeout_s
     self._describe = describe
     self._decided: dict[int, challenge.Decision] = {}
+    self._delivering: set[int] = set()  # decided, its answer being queued (``deliver``)
     self._decided_before = 0  # a resumed proof's stored steps, decided before the crash
     self._asked: dict[int, float] = {}  # step -> when it was dispatched
     self._answer_times: list[float] = []  # the last few dispatch-to-decision intervals
@@ -117,15 +118,20 @@ class ServerChallenger:
       return
     decision = challenge.decide(step, step_challenge, self.policy)
     with self._changed:
-      if step in self._decided:
+      if step in self._decided or step in self._delivering:
         return  # a resent acknowledgement
+      self._delivering.add(step)
+    # Its answer is queued before anyone sees the step decided: finish() waits for the
+    # decisions, then for what is queued, and an answer queued after that would be lost.
+    if self.on_decision is not None:
+      self.on_decision(decision)
+    with self._changed:
+      self._delivering.discard(step)
       self._decided[step] = decision
       asked = self._asked.pop(step, None)
       if asked is not None:
         self._answer_times = (self._answer_times + [time.monotonic() - asked])[-16:]
       self._changed.notify_all()
-    if self.on_decision is not None:
-      self.on_decision(decision)
 
   def hurry(self) -> None:
     """Decisions are needed soon (training nears the end of its window): what carries
