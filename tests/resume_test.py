@@ -265,18 +265,31 @@ class CatchUpAfterKillTest(absltest.TestCase):
     shutil.copy(self.checkpoint.with_name(f"{self.checkpoint.name}.{iteration}"), checkpoint)
     return _finish(_trainer(folder, checkpoint, "--resume", *flags))
 
+  def _assert_refused_from(self, folder: pathlib.Path, iteration: int, said: str) -> None:
+    """Resumed from its checkpoint of ``iteration``, the run is refused with
+    UnanswerableChallengeError saying ``said``, and the transcript is left as it was."""
+    size = (folder / transcript.RECORDS_FILE).stat().st_size
+    code, _, err = self._resumed_from(folder, iteration)
+    self.assertNotEqual(code, 0)
+    self.assertIn(f"zkdv.errors.UnanswerableChallengeError: {said}", err)
+    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
+
+  def _assert_verified_as_resumed(self, folder: pathlib.Path) -> None:
+    """``folder`` verifies and ends in the state the run resumed from step 5's ends in."""
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
+    final, = testing.records_of(folder, "final")
+    resumed_final, = testing.records_of(self.folder, "final")
+    self.assertEqual(final["final_state"], resumed_final["final_state"])
+
   def test_a_run_killed_before_its_first_checkpoint_replays_from_its_attested_start(self):
     # Killed after step 2's record (the first segment end), before its checks and its
     # checkpoint. Before, the proof was lost: "no committed state before it can be replayed".
     folder = self._crashed_copy("from-start", cut_after_step=2)
-    size = (folder / transcript.RECORDS_FILE).stat().st_size
-    code, _, err = self._resumed_from(folder, 2)
-    self.assertNotEqual(code, 0)
-    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 2 was challenged for an update "
-                  "check before the crash and the transcript has no answer. Restore the "
-                  "attested start (proof.init's state, no checkpoint restored), not the one "
-                  "step 2 committed", err)
-    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
+    self._assert_refused_from(folder, 2, "step 2 was challenged for an update check before "
+                              "the crash and the transcript has no answer. Restore the "
+                              "attested start (proof.init's state, no checkpoint restored), "
+                              "not the one step 2 committed")
     code, _, err = _finish(_trainer(folder, folder.with_name("none"), "--resume", "--from-start"))
     self.assertEqual(code, 0, err[-2000:])
     self.assertIn("the restored state is the attested start: steps 0..2 are replayed and "
@@ -289,11 +302,7 @@ class CatchUpAfterKillTest(absltest.TestCase):
     self.assertEqual([k for k in kinds if k[2] == "start"], [("check", 0, "start")])
     for kind in ("update", "state", "probe"):
       self.assertIn(("check", 2, kind), kinds[:resumed_at])
-    report = verify.verify(folder)
-    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
-    final, = testing.records_of(folder, "final")
-    resumed_final, = testing.records_of(self.folder, "final")  # resumed from step 5's
-    self.assertEqual(final["final_state"], resumed_final["final_state"])
+    self._assert_verified_as_resumed(folder)
 
   def test_a_run_restored_from_an_earlier_segment_end_replays_to_the_committed_state(self):
     # Killed while saving the checkpoint of step 5, which the transcript committed: the
@@ -309,22 +318,14 @@ class CatchUpAfterKillTest(absltest.TestCase):
                      + [("step", i) for i in range(7, 13)])  # nothing written twice
     resume, = testing.records_of(folder, "resume")
     self.assertEqual(resume["after"], 5)
-    report = verify.verify(folder)
-    self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
-    final, = testing.records_of(folder, "final")
-    resumed_final, = testing.records_of(self.folder, "final")  # resumed from step 5's
-    self.assertEqual(final["final_state"], resumed_final["final_state"])
+    self._assert_verified_as_resumed(folder)
 
   def test_a_check_the_kill_left_unanswered_is_answered_by_replaying_its_segment(self):
     folder = self._crashed_copy("replayed", cut_after_step=5)  # step 5's checks never written
-    size = (folder / transcript.RECORDS_FILE).stat().st_size
-    code, _, err = self._resumed_from(folder, 5)
-    self.assertNotEqual(code, 0)
-    self.assertIn("zkdv.errors.UnanswerableChallengeError: step 5 was challenged for an update "
-                  "check before the crash and the transcript has no answer. Restore the state "
-                  "saved at the end of step 2 or of an earlier segment end, not the one step 5 "
-                  "committed", err)
-    self.assertEqual((folder / transcript.RECORDS_FILE).stat().st_size, size)
+    self._assert_refused_from(folder, 5, "step 5 was challenged for an update check before "
+                              "the crash and the transcript has no answer. Restore the state "
+                              "saved at the end of step 2 or of an earlier segment end, not "
+                              "the one step 5 committed")
     code, _, err = self._resumed_from(folder, 2)
     self.assertEqual(code, 0, err[-2000:])
     kinds = [(r["type"], r.get("step"), r.get("kind")) for r in testing.records_of(folder)]
