@@ -416,6 +416,18 @@ class CatchUpAfterKillTest(absltest.TestCase):
                      [(5, 7), (9, 10)])
     self.assertEqual(verify.verify(folder).verdict, verify.VERIFIED)
 
+  def test_a_start_check_without_its_pieces_is_no_restore_point(self):
+    # A transcript's own records are read: a start check whose pieces are missing or not a
+    # list gives no attested start to restore (before, a KeyError at start()).
+    steps = [{"type": "step", "index": 0, "pre_state": b"s"}]
+    for check in ({"type": "check", "kind": "start", "step": 0},
+                  {"type": "check", "kind": "start", "step": 0, "pre_state_pieces": 7}):
+      self.assertEqual(zkdv.jax.resume._attested_start([check], steps), [])
+    check = {"type": "check", "kind": "start", "step": 0, "pre_state_pieces": [[b"p"]]}
+    self.assertEqual(zkdv.jax.resume._attested_start([check], steps),
+                     [{"index": zkdv.jax.catch_up.START, "post_state": b"s",
+                       "post_state_leaves": [[b"p"]]}])
+
   def test_an_earlier_end_of_the_same_state_is_restored_when_a_check_needs_it(self):
     same = {"post_state_leaves": [[b"state"]]}
     replayable = zkdv.jax.catch_up.Replayable({2: same, 5: same}, {}, frozenset(), (), {})

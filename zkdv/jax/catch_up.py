@@ -71,8 +71,8 @@ class Replayable:
   def unanswered_message(self, restored: int | None) -> str:
     """What the first unanswered check needs: a state restored before it, else a new proof."""
     step, kind = self.unanswered[0]
-    said = (f"step {step} was challenged for {challenge.CHECK_NAMES[kind]} before the crash and the "
-            "transcript has no answer")
+    said = (f"step {step} was challenged for {challenge.CHECK_NAMES[kind]} before the crash "
+            "and the transcript has no answer")
     before = [end for end in self.ends if end < step]
     if not before:
       return (f"{said}; its openings were lost with the process and no committed state "

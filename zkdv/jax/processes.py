@@ -166,6 +166,12 @@ class ProcessGroup:
           f"process 0 could not complete the transcript at {path}: {reported}")
     return error
 
+  def refuse(self, message: str) -> errors.ProofStateError:
+    """The ProofStateError of a start this process refuses (``message``), reported first, so
+    that the others name it rather than wait for this process."""
+    self.report_failure(f"ProofStateError: {message}")
+    return errors.ProofStateError(message)
+
   def report_failure(self, message: str) -> None:
     """Tells the other processes that this one stopped committing, and why."""
     if self.multi and self._prefix is not None:

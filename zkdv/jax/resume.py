@@ -5,8 +5,8 @@ go on where the transcript stopped. It continues from the last post-state the tr
 committed (the end of its last committed segment); steps recorded after it, in a segment
 that never committed its end, are discarded. The restored state must hash to that post-state,
 leaf by leaf, or to an earlier committed one: the run then replays the committed steps after
-it first (``zkdv.jax.catch_up``: their records are compared, not written again, and the checks a crash
-left unanswered are answered from the replay). Else the first step raises
+it first (``zkdv.jax.catch_up``: their records are compared, not written again, and the
+checks a crash left unanswered are answered from the replay). Else the first step raises
 ``ResumeStateError`` naming the leaves that differ before anything is written (docs/jax.md,
 "Resuming a run").
 
@@ -268,7 +268,8 @@ def _attested_start(records: list[dict], steps: list[dict]) -> list[dict]:
   the piece digests its ``start`` check links to the init program's outputs; [] without an
   attested start."""
   linked = [r for r in records if r.get("type") == "check" and r.get("kind") == "start"]
-  if not linked or "pre_state" not in steps[0]:
+  if not linked or "pre_state" not in steps[0] or not isinstance(
+      linked[0].get("pre_state_pieces"), list):  # no start, or one no state can match
     return []
   return [{"index": START, "post_state": steps[0]["pre_state"],
            "post_state_leaves": linked[0]["pre_state_pieces"]}]
@@ -334,10 +335,8 @@ class ResumingRun:
 
     run = group.open_run(reopen)
     if "resume" not in run:
-      message = ("process 0 started a new proof while this process resumes one: pass the "
-                 "same resume= on every process.")
-      group.report_failure(f"ProofStateError: {message}")
-      raise errors.ProofStateError(message)
+      raise group.refuse("process 0 started a new proof while this process resumes one: "
+                         "pass the same resume= on every process.")
     if not group.is_writer:
       self._challenger = shared_decisions.follower_challenger(run["challenger"], run["seed"])
       point = ResumePoint.following(run["resume"])
