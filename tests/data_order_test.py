@@ -336,6 +336,28 @@ class DataOrderTest(parameterized.TestCase):
     proof.finish()  # the refused step was not recorded: the run stays valid
     self.assertEqual(verify.verify(proof.path).verdict, "verified")
 
+  def test_a_step_interrupted_before_it_ran_takes_its_batch_again(self):
+    proof = _proof("interrupted")
+    proof.start(probe_ratio=1.0)
+    state, step = _state(proof), proof.jit(_step)
+    batches = proof.batches(DATA, batch_size=BATCH)
+    state = step(state, next(batches))
+    pipeline = proof._committer.pipeline
+    reserve = pipeline.reserve
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while the step waits for the window
+      del args, kwargs
+      pipeline.reserve = reserve
+      raise KeyboardInterrupt
+    pipeline.reserve = interrupted
+    batch = next(batches)
+    with self.assertRaises(KeyboardInterrupt):
+      step(state, batch)
+    state = step(state, batch)  # the same call again: the batch was given back
+    proof.finish()
+    self.assertEqual(verify.verify(proof.path).verdict, "verified")
+    self.assertLen(testing.records_of(proof.path, "step"), 2)
+
 
 def _swap_caught(seed: bytes, ratio: float, layout) -> bool:
   """Whether the probes of step 1 (the real decision functions) open row 3 of leaf x."""

@@ -523,7 +523,9 @@ class StartStateRebuiltTest(absltest.TestCase):
 class KeyedCatchUpTest(absltest.TestCase):
   """A run passing ``proof.step_key()`` to its steps, killed after step 7 and restored from
   its checkpoint of step 2: its first step's key was drawn for step 7 before the run knew
-  that it replays step 3, and it trains with step 3's; the proof verifies."""
+  that it replays step 3, and it trains with step 3's, also when the first call is
+  interrupted after the replay was planned and made again with the same key; the proof
+  verifies."""
 
   def test_a_keyed_run_replays_with_its_steps_own_keys(self):
     root = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-keyed-"))
@@ -532,8 +534,11 @@ class KeyedCatchUpTest(absltest.TestCase):
                                         stdin=subprocess.PIPE))
     self.assertEqual(code, -signal.SIGKILL)
     shutil.copy(checkpoint.with_name("ckpt.2"), checkpoint)
-    code, _, err = _finish(_trainer(folder, checkpoint, "--resume", "--key"))
+    code, out, err = _finish(_trainer(folder, checkpoint, "--resume", "--key",
+                                      "--interrupt-first"))
     self.assertEqual(code, 0, err[-2000:])
+    # Before, the call made again kept the key it drew first: a replay mismatch.
+    self.assertIn("interrupted at iteration 3", out)
     self.assertIn("steps 3..5 are replayed", err)
     report = verify.verify(folder)
     self.assertEqual(report.verdict, verify.VERIFIED, report.findings)
@@ -931,7 +936,7 @@ class ResumedDataOrderTest(absltest.TestCase):
     shutil.copy(checkpoint.with_name("ckpt.2"), root / "ckpt-2")
     cls.resumed = _finish(_trainer(cls.folder, checkpoint, "--data", "--resume"))
     cls.replayed = _finish(_trainer(cls.caught_up, root / "ckpt-2", "--data", "--resume",
-                                    "--prefetch", "2"))
+                                    "--prefetch", "2", "--interrupt-first"))
 
   def test_a_resumed_run_goes_on_with_the_seeded_order(self):
     code, _, err = self.resumed
@@ -947,8 +952,12 @@ class ResumedDataOrderTest(absltest.TestCase):
     # Before, a run drawing with proof.batches replayed nothing: step 5's unanswered checks
     # made the proof one that could never be verified (UnanswerableChallengeError). Its loop
     # draws two batches ahead, on the device: they are drawn again from the replay's batch.
-    code, _, err = self.replayed
+    # Its first step is interrupted in its window wait after the replay was planned, and
+    # called again with the same batch: before, the redrawn batch was not given back and
+    # the retry took the next one, a replay mismatch.
+    code, out, err = self.replayed
     self.assertEqual(code, 0, err[-2000:])
+    self.assertIn("interrupted at iteration 3", out)
     self.assertIn("the restored state is the one step 2 committed: steps 3..5 are replayed",
                   err)
     records = testing.records_of(self.caught_up)

@@ -17,8 +17,10 @@ challenged live (``$DVBENCH_TOKEN``), and ``--resume`` continues proof ``--proof
 (``experiment.proof(resume=...)``); ``--unsent-blobs`` sends no blob (as a run killed
 before its uploads left); ``--from-start`` resumes without a checkpoint, from the state
 ``proof.init`` gives (as a run killed before its first checkpoint); ``--prefetch N`` draws
-``--data`` batches ``N`` ahead of the loop, on the device. Prints ``checkpoint I``, ``ready`` and ``proof ID``
-lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
+``--data`` batches ``N`` ahead of the loop, on the device; ``--interrupt-first`` interrupts
+the first step after the start while it waits for the window (``KeyboardInterrupt``) and
+calls it again with the same arguments, as a notebook's cell run again would. Prints
+``checkpoint I``, ``ready`` and ``proof ID`` lines. ``--orbax`` checkpoints with Orbax's ``StandardCheckpointer`` into CHECKPOINT/I
 instead (restoring the newest).
 """
 
@@ -86,6 +88,18 @@ def _orbax(path: pathlib.Path):
   return save, restore
 
 
+def _interrupt_first_wait(proof) -> None:
+  """Makes the next window wait raise ``KeyboardInterrupt`` once, as Ctrl-C would."""
+  pipeline = proof._committer.pipeline  # pylint: disable=protected-access
+  reserve = pipeline.reserve
+
+  def interrupted(*args, **kwargs):
+    del args, kwargs
+    pipeline.reserve = reserve
+    raise KeyboardInterrupt
+  pipeline.reserve = interrupted
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("folder", type=pathlib.Path)
@@ -107,6 +121,8 @@ def main() -> None:
                       help="with --data, draw this many batches ahead, put on the device")
   parser.add_argument("--from-start", action="store_true",
                       help="resumed, restore no checkpoint: go on from proof.init's state")
+  parser.add_argument("--interrupt-first", action="store_true",
+                      help="interrupt the first step in its window wait, then call it again")
   args = parser.parse_args()
   if args.unanswered is not None:
     probe = zkdv.jax.openings.Openings.probe
@@ -124,6 +140,8 @@ def main() -> None:
   else:
     proof = zkdv.jax.ZKDV("resumed-run", config, resume=args.folder if args.resume else None)
   proof.start(rolling_window=4, probe_ratio=0.5)
+  if args.interrupt_first:
+    _interrupt_first_wait(proof)
   model = testing.TinyClassifier()
   # An attested start: resumed, proof.init returns the same params and records nothing.
   params = proof.init(model.init, jax.random.key(0), jnp.ones((1, 4), jnp.uint32))["params"]
@@ -147,7 +165,12 @@ def main() -> None:
     if args.other_batches:  # its columns turned: no row of any batch_for
       batch = np.roll(batch, 1, axis=1)
     inputs = (next(drawn) if drawn else jnp.asarray(batch),)
-    state = step(state, *inputs, *((proof.step_key(),) if args.key else ()))
+    inputs += (proof.step_key(),) if args.key else ()
+    try:
+      state = step(state, *inputs)
+    except KeyboardInterrupt:  # --interrupt-first: the same call again
+      print(f"interrupted at iteration {iteration}", flush=True)
+      state = step(state, *inputs)
     if (iteration + 1) % SEGMENT == 0:  # the state a segment ends with, once committed
       proof.wait_for_commitments()
       save(iteration, state)

@@ -84,6 +84,8 @@ class Dispatcher:
     self.restored = None  # a resumed run's ResumePoint, until its first step checked it
     self.catch_up = None  # a resumed run's CatchUp while it replays committed steps
     self._replayed = None  # a CatchUp replayed, until its run's first new step
+    self._rekey_from = None  # the step whose keys a replay's first step was given, until it runs
+    self.untaken_batch = None  # the batch of the call being dispatched, until it takes its step
     self._said_window_short = False
     self.shared = (SharedDecisions(group, challenger, committer)
                    if group.multi and challenger.kind == "dvbench" else None)
@@ -92,12 +94,15 @@ class Dispatcher:
     """Dispatches one step of ``program`` and queues its commitment and checks; ``data``:
     the ``zkdv.jax.sampler.SampledBatch`` the step consumes, if any."""
     committer, multi = self._committer, self._group.multi
+    self.untaken_batch = data
     if committer.program_number(program) is None:  # a new program: before anything is taken
       _check_probe_size(program, self._challenger.policy.probe_ratio, data)
     if not multi:  # across processes, failures wait for finish(): see ProcessGroup.agree_on_outcome
       committer.pipeline.raise_if_failed()
     if self.restored is not None:
-      data = self._check_restored(program, leaves, data)
+      data = self.untaken_batch = self._check_restored(program, leaves, data)
+    if self._rekey_from is not None:  # the call again, after a first try that raised
+      self._rekey(program, leaves, self._rekey_from, self.steps)
     if data is not None and data.redrawn:  # drawn before the replay went back: other rows
       leaves = data.put_into(program, leaves)
     elif self._replayed is not None:  # the first step after a replay: the run goes on
@@ -122,6 +127,7 @@ class Dispatcher:
     with self._lock:
       index = self.steps
       self.steps += 1
+    self.untaken_batch = self._rekey_from = None
     catch_up = self.catch_up
     decision = (self._challenger.decision_now(index) if catch_up is None else
                 catch_up.decision(index))
@@ -195,7 +201,7 @@ class Dispatcher:
       if data is not None:  # proof.batches drew the batch after the last committed state
         data = data.order.go_back(data.number - (catch_up.last + 1 - catch_up.first),
                                   catch_up_lib.state_at(catch_up.restored))
-      self._rekey(program, leaves, self.steps, catch_up.first)
+      self._rekey_from = self.steps
       self.catch_up, self.steps = catch_up, catch_up.first
       self._committer.submit_catch_up(catch_up)
     self.restored = None

@@ -421,6 +421,8 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     try:
       return self._dispatcher.run(program, leaves, data)
     except BaseException:
-      if data is not None and self._dispatcher.steps == index:
-        self._data_order.give_back(data)  # not recorded: the batch is stepped on again
+      unused = self._dispatcher.untaken_batch  # a resumed run's first: maybe redrawn
+      if unused is not None:
+        self._dispatcher.untaken_batch = None
+        self._data_order.give_back(unused)  # not recorded: the batch is stepped on again
       raise
