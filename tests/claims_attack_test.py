@@ -4,8 +4,9 @@
 - The server's state is the strict verdict: an unattested start or a tolerance check is
   never "verified", and the state, label, JSON, receipt and page name what does not hold.
 - An honest proof whose server drew no update check is "unchallenged", not "invalid".
-- A challenge key re-used by hand (e.g. one a receipt published) proves nothing: the
-  challenges claim could not be verified.
+- A challenge key given by hand (a receipt's, or a prover's own server's) proves nothing:
+  the challenges claim, and every claim resting on the server's secrets, could not be
+  verified.
 - Free retries: a prover that drops every proof whose faked segment was challenged, and
   retries in throwaway experiments, shows in its owner's attempts, whose escape
   probability accounts for them; slots per owner are rate-limited.
@@ -30,12 +31,14 @@ from dvbench import transport
 from dvbench.server import labels
 from dvbench.server import leaderboard
 from dvbench.server import schema
+from dvbench.server import worker
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import testing
 from tests import fake_prover
 from tests.fake_prover import FakeProver
 from zkdv import receipt
+from zkdv.verify import claims as claims_lib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SLOTS_PER_HOUR = 40
@@ -155,20 +158,36 @@ class ServerStateTest(absltest.TestCase):
     self.assertIn("the server chose no update check", status["label"])
     self.assertEqual(self.receipt_fields("unchallenged")["standing"]["state"], "unchallenged")
 
-  def test_a_published_challenge_key_given_by_hand_could_not_verify_challenges(self):
-    folder = self.download("unattested")
-    published = self.receipt_fields("unattested")["challenge_key"]
+  def test_a_challenge_key_given_by_hand_confirms_none_of_the_servers_secrets(self):
+    # A prover running its own server knows its nonce and key K before its first step, and
+    # hands K to an auditor. Before, replays, start, program and data held with such a key
+    # ("one faked step escapes with probability 1 - p", "from the slot's key") and
+    # --require replays,start,program,data exited 0: only chain and challenges said no.
+    folder = self.download("attested")
+    published = self.receipt_fields("attested")["challenge_key"]
     (folder / receipt.RECEIPT_FILE).unlink()  # the receipt binds the records; drop it
     key_file = folder.parent / "published.key"
     key_file.write_text(published.hex())
     code, report = testing.zkdv_verify(folder, "--challenge-key-file", str(key_file),
-                               "--require", "chain,challenges,replays")
+                                       "--require", "replays,start,program,data")
     claims = {c["name"]: c for c in report["claims"]}
     self.assertEqual(code, 2, str(report))
     self.assertEqual(claims["challenges"]["status"], "could not verify")
     self.assertIn("given by hand", claims["challenges"]["detail"])
     self.assertEqual(claims["chain"]["status"], "could not verify")
-    self.assertEqual(claims["replays"]["status"], "holds")  # the key re-derives the checks
+    for name in claims_lib.ON_SERVER_SECRETS:
+      self.assertEqual(claims[name]["status"], "could not verify", name)
+      self.assertIn("unconfirmed: this rests on the slot's nonce and challenge key being the "
+                    "server's secrets, which only the server's signed receipt for this "
+                    "transcript shows (the challenge key was given by hand)",
+                    claims[name]["detail"])
+    self.assertEqual(report["standing"]["state"], "could not verify")
+    # DVBench's worker gives the verifier the server's own key: every claim holds there.
+    self.assertEqual(set(worker.server_claims(report, "dvbench").values()), {"holds"})
+    code, report = testing.zkdv_verify(self.download("attested"), "--server-key",
+                                       self.server_key, "--require",
+                                       "replays,start,program,data")
+    self.assertEqual(code, 0, str(report))  # the receipt confirms them
 
 
 class CheckpointSquatTest(absltest.TestCase):

@@ -110,12 +110,14 @@ class VerifyCliTest(absltest.TestCase):
     k_file = key_file.with_name("k")
     k_file.write_text(server.key.hex())
     # A key given by hand re-derives the challenges, yet binds nothing: anyone holding a
-    # published key could have ground these records under the genuine root.
+    # published key could have ground these records under the genuine root, and a prover
+    # running its own server holds its key before its first step: replays could not be
+    # verified either.
     by_hand = zkdv_here("verify", path, "--challenge-key-file", k_file, "--json")
     self.assertEqual(by_hand.returncode, 2, by_hand.stdout + by_hand.stderr)
     claims = {c["name"]: c["status"] for c in json.loads(by_hand.stdout)["claims"]}
     self.assertEqual((claims["chain"], claims["challenges"], claims["replays"]),
-                     ("could not verify", "could not verify", "holds"))
+                     ("could not verify", "could not verify", "could not verify"))
     self.assertEqual(zkdv_here("verify", path, "--server-key", "abcd").returncode,
                      cli.EXIT_USAGE)
 

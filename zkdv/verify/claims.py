@@ -6,8 +6,10 @@ says was shown: ``challenges`` needs dvbench's key confirmed (a receipt or the
 signed receipt that binds this very transcript; a key given by hand leaves it
 unverified), ``start`` an init program replayed to step 0's params, ``program`` each
 replayed update changing every trained params leaf when run on other batches, ``data``
-probed rows. With ``--strict`` the
-``replays`` claim also needs bitwise (exact) replays.
+probed rows. With ``--strict`` the ``replays`` claim also needs bitwise (exact)
+replays. A DVBench proof's ``replays``, ``start``, ``program`` and ``data`` rest on its
+slot's nonce and key being the server's secrets: without its receipt they could not be
+verified (``ON_SERVER_SECRETS``).
 
 ``standing`` is the one rule from a verification's outcome to a proof's state and
 label, used by ``zkdv verify``, DVBench's workers, its pages and its rankings:
@@ -278,6 +280,26 @@ def _data(ctx: Verification) -> Claim:
 
 BUILDERS = {"chain": _chain, "challenges": _challenges, "replays": _replays,
             "start": _start, "program": _program, "data": _data}
+# The claims of a DVBench proof that rest on its slot's nonce and challenge key being the
+# server's secrets: the checks (and the step whose batch the program claim tests) could not
+# be foreseen, and the start's key and the data order were seeded by the server.
+ON_SERVER_SECRETS = ("replays", "start", "program", "data")
+
+
+def _unconfirmed_secrets(ctx: Verification, claim: Claim) -> Claim:
+  """A holding claim of ``ON_SERVER_SECRETS``, could not verify unless the server's signed
+  receipt for this transcript confirms its key: one given by hand may be a prover's own
+  (its own server's, say). DVBench's workers give the verifier the server's own key, and
+  count such a claim as holding (``dvbench.server.worker.server_claims``)."""
+  if (claim.status != HOLDS or ctx.challenger.kind != "dvbench"
+      or ctx.keys.source == "receipt"):
+    return claim
+  why = ("the challenge key was given by hand" if ctx.keys.source is not None
+         else ctx.keys.missing)
+  return Claim(claim.name, COULD_NOT_VERIFY, f"{claim.detail}; unconfirmed: this rests on "
+               "the slot's nonce and challenge key being the server's secrets, which only the "
+               f"server's signed receipt for this transcript shows ({why})",
+               {**claim.facts, "key_source": ctx.keys.source})
 
 
 def build_claims(ctx: Verification) -> None:
@@ -289,7 +311,11 @@ def build_claims(ctx: Verification) -> None:
     if claim is None and (ctx.model is None or ctx.model.root is None
                           or ctx.challenger is None or ctx.programs is None):
       claim = Claim(name, COULD_NOT_VERIFY, "the verification stopped before this claim")
-    ctx.report.claims.append(claim or build(ctx))
+    if claim is None:
+      claim = build(ctx)
+      if name in ON_SERVER_SECRETS:
+        claim = _unconfirmed_secrets(ctx, claim)
+    ctx.report.claims.append(claim)
 
 
 # What a proof's state says of each claim that does not hold: (does not hold, could not
