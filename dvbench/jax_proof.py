@@ -13,7 +13,6 @@ import pathlib
 import shutil
 import tempfile
 
-import jax
 
 import zkdv
 from zkdv import challenge
@@ -133,6 +132,11 @@ class DVBenchProof(zkdv.jax.ZKDV):
     return challengers.ServerChallenger(fields, effective, timeout_s=self.challenge_timeout,
                                         describe=self._resume_hint)
 
+  def _fetch_transcript(self, path):
+    """Reopens the resumed proof on the server and writes its stored records into
+    ``path`` (on process 0)."""
+    self._stored = resume.reopen(self.experiment, self._resume_id, path)
+
   def _resumed_challenger(self, path, fields):
     """The server's challenger of the resumed proof, and the challenges it sent."""
     if fields.get("kind") != "dvbench":
@@ -163,14 +167,8 @@ class DVBenchProof(zkdv.jax.ZKDV):
     """Takes a proof slot and starts the run; a resumed proof (``resume=PROOF_ID``)
     reopens its stored records instead and goes on from its last committed state."""
     if self._resume_id is not None and self._group is None:
-      if jax.process_count() > 1:
-        raise zkdv_errors.ProofStateError(
-            f"proof {self._resume_id} cannot be resumed by a multi-process run: DVBench "
-            "resumes single-process proofs (a multi-process run resumes a self-challenged "
-            "transcript with zkdv.jax.ZKDV(name, config, resume=folder)).")
-      folder = pathlib.Path(self.config.output_dir)
-      self._stored = resume.reopen(self.experiment, self._resume_id, folder)
-      self.resume_from = folder
+      # Process 0 reopens the proof on the server (``_fetch_transcript``); the others follow.
+      self.resume_from = pathlib.Path(self.config.output_dir)
     super().start(rolling_window=rolling_window, probe_ratio=probe_ratio)
     if not self.writes_transcript:  # process 0 uploads what every process committed
       return self

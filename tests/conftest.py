@@ -85,7 +85,8 @@ class FileProgress:
 # Test files whose classes take longest (their servers, trained proofs and subprocesses),
 # longest first; the others follow in their usual order.
 _LONGEST_FIRST = ("benchmark_test", "multiprocess_test", "sharding_test", "multiprocess_live_test",
-                  "resume_test", "run_lifecycle_test", "multiprocess_resume_test", "live_challenges_test", "server_challenge_test",
+                  "resume_test", "run_lifecycle_test", "multiprocess_resume_test",
+                  "multiprocess_live_resume_test", "live_challenges_test", "server_challenge_test",
                   "data_order_server_test", "claims_attack_test", "programs_test",
                   "optimizer_matrix_test", "dvbench_test", "operations_test", "pages_test")
 

@@ -15,6 +15,8 @@ Example::
   answers.answer_late(decision)     # writes the probes and the segment's checks
 """
 
+import dataclasses
+
 from zkdv import challenge
 from zkdv import errors
 from zkdv.jax.commit_jobs import Kept, Segment, StepJob
@@ -60,11 +62,13 @@ class Answers:
     self.answer(decision, decision if decides else None)
 
   def answer_shared(self, decision: challenge.Decision, rows: list, opened, post,
-                    replayed) -> None:
+                    replayed, owed=()) -> None:
     """Answers a decision every process of a multi-process run took, from what they
     opened: the probed rows each process sent (``[leaf, row, bytes]``) and, for a
     segment's check, ``[(step, whole inputs)]`` of its steps, its post-state and
-    replayed post-state. Raises CommitmentError naming a probed row no process sent."""
+    replayed post-state; and the probes ``owed`` for discarded steps whose batch this one
+    trains again (``[(zkdv.jax.resume.OwedProbes, their batch roots)]``). Raises
+    CommitmentError naming a probed row no process sent."""
     kept = self._kept.get(decision.step)
     if kept is None or kept.answered:
       raise errors.CommitmentError(
@@ -72,13 +76,18 @@ class Answers:
     job, row_data = kept.job, kept.trees[1]
     for leaf, row, data in rows:
       row_data.setdefault((leaf, row), data)
-    for leaf, layout in enumerate(job.program.batch_layouts):
-      missing = [r for r in decision.leaf_probe_rows(leaf, layout) if (leaf, r) not in row_data]
-      if missing:
-        raise errors.CommitmentError(
-            f"step {decision.step}: no process sent rows {missing} of batch leaf "
-            f"{layout.path}, which the challenge probes. Every process must take its "
-            "decisions from process 0's rounds (zkdv.jax.shared_decisions).")
+    for probing in [decision] + [o.decision for o, _ in owed]:
+      for leaf, layout in enumerate(job.program.batch_layouts):
+        missing = [r for r in probing.leaf_probe_rows(leaf, layout)
+                   if (leaf, r) not in row_data]
+        if missing:
+          raise errors.CommitmentError(
+              f"step {probing.step}: no process sent rows {missing} of batch leaf "
+              f"{layout.path}, which the challenge probes. Every process must take its "
+              "decisions from process 0's rounds (zkdv.jax.shared_decisions).")
+    for owed_probes, roots in owed:
+      self.openings.probe(dataclasses.replace(job, index=owed_probes.decision.step),
+                          owed_probes.decision, kept.trees, roots)
     for step, inputs in opened or []:
       self._kept[step].job.opened = inputs
     job.checked = (post, replayed)

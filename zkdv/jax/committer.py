@@ -71,6 +71,10 @@ class Committer:
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._init = None
     self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
+    # Across processes, step -> [(owed probes, batch roots)] its batch answers, with the
+    # rows every process sends in the round that decides the step (``owed_rows``).
+    self._owed_in_rounds: dict[int, list] = {}
+    self._owed_rows: dict[int, set] = {}
     self.key_seed: bytes | None = None  # a resumed run's (``zkdv.keys.key_seed``)
     self._catch_up = None  # a resumed run's ``zkdv.jax.catch_up.CatchUp`` while it replays
     self.resume_written = False  # a resumed run's ``resume`` record is in the transcript
@@ -130,18 +134,35 @@ class Committer:
     """The discarded steps whose probes a resumed run still owes."""
     return sorted(owed.decision.step for owed in self._owed_probes)
 
+  def owed_rows(self, step: int) -> list:
+    """``[leaf, row]`` of the rows the probes owed for discarded steps open in step
+    ``step``'s batch, which trains theirs again (process 0, across processes; asked once,
+    by the round that decides the step)."""
+    return [list(r) for r in sorted(self._owed_rows.pop(step, ()))]
+
   def _answer_owed(self, job: StepJob, roots: list, trees) -> None:
     """Answers the probes a resumed run owes for discarded steps whose batch this step
     (batch leaves' row ``roots``) trains again: the same rows, the same dataset rows
-    under ``proof.batches``; its keys are its own step's, which probes never open."""
-    if job.opened is None:
+    under ``proof.batches``; its keys are its own step's, which probes never open. Across
+    processes they are answered with the round that decides the step (every process
+    sends its rows of them)."""
+    if job.opened is None and not self.group.multi:
       return
+    if self.group.multi and self._catch_up is not None:
+      return  # a replayed step's rows are gathered as it runs, before this: later steps answer
     data_rows = None if job.data is None else job.data.record_field()
     layouts = job.program.batch_layouts
     for owed in list(self._owed_probes):
       own = owed.answered_by(layouts, roots, self.key_seed, data_rows)
-      if own is not None:
-        self._owed_probes.remove(owed)
+      if own is None:
+        continue
+      self._owed_probes.remove(owed)
+      if self.group.multi:
+        self._owed_in_rounds.setdefault(job.index, []).append((owed, own))
+        self._owed_rows.setdefault(job.index, set()).update(
+            (leaf, row) for leaf, layout in enumerate(layouts)
+            for row in owed.decision.leaf_probe_rows(leaf, layout))
+      else:
         self.openings.probe(dataclasses.replace(job, index=owed.decision.step),
                             owed.decision, trees, own)
 
@@ -211,7 +232,7 @@ class Committer:
           by_step.setdefault(step, []).append((leaf, row, data))
       for decision, _, opened, post, replayed in answers:
         self.answers.answer_shared(decision, by_step.get(decision.step, []), opened, post,
-                                   replayed)
+                                   replayed, self._owed_in_rounds.pop(decision.step, ()))
     self.pipeline.submit(work)
     for _ in answers:
       self.pipeline.release()

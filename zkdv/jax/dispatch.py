@@ -109,7 +109,7 @@ class Dispatcher:
       committer.submit_resume(self._replayed.resume)
       self._replayed = None
     if self.shared is not None:  # across processes, the window changes only in rounds
-      if self.shared.due(self.steps, committer.pipeline.window):
+      if self.catch_up is None and self.shared.due(self.steps, committer.pipeline.window):
         if self._group.is_writer:
           self._size_window()
         with self._waiting():  # for process 0's decisions: not a step's own time
@@ -129,8 +129,10 @@ class Dispatcher:
       self.steps += 1
     self.untaken_batch = self._rekey_from = None
     catch_up = self.catch_up
-    decision = (self._challenger.decision_now(index) if catch_up is None else
-                catch_up.decision(index))
+    if catch_up is None:
+      decision = self._challenger.decision_now(index)
+    else:  # across processes, answered from every process's openings (answer_replayed)
+      decision = None if self.shared is not None else catch_up.decision(index)
     job = self._prepare(program, index, leaves, decision)
     job.data = data
     if any(program.donated) and self._viewing is not None:
@@ -159,6 +161,8 @@ class Dispatcher:
                      program.replay_sharded(job.opened) if job.segment_decision.update
                      else None)
     submitted = committer.submit_step(job)
+    if self.shared is not None and catch_up is not None:
+      self.shared.answer_replayed(index, catch_up)  # opened here: no fence below
     # Only a step that ends a segment views its post-state (this step's input) on the
     # commit thread; a commit thread busy with other work (a check's openings) need not
     # hold training back until the window is full.
@@ -166,7 +170,8 @@ class Dispatcher:
                      else None)
     self._last_post_leaves, self._last_program = post, program
     overlap = program.overlap or overlap_lib.UNCHECKED
-    checked = job.segment_decision is not None and job.segment_decision.any_check
+    checked = (self.shared is None and job.segment_decision is not None
+               and job.segment_decision.any_check)
     if overlap is overlap_lib.NEVER:
       with self._waiting():
         submitted.done.wait()

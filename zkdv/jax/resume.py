@@ -308,6 +308,7 @@ class ResumingRun:
 
     def reopen() -> dict:  # on process 0
       nonlocal point
+      self._fetch_transcript(path)
       writer, contents = transcript.TranscriptWriter.reopen(path)
       try:
         records = [p.record for p in contents.records]
@@ -318,10 +319,6 @@ class ResumingRun:
           raise errors.ProofStateError(
               f"{path} holds proof {root.get('name')!r}; ZKDV({self.name!r}, resume=...) "
               "continues a transcript of the same name.")
-        if group.multi and fields.get("kind") != "self":
-          raise errors.ProofStateError(
-              f"{path} holds a proof challenged by {fields.get('kind')!r}: a multi-process "
-              "run resumes a self-challenged transcript only.")
         self._challenger, challenge_of = self._resumed_challenger(path, fields)
         point = read_point(records, challenge_of)
       except BaseException:
@@ -346,11 +343,18 @@ class ResumingRun:
     self._committer.continue_from(point, self._key_seed)
     self._dispatcher.steps = point.steps
     self._dispatcher.restored = point
+    if self._dispatcher.shared is not None:  # a server's decisions go on at the new steps
+      self._dispatcher.shared.continue_at(point.steps)
     logger.info("ZKDV proof %r resumes at step %d; its last committed state is step %d's "
                 "(%s%s)", self.name, point.steps, point.after, path,
                 "" if group.is_writer else f", written by process 0; process {group.index} "
                 "commits its shards")
     return self
+
+  def _fetch_transcript(self, path: pathlib.Path) -> None:
+    """Puts the transcript the run continues in ``path`` (on process 0): a self-challenged
+    run's is there already; a DVBench proof's comes from the server."""
+    del path
 
   def _resumed_challenger(self, path: pathlib.Path, fields: dict):
     """(the challenger of a resumed transcript, step -> its challenge): a self-challenged

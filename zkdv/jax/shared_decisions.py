@@ -12,6 +12,8 @@ last step is decided, each process keeps what the segment's checks open: the sta
 and the last step's post-state. A round gathers what an update or state check opens
 (collectives on the training thread, in the same order on every process; an update
 check's replay runs the segment there too) and sends process 0 the probed rows held here.
+A resumed run answers the steps it replays right after each runs (``answer_replayed``), and
+a round asks for the rows of probes owed for discarded steps whose batch a step trains again.
 
 Example::
 
@@ -153,6 +155,24 @@ class SharedDecisions:
       else:
         self._holders.pop(id(x), None)
 
+  def continue_at(self, steps: int) -> None:
+    """A resumed run: the server decided the ``steps`` stored before the crash; rounds
+    decide the steps from there on (replayed ones answer as ``answer_replayed`` says)."""
+    self._settled = steps
+
+  def answer_replayed(self, step: int, catch_up) -> None:
+    """Answers, right after it ran, a step a resumed run replays (``catch_up``, a
+    ``zkdv.jax.catch_up.CatchUp``): its decision came before the crash, so no round is
+    held; what it opens is gathered as a round's is, on every process, for the checks
+    without a record (``CatchUp.segment``; probes answered already are not written again)."""
+    pending, decision = self._pending[step], catch_up.decision(step)
+    if pending.ends:  # the segment's checks, less those a record answers
+      segment = catch_up.segment(pending.first)[1]
+      decision = dataclasses.replace(decision, update=segment.update, state=segment.state)
+    rows = []
+    answer = self._open(decision, rows)
+    self._committer.answer_round(f"replayed/{step}", [answer], rows)
+
   @staticmethod
   def due(steps: int, window: int) -> bool:
     """Whether a round is held before step ``steps``: every ``window // 2`` steps, so
@@ -176,23 +196,40 @@ class SharedDecisions:
         through = max(self._settled, steps - window + _round_every(window))
       else:  # the last step's record waits for its segment's end while that is open
         through = steps if self._last is None or self._last.ends else steps - 1
+      steps = range(self._settled, max(self._settled, through))
       try:
-        challenges = [self._challenger.decision(t).challenge
-                      for t in range(self._settled, max(self._settled, through))]
+        challenges = [self._challenger.decision(t).challenge for t in steps]
       except errors.ZKDVError as e:  # the others raise at the same step, not in a collective
         group.broadcast(key, {"error": f"{type(e).__name__}: {e}"})
         raise
-      group.broadcast(key, {"window": window, "challenges": challenges})
+      # A resumed run's probes owed for discarded steps whose batch these steps train again.
+      owed = list(map(self._committer.owed_rows, steps))
+      group.broadcast(key, {"window": window, "challenges": challenges, "owed": owed})
     else:
-      window, challenges = _round(group.broadcast(key))
+      window, challenges, owed = _round(group.broadcast(key))
       if window is not None:
         self._committer.pipeline.grow(window)
     policy = self._challenger.policy
     answers, rows = [], []
     for t, step_challenge in enumerate(challenges, start=self._settled):
-      answers.append(self._open(challenge.decide(t, step_challenge, policy), rows))
+      decision = challenge.decide(t, step_challenge, policy)
+      self._held_rows(decision.step, owed[t - self._settled], rows)
+      answers.append(self._open(decision, rows))
     self._settled += len(challenges)
     self._committer.answer_round(key, answers, rows)
+
+  def _held_rows(self, step: int, wanted: list, rows: list) -> None:
+    """Appends to ``rows`` this process's shards of the ``wanted`` rows (``[leaf, row]``)
+    of step ``step``'s batch, as ``[step, leaf, row, bytes]``."""
+    pending = self._pending[step]
+    program, blocks = pending.job.program, {}
+    for leaf, row in wanted:
+      layout = program.batch_layouts[leaf]
+      if leaf not in blocks:
+        blocks[leaf] = arrays.row_shards(pending.inputs[program.batch_indices[leaf]], layout)
+      data = self._committer.digests.row_bytes(blocks[leaf], row)
+      if data is not None:
+        rows.append([step, leaf, row, bytes(data)])
 
   def _open(self, decision: challenge.Decision, rows: list) -> tuple:
     """What answering ``decision`` needs: (decision, whether it decides its segment's
@@ -202,12 +239,9 @@ class SharedDecisions:
     bytes]``). A step that ends its segment releases what the segment kept."""
     pending = self._pending[decision.step]
     program = pending.job.program
-    for leaf, layout in enumerate(program.batch_layouts):
-      probed = decision.leaf_probe_rows(leaf, layout)
-      if probed:
-        blocks = arrays.row_shards(pending.inputs[program.batch_indices[leaf]], layout)
-        rows += [[decision.step, leaf, row, bytes(data)] for row in probed
-                 if (data := self._committer.digests.row_bytes(blocks, row)) is not None]
+    self._held_rows(decision.step, [[leaf, row] for leaf, layout in
+                                    enumerate(program.batch_layouts)
+                                    for row in decision.leaf_probe_rows(leaf, layout)], rows)
     if not pending.ends:  # its segment's checks wait for the segment's last step
       return decision, False, None, None, None
     segment = [self._pending[t] for t in range(pending.first, decision.step + 1)]
@@ -227,18 +261,24 @@ class SharedDecisions:
     return decision, True, opened, post, replayed
 
 
-def _round(message) -> tuple[int | None, list[bytes]]:
-  """(window, challenges) of a round process 0 published; ChallengeTimeoutError when process
-  0 got no challenges for it, CommitmentError if malformed."""
+def _round(message) -> tuple[int | None, list[bytes], list]:
+  """(window, challenges, owed rows of each step) of a round process 0 published;
+  ChallengeTimeoutError when process 0 got no challenges for it, CommitmentError if
+  malformed."""
   if isinstance(message, dict) and isinstance(message.get("error"), str):
     raise errors.ChallengeTimeoutError(
         f"process 0 has no challenges from DVBench for this round: {message['error']}")
   window = message.get("window") if isinstance(message, dict) else None
   challenges = message.get("challenges") if isinstance(message, dict) else None
+  owed = message.get("owed") if isinstance(message, dict) else None
   if (not isinstance(challenges, list) or not (window is None or isinstance(window, int)) or
-      not all(isinstance(c, bytes) and len(c) == challenge.KEY_BYTES for c in challenges)):
+      not all(isinstance(c, bytes) and len(c) == challenge.KEY_BYTES for c in challenges) or
+      not isinstance(owed, list) or len(owed) != len(challenges) or
+      not all(isinstance(rows, list) and all(
+          isinstance(r, list) and len(r) == 2 and all(type(i) is int and i >= 0 for i in r)
+          for r in rows) for rows in owed)):
     raise errors.CommitmentError(f"process 0 published a malformed round: {message!r:.200}.")
-  return window, challenges
+  return window, challenges, owed
 
 
 def _round_every(window: int) -> int:
