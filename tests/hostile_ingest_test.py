@@ -23,6 +23,7 @@ from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import postgres
 from tests.fake_prover import FakeProver, write_self_transcript
+from zkdv import records
 from zkdv.transcript import encode_record, record_id
 
 # Short limits so that slow-client cases finish in about a second.
@@ -122,6 +123,27 @@ class DatabaseCases:
     envelope = {"client_id": "c", "seq": top, "kind": "records", "records": []}
     self.assertRefused(self.http.post(f"/api/v1/proofs/{prover.proof_id}/stream",
                                       content=encode_record(envelope)), 400, "envelope.seq")
+    self.assertEqual(self.record_ids(prover.proof_id), before)
+
+  def test_a_record_naming_more_blobs_than_it_may_is_refused(self):
+    # Before, a check record naming a million blobs was stored with a reference row for
+    # each: 9 s of the write lock for other owners' requests, and 9 times its own bytes in
+    # the database, past its owner's quota.
+    prover = self.prover("many-blobs")
+    prover.run(steps=1)
+    before = self.record_ids(prover.proof_id)
+    names = [blake3.blake3(b"%d" % n).digest() for n in range(records.MAX_RECORD_BLOBS + 1)]
+    cases = [
+        ({"type": "check", "step": 0, "kind": "state", "post_state_blobs": names},
+         f"record 0 (check): names {len(names)} blobs, more than a record may "
+         f"({records.MAX_RECORD_BLOBS})"),
+        ({"type": "check", "step": 0, "kind": "update", "first": 0,
+          "pre_state_blobs": names[:1], "batch_blobs": [names[:1]] * 2},
+         "record 0 (check).batch_blobs: one list of blobs per step of the segment 0..0 (1), "
+         "got 2"),
+    ]
+    for fields, says in cases:
+      self.assertRefused(prover.send(prover.chain(fields)), 400, says)
     self.assertEqual(self.record_ids(prover.proof_id), before)
 
   def test_long_strings_are_refused_or_bounded(self):

@@ -47,6 +47,20 @@ class StoreTest(parameterized.TestCase):
         challenge.Policy().to_record())}
     return store.create_proof(exp["id"], "ab" * 32, name, b"root", challenger)["id"]
 
+  def test_missing_blobs_are_the_first_named_and_the_rest_counted(self, backend):
+    # Before, the close read and sorted every missing digest (a million of them took 0.8 s
+    # of the write lock, for a 409 that names one) inside its transaction.
+    store = db.Store.open(_fresh_url(backend))
+    proof = self._proof(store)
+    with store.engine.begin() as conn:
+      store.add_blob_refs(conn, proof, {f"{n:064x}" for n in (5, 3, 9, 1)})
+    store.add_proof_blobs(proof, [f"{1:064x}"])
+    with store.engine.connect() as conn:
+      self.assertEqual(store.missing_blobs(conn, proof), (3, f"{3:064x}"))
+    store.add_proof_blobs(proof, [f"{n:064x}" for n in (3, 5, 9)])
+    with store.engine.connect() as conn:
+      self.assertEqual(store.missing_blobs(conn, proof), (0, None))
+
   def test_migrations_apply_once_and_record_their_version(self, backend):
     url = _fresh_url(backend)
     store = db.Store.open(url)

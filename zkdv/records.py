@@ -108,6 +108,9 @@ MAX_STRING_BYTES = 1 << 20
 # A record travels whole or in chunks; DVBench takes none larger, nor of more CBOR items.
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 MAX_RECORD_ITEMS = 1 << 20
+# A record names at most this many blobs (a state's leaves, each step's batch leaves): DVBench
+# keeps a reference to each.
+MAX_RECORD_BLOBS = 1 << 16
 _CHUNK = Bytes(None, MAX_STRING_BYTES)
 PROBED_BYTES = Either(_CHUNK, ListOf(_CHUNK, 256, min_len=2),
                       f"a Merkle row's bytes, or a list of chunks of at most "
@@ -319,10 +322,33 @@ def check_probes(record: dict, where: str) -> None:
                     "one width.")
 
 
+def check_blobs(record: dict, where: str) -> None:
+  """The blobs a record names: at most ``MAX_RECORD_BLOBS``, and an update check's
+  ``batch_blobs`` one list per step of the segment it opens (``first`` .. ``step``)."""
+  if record.get("kind") == "update":
+    steps = record["step"] - record["first"] + 1
+    if len(record["batch_blobs"]) != steps:
+      raise Invalid(f"{where}.batch_blobs: one list of blobs per step of the segment "
+                    f"{record['first']}..{record['step']} ({max(steps, 0)}), got "
+                    f"{len(record['batch_blobs'])}.")
+  named = sum(len(record.get(f, ())) for f in ("pre_state_blobs", "post_state_blobs",
+                                                "input_blobs"))
+  named += sum(map(len, record.get("batch_blobs", ())))
+  if named > MAX_RECORD_BLOBS:
+    raise Invalid(f"{where}: names {named} blobs, more than a record may "
+                  f"({MAX_RECORD_BLOBS}).")
+
+
+def _init_rules(record: dict, where: str) -> None:
+  programs.check_init(record, where)
+  check_blobs(record, where)
+
+
 # The rules across a record's fields, applied once each field matches (``zkdv.programs``),
 # by record type, and by check kind.
-ACROSS_FIELDS = {"program": programs.check_program, "init": programs.check_init,
-                 "data": check_data, ("check", "probe"): check_probes}
+ACROSS_FIELDS = {"program": programs.check_program, "init": _init_rules,
+                 "data": check_data, ("check", "probe"): check_probes,
+                 ("check", "update"): check_blobs, ("check", "state"): check_blobs}
 
 RUN_FIELDS = ("run_name", "tags", "run_config")
 

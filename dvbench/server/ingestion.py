@@ -120,10 +120,10 @@ class Ingestion:
       receipts.issue(self.store, self.signing_key, proof_id, "invalid", 0, conn,
                      standing=claims.Standing(claims.INVALID))
       return {"closed": True, "records": head.records, "state": "invalid", "failure": failure}
-    missing = self.store.missing_blobs(conn, proof_id)
+    missing, first = self.store.missing_blobs(conn, proof_id)
     if missing:
-      raise HTTPException(409, f"cannot close: {len(missing)} referenced blobs were not "
-                          f"uploaded for this proof (first {missing[0]}); upload them with "
+      raise HTTPException(409, f"cannot close: {missing} referenced blobs were not "
+                          f"uploaded for this proof (first {first}); upload them with "
                           f"PUT /api/v1/proofs/{proof_id}/blobs/DIGEST first.")
     final = decode(self.store.last_record(conn, proof_id)[2], "the final record")
     final_params = final.get("final_params")

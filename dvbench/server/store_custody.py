@@ -403,12 +403,16 @@ class CustodyQueries:
       return [r[0] for r in conn.execute(sa.select(proof_blobs.c.digest).where(
           proof_blobs.c.proof_id == proof_id).order_by(proof_blobs.c.digest))]
 
-  def missing_blobs(self, conn, proof_id: str) -> list[str]:
-    """Blobs the proof's records reference that were not uploaded for this proof."""
+  def missing_blobs(self, conn, proof_id: str) -> tuple[int, str | None]:
+    """(how many, the first) of the blobs the proof's records reference that were not
+    uploaded for this proof: the first read, the rest counted by the database."""
     uploaded = sa.select(proof_blobs.c.digest).where(proof_blobs.c.proof_id == proof_id)
-    return [r[0] for r in conn.execute(sa.select(blob_refs.c.digest).where(
-        (blob_refs.c.proof_id == proof_id) & blob_refs.c.digest.not_in(uploaded)
-    ).order_by(blob_refs.c.digest))]
+    missing = sa.select(blob_refs.c.digest).where(
+        (blob_refs.c.proof_id == proof_id) & blob_refs.c.digest.not_in(uploaded))
+    first = conn.execute(missing.order_by(blob_refs.c.digest).limit(1)).scalar()
+    if first is None:
+      return 0, None
+    return conn.execute(sa.select(sa.func.count()).select_from(missing.subquery())).scalar(), first
 
   # -- receipts ------------------------------------------------------------------------------
 
