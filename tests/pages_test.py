@@ -26,6 +26,7 @@ import dvbench
 import zkdv
 from dvbench.server import charts
 from dvbench.server import page
+from dvbench.server import run_view
 from dvbench.server.local import LocalServer
 from tests import metrics_test
 from tests import testing
@@ -331,6 +332,23 @@ class PagesTest(absltest.TestCase):
       self.assertIn(message, response.json()["error"])
     self.assertEqual(prover.send(prover.step_record(metrics={"loss": "nan:7fc00000"}))
                      .status_code, 200)
+
+  def test_metric_names_a_response_lists_are_bounded(self):
+    # Steps that each commit 64 new names: before, every response held a column of every
+    # step for each name (1,000 such steps: a 313 MB JSON answer, 1.2 GiB of server memory).
+    prover = FakeProver(self.url, self.token, "alice/many-names")
+    self.addCleanup(prover.http.close)
+    prover.start()
+    new_names = lambda t: {f"m{64 * t + i}": float(i) for i in range(64)}
+    prover.run(3, metrics=new_names)
+    series = self.get_json(f"/api/v1/proofs/{prover.proof_id}/metrics")
+    self.assertEqual(list(series["metrics"]), [f"m{i}" for i in range(run_view.SERIES_NAMES)])
+    self.assertTrue(series["more_names"])
+    self.assertEqual(series["metrics"]["m127"], [None, 63.0, None])
+    self.assertFalse(self.get_json(f"/api/v1/proofs/{self.jax_proof}/metrics")["more_names"])
+    rows = list(csv.reader(io.StringIO(httpx.get(
+        f"{self.url}/api/v1/proofs/{prover.proof_id}/metrics.csv").text)))
+    self.assertLen(rows[0], 1 + run_view.SERIES_NAMES)
 
   def test_re_uploading_a_finished_proof_is_a_no_op(self):
     path = metrics_test.transcript_with_metrics()[0]

@@ -24,6 +24,9 @@ from zkdv import metrics
 MAX_FIELD = 200  # characters of a prover-written string shown on a page
 MAX_ENTRIES = 40  # entries of a prover-written map or list shown on a page
 SERIES_LIMIT = 20_000  # steps per metrics response (the JSON route pages with ``start``)
+# Metric names per metrics response, in the order steps first commit them: a program names
+# at most metrics.MAX_METRICS, and a run's steps may name others in turn.
+SERIES_NAMES = 2 * metrics.MAX_METRICS
 _OPTIMIZER_FIELD = re.compile(r"\.opt_state(?:\[\d+\])*\.(\w+)")
 
 
@@ -138,19 +141,25 @@ def metric_series(store, proof_id: str, start: int = 0, limit: int = SERIES_LIMI
   """Steps ``start`` .. ``start + limit`` of the proof's committed metrics.
 
   ``{"start", "steps": [step...], "metrics": {name: [value per listed step, None where
-  that step did not commit it]}, "next": the next start or None}``.
+  that step did not commit it]}, "more_names": whether steps committed names past the
+  first ``SERIES_NAMES``, which are not listed, "next": the next start or None}``.
   """
-  steps, values = [], {}
+  steps, values, more = [], {}, False
   for record in _records(store, proof_id, "step", start, limit + 1):
     if len(steps) == limit:
-      return {"start": start, "steps": steps, "metrics": values, "next": record.get("index")}
+      return {"start": start, "steps": steps, "metrics": values,
+              "more_names": more, "next": record.get("index")}
     committed = record.get("metrics") if isinstance(record.get("metrics"), dict) else {}
-    for name, value in committed.items():
-      values.setdefault(name, [None] * len(steps))
+    for name in committed:
+      if name not in values:
+        if len(values) < SERIES_NAMES:
+          values[name] = [None] * len(steps)
+        else:
+          more = True
     for name, column in values.items():
       column.append(json_value(committed.get(name)))
     steps.append(record.get("index"))
-  return {"start": start, "steps": steps, "metrics": values, "next": None}
+  return {"start": start, "steps": steps, "metrics": values, "more_names": more, "next": None}
 
 
 def scalar_curves(series: dict) -> dict[str, list[tuple[int, float]]]:
