@@ -15,10 +15,12 @@ import time
 import blake3
 import cbor2
 import httpx
+import sqlalchemy as sa
 from absl.testing import absltest
 
 import dvbench
 from dvbench import transport
+from dvbench.server import schema
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
 from tests import postgres
@@ -64,6 +66,13 @@ def raw_request(port: int, head: str, body: bytes = b"", source: str = "127.0.0.
         break
       answer += part
   return int(answer.split(b" ", 2)[1]), answer
+
+
+def _chunks_held(store: Store, proof_id: str) -> int:
+  """How many chunks of a proof's record being sent the server holds."""
+  with store.engine.connect() as conn:
+    return conn.execute(sa.select(sa.func.count()).select_from(schema.chunks).where(
+        schema.chunks.c.proof_id == proof_id)).scalar()
 
 
 class HostileTestCase(absltest.TestCase):
@@ -403,6 +412,38 @@ class TransportCases:
     self.assertEqual(post(envelope(3, 0, stray[:half])).status_code, 200)
     self.assertRefused(post(envelope(4, 1, stray[half:])), 409, "chains to 0707")
     self.assertEqual(post(envelope(4, 1, stray[half:])).json(), {"chunk": 1, "of": 2, "seq": 4})
+
+  def test_a_chunked_record_is_decoded_outside_the_write_lock(self):
+    # A 1 MiB record of a million empty arrays costs about 0.7 s to decode. Sent in chunks,
+    # it was joined, decoded and checked inside the transaction that stored its last
+    # chunk: every other write (heartbeats, slots) waited for it, up to a 500 "database
+    # is locked" after 30 s of them. Ordered, not timed: bob's heartbeats are answered
+    # while mallory's joined chunks wait, stored, for their decode.
+    mallory, bob = self.prover("slow-chunks"), self.prover("heartbeats")
+    raw = b"\x9a" + ((1 << 20) - 1).to_bytes(4, "big") + b"\x80" * ((1 << 20) - 1)
+    half = len(raw) // 2
+
+    def chunk(seq: int, index: int) -> httpx.Response:
+      return self.http.post(f"/api/v1/proofs/{mallory.proof_id}/stream", timeout=60,
+                            content=encode_record({
+                                "client_id": "c", "seq": seq, "kind": "chunk",
+                                "record_id": record_id(raw), "index": index, "count": 2,
+                                "data": raw[index * half:(index + 1) * half or None]}))
+    self.assertEqual(chunk(0, 0).status_code, 200)
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    self.addCleanup(store.engine.dispose)
+    answers = []
+    last = threading.Thread(target=lambda: answers.append(chunk(1, 1)))
+    last.start()
+    held_while_answered = []
+    while last.is_alive():
+      response = self.http.post(f"/api/v1/proofs/{bob.proof_id}/alive")
+      self.assertEqual(response.status_code, 204, response.text)
+      held_while_answered.append(_chunks_held(store, mallory.proof_id))
+    last.join()
+    self.assertRefused(answers[0], 400, "record 0")
+    self.assertIn(2, held_while_answered)
+    self.assertEqual(_chunks_held(store, mallory.proof_id), 0)  # dropped once refused
 
   def test_unknown_tokens_are_locked_out_per_address_and_valid_tokens_never(self):
     def post(token: str) -> tuple[int, bytes]:

@@ -4,12 +4,15 @@ no segment longer than the root allows. Real servers on loopback, SQLite and Pos
 where the store decides.
 """
 
+import asyncio
+import json
 import multiprocessing
 import os
 import pathlib
 import re
 import signal
 import socket
+import sqlite3
 import threading
 import time
 
@@ -17,7 +20,9 @@ import blake3
 import httpx
 import sqlalchemy as sa
 from absl.testing import absltest
+from starlette import requests
 
+from dvbench.server import app
 from dvbench.server import ingest_processes
 from dvbench.server.db import Store
 from dvbench.server.local import LocalServer
@@ -394,6 +399,22 @@ class SqliteStoreTest(StoreCases, absltest.TestCase):
 
 class PostgresStoreTest(postgres.OnPostgres, StoreCases, absltest.TestCase):
   pass
+
+
+class DatabaseRefusalTest(absltest.TestCase):
+
+  def test_a_statement_the_database_refuses_answers_503_not_a_traceback(self):
+    # Seen under a hostile load: a heartbeat waited out SQLite's 30 s busy timeout and
+    # answered 500 with a traceback, and a proof whose heartbeats fail is counted crashed.
+    refused = sa.exc.OperationalError("BEGIN IMMEDIATE", {},
+                                      sqlite3.OperationalError("database is locked"))
+    request = requests.Request({"type": "http", "method": "POST", "headers": [],
+                                "path": "/api/v1/proofs/ab/alive"})
+    response = asyncio.run(app._database_refused(request, refused))
+    self.assertEqual((response.status_code, response.headers["retry-after"]), (503, "10"))
+    self.assertEqual(json.loads(response.body)["error"],
+                     "the server's database refused this request (database is locked); "
+                     "nothing already stored was lost: send it again shortly.")
 
 
 if __name__ == "__main__":

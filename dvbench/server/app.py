@@ -16,6 +16,7 @@ Example::
 import logging
 import pathlib
 
+import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -82,6 +83,15 @@ async def _storage_damaged(request, exc: StoredRecordDamaged):
   return JSONResponse({"error": str(exc)}, status_code=503)
 
 
+async def _database_refused(request, exc: sa.exc.OperationalError):
+  """A statement the database refused (locked past its busy timeout, a full disk): the
+  server's fault, said as such (503), never a traceback; the client sends it again."""
+  logger.error("the database refused %s %s: %s", request.method, request.url.path, exc.orig)
+  return JSONResponse({"error": f"the server's database refused this request ({exc.orig}); "
+                                "nothing already stored was lost: send it again shortly."},
+                      status_code=503, headers={"retry-after": "10"})
+
+
 async def _queue_full(request, exc: QueueFull):
   return JSONResponse({"error": str(exc)}, status_code=429, headers={"retry-after": "30"})
 
@@ -114,6 +124,7 @@ def create_app(service: Service) -> Starlette:
             Mount("/static", static, name="static")]
   return Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
                                                      QueueFull: _queue_full,
+                                                     sa.exc.OperationalError: _database_refused,
                                                      StoredRecordDamaged: _storage_damaged},
                    middleware=[Middleware(SecurityHeaders),  # outermost: on every answer
                                Middleware(Guard, limits=service.limits)])

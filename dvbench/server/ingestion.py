@@ -72,33 +72,52 @@ class Ingestion:
 
   def __init__(self, store: Store, signing_key: ed25519.Ed25519PrivateKey):
     self.store, self.signing_key = store, signing_key
-    self.kinds = {"chunk": self.chunk, "close": self.close}
+    self.kinds = {"close": self.close}
 
   def begin(self, proof: dict, body: bytes) -> "EnvelopeJob":
     """Envelope ``body`` for ``proof`` (a row of ``Store.proof``), decoded and its fields
     checked (HTTPException when refused); ``step()`` stores it, a slice a call."""
     return EnvelopeJob(self, proof, body)
 
-  def chunk(self, ingest: Ingest, envelope: dict) -> dict:
+  def chunk(self, ingest: Ingest, envelope: dict, parsed: tuple | None = None) -> dict | None:
+    """Stores a chunk: its acknowledgement, or None once the record's last chunk is here
+    (the record is then joined, hashed, decoded and checked outside any transaction,
+    ``parse_chunked``, and stored by this again with ``parsed``)."""
     rid, idx, count, data = (envelope[k] for k in ("record_id", "index", "count", "data"))
     if self.store.record_position(ingest.conn, ingest.proof_id, rid) is not None:
+      # a resend after the record was stored: acknowledged, nothing written
       return {"chunk": idx, "of": count, "stored": 0, "duplicates": 1, "challenges": []}
     ingest.check_receiving()
+    if parsed is not None:
+      try:
+        ingest.take(parsed[0], parsed[1], rid, 0)  # not stored: looked up above
+      except HTTPException as e:  # the chunks go, so a resent last chunk costs its bytes
+        raise ChunksRefused(e, rid) from None
+      self.store.drop_chunks(ingest.conn, ingest.proof_id, rid)
+      return {"chunk": idx, "of": count, **ingest.ack()}
     try:
       whole = self.store.put_chunk(ingest.conn, ingest.proof_id, rid, idx, count, data,
                                    transport.MAX_RECORD_BYTES)
     except RecordTooLarge as e:
       raise HTTPException(413, f"{e} Records are at most that large.") from None
-    if whole is None:
-      return {"chunk": idx, "of": count}
+    return None if whole else {"chunk": idx, "of": count}
+
+  def parse_chunked(self, proof_id: str, envelope: dict) -> tuple[bytes, dict]:
+    """(raw, checked record) of the record whose last chunk ``envelope`` stored; read,
+    hashed and decoded outside the write transaction. ChunksRefused when refused."""
+    rid = envelope["record_id"]
+    with self.store.engine.connect() as conn:
+      whole = self.store.chunked_record(conn, proof_id, rid, envelope["count"])
     try:
+      if whole is None:
+        raise HTTPException(409, f"the chunks of record {rid.hex()} were dropped (a chunk of "
+                            "another record came meanwhile): send every chunk of it again.")
       if record_id(whole) != rid:
         raise HTTPException(400, "the reassembled chunks do not hash to record_id; its "
                             "chunks were dropped: send every chunk of the record again.")
-      ingest.take(whole, parse_record(whole, 0), rid, 0)  # not stored: looked up above
-    except HTTPException as e:  # the chunks go, so a resent last chunk costs only its bytes
+      return whole, parse_record(whole, 0)
+    except HTTPException as e:
       raise ChunksRefused(e, rid) from None
-    return {"chunk": idx, "of": count, **ingest.ack()}
 
   def close(self, ingest: Ingest, envelope: dict) -> dict:
     head, conn, proof_id = ingest.head, ingest.conn, ingest.proof_id
@@ -166,6 +185,7 @@ class EnvelopeJob:
     self.taken = 0  # records of the envelope stored or counted as duplicates
     self.totals = {"stored": 0, "duplicates": 0}
     self.challenges: dict[int, dict] = {}
+    self.chunked = None  # (raw, record) of a record whose last chunk this envelope stored
 
   def step(self) -> dict | None:
     try:
@@ -182,6 +202,8 @@ class EnvelopeJob:
     kind = self.envelope["kind"]
     if kind == "records" and not self.parsed:
       self._parse_slice()
+    elif kind == "chunk" and self.chunked is False:  # its last chunk was stored: the record
+      self.chunked = self.ingestion.parse_chunked(self.proof_id, self.envelope)
     with self.store.engine.begin() as conn:
       expected, last = self.store.stream_position(conn, self.proof_id, self.client_id)
       if self.seq < expected:
@@ -193,6 +215,11 @@ class EnvelopeJob:
       if kind == "records":
         ack = self._records(ingest)
         if ack is None:
+          return None
+      elif kind == "chunk":
+        ack = self.ingestion.chunk(ingest, self.envelope, self.chunked or None)
+        if ack is None:  # the last chunk, stored: the record is parsed before it is taken
+          self.chunked = False
           return None
       else:
         ack = self.ingestion.kinds[kind](ingest, self.envelope)

@@ -149,9 +149,10 @@ class CustodyQueries:
                                      "new_seq": seq + 1, "new_ack": ack})
 
   def put_chunk(self, conn, proof_id: str, record_id: bytes, idx: int, count: int,
-                data: bytes, max_bytes: int) -> bytes | None:
+                data: bytes, max_bytes: int) -> bool:
     """Stores a chunk (a resent one replaces the one before, so a corrupted chunk can be
-    mended); returns the whole record once chunks ``0 .. count - 1`` are here.
+    mended); True once chunks ``0 .. count - 1`` are here (``chunked_record`` reads them,
+    ``drop_chunks`` drops them once the record is stored or refused).
 
     A proof holds the chunks of one incomplete record, the one being sent: records are
     sent in chain order, so the chunks of any other are of a record that was given up
@@ -170,12 +171,16 @@ class CustodyQueries:
     conn.execute(chunks.delete().where(of_record & (chunks.c.idx == idx)))
     conn.execute(chunks.insert().values(proof_id=proof_id, record_id=record_id, idx=idx,
                                         count=count, data=data))
-    present = of_record & (chunks.c.idx < count)
-    if conn.execute(sa.select(sa.func.count()).where(present)).scalar() < count:
-      return None  # counted, not read: a chunk costs its own bytes, not all held before it
-    parts = conn.execute(sa.select(chunks.c.data).where(present).order_by(chunks.c.idx)).all()
-    conn.execute(chunks.delete().where(of_record))
-    return b"".join(p[0] for p in parts)
+    present = of_record & (chunks.c.idx < count)  # counted, not read: a chunk costs its bytes
+    return conn.execute(sa.select(sa.func.count()).where(present)).scalar() >= count
+
+  def chunked_record(self, conn, proof_id: str, record_id: bytes, count: int) -> bytes | None:
+    """Record ``record_id`` of a proof joined from its chunks ``0 .. count - 1``; None
+    when they are no longer all here."""
+    of_record = ((chunks.c.proof_id == proof_id) & (chunks.c.record_id == record_id)
+                 & (chunks.c.idx < count))
+    parts = conn.execute(sa.select(chunks.c.data).where(of_record).order_by(chunks.c.idx)).all()
+    return b"".join(p[0] for p in parts) if len(parts) == count else None
 
   def drop_chunks(self, conn, proof_id: str, record_id: bytes) -> None:
     """Drops the chunks of record ``record_id`` of a proof (refused once whole)."""
