@@ -153,9 +153,17 @@ class Ingestion:
 
 
 def _stream_entry(ack: dict, digest: str) -> str:
-  """What the stream keeps of its last envelope: the acknowledgement and the envelope's
-  BLAKE3 (an exact resend is told apart from another envelope under the same seq)."""
-  return json.dumps({"ack": ack, "envelope": digest})
+  """What the stream keeps of its last envelope: the envelope's BLAKE3, first (an exact
+  resend is told apart from another envelope under the same seq by the entry's head), and
+  the acknowledgement."""
+  return json.dumps({"envelope": digest, "ack": ack})
+
+
+def _entry_digest(head: str) -> str | None:
+  """The envelope digest an entry's head starts with; None for an entry that does not
+  start with it (written by an older server: the whole entry says)."""
+  prefix = '{"envelope": "'
+  return head[len(prefix):len(prefix) + 64] if head.startswith(prefix) else None
 
 
 class EnvelopeJob:
@@ -205,9 +213,9 @@ class EnvelopeJob:
     elif kind == "chunk" and self.chunked is False:  # its last chunk was stored: the record
       self.chunked = self.ingestion.parse_chunked(self.proof_id, self.envelope)
     with self.store.engine.begin() as conn:
-      expected, last = self.store.stream_position(conn, self.proof_id, self.client_id)
+      expected, head = self.store.stream_position(conn, self.proof_id, self.client_id)
       if self.seq < expected:
-        return self._resent(expected, last)
+        return self._resent(conn, expected, head)
       if self.seq > expected:
         raise HTTPException(409, f"envelope seq {self.seq} out of order: expected {expected} "
                             f"for client {self.client_id}.")
@@ -257,10 +265,13 @@ class EnvelopeJob:
       return None
     return {**self.totals, "challenges": [self.challenges[s] for s in sorted(self.challenges)]}
 
-  def _resent(self, expected: int, last: str | None) -> dict:
+  def _resent(self, conn, expected: int, head: str) -> dict:
     """The earlier acknowledgement of this exact envelope; 409 for any other envelope
-    under a seq that was used."""
-    entry = json.loads(last) if last is not None and self.seq == expected - 1 else {}
+    under a seq that was used (told by the entry's head: the acknowledgement, as large as
+    its envelope's, is read only for the exact resend)."""
+    entry = {}
+    if self.seq == expected - 1 and _entry_digest(head) in (None, self.digest):
+      entry = json.loads(self.store.stream_entry(conn, self.proof_id, self.client_id))
     if entry.get("envelope") == self.digest:
       return {**entry["ack"], "duplicate": True}
     what = (f"envelope seq {self.seq} of client {self.client_id} was used by another "

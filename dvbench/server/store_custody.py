@@ -55,7 +55,12 @@ def add_proof_digests(conn, table, proof_id: str, digests: set[str]) -> None:
 # position's 195 (benchmarks/RESULTS.md).
 _P = sa.bindparam
 _OF_STREAM = (streams.c.proof_id == _P("proof")) & (streams.c.client_id == _P("client"))
-_STREAM_POSITION = sa.select(streams.c.next_seq, streams.c.last_ack).where(_OF_STREAM)
+# A stream's next seq and the head of its last entry (``STREAM_HEAD`` characters: the
+# envelope's digest comes first), not the acknowledgement, which grows with the envelope.
+STREAM_HEAD = 80
+_STREAM_POSITION = sa.select(streams.c.next_seq,
+                             sa.func.substr(streams.c.last_ack, 1, STREAM_HEAD)).where(_OF_STREAM)
+_STREAM_ENTRY = sa.select(streams.c.last_ack).where(_OF_STREAM)
 _ADVANCE_STREAM = streams.update().where(_OF_STREAM).values(
     next_seq=_P("new_seq"), last_ack=_P("new_ack"))
 _HEAD = sa.select(proofs.c.records, proofs.c.steps, proofs.c.state, proofs.c.probed_rows,
@@ -137,8 +142,13 @@ class CustodyQueries:
   # -- the stream --------------------------------------------------------------------
 
   def stream_position(self, conn, proof_id: str, client_id: str) -> tuple[int, str | None]:
+    """(the client's next seq, the first ``STREAM_HEAD`` characters of its last entry)."""
     row = conn.execute(_STREAM_POSITION, {"proof": proof_id, "client": client_id}).first()
     return (row[0], row[1]) if row else (0, None)
+
+  def stream_entry(self, conn, proof_id: str, client_id: str) -> str:
+    """The client's last entry whole (``advance_stream``'s ``ack``)."""
+    return conn.execute(_STREAM_ENTRY, {"proof": proof_id, "client": client_id}).scalar()
 
   def advance_stream(self, conn, proof_id: str, client_id: str, seq: int, ack: str) -> None:
     if seq == 0:
