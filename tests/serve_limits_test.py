@@ -401,6 +401,29 @@ class PostgresStoreTest(postgres.OnPostgres, StoreCases, absltest.TestCase):
   pass
 
 
+class OwnerTurnsTest(absltest.TestCase):
+
+  def test_owners_waiting_take_turns_round_robin(self):
+    # Before, an ingestion process gave turns in arrival order: mallory's eight envelopes
+    # of records costly to decode (0.7 s a slice) kept bob's one-step envelope waiting
+    # behind all of them (5.7 s).
+    async def grants() -> list[str]:
+      turns, granted = ingest_processes.OwnerTurns(), []
+
+      async def request(owner: str, name: str):
+        async with turns.turn(owner):
+          granted.append(name)
+      async with turns.turn("mallory"):  # a slice of mallory's first envelope
+        waiting = [asyncio.create_task(request(owner, name)) for owner, name in (
+            ("mallory", "m2"), ("mallory", "m3"), ("mallory", "m4"), ("bob", "b1"),
+            ("mallory", "m5"), ("carol", "c1"))]
+        await asyncio.sleep(0)  # each task runs up to its wait for a turn
+        waiting[4].cancel()  # a client that went away gives up its place
+      await asyncio.gather(*waiting, return_exceptions=True)
+      return granted
+    self.assertEqual(asyncio.run(grants()), ["m2", "b1", "c1", "m3", "m4"])
+
+
 class DatabaseRefusalTest(absltest.TestCase):
 
   def test_a_statement_the_database_refuses_answers_503_not_a_traceback(self):

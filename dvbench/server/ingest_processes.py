@@ -5,8 +5,9 @@ Decoding and checking an envelope of thousands of records is Python work that ho
 GIL; in the web process it made every read wait its turn (read p99 under four uploaders:
 ~0.5 s, benchmarks/RESULTS.md). Each child runs ``Ingestion`` on its own connection to
 the database and stores one slice of an envelope at a time (``ingestion.EnvelopeJob``), its
-turns given in arrival order: a large envelope does not hold up another owner's small one
-for longer than a slice. The web process only receives bodies and forwards them.
+turns given round-robin among the owners waiting (``OwnerTurns``): a large envelope, or
+an owner's many, do not hold up another owner's small one for longer than a slice. The
+web process only receives bodies and forwards them.
 
 A child dies with the server (``PR_SET_PDEATHSIG``, bound to the thread that starts it:
 the server's main thread, its event loop, or the supervisor's thread, all of which live as
@@ -28,6 +29,8 @@ Example::
 """
 
 import asyncio
+import collections
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -207,6 +210,58 @@ class _Child:
       self.process.join()
 
 
+class OwnerTurns:
+  """One turn at a time, given round-robin among the owners waiting (each owner's
+  requests in arrival order): an owner with eight envelopes waiting gets one turn a round,
+  as an owner with one does. Used in one event loop.
+
+  Example::
+
+    async with turns.turn("alice"):
+      ...  # one slice of one of alice's envelopes
+  """
+
+  def __init__(self):
+    self._waiting: dict[str, collections.deque] = {}  # owner -> futures, in arrival order
+    self._owners: collections.deque = collections.deque()  # owners waiting, in turn order
+    self._held = False
+
+  @contextlib.asynccontextmanager
+  async def turn(self, owner: str):
+    if self._held:
+      granted = asyncio.get_running_loop().create_future()
+      if owner not in self._waiting:
+        self._waiting[owner] = collections.deque()
+        self._owners.append(owner)
+      self._waiting[owner].append(granted)
+      try:
+        await granted
+      except asyncio.CancelledError:
+        if granted.done() and not granted.cancelled():  # given as it was cancelled: pass it on
+          self._pass_on()
+        raise
+    self._held = True
+    try:
+      yield
+    finally:
+      self._pass_on()
+
+  def _pass_on(self) -> None:
+    """Gives the turn to the next owner's oldest waiting request, if any."""
+    while self._owners:
+      owner = self._owners.popleft()
+      queue = self._waiting[owner]
+      granted = queue.popleft()
+      if queue:
+        self._owners.append(owner)  # its next request waits for the other owners' turns
+      else:
+        del self._waiting[owner]
+      if not granted.cancelled():
+        granted.set_result(None)
+        return
+    self._held = False
+
+
 class IngestProcesses:
   """``count`` ingestion processes; ``ingest`` gives each envelope to an idle one."""
 
@@ -224,7 +279,7 @@ class IngestProcesses:
     self._restarts = [Restarts() for _ in range(count)]
     self._taken: set[int] = set()  # indices of children storing an envelope
     self._stopped = False
-    self._turns: list[asyncio.Lock] | None = None  # per child, made in the event loop
+    self._turns: list[OwnerTurns] | None = None  # per child, made in the event loop
     self._load = [0] * count  # envelopes given to each child and not yet answered
 
   def start(self) -> "IngestProcesses":
@@ -250,16 +305,18 @@ class IngestProcesses:
 
   async def ingest(self, proof: dict, body: bytes) -> dict:
     """The acknowledgement of ``body`` (see ``Ingestion.begin``), stored by the child
-    with the fewest envelopes, one slice per turn: turns of a child go in arrival order,
-    so a large envelope's slices alternate with the envelopes that arrive meanwhile."""
+    with the fewest envelopes, one slice per turn: turns of a child go round-robin among
+    the owners waiting, so a large envelope's slices, or an owner's many envelopes,
+    alternate with other owners' envelopes."""
     if self._turns is None:
-      self._turns = [asyncio.Lock() for _ in range(self.count)]  # FIFO, in this event loop
+      self._turns = [OwnerTurns() for _ in range(self.count)]  # in this event loop
+    owner = proof["experiment"].split("/")[0]
     index = min(range(self.count), key=self._load.__getitem__)
     self._load[index] += 1
     try:
       message = ("begin", proof, body)
       while True:
-        async with self._turns[index]:
+        async with self._turns[index].turn(owner):
           outcome, value = await self._call(index, message)
         if outcome != "more":
           break
