@@ -86,18 +86,28 @@ class RecordBodies:
   def read(self, proof_id: str, record_id: bytes, offset: int, size: int) -> bytes:
     """The body of record ``record_id`` at ``offset``; raises StoredRecordDamaged when the
     file no longer holds it."""
+    return b"".join(self.read_parts(proof_id, record_id, offset, size, size or 1))
+
+  def read_parts(self, proof_id: str, record_id: bytes, offset: int, size: int,
+                 part: int):
+    """The body of record ``record_id`` at ``offset`` in parts of ``part`` bytes, hashed
+    as they are read: StoredRecordDamaged after the last when the file no longer holds it.
+    A reader holds a part, never the whole body."""
+    hasher, done = blake3.blake3(), 0
     try:
       with open(self.path(proof_id), "rb") as f:
         f.seek(offset)
-        body = f.read(size)
+        while done < size and (data := f.read(min(part, size - done))):
+          hasher.update(data)
+          done += len(data)
+          yield data
     except FileNotFoundError:
-      body = b""
-    if len(body) != size or blake3.blake3(body).digest() != record_id:
+      pass
+    if done != size or hasher.digest() != record_id:
       raise StoredRecordDamaged(
           f"record {record_id.hex()} of proof {proof_id} is damaged in the server's storage "
           f"({self.path(proof_id)}, {size} bytes at {offset}): a fault of this server, not "
           "of the prover; restore the records folder from a backup.")
-    return body
 
   def remove(self, proof_id: str) -> None:
     """Deletes the proof's file (a discarded proof's)."""

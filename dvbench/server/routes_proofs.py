@@ -261,15 +261,17 @@ class ProofRoutes:
                                           "challenge": r["challenge"].hex()})
 
   async def get_transcript(self, request):
-    """The records as one CBOR sequence, streamed a page at a time (``record_page``): a
-    reader holds a page, not the transcript (a few readers of a few GB took the server's
-    memory). The first page is read before the answer starts, so a transcript the server
-    cannot read answers 503 (a later damaged page cuts the stream short)."""
+    """The records as one CBOR sequence, streamed a part at a time
+    (``transcript_parts``): a reader holds a page of records or a part of a large one, not
+    the transcript (a few readers of a few GB took the server's memory, and idle readers of
+    one 60 MB record 120 MB each). The first part is read before the answer starts, so a
+    transcript the server cannot read answers 503 (a later damaged part cuts the stream
+    short)."""
     proof_id = request.path_params["proof_id"]
     await run_in_threadpool(self.service.proof_or_404, proof_id)
-    pages = (b"".join(data for _, data in page) for page in self.store.record_pages(proof_id))
-    first = await run_in_threadpool(next, pages, b"")
-    return StreamingResponse(itertools.chain([first], pages),  # a sync iterator: in a thread
+    parts = self.store.transcript_parts(proof_id)
+    first = await run_in_threadpool(next, parts, b"")
+    return StreamingResponse(itertools.chain([first], parts),  # a sync iterator: in a thread
                              media_type=_CBOR)
 
   async def get_receipt(self, request):

@@ -221,6 +221,31 @@ class CustodyQueries:
           sa.select(records.c.position, *BODY)
           .where(of_proof & (records.c.position <= last)).order_by(records.c.position))]
 
+  def transcript_parts(self, proof_id: str, part_bytes: int = RECORD_PAGE_BYTES):
+    """A proof's records' bytes in order, in parts of at most ``part_bytes`` or one
+    record: records joined a page at a time (``record_page``), and a record kept in the
+    records file that is larger than a part read from it in parts (StoredRecordDamaged
+    after its last part when it differs, which cuts a stream short). A reader holds a part,
+    never a whole large record."""
+    after = -1
+    while True:
+      with self.engine.connect() as conn:
+        head = conn.execute(sa.select(records.c.position, records.c.record_id,
+                                      records.c.body_offset, records.c.body_size)
+                            .where((records.c.proof_id == proof_id)
+                                   & (records.c.position > after))
+                            .order_by(records.c.position).limit(1)).first()
+      if head is None:
+        return
+      position, rid, offset, size = head
+      if offset is not None and size > part_bytes:
+        yield from self.bodies.read_parts(proof_id, rid, offset, size, part_bytes)
+        after = position
+        continue
+      page = self.record_page(proof_id, after, part_bytes)
+      yield b"".join(data for _, data in page)
+      after = page[-1][0]
+
   def record_pages(self, proof_id: str):
     """A proof's records, ``record_page`` after page, in order."""
     after = -1
