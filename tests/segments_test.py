@@ -92,11 +92,19 @@ class SegmentsTest(VerifierTestCase):
     self.assertIn("a segment of 6 steps exceeds the policy's segment_length 3", report.dumps())
 
   def test_a_check_that_opens_another_segment_is_refused(self):
-    def edit(records):
-      first(records, "check", kind="update", step=5)["first"] = 4
+    def edit(records):  # steps 4..5 opened, with their batches
+      check = first(records, "check", kind="update", step=5)
+      check["first"], check["batch_blobs"] = 4, check["batch_blobs"][1:]
       return records
     report = self.assert_fails(rechained(edit, segmented()), "opening")
     self.assertIn("the segment ending at step 5 starts at step 3", report.dumps())
+
+    def without_its_batches(records):  # steps 4..5 named, with the batches of 3..5
+      first(records, "check", kind="update", step=5)["first"] = 4
+      return records
+    report = self.assert_fails(rechained(without_its_batches, segmented()), "schema")
+    self.assertIn("batch_blobs: one list of blobs per step of the segment 4..5 (2), got 3",
+                  report.dumps())
 
   def test_a_segment_without_its_end_is_a_discontinuity(self):
     def edit(records):

@@ -16,7 +16,6 @@ Example::
 import logging
 import pathlib
 
-import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -26,6 +25,7 @@ from starlette.staticfiles import StaticFiles
 
 from dvbench.server import page
 from dvbench.server import sandbox
+from dvbench.server.db import DatabaseRefused
 from dvbench.server.guard import Guard
 from dvbench.server.record_bodies import StoredRecordDamaged
 from dvbench.server.routes_benchmarks import benchmark_routes
@@ -83,7 +83,7 @@ async def _storage_damaged(request, exc: StoredRecordDamaged):
   return JSONResponse({"error": str(exc)}, status_code=503)
 
 
-async def _database_refused(request, exc: sa.exc.OperationalError):
+async def _database_refused(request, exc: DatabaseRefused):
   """A statement the database refused (locked past its busy timeout, a full disk): the
   server's fault, said as such (503), never a traceback; the client sends it again."""
   logger.error("the database refused %s %s: %s", request.method, request.url.path, exc.orig)
@@ -124,7 +124,7 @@ def create_app(service: Service) -> Starlette:
             Mount("/static", static, name="static")]
   return Starlette(routes=routes, exception_handlers={HTTPException: _http_error,
                                                      QueueFull: _queue_full,
-                                                     sa.exc.OperationalError: _database_refused,
+                                                     DatabaseRefused: _database_refused,
                                                      StoredRecordDamaged: _storage_damaged},
                    middleware=[Middleware(SecurityHeaders),  # outermost: on every answer
                                Middleware(Guard, limits=service.limits)])

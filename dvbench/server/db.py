@@ -245,6 +245,9 @@ def _sqlite_pragmas(dbapi_conn, _):
 _PROOF = (sa.select(proofs, experiments.c.full_name.label("experiment"))
           .select_from(proofs.join(experiments)).where(proofs.c.id == sa.bindparam("proof")))
 _WRITE = "dvbench_write"
+# A statement the database refused (locked past its busy timeout, a full disk): the server's
+# fault, answered 503 (``dvbench.server.app``).
+DatabaseRefused = sa.exc.OperationalError
 _PG_WRITE_LOCK = 0x6476624E  # the advisory lock key every PostgreSQL write transaction takes
 
 

@@ -232,8 +232,8 @@ def verify_proof(store: Store, blobs: BlobStore, proof_id: str, work: pathlib.Pa
                f"could not verify: {', '.join(standing.shortfalls)}")
     return Verdict("invalid", report["verdict"], _public(failure, work), rows, claims,
                    standing=standing)
-  if any(c["name"] == "replays" and c["status"] == "holds" and c.get("facts", {}).get(
-      "full_replay") is True for c in report.get("claims", [])):
+  replays = next((c for c in report.get("claims", []) if c["name"] == "replays"), {})
+  if claims.get("replays") == "holds" and replays.get("facts", {}).get("full_replay") is True:
     claims[labels.FULL_REPLAY] = "holds"  # every step re-executed from the attested start
   claims.update(labels.start_facts(report, claims))
   claims.update(labels.data_facts(report, claims))
