@@ -66,8 +66,11 @@ shardings = jax.tree.map(lambda v: by_column if getattr(v, "ndim", 0) == 2 else 
 state = jax.tree.map(place, state, shardings)
 step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
                  donate_argnums=0)
+in_flight = []  # the window slots the replayed steps hold as each is dispatched
 for i in range(int(state.step), STEPS if proof_id else KILLED_AFTER):
   state = step(state, place(xs[i], rows), place(y, rows))
+  if proof_id and i < 8:
+    in_flight.append(proof._committer.pipeline.in_flight)
   if proof_id is None and i + 1 == CHECKPOINT:
     proof.wait_for_commitments()
     whole = multihost_utils.process_allgather(state, tiled=True)
@@ -82,7 +85,7 @@ if proof_id is None:  # every record written so far stored by the server, then a
   os._exit(0)
 proof.finish()
 print(json.dumps({"steps": proof.steps, "proof_id": proof.proof_id, "path": str(proof.path),
-                  "owed": owed}))
+                  "owed": owed, "in_flight": in_flight}))
 """
 
 
@@ -129,6 +132,13 @@ class MultiProcessLiveResumeTest(absltest.TestCase):
     self.assertEqual(self.verdict["state"], "verified", self.verdict)
     self.assertIsNone(self.resumed[1]["proof_id"])  # process 0 alone holds the stream
     self.assertEqual([o["steps"] for o in self.resumed], [STEPS + 1] * 2)  # step 8 discarded
+
+  def test_replayed_steps_hold_window_slots_until_committed(self):
+    # Before, a replayed step gave its slot back as it was dispatched: the replay was not
+    # bounded by the rolling window (37 steps queued behind a slow commit thread).
+    for output in self.resumed:
+      self.assertLen(output["in_flight"], 4)
+      self.assertBetween(max(output["in_flight"]), 1, 8)
 
   def test_the_replayed_segments_checks_are_answered_before_the_resume_record(self):
     kinds = [(r["type"], r.get("step"), r.get("kind")) for r in self.records]

@@ -46,7 +46,7 @@ def proof_of(name, resume=None):
       update_check_probability=1.0, state_check_probability=1.0))
   return zkdv.jax.ZKDV(name, config, resume=resume)
 
-def run(proof, first=0, last=STEPS, restore=None, altered=False, lost=None):
+def run(proof, first=0, last=STEPS, restore=None, altered=False, lost=None, other=None):
   state = zkdv.jax.contrib.TrainState.create(proof=proof, apply_fn=model.apply, params=params,
                                              tx=optax.adam(1e-3))
   if process == lost:  # this process's checkpoint is gone
@@ -61,18 +61,18 @@ def run(proof, first=0, last=STEPS, restore=None, altered=False, lost=None):
   step = proof.jit(plain_step, in_shardings=(shardings, rows, rows), out_shardings=shardings,
                    donate_argnums=0)
   for i in range(first, last):
-    state = step(state, place(xs[i], rows), place(y, rows))
+    state = step(state, place(xs[i] + (i == other), rows), place(y, rows))
     if proof.resume_from is None and (i + 1) % EVERY == 0:
       proof.wait_for_commitments()
       whole = multihost_utils.process_allgather(state, tiled=True)
       (work / f"ckpt-{process}-{i + 1}").write_bytes(serialization.to_bytes(whole))
   return multihost_utils.process_allgather(state.params, tiled=True)
 
-def attempt(restore, altered=False, resumed_here=True, lost=None):
+def attempt(restore, altered=False, resumed_here=True, lost=None, other=None):
   proof = proof_of("killed", resume=str(work / "killed") if resumed_here else None)
   try:
     with proof:
-      final = run(proof, restore, STEPS, restore, altered, lost)
+      final = run(proof, restore, STEPS, restore, altered, lost, other)
   except (zkdv.errors.ZKDVError, OSError) as e:
     return {"error": type(e).__name__, "message": str(e)}
   if process == 0:
@@ -92,6 +92,7 @@ print(json.dumps({"altered": attempt(KILLED_AFTER - EVERY, altered=True),
                   "lost": attempt(KILLED_AFTER - EVERY, lost=1),
                   "mixed": attempt(KILLED_AFTER - EVERY * process),  # one checkpoint each
                   "too_late": attempt(KILLED_AFTER),
+                  "replay_differs": attempt(KILLED_AFTER - EVERY, other=KILLED_AFTER - EVERY),
                   "resumed": attempt(KILLED_AFTER - EVERY)}))
 """
 
@@ -141,12 +142,23 @@ class MultiProcessResumeTest(absltest.TestCase):
       self.assertIn(".params['Dense_0']['bias']", refused["message"])
 
   def test_a_process_that_does_not_resume_while_process_0_does_is_named(self):
-    said = "process 0 resumes a proof while this process starts a new one"
-    self.assertEqual(self.outputs[1]["mismatched"]["error"], "ProofStateError")
-    self.assertIn(said, self.outputs[1]["mismatched"]["message"])
-    self.assertEqual(self.outputs[0]["mismatched"]["error"], "CommitmentError")
-    self.assertIn(f"process 1 stopped committing, so resume/state from process 1 never came: "
-                  f"ProofStateError: {said}", self.outputs[0]["mismatched"]["message"])
+    # Refused before process 0 opens anything (a DVBench proof's would take a proof slot).
+    said = ("process 0 resumes a proof while process 1 starts a new one: pass the same "
+            "resume= on every process.")
+    self.assertEqual(self.outputs[0]["mismatched"], {"error": "ProofStateError",
+                                                     "message": said})
+    self.assertEqual(self.outputs[1]["mismatched"], {
+        "error": "ProofStateError",
+        "message": f"process 0 could not start the proof: ProofStateError: {said}"})
+
+  def test_a_replay_that_differs_is_refused_on_every_process(self):
+    # Process 0 alone compares the replayed records. Before, process 1 went on into the
+    # final state's collective at finish() while process 0 raised, and hung.
+    for output in self.outputs:
+      refused = output["replay_differs"]
+      self.assertEqual(refused["error"], "ResumeStateError", refused)
+      self.assertIn(f"the replayed step {KILLED_AFTER - EVERY} differs from the step the "
+                    "transcript committed in its batch", refused["message"])
 
   def test_a_process_that_fails_before_its_first_step_is_named_not_waited_for(self):
     # Before, process 0 waited 600 s for process 1's restored state, which never came.

@@ -17,6 +17,9 @@ from zkdv.jax import resume as resume_lib
 
 logger = logging.getLogger("zkdv")
 
+_UNRESUMED = ("the resumed run ended before it went on from the last committed state, so no "
+              "final record was written: resume it again.")
+
 
 class ClosingRun:
   """The end of a ``ZKDV`` run: its counts, ``wait_for_commitments`` and ``finish``."""
@@ -84,9 +87,16 @@ class ClosingRun:
     self._write_pending_init()
     self._dispatcher.close()
     error = self._complete_commitments()
-    if self.resume_from is not None and not self._committer.resume_written and (
-        error is not None or self._aborted):  # its restored state refused, its replay failed
-      self._end_unresumed(error)
+    unresumed = self.resume_from is not None and not self._committer.resume_written and (
+        error is not None or self._aborted)  # its restored state refused, its replay failed
+
+    def end_unresumed():  # process 0's outcome on every process: only it compares replays
+      if unresumed:
+        raise error or errors.ResumeStateError(_UNRESUMED)
+    try:
+      self._group.agree("finish/unresumed", end_unresumed)
+    except errors.ZKDVError as e:
+      self._end_unresumed(e)
     owed = self._committer.owed_steps
     if error is None and owed:
       error = errors.UnanswerableChallengeError(
@@ -144,9 +154,7 @@ class ClosingRun:
       self._writer.close()
     self.unresumed = True
     self._finished = True
-    self._finish_error = error or errors.ResumeStateError(
-        "the resumed run ended before it went on from the last committed state, so no "
-        "final record was written: resume it again.")
+    self._finish_error = error or errors.ResumeStateError(_UNRESUMED)
     raise self._finish_error
 
   def wait_for_commitments(self) -> None:

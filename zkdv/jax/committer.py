@@ -71,8 +71,12 @@ class Committer:
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._init = None
     self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
-    # Across processes, step -> [(owed probes, batch roots)] its batch answers, with the
-    # rows every process sends in the round that decides the step (``owed_rows``).
+    # Across processes with a server's decisions, answers go in rounds (set by the
+    # dispatcher, ``zkdv.jax.shared_decisions``); step -> [(owed probes, batch roots)] its
+    # batch answers, with the rows every process sends in the round that decides the step
+    # (``owed_rows``: read on the training thread once the server decided the step, which
+    # it did after storing its record, written after ``_answer_owed`` put them here).
+    self.in_rounds = False
     self._owed_in_rounds: dict[int, list] = {}
     self._owed_rows: dict[int, set] = {}
     self.key_seed: bytes | None = None  # a resumed run's (``zkdv.keys.key_seed``)
@@ -146,9 +150,9 @@ class Committer:
     under ``proof.batches``; its keys are its own step's, which probes never open. Across
     processes they are answered with the round that decides the step (every process
     sends its rows of them)."""
-    if job.opened is None and not self.group.multi:
+    if job.opened is None and not self.in_rounds:
       return
-    if self.group.multi and self._catch_up is not None:
+    if self.in_rounds and self._catch_up is not None:
       return  # a replayed step's rows are gathered as it runs, before this: later steps answer
     data_rows = None if job.data is None else job.data.record_field()
     layouts = job.program.batch_layouts
@@ -157,7 +161,7 @@ class Committer:
       if own is None:
         continue
       self._owed_probes.remove(owed)
-      if self.group.multi:
+      if self.in_rounds:  # before the step's record is written, so before its round
         self._owed_in_rounds.setdefault(job.index, []).append((owed, own))
         self._owed_rows.setdefault(job.index, set()).update(
             (leaf, row) for leaf, layout in enumerate(layouts)
@@ -189,10 +193,12 @@ class Committer:
       self.answers.answered = frozenset()
     self.pipeline.submit(write)
 
-  def submit_step(self, job: StepJob):
-    """Queues a step's commitment; it holds its window slot until answered."""
+  def submit_step(self, job: StepJob, answered_with_it: bool = False):
+    """Queues a step's commitment; it holds its window slot until answered: until it is
+    committed when its decision is known (``answered_with_it``: a replayed step's answer,
+    queued after it, across processes), else until a decision comes (``answer``)."""
     return self.pipeline.submit(lambda pipeline_job: self._commit_step(pipeline_job, job),
-                                holds_slot=job.decision is not None)
+                                holds_slot=job.decision is not None or answered_with_it)
 
   def submit_close(self, step: int, last_post: list | None, layouts) -> None:
     """Queues the end of the open segment at the last step, ``step`` (``finish``):
@@ -210,14 +216,15 @@ class Committer:
     self.pipeline.submit(lambda pipeline_job: self.answers.answer_late(decision))
     self.pipeline.release()
 
-  def answer_round(self, topic: str, answers: list, rows: list) -> None:
+  def answer_round(self, topic: str, answers: list, rows: list, release: bool = True) -> None:
     """Queues the answers to the decisions every process of a multi-process run took in
     the round ``topic`` (``zkdv.jax.shared_decisions``): ``answers`` are (decision, whether
     it decides its segment, ``[(step, whole inputs)]`` of the segment, post-state, replayed
     post-state) with None where no check opens them, ``rows``
     the probed rows held here (``[step, leaf, row, bytes]``), sent to process 0, which then
     deletes the round (every process has read it). The round gives its steps' window slots
-    back at once (``CommitPipeline.release``): their answers queue behind newer commitments."""
+    back at once (``CommitPipeline.release``): their answers queue behind newer commitments;
+    with ``release`` False the steps' own jobs gave them back (``submit_step``)."""
     def work(pipeline_job):
       del pipeline_job
       sent = self.group.gather(f"{topic}/rows", rows)
@@ -234,7 +241,7 @@ class Committer:
         self.answers.answer_shared(decision, by_step.get(decision.step, []), opened, post,
                                    replayed, self._owed_in_rounds.pop(decision.step, ()))
     self.pipeline.submit(work)
-    for _ in answers:
+    for _ in answers if release else ():  # else their steps' jobs gave theirs back
       self.pipeline.release()
 
   @property

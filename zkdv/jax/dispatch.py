@@ -89,6 +89,7 @@ class Dispatcher:
     self._said_window_short = False
     self.shared = (SharedDecisions(group, challenger, committer)
                    if group.multi and challenger.kind == "dvbench" else None)
+    committer.in_rounds = self.shared is not None
 
   def run(self, program, leaves: list, data=None) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks; ``data``:
@@ -160,8 +161,9 @@ class Dispatcher:
       job.checked = ([arrays.gather(x) for x in post],
                      program.replay_sharded(job.opened) if job.segment_decision.update
                      else None)
-    submitted = committer.submit_step(job)
-    if self.shared is not None and catch_up is not None:
+    replayed_across = self.shared is not None and catch_up is not None
+    submitted = committer.submit_step(job, answered_with_it=replayed_across)
+    if replayed_across:
       self.shared.answer_replayed(index, catch_up)  # opened here: no fence below
     # Only a step that ends a segment views its post-state (this step's input) on the
     # commit thread; a commit thread busy with other work (a check's openings) need not

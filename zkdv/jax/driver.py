@@ -210,9 +210,6 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
     if group.is_writer:
       logger.info("ZKDV proof %r: transcript at %s (checks chosen by %s)", self.name, path,
                   self._challenger.kind)
-    elif "resume" in run:
-      raise group.refuse("process 0 resumes a proof while this process starts a new one: "
-                         "pass the same resume= on every process.")
     else:
       self._challenger = shared_decisions.follower_challenger(run["challenger"], run["seed"])
       logger.info("ZKDV proof %r: process %d commits its shards; process 0 writes %s",

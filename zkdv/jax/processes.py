@@ -60,28 +60,48 @@ class ProcessGroup:
   def multi(self) -> bool:
     return self.count > 1
 
-  def open_run(self, make_run: Callable[[], dict]) -> dict:
+  def open_run(self, make_run: Callable[[], dict], resuming: bool = False) -> dict:
     """The run's shared values (``make_run()`` on process 0), the same on every process.
 
     ``make_run()`` must return a dict with a random ``run_id`` (bytes). Every
-    process of a run must start its proofs in the same order.
+    process of a run must start its proofs in the same order, each saying whether it
+    ``resuming`` one: process 0 compares them before ``make_run()`` (which may take a
+    server's proof slot) and refuses a start they differ on. What process 0 raises, the
+    others raise quoting it (a ``zkdv.errors`` error as the same one; any other as
+    ProofStateError).
     """
     if not self.multi:
       return make_run()
     key = self._start_key = f"zkdv/start/{next(_proofs_started)}"
     if self.is_writer:
       try:
+        self._check_resuming(key, resuming)
         run = make_run()
       except Exception as e:
-        self._client.key_value_set_bytes(key, cbor2.dumps({"error": f"{type(e).__name__}: {e}"}))
+        kind = type(e).__name__ if isinstance(e, errors.ZKDVError) else "ProofStateError"
+        self._client.key_value_set_bytes(key, cbor2.dumps(
+            {"error": kind, "said": f"{type(e).__name__}: {e}"}))
         raise
       self._client.key_value_set_bytes(key, cbor2.dumps(run))
     else:
+      self._client.key_value_set_bytes(f"{key}/resuming/{self.index}", cbor2.dumps(resuming))
       run = cbor2.loads(self._get(key, "the start of the proof", source=None))
       if "error" in run:
-        raise errors.ProofStateError(f"process 0 could not start the proof: {run['error']}")
+        raise _error_named(run["error"], f"process 0 could not start the proof: {run['said']}")
     self._prefix = f"zkdv/run/{run['run_id'].hex()}"
     return run
+
+  def _check_resuming(self, key: str, resuming: bool) -> None:
+    """ProofStateError naming the processes whose ``resume=`` differs from process 0's."""
+    differ = [i for i in range(1, self.count) if cbor2.loads(self._get(
+        f"{key}/resuming/{i}", f"whether process {i} resumes", source=i)) != resuming]
+    if differ:
+      one = len(differ) == 1
+      raise errors.ProofStateError(
+          f"process 0 {'resumes a proof' if resuming else 'starts a new proof'} while "
+          f"process{'' if one else 'es'} {', '.join(map(str, differ))} "
+          f"{'start' + 's' * one + ' a new one' if resuming else 'resume' + 's' * one + ' one'}"
+          ": pass the same resume= on every process.")
 
   def close_run(self) -> None:
     """Deletes the run's start message (process 0, once every process has sent steps)."""
@@ -165,12 +185,6 @@ class ProcessGroup:
       error = errors.CommitmentError(
           f"process 0 could not complete the transcript at {path}: {reported}")
     return error
-
-  def refuse(self, message: str) -> errors.ProofStateError:
-    """The ProofStateError of a start this process refuses (``message``), reported first, so
-    that the others name it rather than wait for this process."""
-    self.report_failure(f"ProofStateError: {message}")
-    return errors.ProofStateError(message)
 
   def report_failure(self, message: str) -> None:
     """Tells the other processes that this one stopped committing, and why."""

@@ -330,10 +330,7 @@ class ResumingRun:
               "seed": self._challenger.seed if fields.get("kind") == "self" else None,
               "key_seed": keys.key_seed(fields, writer.transcript_id)}
 
-    run = group.open_run(reopen)
-    if "resume" not in run:
-      raise group.refuse("process 0 started a new proof while this process resumes one: "
-                         "pass the same resume= on every process.")
+    run = group.open_run(reopen, resuming=True)
     if not group.is_writer:
       self._challenger = shared_decisions.follower_challenger(run["challenger"], run["seed"])
       point = ResumePoint.following(run["resume"])

@@ -171,7 +171,7 @@ class SharedDecisions:
       decision = dataclasses.replace(decision, update=segment.update, state=segment.state)
     rows = []
     answer = self._open(decision, rows)
-    self._committer.answer_round(f"replayed/{step}", [answer], rows)
+    self._committer.answer_round(f"replayed/{step}", [answer], rows, release=False)
 
   @staticmethod
   def due(steps: int, window: int) -> bool:
