@@ -10,23 +10,17 @@ checks from every process's shards, go on at step 9 with step 8's batch, answer 
 owed probes from it, and the proof ends ``verified``.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 
 import dvbench
 from dvbench.server.local import LocalServer
-from dvbench.server.local import free_port
 from tests import multiprocess_test
 from tests import testing
 from zkdv import transcript
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS, SEGMENT, CHECKPOINT, KILLED_AFTER = 12, 4, 4, 10
 
 TRAINER = """
@@ -114,18 +108,8 @@ class MultiProcessLiveResumeTest(absltest.TestCase):
   @classmethod
   def both(cls, *proof_id) -> list[dict]:
     """Runs the trainer as the two processes of a run; each one's JSON output."""
-    port = free_port()
-    trainers = [subprocess.Popen(
-        [sys.executable, "-c", TRAINER, str(i), str(port), cls.server.url, cls.token,
-         str(cls.work), *proof_id], cwd=cls.work, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-                for i in range(2)]
-    outputs = []
-    for trainer in trainers:
-      out, err = trainer.communicate(timeout=600)
-      assert trainer.returncode == 0, err[-3000:]
-      outputs.append(json.loads(out.strip().splitlines()[-1]))
-    return outputs
+    return multiprocess_test.each_process(TRAINER, cls.server.url, cls.token, cls.work,
+                                          *proof_id, cwd=cls.work)
 
   def test_the_resumed_proof_ends_verified(self):
     # Before, the resume was refused: "DVBench resumes single-process proofs".

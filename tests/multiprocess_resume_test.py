@@ -5,20 +5,16 @@ pieces), replay the committed steps 4 and 5, answer step 5's checks from the rep
 on to a transcript that verifies and ends where a run that never crashed ends."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 
 from absl.testing import absltest
 from flax import serialization
 
-from dvbench.server.local import free_port
 from tests import testing
 from tests.multiprocess_test import JOIN
+from tests.multiprocess_test import each_process
 from tests.multiprocess_test import MESH
-from tests.multiprocess_test import ROOT
 from tests.multiprocess_test import STEP
 from tests.multiprocess_test import run_python
 from zkdv import transcript
@@ -97,28 +93,13 @@ print(json.dumps({"altered": attempt(KILLED_AFTER - EVERY, altered=True),
 """
 
 
-def _both(work: pathlib.Path, mode: str) -> list[dict]:
-  """Runs the trainer as the two processes of a run; each one's JSON output."""
-  port = free_port()
-  trainers = [subprocess.Popen(
-      [sys.executable, "-c", TRAINER, str(i), str(port), str(work), mode], cwd=work,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env={**os.environ, "PYTHONPATH": str(ROOT)}) for i in range(2)]
-  outputs = []
-  for trainer in trainers:
-    out, err = trainer.communicate(timeout=600)
-    assert trainer.returncode == 0, err[-3000:]
-    outputs.append(json.loads(out.strip().splitlines()[-1]))
-  return outputs
-
-
 class MultiProcessResumeTest(absltest.TestCase):
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
     cls.work = pathlib.Path(tempfile.mkdtemp(prefix="zkdv-multiprocess-resume-"))
-    _both(cls.work, "kill")
+    each_process(TRAINER, cls.work, "kill", cwd=cls.work)
     cls.folder = cls.work / "killed"
     # The kill came after step 5's record, before its checks: cut them off.
     records = transcript.read_transcript(cls.folder).records
@@ -128,7 +109,7 @@ class MultiProcessResumeTest(absltest.TestCase):
     with open(cls.folder / transcript.RECORDS_FILE, "r+b") as f:
       f.truncate(last.offset + len(last.raw))
     cls.crashed = (cls.folder / transcript.RECORDS_FILE).read_bytes()
-    cls.outputs = _both(cls.work, "resume")
+    cls.outputs = each_process(TRAINER, cls.work, "resume", cwd=cls.work)
 
   def test_the_kill_left_step_5_committed_and_its_checks_unwritten(self):
     self.assertEqual(self.cut, ["update", "state"])

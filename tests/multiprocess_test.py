@@ -133,6 +133,22 @@ print(json.dumps({backend: runs(backend, f"{sys.argv[3]}/{backend}/transcript")
 """
 
 
+def each_process(script: str, *args, cwd) -> list[dict]:
+  """Runs ``script`` as the two processes of one run (its arguments: the process's index,
+  the coordinator's port, then ``args``); each one's JSON output, its last line."""
+  port = free_port()
+  trainers = [subprocess.Popen(
+      [sys.executable, "-c", script, str(i), str(port), *map(str, args)], cwd=cwd,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "PYTHONPATH": str(ROOT)}) for i in range(2)]
+  outputs = []
+  for trainer in trainers:
+    out, err = trainer.communicate(timeout=600)
+    assert trainer.returncode == 0, err[-3000:]
+    outputs.append(json.loads(out.strip().splitlines()[-1]))
+  return outputs
+
+
 def run_python(script: str, *args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=cwd,
                         capture_output=True, text=True, timeout=600,
