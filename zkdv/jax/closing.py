@@ -97,7 +97,7 @@ class ClosingRun:
       self._group.agree("finish/unresumed", end_unresumed)
     except errors.ZKDVError as e:
       self._end_unresumed(e)
-    owed = self._committer.owed_steps
+    owed = self._committer.owed.steps
     if error is None and owed:
       error = errors.UnanswerableChallengeError(
           f"the probes DVBench drew for discarded step{'s' * (len(owed) > 1)} "

@@ -30,6 +30,7 @@ from zkdv.jax.answers import Answers
 from zkdv.jax.commit_jobs import CommittedState, Segment, StepJob
 from zkdv.jax.gathering import Gathering, GatheredStep
 from zkdv.jax.openings import Openings
+from zkdv.jax.owed import OwedAnswers
 from zkdv.jax.pipeline import CommitPipeline
 
 logger = logging.getLogger("zkdv")
@@ -70,15 +71,7 @@ class Committer:
     self._open: Segment | None = None
     self._held: tuple | None = None  # (job, record) of a step whose end is not known yet
     self._init = None
-    self._owed_probes: list = []  # a resumed run's (``zkdv.jax.resume.OwedProbes``)
-    # Across processes with a server's decisions, answers go in rounds (set by the
-    # dispatcher, ``zkdv.jax.shared_decisions``); step -> [(owed probes, batch roots)] its
-    # batch answers, with the rows every process sends in the round that decides the step
-    # (``owed_rows``: read on the training thread once the server decided the step, which
-    # it did after storing its record, written after ``_answer_owed`` put them here).
-    self.in_rounds = False
-    self._owed_in_rounds: dict[int, list] = {}
-    self._owed_rows: dict[int, set] = {}
+    self.owed = OwedAnswers(self.openings)  # a resumed run's probes of discarded steps
     self.key_seed: bytes | None = None  # a resumed run's (``zkdv.keys.key_seed``)
     self._catch_up = None  # a resumed run's ``zkdv.jax.catch_up.CatchUp`` while it replays
     self.resume_written = False  # a resumed run's ``resume`` record is in the transcript
@@ -131,44 +124,8 @@ class Committer:
     self.last = CommittedState(point.state, point.pieces, point.layouts, point.params_mask)
     self.committed_steps = self.written_steps = point.steps
     self._init = point.attested_start or None
-    self._owed_probes, self.key_seed = list(point.owed_probes), key_seed
-
-  @property
-  def owed_steps(self) -> list[int]:
-    """The discarded steps whose probes a resumed run still owes."""
-    return sorted(owed.decision.step for owed in self._owed_probes)
-
-  def owed_rows(self, step: int) -> list:
-    """``[leaf, row]`` of the rows the probes owed for discarded steps open in step
-    ``step``'s batch, which trains theirs again (process 0, across processes; asked once,
-    by the round that decides the step)."""
-    return [list(r) for r in sorted(self._owed_rows.pop(step, ()))]
-
-  def _answer_owed(self, job: StepJob, roots: list, trees) -> None:
-    """Answers the probes a resumed run owes for discarded steps whose batch this step
-    (batch leaves' row ``roots``) trains again: the same rows, the same dataset rows
-    under ``proof.batches``; its keys are its own step's, which probes never open. Across
-    processes they are answered with the round that decides the step (every process
-    sends its rows of them)."""
-    if job.opened is None and not self.in_rounds:
-      return
-    if self.in_rounds and self._catch_up is not None:
-      return  # a replayed step's rows are gathered as it runs, before this: later steps answer
-    data_rows = None if job.data is None else job.data.record_field()
-    layouts = job.program.batch_layouts
-    for owed in list(self._owed_probes):
-      own = owed.answered_by(layouts, roots, self.key_seed, data_rows)
-      if own is None:
-        continue
-      self._owed_probes.remove(owed)
-      if self.in_rounds:  # before the step's record is written, so before its round
-        self._owed_in_rounds.setdefault(job.index, []).append((owed, own))
-        self._owed_rows.setdefault(job.index, set()).update(
-            (leaf, row) for leaf, layout in enumerate(layouts)
-            for row in owed.decision.leaf_probe_rows(leaf, layout))
-      else:
-        self.openings.probe(dataclasses.replace(job, index=owed.decision.step),
-                            owed.decision, trees, own)
+    self.key_seed = key_seed
+    self.owed.start(point.owed_probes, key_seed)
 
   def submit_catch_up(self, catch_up) -> None:
     """Queues the replay of committed steps (a ``zkdv.jax.catch_up.CatchUp``), before its
@@ -239,7 +196,7 @@ class Committer:
           by_step.setdefault(step, []).append((leaf, row, data))
       for decision, _, opened, post, replayed in answers:
         self.answers.answer_shared(decision, by_step.get(decision.step, []), opened, post,
-                                   replayed, self._owed_in_rounds.pop(decision.step, ()))
+                                   replayed, self.owed.answered_in_round(decision.step))
     self.pipeline.submit(work)
     for _ in answers if release else ():  # else their steps' jobs gave theirs back
       self.pipeline.release()
@@ -308,8 +265,7 @@ class Committer:
     if step_metrics:
       record["metrics"] = step_metrics
     self.answers.keep(job, gathered.trees)
-    if self._owed_probes:
-      self._answer_owed(job, roots, gathered.trees)
+    self.owed.match(job, roots, gathered.trees, replaying=self._catch_up is not None)
     self._open.last = job.index
     if job.ends:
       post_pieces = gathered.post_pieces()

@@ -77,7 +77,7 @@ class ResumePoint:
     attested_start: whether the transcript holds an ``init`` record.
     owed_probes: ``OwedProbes`` of the discarded steps whose probes have no answer: the
       resumed run answers them when it trains the same batch again
-      (``Committer._answer_owed``).
+      (``zkdv.jax.owed.OwedAnswers``).
   """
 
   steps: int

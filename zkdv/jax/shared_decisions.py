@@ -203,7 +203,7 @@ class SharedDecisions:
         group.broadcast(key, {"error": f"{type(e).__name__}: {e}"})
         raise
       # A resumed run's probes owed for discarded steps whose batch these steps train again.
-      owed = list(map(self._committer.owed_rows, steps))
+      owed = list(map(self._committer.owed.rows_for_round, steps))
       group.broadcast(key, {"window": window, "challenges": challenges, "owed": owed})
     else:
       window, challenges, owed = _round(group.broadcast(key))
