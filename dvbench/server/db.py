@@ -40,6 +40,7 @@ from dvbench.scoring import SHARD_JOB
 from dvbench.server.store_benchmarks import BenchmarkQueries
 from dvbench.server.record_bodies import RecordBodies
 from dvbench.server.store_custody import CustodyQueries
+from dvbench.server.store_records import RecordReads
 from dvbench.server.store_jobs import (MEASUREMENT_STATES, UNVERIFIABLE,  # pylint: disable=unused-import
                                       JobQueries)
 from dvbench.server.store_listing import ListingQueries
@@ -287,8 +288,8 @@ class WriteLockingEngine:
         yield conn
 
 
-class Store(CustodyQueries, JobQueries, BenchmarkQueries, TokenQueries, ListingQueries,
-            LivenessQueries, SummaryQueries):
+class Store(CustodyQueries, RecordReads, JobQueries, BenchmarkQueries, TokenQueries,
+            ListingQueries, LivenessQueries, SummaryQueries):
   """All reads and writes of the service; one instance per process."""
 
   def __init__(self, engine: sa.Engine):
