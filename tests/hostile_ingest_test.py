@@ -17,6 +17,7 @@ import blake3
 import cbor2
 import httpx
 import sqlalchemy as sa
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from absl.testing import absltest
 
 import dvbench
@@ -24,6 +25,7 @@ from dvbench import transport
 from dvbench.server import schema
 from dvbench.server import store_custody
 from dvbench.server.db import Store
+from dvbench.server.ingestion import Ingestion
 from dvbench.server.local import LocalServer
 from tests import postgres
 from tests.fake_prover import FakeProver, write_self_transcript
@@ -446,7 +448,7 @@ class TransportCases:
                             content=encode_record({
                                 "client_id": "c", "seq": seq, "kind": "chunk",
                                 "record_id": record_id(raw), "index": index, "count": 2,
-                                "data": raw[index * half:(index + 1) * half or None]}))
+                                "data": raw[half:] if index else raw[:half]}))
     self.assertEqual(chunk(0, 0).status_code, 200)
     store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
     self.addCleanup(store.engine.dispose)
@@ -462,6 +464,31 @@ class TransportCases:
     self.assertRefused(answers[0], 400, "record 0")
     self.assertIn(2, held_while_answered)
     self.assertEqual(_chunks_held(store, mallory.proof_id), 0)  # dropped once refused
+
+  def test_a_last_chunk_sent_twice_at_once_is_acknowledged_twice(self):
+    # A client that times out resends its last chunk while the first copy waits its turn.
+    # Before, the copy that came second found the chunks gone (the first had stored the
+    # record) and answered 409 "send every chunk of it again", failing the upload. The
+    # server's own ingestion, in this process, on its database, interleaved turn by turn.
+    prover = self.prover("chunk-resent")
+    raw = prover.step_record()
+    half = len(raw) // 2
+    store = Store.open(self.database_url or f"sqlite:///{self.server.data / 'dvbench.db'}")
+    self.addCleanup(store.engine.dispose)
+    ingestion = Ingestion(store, ed25519.Ed25519PrivateKey.generate())
+
+    def job(seq: int, index: int):
+      return ingestion.begin(store.proof(prover.proof_id), encode_record({
+          "client_id": "r", "seq": seq, "kind": "chunk", "record_id": record_id(raw),
+          "index": index, "count": 2, "data": raw[half:] if index else raw[:half]}))
+    self.assertEqual(job(0, 0).step(), {"chunk": 0, "of": 2, "seq": 0})
+    first, again = job(1, 1), job(1, 1)
+    self.assertIsNone(first.step())  # the last chunk stored, the record not yet
+    self.assertIsNone(again.step())  # stored again
+    stored = first.step()
+    self.assertEqual(stored["stored"], 1)
+    self.assertEqual(again.step(), {**stored, "duplicate": True})
+    self.assertEqual(self.record_ids(prover.proof_id)[-1], record_id(raw).hex())
 
   def test_unknown_tokens_are_locked_out_per_address_and_valid_tokens_never(self):
     def post(token: str) -> tuple[int, bytes]:

@@ -406,7 +406,8 @@ class OwnerTurnsTest(absltest.TestCase):
   def test_owners_waiting_take_turns_round_robin(self):
     # Before, an ingestion process gave turns in arrival order: mallory's eight envelopes
     # of records costly to decode (0.7 s a slice) kept bob's one-step envelope waiting
-    # behind all of them (5.7 s).
+    # behind all of them (5.7 s); put back in line as her turns were given, she kept owners
+    # who came during her turn waiting two of them.
     async def grants() -> list[str]:
       turns, granted = ingest_processes.OwnerTurns(), []
 
@@ -421,7 +422,8 @@ class OwnerTurnsTest(absltest.TestCase):
         waiting[4].cancel()  # a client that went away gives up its place
       await asyncio.gather(*waiting, return_exceptions=True)
       return granted
-    self.assertEqual(asyncio.run(grants()), ["m2", "b1", "c1", "m3", "m4"])
+    # mallory goes back in line when her turn ends: bob and carol, who came during it, first.
+    self.assertEqual(asyncio.run(grants()), ["b1", "c1", "m2", "m3", "m4"])
 
 
 class DatabaseRefusalTest(absltest.TestCase):

@@ -27,6 +27,7 @@ from dvbench.server import quotas
 from dvbench.server import receipts
 from dvbench.server import record_bodies
 from dvbench.server import run_view
+from dvbench.server import store_custody
 from zkdv import challenge
 from zkdv import receipt
 from tests import postgres
@@ -60,6 +61,13 @@ class StoreTest(parameterized.TestCase):
     store.add_proof_blobs(proof, [f"{n:064x}" for n in (3, 5, 9)])
     with store.engine.connect() as conn:
       self.assertEqual(store.missing_blobs(conn, proof), (0, None))
+    # Counted no further than a close's refusal says: 65,536 a record, and many records.
+    many = {f"{n:064x}" for n in range(100, 100 + 2 * store_custody.MISSING_COUNTED)}
+    with store.engine.begin() as conn:
+      store.add_blob_refs(conn, proof, many)
+    with store.engine.connect() as conn:
+      self.assertEqual(store.missing_blobs(conn, proof),
+                       (store_custody.MISSING_COUNTED + 1, min(many)))
 
   def test_migrations_apply_once_and_record_their_version(self, backend):
     url = _fresh_url(backend)

@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dvbench.server import page
+from dvbench.server import refusals
 from dvbench.server import sandbox
 from dvbench.server.db import DatabaseRefused
 from dvbench.server.guard import Guard
@@ -84,12 +85,10 @@ async def _storage_damaged(request, exc: StoredRecordDamaged):
 
 
 async def _database_refused(request, exc: DatabaseRefused):
-  """A statement the database refused (locked past its busy timeout, a full disk): the
-  server's fault, said as such (503), never a traceback; the client sends it again."""
+  """A statement the database refused: 503 (``refusals.database_refused``), never a
+  traceback; the client sends it again."""
   logger.error("the database refused %s %s: %s", request.method, request.url.path, exc.orig)
-  return JSONResponse({"error": f"the server's database refused this request ({exc.orig}); "
-                                "nothing already stored was lost: send it again shortly."},
-                      status_code=503, headers={"retry-after": "10"})
+  return await _http_error(request, refusals.database_refused(exc))
 
 
 async def _queue_full(request, exc: QueueFull):

@@ -44,6 +44,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.exceptions import HTTPException
 
+from dvbench.server import refusals
+from dvbench.server.db import DatabaseRefused
 from dvbench.server.record_bodies import StoredRecordDamaged
 from dvbench.server.store_jobs import QueueFull
 from dvbench.server.supervisor import Restarts
@@ -83,6 +85,9 @@ def _serve(conn, database_url: str, key: bytes, store_options: dict, parent_pid:
       reply = jobs.step(ingestion, message)
     except _REFUSALS as e:
       reply = ("raise", e)
+    except DatabaseRefused as e:  # the server's fault: 503, sent again by the client
+      logger.error("the database refused an envelope's statement: %s", e.orig)
+      reply = ("raise", refusals.database_refused(e))
     except Exception as e:  # pylint: disable=broad-except  # logged here, a 500 there
       logger.exception("ingesting an envelope of proof %s failed",
                        message[1].get("id") if message[0] == "begin" else "(continued)")
@@ -213,7 +218,8 @@ class _Child:
 class OwnerTurns:
   """One turn at a time, given round-robin among the owners waiting (each owner's
   requests in arrival order): an owner with eight envelopes waiting gets one turn a round,
-  as an owner with one does. Used in one event loop.
+  as an owner with one does, and goes back in line when its turn ends. Used in one event
+  loop.
 
   Example::
 
@@ -223,43 +229,48 @@ class OwnerTurns:
 
   def __init__(self):
     self._waiting: dict[str, collections.deque] = {}  # owner -> futures, in arrival order
-    self._owners: collections.deque = collections.deque()  # owners waiting, in turn order
-    self._held = False
+    self._line: collections.deque = collections.deque()  # owners waiting, in turn order
+    self._holder: str | None = None  # the owner whose turn it is
 
   @contextlib.asynccontextmanager
   async def turn(self, owner: str):
-    if self._held:
+    if self._holder is not None:
       granted = asyncio.get_running_loop().create_future()
-      if owner not in self._waiting:
-        self._waiting[owner] = collections.deque()
-        self._owners.append(owner)
-      self._waiting[owner].append(granted)
+      self._waiting.setdefault(owner, collections.deque()).append(granted)
+      if owner != self._holder and owner not in self._line:
+        self._line.append(owner)
       try:
         await granted
       except asyncio.CancelledError:
         if granted.done() and not granted.cancelled():  # given as it was cancelled: pass it on
-          self._pass_on()
+          self._end(owner)
         raise
-    self._held = True
+    self._holder = owner
     try:
       yield
     finally:
-      self._pass_on()
+      self._end(owner)
 
-  def _pass_on(self) -> None:
-    """Gives the turn to the next owner's oldest waiting request, if any."""
-    while self._owners:
-      owner = self._owners.popleft()
+  def _end(self, owner: str) -> None:
+    """Ends ``owner``'s turn (back in line if it waits again) and gives the next owner's
+    oldest waiting request the turn, if any."""
+    self._holder = None
+    if owner in self._waiting and owner not in self._line:
+      self._line.append(owner)
+    while self._line:
+      owner = self._line.popleft()
       queue = self._waiting[owner]
-      granted = queue.popleft()
-      if queue:
-        self._owners.append(owner)  # its next request waits for the other owners' turns
-      else:
+      while queue and queue[0].cancelled():  # a client that went away gave up its place
+        queue.popleft()
+      if not queue:
         del self._waiting[owner]
-      if not granted.cancelled():
-        granted.set_result(None)
-        return
-    self._held = False
+        continue
+      granted = queue.popleft()
+      if not queue:
+        del self._waiting[owner]
+      self._holder = owner
+      granted.set_result(None)
+      return
 
 
 class IngestProcesses:

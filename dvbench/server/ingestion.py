@@ -28,7 +28,7 @@ from dvbench.server import validation
 from dvbench.server.custody import Ingest, ProofChallenger, first_unanswered, parse_record
 from dvbench.server.decoding import decode
 from dvbench.server.db import Store
-from dvbench.server.store_custody import RecordTooLarge
+from dvbench.server.store_custody import MISSING_COUNTED, RecordTooLarge
 from zkdv.transcript import record_id
 from zkdv.verify import claims
 
@@ -38,6 +38,9 @@ from zkdv.verify import claims
 SLICE_RECORDS = 256
 SLICE_BYTES = 1 << 20
 SLICE_SECONDS = 0.1
+
+
+CHUNKS_GONE = object()  # a record's chunks, joined by another envelope or dropped
 
 
 class ChunksRefused(Exception):
@@ -79,15 +82,19 @@ class Ingestion:
     checked (HTTPException when refused); ``step()`` stores it, a slice a call."""
     return EnvelopeJob(self, proof, body)
 
-  def chunk(self, ingest: Ingest, envelope: dict, parsed: tuple | None = None) -> dict | None:
+  def chunk(self, ingest: Ingest, envelope: dict, parsed=None) -> dict | None:
     """Stores a chunk: its acknowledgement, or None once the record's last chunk is here
     (the record is then joined, hashed, decoded and checked outside any transaction,
-    ``parse_chunked``, and stored by this again with ``parsed``)."""
+    ``parse_chunked``, and stored by this again with ``parsed``: 409 when its chunks were
+    gone, ``CHUNKS_GONE``, unless another envelope stored the record meanwhile)."""
     rid, idx, count, data = (envelope[k] for k in ("record_id", "index", "count", "data"))
     if self.store.record_position(ingest.conn, ingest.proof_id, rid) is not None:
       # a resend after the record was stored: acknowledged, nothing written
       return {"chunk": idx, "of": count, "stored": 0, "duplicates": 1, "challenges": []}
     ingest.check_receiving()
+    if parsed is CHUNKS_GONE:
+      raise HTTPException(409, f"the chunks of record {rid.hex()} were dropped (a chunk of "
+                          "another record came meanwhile): send every chunk of it again.")
     if parsed is not None:
       try:
         ingest.take(parsed[0], parsed[1], rid, 0)  # not stored: looked up above
@@ -102,16 +109,17 @@ class Ingestion:
       raise HTTPException(413, f"{e} Records are at most that large.") from None
     return None if whole else {"chunk": idx, "of": count}
 
-  def parse_chunked(self, proof_id: str, envelope: dict) -> tuple[bytes, dict]:
+  def parse_chunked(self, proof_id: str, envelope: dict):
     """(raw, checked record) of the record whose last chunk ``envelope`` stored; read,
-    hashed and decoded outside the write transaction. ChunksRefused when refused."""
+    hashed and decoded outside the write transaction. ``CHUNKS_GONE`` when its chunks are
+    no longer there (stored by a resend of this envelope, or dropped), ChunksRefused when
+    refused."""
     rid = envelope["record_id"]
     with self.store.engine.connect() as conn:
       whole = self.store.chunked_record(conn, proof_id, rid, envelope["count"])
+    if whole is None:
+      return CHUNKS_GONE
     try:
-      if whole is None:
-        raise HTTPException(409, f"the chunks of record {rid.hex()} were dropped (a chunk of "
-                            "another record came meanwhile): send every chunk of it again.")
       if record_id(whole) != rid:
         raise HTTPException(400, "the reassembled chunks do not hash to record_id; its "
                             "chunks were dropped: send every chunk of the record again.")
@@ -141,7 +149,8 @@ class Ingestion:
       return {"closed": True, "records": head.records, "state": "invalid", "failure": failure}
     missing, first = self.store.missing_blobs(conn, proof_id)
     if missing:
-      raise HTTPException(409, f"cannot close: {missing} referenced blobs were not "
+      many = (f"more than {MISSING_COUNTED}" if missing > MISSING_COUNTED else str(missing))
+      raise HTTPException(409, f"cannot close: {many} referenced blobs were not "
                           f"uploaded for this proof (first {first}); upload them with "
                           f"PUT /api/v1/proofs/{proof_id}/blobs/DIGEST first.")
     final = decode(self.store.last_record(conn, proof_id)[2], "the final record")
@@ -193,7 +202,8 @@ class EnvelopeJob:
     self.taken = 0  # records of the envelope stored or counted as duplicates
     self.totals = {"stored": 0, "duplicates": 0}
     self.challenges: dict[int, dict] = {}
-    self.chunked = None  # (raw, record) of a record whose last chunk this envelope stored
+    self.chunked = None  # (raw, record) of a record whose last chunk this envelope stored,
+    # or CHUNKS_GONE
 
   def step(self) -> dict | None:
     try:

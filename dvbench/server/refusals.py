@@ -57,3 +57,12 @@ def int_param(params, name: str, low: int, high: int, default: int | None = None
                   f"{(text or '')[:40]!r}{'...' if text and len(text) > 40 else ''}.",
                   parameter=name, range=[low, high])
   return value
+
+
+def database_refused(error) -> Refusal:
+  """The 503 of a statement the database refused (``error``, a ``db.DatabaseRefused``:
+  locked past its busy timeout, a full disk): the server's fault, said as such, and sent
+  again by clients after ``Retry-After``."""
+  return Refusal(503, f"the server's database refused this request ({error.orig}); nothing "
+                 "already stored was lost: send it again shortly.",
+                 headers={"retry-after": "10"})

@@ -32,6 +32,7 @@ BODY_SIZE = sa.func.coalesce(records.c.body_size, sa.func.length(records.c.data)
 _INSERTS = {"sqlite": sqlite_dialect.insert, "postgresql": postgresql_dialect.insert}
 # A transcript read in pages of at most this many bytes (one record at least) and records.
 RECORD_PAGE_BYTES = 8 << 20
+MISSING_COUNTED = 1000  # missing blobs a refused close counts (``missing_blobs``)
 RECORD_PAGE_ROWS = 4096
 
 
@@ -365,15 +366,18 @@ class CustodyQueries:
           proof_blobs.c.proof_id == proof_id).order_by(proof_blobs.c.digest))]
 
   def missing_blobs(self, conn, proof_id: str) -> tuple[int, str | None]:
-    """(how many, the first) of the blobs the proof's records reference that were not
-    uploaded for this proof: the first read, the rest counted by the database."""
+    """(how many, up to ``MISSING_COUNTED`` + 1; the first) of the blobs the proof's
+    records reference that were not uploaded for this proof: the first read, the rest
+    counted by the database, no further than that (a close refused for them costs little,
+    however many there are)."""
     uploaded = sa.select(proof_blobs.c.digest).where(proof_blobs.c.proof_id == proof_id)
     missing = sa.select(blob_refs.c.digest).where(
         (blob_refs.c.proof_id == proof_id) & blob_refs.c.digest.not_in(uploaded))
     first = conn.execute(missing.order_by(blob_refs.c.digest).limit(1)).scalar()
     if first is None:
       return 0, None
-    return conn.execute(sa.select(sa.func.count()).select_from(missing.subquery())).scalar(), first
+    counted = missing.limit(MISSING_COUNTED + 1).subquery()
+    return conn.execute(sa.select(sa.func.count()).select_from(counted)).scalar(), first
 
   # -- receipts ------------------------------------------------------------------------------
 
