@@ -161,10 +161,12 @@ class SupervisionTest(absltest.TestCase):
     server = self.server("--min-update-check-probability", "0", "--min-probe-ratio", "0")
     token = server.token("alice")
     ingesting = FakeProver(server.url, token, "alice/ingest").start()
-    verifying = closed_proof(server.url, token, "alice/verify")
-    testing.wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
     uploads = concurrent.futures.ThreadPoolExecutor(1).submit(send_steps_until_refused, ingesting)
     testing.wait_until(lambda: ingesting.steps >= 2)
+    verifying = closed_proof(server.url, token, "alice/verify")
+    # Killed as the verification starts: waiting for steps after it, a loaded machine let
+    # the verification end first (its one attempt, not the killed one and another).
+    testing.wait_until(lambda: server.proof(verifying.proof_id)["state"] == "verifying")
     # With a step in flight and the other proof mid-verification; its children die with it.
     self.end_leaving_no_process(server, server.kill_server_only)
     in_flight = uploads.result(timeout=60)

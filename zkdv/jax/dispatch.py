@@ -87,7 +87,6 @@ class Dispatcher(ResumedDispatch):
     self._said_window_short = False
     self.shared = (SharedDecisions(group, challenger, committer)
                    if group.multi and challenger.kind == "dvbench" else None)
-    committer.owed.in_rounds = self.shared is not None
 
   def run(self, program, leaves: list, data=None) -> list:
     """Dispatches one step of ``program`` and queues its commitment and checks; ``data``:

@@ -27,7 +27,7 @@ class OwedAnswers:
 
   Attributes:
     in_rounds: answers go in rounds (across processes, with a server's decisions), set by
-      the dispatcher.
+      ``zkdv.jax.shared_decisions.SharedDecisions``.
   """
 
   def __init__(self, openings):

@@ -100,6 +100,7 @@ class SharedDecisions:
 
   def __init__(self, group, challenger, committer):
     self._group, self._challenger, self._committer = group, challenger, committer
+    committer.owed.in_rounds = True  # a resumed run's owed probes are answered in rounds
     self._pending: dict[int, PendingStep] = {}
     self._holders: dict[int, list] = {}  # id(leaf) -> [(kept list, index)] holding it
     self._settled = 0  # steps 0 .. settled-1 are decided on every process
