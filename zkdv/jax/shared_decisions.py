@@ -197,14 +197,14 @@ class SharedDecisions:
         through = max(self._settled, steps - window + _round_every(window))
       else:  # the last step's record waits for its segment's end while that is open
         through = steps if self._last is None or self._last.ends else steps - 1
-      steps = range(self._settled, max(self._settled, through))
+      deciding = range(self._settled, max(self._settled, through))
       try:
-        challenges = [self._challenger.decision(t).challenge for t in steps]
+        challenges = [self._challenger.decision(t).challenge for t in deciding]
       except errors.ZKDVError as e:  # the others raise at the same step, not in a collective
         group.broadcast(key, {"error": f"{type(e).__name__}: {e}"})
         raise
       # A resumed run's probes owed for discarded steps whose batch these steps train again.
-      owed = list(map(self._committer.owed.rows_for_round, steps))
+      owed = list(map(self._committer.owed.rows_for_round, deciding))
       group.broadcast(key, {"window": window, "challenges": challenges, "owed": owed})
     else:
       window, challenges, owed = _round(group.broadcast(key))
