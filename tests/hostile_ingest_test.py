@@ -154,6 +154,10 @@ class DatabaseCases:
           "pre_state_blobs": names[:1], "batch_blobs": [names[:1]] * 2},
          "record 0 (check).batch_blobs: one list of blobs per step of the segment 0..0 (1), "
          "got 2"),
+        # A segment that ends before it starts opens no batch at all.
+        ({"type": "check", "step": 0, "kind": "update", "first": 1,
+          "pre_state_blobs": names[:1], "batch_blobs": []},
+         "record 0 (check).first: the segment's first step, at most its last (0), got 1"),
     ]
     for fields, says in cases:
       self.assertRefused(prover.send(prover.chain(fields)), 400, says)

@@ -326,10 +326,13 @@ def check_blobs(record: dict, where: str) -> None:
   """The blobs a record names: at most ``MAX_RECORD_BLOBS``, and an update check's
   ``batch_blobs`` one list per step of the segment it opens (``first`` .. ``step``)."""
   if record.get("kind") == "update":
+    if record["first"] > record["step"]:
+      raise Invalid(f"{where}.first: the segment's first step, at most its last "
+                    f"({record['step']}), got {record['first']}.")
     steps = record["step"] - record["first"] + 1
     if len(record["batch_blobs"]) != steps:
       raise Invalid(f"{where}.batch_blobs: one list of blobs per step of the segment "
-                    f"{record['first']}..{record['step']} ({max(steps, 0)}), got "
+                    f"{record['first']}..{record['step']} ({steps}), got "
                     f"{len(record['batch_blobs'])}.")
   named = sum(len(record.get(f, ())) for f in ("pre_state_blobs", "post_state_blobs",
                                                 "input_blobs"))

@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from starlette.exceptions import HTTPException
 
 from dvbench.server import refusals
-from dvbench.server.db import DatabaseRefused
+from dvbench.server.db import DatabaseRefused, Store
 from dvbench.server.record_bodies import StoredRecordDamaged
 from dvbench.server.store_jobs import QueueFull
 from dvbench.server.supervisor import Restarts
@@ -64,7 +64,6 @@ def _serve(conn, database_url: str, key: bytes, store_options: dict, parent_pid:
   ``("more", handle)`` (a slice was stored, records are left) or ``("raise", exception)``
   out."""
   from dvbench.server import sandbox  # pylint: disable=g-import-not-at-top
-  from dvbench.server.db import Store  # pylint: disable=g-import-not-at-top
   from dvbench.server.ingestion import Ingestion  # pylint: disable=g-import-not-at-top
   sandbox.die_with_parent(parent_pid)
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops this

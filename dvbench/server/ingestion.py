@@ -75,7 +75,6 @@ class Ingestion:
 
   def __init__(self, store: Store, signing_key: ed25519.Ed25519PrivateKey):
     self.store, self.signing_key = store, signing_key
-    self.kinds = {"close": self.close}
 
   def begin(self, proof: dict, body: bytes) -> "EnvelopeJob":
     """Envelope ``body`` for ``proof`` (a row of ``Store.proof``), decoded and its fields
@@ -240,7 +239,7 @@ class EnvelopeJob:
           self.chunked = False
           return None
       else:
-        ack = self.ingestion.kinds[kind](ingest, self.envelope)
+        ack = self.ingestion.close(ingest, self.envelope)
       ack = {**ack, "seq": self.seq}
       self.store.advance_stream(conn, self.proof_id, self.client_id, self.seq,
                                 _stream_entry(ack, self.digest))
