@@ -177,8 +177,8 @@ class Benchmark:
       base_checkpoint: the checkpoint a fine-tuning run must start from
         (``proof.init_from``): its hex params digest, or the params (pytree, msgpack bytes
         or path). None: only starts from the key are accepted.
-      min_probe_ratio: the least share of each batch's rows the server's challenges must
-        open (the proof's probe ratio; None: the server's minimum).
+      min_probe_ratio: the least probability with which the server's challenges must
+        open each batch row (the proof's probe ratio; None: the server's minimum).
       data_order: ``"server-seeded"``: a proof draws its batches from ``training_set`` with
         ``proof.batches``, each step its batch of the order its server slot seeds, every
         step checked; None: any order.

@@ -438,8 +438,8 @@ def main(argv=None) -> int:
   s.add_argument("--min-state-check-probability", type=float, default=0.0,
                  help="the least state check probability a root may carry")
   s.add_argument("--min-probe-ratio", type=float, default=0.01,
-                 help="the least fraction of each batch's rows a root may open as probes "
-                 "(at least one row of every probed batch; 0 leaves the data claim unmet)")
+                 help="the least probe ratio a root may carry: each batch row is opened with "
+                 "at least that probability (0 leaves the data claim unmet)")
   s.add_argument("--max-slots-per-hour", type=_positive_int, default=120,
                  help="proof slots (attempts) issued per owner per hour; every slot is "
                  "counted and shown with the owner's proofs")

@@ -60,6 +60,39 @@ class ChallengeFunctionsTest(parameterized.TestCase):
     self.assertEqual(challenge.probe_rows(c, 0, 100, 0.0), [])
     self.assertNotEqual(rows, challenge.probe_rows(c, 1, 100, 0.05))
 
+  @parameterized.named_parameters(
+      # (ratio, Merkle rows of a leaf, share of steps probed, rows a probed step opens)
+      ("tutorial_ratio_one_row_leaf", 0.01, 1, 0.32, 1),
+      ("tutorial_ratio_mnist_images", 0.01, 32, 0.32, 1),
+      ("tutorial_ratio_large_leaf", 0.01, 1000, 0.32, 32),
+      ("one_in_32_probes_every_step", 1 / 32, 32, 1.0, 1),
+      ("above_one_in_32", 0.25, 10, 1.0, 3))
+  def test_a_step_is_probed_so_that_every_row_is_opened_at_the_ratio(
+      self, ratio, rows, probed_share, opened):
+    # Format 9 probed every step, ceil(ratio * rows) rows: at 0.01 a one-row leaf was
+    # opened whole at every step, a hundred times the ratio, and every step paid a record.
+    seed = challenge.new_key()
+    layout = zkdv.digest.LeafLayout("batch", "uint8", (rows,))
+    decisions = [challenge.decide(t, challenge.step_challenge_self(seed, t),
+                                  challenge.Policy(probe_ratio=ratio)) for t in range(8000)]
+    probed = [d for d in decisions if d.probed]
+    self.assertAlmostEqual(len(probed) / 8000, probed_share, delta=0.02)
+    self.assertEqual({d.leaf_probe_count(layout) for d in probed}, {opened})
+    self.assertEqual({len(d.leaf_probe_rows(0, layout)) for d in probed}, {opened})
+    self.assertEqual({d.leaf_probe_count(layout) for d in decisions if not d.probed}
+                     | {len(d.leaf_probe_rows(0, layout)) for d in decisions
+                        if not d.probed}, {0} if len(probed) < 8000 else set())
+    self.assertGreaterEqual(probed_share * opened / rows, ratio)  # each row at least p
+    self.assertEqual(challenge.probe_count(layout, ratio), opened)  # the most a step opens
+    for d in decisions[:200]:  # what a step owes: probes exactly where it is probed
+      self.assertEqual(challenge.required_checks(d, None)["probe"], d.probed)
+      self.assertEqual(challenge.discarded_checks("dvbench", d)["probe"], d.probed)
+
+  def test_a_step_is_never_probed_at_ratio_zero(self):
+    key = challenge.new_key()
+    self.assertFalse(any(challenge.step_probed(challenge.step_challenge_server(
+        key, bytes([t]) * 32), 0.0) for t in range(100)))
+
   def test_policy_validation_and_minimum(self):
     for bad in ({"update_check_probability": -0.1}, {"probe_ratio": 2.0},
                 {"rolling_window": 0}, {"update_check_probability": True}):

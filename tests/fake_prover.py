@@ -42,7 +42,8 @@ class RunOutcome:
 class FakeProver:
   """One proof of ``experiment`` ("owner/name"), sent record by record."""
 
-  def __init__(self, url: str, token: str, experiment: str, segment_length: int = 1):
+  def __init__(self, url: str, token: str, experiment: str, segment_length: int = 1,
+               probe_ratio: float | None = None):
     self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
                              timeout=60)
     self.experiment = experiment
@@ -53,6 +54,7 @@ class FakeProver:
     self.steps = 0
     self.state = digest(b"initial state")
     self.segment_length = segment_length
+    self.probe_ratio = probe_ratio  # None: the slot's
     self.segment_first: int | None = None  # the open segment's first step
     self._seq = 0
 
@@ -71,7 +73,9 @@ class FakeProver:
                   "nonce": bytes.fromhex(slot["nonce"]),
                   "key_commitment": bytes.fromhex(slot["key_commitment"]),
                   "owner": owner, "experiment": self.experiment,
-                  "policy": {**slot["policy"], "segment_length": self.segment_length}}
+                  "policy": {**slot["policy"], "segment_length": self.segment_length,
+                             **({} if self.probe_ratio is None else {
+                                 "probe_ratio": self.probe_ratio})}}
     challenger.update(challenger_changes)
     return {"type": "root", "format_version": FORMAT_VERSION, "prover": "whitebox-jax",
             "name": name, "versions": {}, "platform": "cpu", "device_kinds": ["cpu"], "config": {},

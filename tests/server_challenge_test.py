@@ -52,8 +52,9 @@ class ServerChallengeTestCase(absltest.TestCase):
     super().tearDownClass()
 
   def prover(self, experiment: str = "alice/run", token: str | None = None,
-             segment_length: int = 1) -> FakeProver:
-    prover = FakeProver(self.server.url, token or self.token, experiment, segment_length)
+             segment_length: int = 1, probe_ratio: float | None = None) -> FakeProver:
+    prover = FakeProver(self.server.url, token or self.token, experiment, segment_length,
+                        probe_ratio)
     self.addCleanup(prover.http.close)
     return prover
 
@@ -116,9 +117,9 @@ class FakedStepsTest(ServerChallengeTestCase):
                        "weaker than the server's minimum", "segment_length")
 
   def test_unanswered_challenge_is_invalid_naming_the_step(self):
-    prover = self.prover().start()
+    prover = self.prover(probe_ratio=1 / 32).start()  # the least ratio probing every step
     outcome = prover.run(steps=12, skip_answer={7, 8, 9, 10, 11})
-    self.assertGreater(outcome.decisions[7].probe_ratio, 0)  # the server's default probes
+    self.assertTrue(outcome.decisions[7].probed)
     response = prover.finish()
     self.assertEqual(response.json()["state"], "invalid", response.text)
     # Every step's rows are probed, so the first step left unanswered is the one named.
@@ -133,10 +134,27 @@ class FakedStepsTest(ServerChallengeTestCase):
     status = self.proof(prover.proof_id)
     counts = status["server_challenges"]
     required = sum(d.update for d in outcome.decisions.values())
-    probes = sum(d.probe_ratio > 0 for d in outcome.decisions.values())  # every step's
+    probes = sum(d.probed for d in outcome.decisions.values())
     self.assertEqual((counts["update"], counts["probe"]), (required, probes))
     self.assertEqual(counts["answered"], required + probes)
     self.assertNotIn("verified", status["label"])
+
+  def test_a_step_its_challenge_did_not_probe_owes_no_probe_record(self):
+    # Format 9 required a probe record of every step at any ratio above 0: at the server's
+    # default 0.01 each step paid a record opening a Merkle row of every batch leaf.
+    prover = self.prover().start()
+    self.assertEqual(prover.policy.probe_ratio, 0.01)
+    outcome = prover.run(steps=40)  # answers what required_checks requires, nothing more
+    probed = sorted(t for t, d in outcome.decisions.items() if d.probed)
+    needs = sorted(r["step"] for r in self.store().challenge_rows(prover.proof_id)
+                   if r["needs_probe"])
+    self.assertEqual(needs, probed)
+    # Binomial(40, 0.32): 12.8 expected; outside [2, 30] has probability < 1e-5.
+    self.assertBetween(len(probed), 2, 30)
+    response = prover.finish()
+    self.assertEqual(response.json()["state"], "closed", response.text)
+    counts = self.proof(prover.proof_id)["server_challenges"]
+    self.assertEqual(counts["probe"], len(probed))
 
   def test_acks_carry_the_challenges_of_stored_and_resent_steps(self):
     prover = self.prover().start()

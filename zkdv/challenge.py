@@ -11,7 +11,11 @@ decides what a transcript proves:
 * ``dvbench``: ``c_t`` is a keyed BLAKE3 of the server's secret per-proof key
   ``K`` and the id of step ``t``'s record, derived after the server stored it.
 
-Probes are drawn for every step. States are committed once per
+A step is probed with probability ``min(1, PROBE_GROUPS * probe_ratio)``, and a
+probed step opens ``ceil(rows * max(probe_ratio, 1 / PROBE_GROUPS))`` Merkle rows of each
+batch leaf (``probe_count``): every row is opened with probability at least
+``probe_ratio``, and a record of opened rows costs a step only where it is probed. States
+are committed once per
 *segment* (up to ``Policy.segment_length`` steps); a segment's update and state
 checks are those its deciding step's challenge chose (``deciding_step``: a
 server's segment by its last step, a self-chosen one by its first), answered
@@ -38,6 +42,9 @@ ANSWER_KINDS = ("update", "state", "probe")
 # How a message names the check of each answer kind ("step 3 was challenged for probes").
 CHECK_NAMES = {"update": "an update check", "state": "a state check", "probe": "probes"}
 CHALLENGER_KINDS = ("self", "dvbench")
+# A probed step opens at least a PROBE_GROUPS-th of each batch leaf's rows, so below a
+# ratio of 1 / PROBE_GROUPS only that share of steps is probed (docs/protocol.md).
+PROBE_GROUPS = 32
 _SELF_CONTEXT = b"zkdv-self-step\x00"
 _SERVER_CONTEXT = b"zkdv-server-step\x00"
 
@@ -152,11 +159,22 @@ class Decision:
   _drawn: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                    compare=False)
 
+  @property
+  def probed(self) -> bool:
+    """Whether this step's probes open rows (``step_probed``): a step that is not owes no
+    probe record."""
+    probed = self._drawn.get("probed")
+    if probed is None:
+      probed = self._drawn["probed"] = step_probed(self.challenge, self.probe_ratio)
+    return probed
+
   def probe_rows(self, leaf: int, rows: int) -> list[int]:
+    if not self.probed:
+      return []
     drawn = self._drawn.get((leaf, rows))
     if drawn is None:
-      drawn = self._drawn[leaf, rows] = tuple(probe_rows(self.challenge, leaf, rows,
-                                                         self.probe_ratio))
+      drawn = self._drawn[leaf, rows] = tuple(probe_rows(
+          self.challenge, leaf, rows, probed_share(self.probe_ratio)))
     return list(drawn)
 
   def leaf_probe_rows(self, leaf: int, layout) -> list[int]:
@@ -168,6 +186,11 @@ class Decision:
     if layout.key_impl is not None:
       return []
     return self.probe_rows(leaf, layout.rows)
+
+  def leaf_probe_count(self, layout) -> int:
+    """How many rows ``leaf_probe_rows`` opens of a batch leaf, without drawing them: the
+    verifier compares counts first, so hostile row counts cost nothing."""
+    return probe_count(layout, self.probe_ratio) if self.probed else 0
 
   @property
   def any_check(self) -> bool:
@@ -221,11 +244,11 @@ def required_checks(step_decision: Decision,
   segment's ``deciding_step``; None when the step ends no segment) chose them.
 
   Example: ``required_checks(d, None) == {"update": False, "state": False,
-  "probe": d.probe_ratio > 0}``.
+  "probe": d.probed}``.
   """
   return {"update": segment_decision is not None and segment_decision.update,
           "state": segment_decision is not None and segment_decision.state,
-          "probe": step_decision.probe_ratio > 0}
+          "probe": step_decision.probed}
 
 
 def discarded_checks(challenger_kind: str, step_decision: Decision) -> dict[str, bool]:
@@ -238,16 +261,37 @@ def discarded_checks(challenger_kind: str, step_decision: Decision) -> dict[str,
   Example: ``discarded_checks("self", d)["probe"] is False``.
   """
   return {"update": False, "state": False,
-          "probe": challenger_kind == "dvbench" and step_decision.probe_ratio > 0}
+          "probe": challenger_kind == "dvbench" and step_decision.probed}
+
+
+def step_probed(challenge: bytes, ratio: float) -> bool:
+  """Whether a step of challenge ``challenge`` is probed at probe ratio ``ratio``: with
+  probability ``min(1, PROBE_GROUPS * ratio)``, so that with the rows a probed step opens
+  (``probed_share``) every row is opened with probability at least ``ratio``.
+
+  Example: ``step_probed(c, 0.05)`` is True; ``step_probed(c, 0.01)`` holds for 32 % of
+  challenges.
+  """
+  return ratio > 0 and (ratio * PROBE_GROUPS >= 1
+                        or _chosen(challenge, b"probed step", ratio * PROBE_GROUPS))
+
+
+def probed_share(ratio: float) -> float:
+  """The share of each batch leaf's rows a probed step opens at probe ratio ``ratio``."""
+  return max(ratio, 1 / PROBE_GROUPS) if ratio > 0 else 0.0
 
 
 def probe_count(layout, ratio: float) -> int:
-  """How many Merkle rows ``Decision.leaf_probe_rows`` opens of a batch leaf (its
-  ``zkdv.digest.LeafLayout``), without drawing them: the verifier compares counts first,
-  so hostile row counts cost nothing."""
+  """How many Merkle rows a probed step opens of a batch leaf (its
+  ``zkdv.digest.LeafLayout``) at probe ratio ``ratio``: ``ceil(rows * probed_share)``,
+  none of a PRNG key. The most a step's probes open (``Decision.leaf_probe_count`` is a
+  step's own count).
+
+  Example: ``probe_count(layout, 0.01)`` is 1 for a leaf of 32 Merkle rows, 2 for 64.
+  """
   if layout.key_impl is not None:
     return 0
-  return _count(layout.rows, ratio)
+  return _count(layout.rows, probed_share(ratio))
 
 
 def _count(rows: int, ratio: float) -> int:

@@ -28,7 +28,7 @@ from zkdv import errors
 from zkdv.digest import hash_threads
 from zkdv.digest import numpy_dtype
 
-FORMAT_VERSION = 9  # the one format this zkdv reads and writes (docs/protocol.md)
+FORMAT_VERSION = 10  # the one format this zkdv reads and writes (docs/protocol.md)
 PROVER = "whitebox-jax"
 RECORDS_FILE = "records.cborl"
 BLOBS_DIR = "blobs"
@@ -39,7 +39,7 @@ def check_format(version) -> None:
   """Raises UnsupportedFormatError unless ``version`` is ``FORMAT_VERSION``.
 
   Example: ``check_format(2)`` raises "transcript format 2 is no longer supported; this
-  zkdv reads format 9; re-run the training with this zkdv ...".
+  zkdv reads format 10; re-run the training with this zkdv ...".
   """
   if isinstance(version, int) and not isinstance(version, bool) and version == FORMAT_VERSION:
     return

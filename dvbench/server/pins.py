@@ -10,7 +10,8 @@ a benchmark may pin:
   starts from a base checkpoint is accepted only by a benchmark that pins that very
   checkpoint: without the pin, a declared base could be any model, another owner's entry
   among them;
-- ``min_probe_ratio``: the least share of each batch's rows the server's challenges open;
+- ``min_probe_ratio``: the least probability with which the server's challenges open each
+  batch row;
 - ``data_order``: ``"server-seeded"``, every step's rows its batch of the order the proof's
   slot seeds over the pinned training set (``proof.batches``, ``zkdv.data``), as the
   server's verification showed it (needs ``training_set``).

@@ -170,7 +170,9 @@ class ZKDV(resume_lib.ResumingRun, closing.ClosingRun):
         its policy's, when its decisions take longer than that many steps; a
         DVBench proof's adaptive segments may grow to half that largest window
         (``zkdv.config.adaptive_segment_bound``).
-      probe_ratio: the fraction of each batch's rows opened as data probes.
+      probe_ratio: the probability with which each batch row is opened as a data
+        probe: a step is probed with probability ``min(1, 32 * probe_ratio)``, and opens
+        at least a 32nd of each batch leaf's rows (``zkdv.challenge.step_probed``).
     """
     if self._group is not None:
       raise errors.ProofStateError(f"{self!r} is already started; start() runs once.")

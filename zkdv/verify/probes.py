@@ -15,7 +15,6 @@ Example::
 
 import dataclasses
 
-from zkdv import challenge
 from zkdv import digest
 from zkdv import merkle
 from zkdv import records
@@ -101,7 +100,7 @@ def _rows_chosen(ctx, step, layouts, opened, where) -> bool:
   decision = ctx.decisions.by_step[step.index]
   for leaf, layout in enumerate(layouts):
     rows = sorted(opened.get(leaf, []))
-    count = challenge.probe_count(layout, decision.probe_ratio)
+    count = decision.leaf_probe_count(layout)
     if len(rows) != count or rows != decision.leaf_probe_rows(leaf, layout):
       ctx.report.fail("probe", where, f"opened rows {rows[:16]} of {layout.path}, but the "
                       f"challenge selects {count} rows"
