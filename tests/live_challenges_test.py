@@ -27,6 +27,7 @@ from dvbench.server.local import LocalServer
 from dvbench.server.schema import records
 from tests import testing
 from tests.fake_prover import FakeProver
+from zkdv import challenge
 from zkdv import keys
 from zkdv import receipt
 from zkdv import transcript
@@ -37,14 +38,14 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def _train(experiment, steps: int, update_p: float = 0.5, tamper_at: int | None = None,
            on_step=None, finish_raises: type[Exception] | None = None,
-           batch=testing.TUTORIAL_BATCH):
+           batch=testing.TUTORIAL_BATCH, probe_ratio: float = 0.25):
   """The tutorial model trained through ``experiment.proof`` (on ``batch``); returns the proof.
 
   ``finish_raises``: the error ``finish()`` must raise (the prover's own replay of a forged
   opening fails); any other outcome fails the test."""
   proof = experiment.proof(config=zkdv.ZKDVConfig(
       sampling_policy=zkdv.SamplingPolicy(update_check_probability=update_p)))
-  proof.start(rolling_window=3, probe_ratio=0.25)
+  proof.start(rolling_window=3, probe_ratio=probe_ratio)
   state = testing.classifier_state(proof)
   train_step = proof.jit(testing.classifier_step, donate_argnums=0)
   for t in range(steps):
@@ -192,6 +193,32 @@ class IndependentVerificationTest(absltest.TestCase):
                    out_of_line)
     code, report = testing.zkdv_verify(folder, "--server-key", self.key)
     self.assertEqual((code, report["verdict"]), (0, "verified"), report)
+
+  def test_only_the_steps_the_server_probed_open_rows(self):
+    # At the tutorial's ratio of 0.01 a step is probed with probability 0.32 (format 10);
+    # format 9 wrote a probe record opening every leaf's one Merkle row at every step.
+    proof = _train(self.client.experiment("alice/sparse-probes"), steps=40,
+                   probe_ratio=0.01)
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    self.assertEqual(status["state"], "verified steps", repr(status))
+    folder = self._download(proof.proof_id)
+    key = receipt.open_receipt((folder / receipt.RECEIPT_FILE).read_bytes(),
+                               bytes.fromhex(self.key))["challenge_key"]
+    contents = transcript.read_transcript(folder).records
+    policy = challenge.Policy.from_record(contents[0].record["challenger"]["policy"])
+    self.assertEqual(policy.probe_ratio, 0.01)
+    probed = sorted(r.record["index"] for r in contents if r.record["type"] == "step" and
+                    challenge.decide(r.record["index"], challenge.step_challenge_server(
+                        key, r.record_id), policy).probed)
+    opened = sorted(r.record["step"] for r in contents
+                    if r.record["type"] == "check" and r.record["kind"] == "probe")
+    self.assertEqual(opened, probed)
+    # Binomial(40, 0.32): 12.8 expected; outside [2, 30] has probability < 1e-5.
+    self.assertBetween(len(probed), 2, 30)
+    code, report = testing.zkdv_verify(folder, "--server-key", self.key)
+    self.assertEqual((code, report["verdict"]), (0, "verified"), report)
+    # One batch leaf of 4 rows, one Merkle row: a probed step opens all 4, the others none.
+    self.assertEqual(report["probed_rows"], 4 * len(probed))
 
   def test_an_invalid_proof_is_invalid_for_both(self):
     proof = _train(self.client.experiment("alice/tampered"), steps=6, tamper_at=3)
