@@ -13,8 +13,8 @@ batches (the loader's ``next`` only, no training step):
 * *proof.grain_batches*: the same Grain pipeline reading the seeded order.
 
 Then what the sampler adds on the commit thread per step (``SampledBatch.check``: the
-batch's row hashes recomputed from the dataset and compared; ``probe_paths`` at probe ratio
-0.01 and 1; ``batch_paths``: every row's audit path, a full replay's update check), and the
+batch's row hashes recomputed from the dataset and compared; ``probe_paths`` of a probed
+step at probe ratio 0.01 and 1 (at 0.01 a third of the steps is probed); ``batch_paths``: every row's audit path, a full replay's update check), and the
 one-off cost of the dataset's Merkle tree (``DatasetTree``) that each sampler builds; and a
 ``proof.jit`` training loop (an MLP 784-128-10, update checks at p = 0.01, probe ratio 0.01)
 fed by the NumPy loader and by ``proof.batches``, in blocks of ``--steps`` steps taking

@@ -246,8 +246,8 @@ class BenchmarkTest(DVBenchTestCase, parameterized.TestCase):
                                      "training_programs": "not pinned", "training_set": "holds",
                                      "init_program": "not pinned",
                                      "base_checkpoint": "not pinned",
-                                     "probe_ratio": "not pinned (the proof probed 0.5 of each "
-                                                    "batch's rows)",
+                                     "probe_ratio": "not pinned (the proof opened each batch "
+                                                    "row with probability 0.5)",
                                      "data_order": "not pinned (data: probed)"})
 
   def checkpoint_of(self, proof_id: str) -> str:

@@ -367,10 +367,10 @@ def _swap_caught(seed: bytes, ratio: float, layout) -> bool:
 
 
 class DetectionRateTest(absltest.TestCase):
-  """At probe ratio r a swapped row of R Merkle rows is opened with probability
-  ceil(r R) / R; over 4000 fixed challenges the real decisions match it, and the verifier
-  catches exactly the runs whose decisions open the row (of leaf x alone: leaf y is one
-  Merkle row, opened by every probe)."""
+  """At probe ratio r ≥ 1/32 (every step probed) a swapped row of R Merkle rows is opened
+  with probability ceil(r R) / R; over 4000 fixed challenges the real decisions match it,
+  and the verifier catches exactly the runs whose decisions open the row (of leaf x alone:
+  leaf y is one Merkle row, opened by every probed step)."""
 
   RATIO = 0.25
 

@@ -383,7 +383,7 @@ class ProbedRowsTest(absltest.TestCase):
 
   def test_a_step_whose_probes_outgrow_a_record_is_refused(self):
     images = LeafLayout("x", "float32", (1024, 224, 224, 3))  # 588 KiB a row
-    records.check_probe_size([images], 0.01)  # 11 rows: 6.5 MB
+    records.check_probe_size([images], 0.01)  # a probed step: 32 rows, 19 MB
     with self.assertRaisesRegex(records.Invalid, r"1024 rows \(616562688 bytes"):
       records.check_probe_size([images], 1.0)
     labels = LeafLayout("y", "uint8", (1 << 20,), row_group=16384)
@@ -391,6 +391,9 @@ class ProbedRowsTest(absltest.TestCase):
     with self.assertRaisesRegex(records.Invalid, "524288 rows"):  # each with a dataset path
       records.check_probe_size([labels], 0.5, path_depth=21)
     with self.assertRaisesRegex(records.Invalid, "choose a smaller probe_ratio"):
+      records.check_probe_size([labels], 0.1, path_depth=60)
+    # Below 1/32 a probed step opens a 32nd of each leaf whatever the ratio: none smaller fits.
+    with self.assertRaisesRegex(records.Invalid, "no probe ratio above 0 fits"):
       records.check_probe_size([labels], 0.02, path_depth=60)
 
   def test_the_schema_takes_rows_and_chunk_lists_only(self):

@@ -122,7 +122,7 @@ class ResumeAttackTest(absltest.TestCase):
     drawn = []
     for _ in range(SEGMENT):
       drawn += prover.decisions(prover.step())  # challenged, never answered
-    self.assertEqual((drawn[0].step, drawn[0].probe_ratio > 0), (0, True))
+    self.assertEqual((drawn[0].step, drawn[0].probed), (0, True))
     last = drawn[-1]  # the server decides the segment by its last step's challenge
     self.assertEqual(last.step, SEGMENT - 1)
     unanswered = sum(sum(challenge.required_checks(d, last if d is last else None).values())

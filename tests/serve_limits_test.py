@@ -246,7 +246,8 @@ class IngestProcessTest(absltest.TestCase):
     server = LocalServer(workers=0, extra_args=("--min-update-check-probability", "0"))
     self.addCleanup(server.stop)
     server.start()
-    prover = FakeProver(server.url, server.token("alice"), "alice/ingest").start()
+    prover = FakeProver(server.url, server.token("alice"), "alice/ingest",
+                        probe_ratio=1 / 32).start()  # every step probed, none by chance
     prover.run(2)
     self.assertEqual(health(server.url)["ingest_processes"],
                      {"alive": 1, "expected": 1, "restarts": 0})
@@ -265,7 +266,7 @@ class IngestProcessTest(absltest.TestCase):
     # Every record the prover sent (root, 4 steps, the answers to its challenges, final).
     self.assertEqual((listed["state"], listed["records"], listed["steps"]),
                      ("closed", len(prover.records), 4))
-    self.assertGreater(len(prover.records), 6)  # the server's default data probes answered
+    self.assertEqual(len(prover.records), 10)  # root, 4 steps, their 4 probes, final
     server.process.send_signal(signal.SIGKILL)  # the web process alone
     server.process.wait()
     testing.wait_until(lambda: testing.exited(second), timeout=10)

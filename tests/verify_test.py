@@ -11,6 +11,7 @@ import pathlib
 import random
 import shutil
 import tempfile
+from unittest import mock
 
 import cbor2
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from tests import testing
 from zkdv import challenge
 from zkdv import digest
 from zkdv import errors
@@ -273,6 +275,43 @@ class VerifierTest(VerifierTestCase):
     self.assertGreater(sum(c.kind == "state" for c in report.checks), 0)
     self.assertEqual(report.probed_rows, STEPS * 3)  # 3 of 5 rows at ratio 0.5
 
+  def test_steps_the_challenges_did_not_probe_verify_without_probe_records(self):
+    # At ratio 0.01 a step is probed with probability 0.32 (format 10): the fixed seed
+    # probes some of the 12 steps and not others, and only those carry a probe record.
+    policy = {"update_check_probability": 1.0, "probe_ratio": 0.01}
+    folder = write_transcript(steps=12, policy=policy)
+    probed = [t for t in range(12) if challenge.decide(
+        t, challenge.step_challenge_self(SEED, t), challenge.Policy(**policy)).probed]
+    self.assertBetween(len(probed), 1, 11)  # the seed's draws, fixed
+    opened = [r["step"] for r in testing.records_of(folder, "check") if r["kind"] == "probe"]
+    self.assertEqual(opened, probed)
+    report = verify.verify(folder)
+    self.assertEqual(report.verdict, verify.VERIFIED, report.dumps())
+    self.assertEqual(report.probed_rows, len(probed))  # ceil(5 / 32): a row of 5 each
+    self.assertEqual(report.claim("data").status, verify.HOLDS)
+
+  def test_a_run_whose_challenges_probed_no_step_shows_no_data(self):
+    # A ratio above 0 whose challenges probed none of the steps opened nothing: the data
+    # claim does not hold (it held, "data: probed, 0 rows", before).
+    policy = {"update_check_probability": 1.0, "probe_ratio": 1e-9}
+    folder = write_transcript(steps=4, policy=policy)
+    self.assertFalse(any(challenge.decide(
+        t, challenge.step_challenge_self(SEED, t), challenge.Policy(**policy)).probed
+        for t in range(4)))
+    report = verify.verify(folder)
+    self.assertEqual(report.probed_rows, 0)
+    claim = report.claim("data")
+    self.assertEqual(claim.status, verify.DOES_NOT_HOLD, report.dumps())
+    self.assertIn("the challenges probed none of the steps", claim.detail)
+
+  def test_a_ratio_too_small_for_a_draw_still_probes_with_its_probability(self):
+    # 32 * 5e-324 * 2**64 rounds down to 0: a floor would probe no step at all, so a
+    # policy of a tiny ratio would open nothing while claiming probes. It is rounded up.
+    with mock.patch.object(challenge, "_draw", return_value=0):
+      self.assertTrue(challenge.step_probed(bytes(32), 5e-324))
+    with mock.patch.object(challenge, "_draw", return_value=1):
+      self.assertFalse(challenge.step_probed(bytes(32), 5e-324))
+
   @parameterized.parameters(*range(6))
   def test_any_flipped_record_byte_fails(self, seed):
     rng = random.Random(seed)
@@ -465,7 +504,6 @@ class DriverTranscriptTest(VerifierTestCase):
 
   def _run(self, swap_params=False, init=True) -> pathlib.Path:
     import optax  # pylint: disable=g-import-not-at-top
-    from tests import testing  # pylint: disable=g-import-not-at-top
     import zkdv  # pylint: disable=g-import-not-at-top
     proof = testing.new_proof("driver", update_p=1.0, state_p=0.5)
     proof.start(probe_ratio=0.5)

@@ -77,6 +77,11 @@ def _chosen(challenge: bytes, label: bytes, probability: float) -> bool:
   return _draw(challenge, label) < int(probability * 2.0**64)
 
 
+def _chosen_at_least(challenge: bytes, label: bytes, probability: float) -> bool:
+  # Rounded up: a probability above 0 is never drawn as 0, however small.
+  return _draw(challenge, label) < math.ceil(probability * 2.0**64)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """The checks a challenger requires: probabilities, probe ratio, window, the
@@ -181,7 +186,7 @@ class Decision:
     """The rows of batch leaf ``leaf`` (its ``zkdv.digest.LeafLayout``) opened as probes.
 
     PRNG keys are never probed (each must be the proof's key of its step); a scalar is
-    one row, opened by every probe.
+    one row, opened by every probed step.
     """
     if layout.key_impl is not None:
       return []
@@ -273,7 +278,7 @@ def step_probed(challenge: bytes, ratio: float) -> bool:
   challenges.
   """
   return ratio > 0 and (ratio * PROBE_GROUPS >= 1
-                        or _chosen(challenge, b"probed step", ratio * PROBE_GROUPS))
+                        or _chosen_at_least(challenge, b"probed step", ratio * PROBE_GROUPS))
 
 
 def probed_share(ratio: float) -> float:
@@ -294,13 +299,15 @@ def probe_count(layout, ratio: float) -> int:
   return _count(layout.rows, probed_share(ratio))
 
 
-def _count(rows: int, ratio: float) -> int:
-  return 0 if ratio <= 0 or rows <= 0 else min(rows, math.ceil(ratio * rows))
+def _count(rows: int, share: float) -> int:
+  return 0 if share <= 0 or rows <= 0 else min(rows, math.ceil(share * rows))
 
 
-def probe_rows(challenge: bytes, leaf: int, rows: int, ratio: float) -> list[int]:
-  """The ``ceil(ratio * rows)`` distinct rows of batch leaf ``leaf`` opened as probes."""
-  count = _count(rows, ratio)
+def probe_rows(challenge: bytes, leaf: int, rows: int, share: float) -> list[int]:
+  """``ceil(share * rows)`` distinct rows of ``rows``, drawn from ``challenge`` for leaf
+  ``leaf``: a probed step's rows at ``probed_share``, a measurement's batches at its
+  sample."""
+  count = _count(rows, share)
   if count == 0:
     return []
   if count == rows:

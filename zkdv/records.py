@@ -288,10 +288,16 @@ def check_probe_size(layouts, ratio: float, path_depth: int = 0) -> None:
            + nbytes // MAX_STRING_BYTES)
   nbytes += rows * 34 * path_depth
   if items > MAX_RECORD_ITEMS or nbytes > MAX_RECORD_BYTES // 2:
+    # At 1/32 and below a probed step opens a 32nd of each leaf whatever the ratio.
+    smallest = ratio * challenge.PROBE_GROUPS <= 1
     raise Invalid(f"at probe ratio {ratio}, a step's probes would open {rows} rows "
                   f"({nbytes} bytes, {items} CBOR items with their proofs), more than one "
                   f"record holds ({MAX_RECORD_ITEMS} items, {MAX_RECORD_BYTES // 2} bytes "
-                  "of rows): choose a smaller probe_ratio.")
+                  "of rows): " + ("no probe ratio above 0 fits: a probed step opens a "
+                                  f"{challenge.PROBE_GROUPS}th of each batch leaf's rows at "
+                                  "least; take smaller batches, or probe_ratio 0."
+                                  if smallest else
+                                  "choose a smaller probe_ratio."))
 
 
 def check_data(record: dict, where: str) -> None:

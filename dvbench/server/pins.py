@@ -123,7 +123,7 @@ def _base_checkpoint(pin: bytes | None, start: dict) -> str:
 def _probe_ratio(pin: float | None, start: dict) -> str:
   ratio = start["probe_ratio"]
   if pin is None:
-    return f"{NOT_PINNED} (the proof probed {ratio:g} of each batch's rows)"
+    return f"{NOT_PINNED} (the proof opened each batch row with probability {ratio:g})"
   if ratio < pin:
     return f"probe ratio {ratio:g}, below the pinned minimum {pin:g}"
   return "holds"

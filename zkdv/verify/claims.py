@@ -268,10 +268,13 @@ def _data(ctx: Verification) -> Claim:
             f"({declared.rows} rows, batches of {declared.batch_size}; {whose}); "
             f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
             f"(probe ratio {ratio:g}{', every row under full replay' if full else ''})")
-  if ratio == 0 and not (declared is not None and full):
-    return Claim("data", DOES_NOT_HOLD, ("data: unknown, no batch rows were probed "
-                                         "(probe_ratio 0)" if declared is None else
-                                         f"{said}; no row was probed"), facts)
+  if (ratio == 0 or not ctx.report.probed_rows) and not (declared is not None and full):
+    why = ("probe_ratio 0" if ratio == 0 else f"probe ratio {ratio:g}: the challenges "
+           f"probed none of the steps, each probed with probability "
+           f"{min(1.0, challenge.PROBE_GROUPS * ratio):.3g}")
+    return Claim("data", DOES_NOT_HOLD, (f"data: unknown, no batch rows were probed ({why})"
+                                         if declared is None else
+                                         f"{said}; no row was probed ({why})"), facts)
   if not ctx.decisions.known:
     return Claim("data", COULD_NOT_VERIFY, f"{said}; whether the challenger chose the probed "
                  f"rows could not be verified ({ctx.decisions.unknown})", facts)
