@@ -136,8 +136,8 @@ class BenchmarkPinsTest(DVBenchTestCase):
     self.assertEqual(entry["state"], "scored", entry)
     (row,) = bench.leaderboard()
     self.assertEqual(row["pins"]["init_program"], "holds")
-    self.assertEqual(row["pins"]["probe_ratio"], "not pinned (the proof probed 0.5 of each "
-                     "batch's rows)")
+    self.assertEqual(row["pins"]["probe_ratio"], "not pinned (the proof opened each batch "
+                     "row with probability 0.5)")
     self.assertTrue(row["ranked"], row["unranked_because"])
 
   def test_attack_a_probe_ratio_below_the_pinned_minimum(self):

