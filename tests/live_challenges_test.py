@@ -220,6 +220,41 @@ class IndependentVerificationTest(absltest.TestCase):
     # One batch leaf of 4 rows, one Merkle row: a probed step opens all 4, the others none.
     self.assertEqual(report["probed_rows"], 4 * len(probed))
 
+  def test_a_batch_of_a_key_only_answers_its_probes_with_records_opening_nothing(self):
+    # Before, a probed step whose batch holds only the proof's PRNG key (no row to open)
+    # wrote no probe record: the server required one (it decides from the challenge alone)
+    # and called the honest run invalid, while the verifier required none.
+    data = jnp.asarray(testing.TUTORIAL_BATCH)
+
+    def keyed(state, key):
+      keep = jax.random.uniform(key, data.shape) >= 0.0
+      return testing.classifier_step(state, data * keep.astype(data.dtype))
+
+    proof = self.client.experiment("alice/key-only").proof(config=zkdv.ZKDVConfig(
+        sampling_policy=zkdv.SamplingPolicy(update_check_probability=1.0)))
+    proof.start(rolling_window=3, probe_ratio=1 / 32)  # every step probed
+    state = testing.classifier_state(proof)
+    train_step = proof.jit(keyed)
+    for _ in range(3):
+      state = train_step(state, proof.step_key())
+    proof.finish()
+    status = self.client.wait_for_verdict(proof.proof_id, 180)
+    # A batch of a key alone carries no data, so no program test and no data claim.
+    self.assertEqual((status["state"], status["shortfalls"]), (
+        "verified steps", ["start unattested", "program not analyzed", "data unprobed"]),
+                     repr(status))
+    folder = self._download(proof.proof_id)
+    probes = [r for r in testing.records_of(folder, "check") if r["kind"] == "probe"]
+    self.assertEqual([(r["step"], r["probes"]) for r in probes], [(0, []), (1, []), (2, [])])
+    code, report = testing.zkdv_verify(folder, "--server-key", self.key)
+    self.assertEqual(report["standing"]["state"], "verified steps", report)
+    self.assertEqual(report["findings"], [])
+    self.assertEqual(code, 0, report)  # the claims it requires by default hold
+    (data_claim,) = [c for c in report["claims"] if c["name"] == "data"]
+    self.assertEqual(data_claim["status"], "does not hold")
+    self.assertIn("3 probed steps, whose batches hold no rows a probe opens",
+                  data_claim["detail"])
+
   def test_an_invalid_proof_is_invalid_for_both(self):
     proof = _train(self.client.experiment("alice/tampered"), steps=6, tamper_at=3)
     status = self.client.wait_for_verdict(proof.proof_id, 180)

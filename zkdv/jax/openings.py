@@ -149,7 +149,9 @@ class Openings:
   def probe(self, job: StepJob, decision, trees, roots: list | None = None) -> None:
     """Opens the batch rows ``decision`` probes with their inclusion proofs (``roots``: the
     batch leaves' roots the record names, where they are not the trees', as a resumed
-    run's answer for a discarded step whose keys were another step's)."""
+    run's answer for a discarded step whose keys were another step's). A probed step
+    answers with a record even where no leaf has rows to open (PRNG keys only): what a
+    step owes is ``challenge.required_checks``, the same for the server and the verifier."""
     program = job.program
     tree_levels, row_data = trees
     layouts = program.batch_layouts
@@ -161,7 +163,7 @@ class Openings:
           data = _row_bytes(job.opened[program.batch_indices[leaf]], layout.rows, row)
         probes.append(records.probe_entry(leaf, row, data, layout.row_group,
                                           merkle.inclusion_proof(tree_levels[leaf], row)))
-    if not probes:
+    if not decision.probed:
       return
     self.writer.append({"type": "check", "step": job.index, "kind": "probe",
                         "batch_roots": roots or [digest.tree_root(t) for t in tree_levels],

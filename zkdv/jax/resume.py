@@ -193,7 +193,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
   for r in records:
     if r.get("type") == "resume":
       discarded |= set(records_lib.discarded_steps(r["after"], r["step"]))
-  owed, unanswered, decisions = _require_answers(steps, discarded, programs, answered,
+  owed, unanswered, decisions = _require_answers(steps, discarded, answered,
                                                  challenge_of, fields["kind"], policy)
   # The committed ends a run may restore: those of the last CATCH_UP_STEPS steps (their
   # records are kept while the run goes on), none before the state the last resume went on
@@ -227,7 +227,7 @@ def read_point(records: list[dict], challenge_of: Callable[[int], bytes]) -> Res
                      any(r.get("type") == "init" for r in records), owed, replayable)
 
 
-def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
+def _require_answers(steps: list, discarded: set, answered: set,
                      challenge_of: Callable[[int], bytes], kind: str,
                      policy: challenge.Policy) -> tuple[list, list, dict]:
   """(the ``OwedProbes`` of each discarded step whose probes have no answer, which a run
@@ -251,9 +251,6 @@ def _require_answers(steps: list, discarded: set, programs: dict, answered: set,
         segment = challenge.decide(deciding, challenge_of(deciding), policy)
         decisions[("segment", first)] = (index - first + 1, segment)
       required = challenge.required_checks(decision, segment)
-    batch = [LeafLayout.from_record(l) for l in programs[s["program"]]["batch_layout"]]
-    required["probe"] = required["probe"] and any(
-        decision.leaf_probe_rows(i, l) for i, l in enumerate(batch))
     missing = [kind for kind, wanted in required.items()
                if wanted and (index, kind) not in answered]
     if missing == ["probe"] and index in discarded:

@@ -269,9 +269,12 @@ def _data(ctx: Verification) -> Claim:
             f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
             f"(probe ratio {ratio:g}{', every row under full replay' if full else ''})")
   if (ratio == 0 or not ctx.report.probed_rows) and not (declared is not None and full):
-    why = ("probe_ratio 0" if ratio == 0 else f"probe ratio {ratio:g}: the challenges "
-           f"probed none of the steps, each probed with probability "
-           f"{min(1.0, challenge.PROBE_GROUPS * ratio):.3g}")
+    probed_steps = sum(c.kind == "probe" for c in ctx.report.checks)
+    why = ("probe_ratio 0" if ratio == 0 else
+           f"probe ratio {ratio:g}: {probed_steps} probed steps, whose batches hold no rows "
+           "a probe opens (PRNG keys only)" if probed_steps else
+           f"probe ratio {ratio:g}: the challenges probed none of the steps, each probed "
+           f"with probability {min(1.0, challenge.PROBE_GROUPS * ratio):.3g}")
     return Claim("data", DOES_NOT_HOLD, (f"data: unknown, no batch rows were probed ({why})"
                                          if declared is None else
                                          f"{said}; no row was probed ({why})"), facts)

@@ -96,8 +96,7 @@ def require_answers(ctx: Verification, decisions: Decisions) -> None:
   dropped_probes = []  # discarded self-challenged steps whose probes were never answered
   for step, decision in zip(model.steps, decisions.by_step):
     program = model.program_of(step)
-    probed = program is not None and any(decision.leaf_probe_count(l)
-                                         for l in program.batch)
+    probed = program is not None and decision.probed
     discarded = model.discarded(step.index)  # its segment never committed an end to check
     required = (challenge.discarded_checks(kind, decision) if discarded
                 else challenge.required_checks(decision, decisions.by_segment.get(step.index)))
