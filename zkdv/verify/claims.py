@@ -269,10 +269,14 @@ def _data(ctx: Verification) -> Claim:
             f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
             f"(probe ratio {ratio:g}{', every row under full replay' if full else ''})")
   if (ratio == 0 or not ctx.report.probed_rows) and not (declared is not None and full):
-    probed_steps = sum(c.kind == "probe" for c in ctx.report.checks)
+    # The steps the challenges probed, not the probe records the prover wrote.
+    probed_steps = (sum(d.probed for d in ctx.decisions.by_step) if ctx.decisions.known
+                    else None)
     why = ("probe_ratio 0" if ratio == 0 else
+           f"probe ratio {ratio:g}: which steps were probed could not be derived "
+           f"({ctx.decisions.unknown})" if probed_steps is None else
            f"probe ratio {ratio:g}: {probed_steps} probed steps, whose batches hold no rows "
-           "a probe opens (PRNG keys only)" if probed_steps else
+           "a probe opens (PRNG keys or rows of no bytes only)" if probed_steps else
            f"probe ratio {ratio:g}: the challenges probed none of the steps, each probed "
            f"with probability {min(1.0, challenge.PROBE_GROUPS * ratio):.3g}")
     return Claim("data", DOES_NOT_HOLD, (f"data: unknown, no batch rows were probed ({why})"
