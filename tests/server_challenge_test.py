@@ -156,30 +156,6 @@ class FakedStepsTest(ServerChallengeTestCase):
     counts = self.proof(prover.proof_id)["server_challenges"]
     self.assertEqual(counts["probe"], len(probed))
 
-  def test_attack_answers_to_checks_no_challenge_chose_are_refused(self):
-    # Before, the server stored them: a probe record of an unprobed step added its rows to
-    # the proof's probed-row count (its quota's charge, its page) until the verdict.
-    prover = self.prover().start()
-    outcome = prover.run(steps=40)
-    unprobed = min(t for t, d in outcome.decisions.items() if not d.probed)
-    response = prover.send(prover.check_record(unprobed, "probe"))
-    self.assertEqual(response.status_code, 409, response.text)
-    self.assertIn(f"answers probes of step {unprobed}, which its challenge did not choose",
-                  response.text)
-    unchecked = min(t for t, d in outcome.decisions.items() if not d.update)
-    response = prover.send(prover.check_record(unchecked, "update", unchecked))
-    self.assertEqual(response.status_code, 409, response.text)
-    self.assertIn(f"answers an update check of step {unchecked}, which its challenge did "
-                  "not choose", response.text)
-    # In the request that stores the step too: the server's state checks have p = 0.
-    step = prover.step_record(ends=True)
-    fields = cbor2.loads(prover.check_record(prover.steps, "state"))
-    response = prover.send(step, prover.chain(fields, prev=record_id(step)))
-    self.assertEqual(response.status_code, 409, response.text)
-    self.assertIn(f"record 1 answers a state check of step {prover.steps}, which its "
-                  "challenge did not choose", response.text)
-    self.assertEqual(prover.finish().json()["state"], "closed")  # nothing of it was stored
-
   def test_acks_carry_the_challenges_of_stored_and_resent_steps(self):
     prover = self.prover().start()
     raw = prover.step_record()

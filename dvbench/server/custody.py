@@ -319,24 +319,16 @@ class Ingest:
       self._refuse_answer(n, step, kind)
 
   @staticmethod
-  def _refuse_answer(n: int, step: int, kind: str, asked: bool = True):
-    if not asked:  # what the verifier would find too; counted nowhere until then
-      raise HTTPException(409, f"record {n} answers {challenge.CHECK_NAMES[kind]} of step "
-                          f"{step}, which its challenge did not choose "
-                          "(zkdv.challenge.required_checks): "
-                          "send only the checks a step's challenge asks for.")
+  def _refuse_answer(n: int, step: int, kind: str):
     raise HTTPException(409, f"record {n}: step {step}'s {kind} check was already answered "
                         "by another record.")
 
   def _answer(self, step: int, kind: str, n: int) -> bool:
     """Marks step ``step``'s ``kind`` check answered by record ``n``; False when it already
-    was; 409 when its challenge asked for none. A step an earlier request stored is marked
-    by ``_write_answers``."""
+    was. A step an earlier request stored is marked by ``_write_answers``."""
     row = self._derived.get(step)
     if row is None:
       return self._answers.setdefault((step, kind), n) == n
-    if not row[f"needs_{kind}"]:
-      self._refuse_answer(n, step, kind, asked=False)
     answered, row[f"answered_{kind}"] = row[f"answered_{kind}"], True
     return not answered
 
@@ -352,9 +344,7 @@ class Ingest:
                for step in self.store.answer_challenges(self.conn, self.proof_id, kind,
                                                         list(answering))]
     if refused:
-      n, step, kind = min(refused)
-      rows = self.store.challenges_of(self.conn, self.proof_id, [step])
-      self._refuse_answer(n, step, kind, asked=not rows or rows[0][f"needs_{kind}"])
+      self._refuse_answer(*min(refused))
 
   def _check_final(self, record: dict, n: int) -> None:
     if record["steps"] != self.head.steps:

@@ -78,8 +78,7 @@ _ADVANCE_HEAD = proofs.update().where(proofs.c.id == _P("proof")).values(
     body_end=_P("new_body_end"), updated_at=_P("now"))
 _ANSWER = {kind: challenges.update().where(
     (challenges.c.proof_id == _P("proof")) & challenges.c.step.in_(_P("steps", expanding=True))
-    & challenges.c[f"needs_{kind}"] & ~challenges.c[f"answered_{kind}"]
-    ).values({f"answered_{kind}": True}
+    & ~challenges.c[f"answered_{kind}"]).values({f"answered_{kind}": True}
                                                 ).returning(challenges.c.step)
            for kind in challenge.ANSWER_KINDS}
 _CHALLENGER = (sa.select(challengers, slots.c.challenge_key, slots.c.policy.label("slot_policy"))
@@ -345,8 +344,8 @@ class CustodyQueries:
 
   def answer_challenges(self, conn, proof_id: str, kind: str, steps: list[int]) -> set[int]:
     """Marks the ``kind`` check of each of ``steps`` answered, in one statement; returns
-    those that were already, or whose challenge asked for none (or that have no
-    challenge), which the caller refuses, rolling the transaction back."""
+    those that were already (or have no challenge), which the caller refuses, rolling
+    the transaction back."""
     marked = conn.execute(_ANSWER[kind], {"proof": proof_id, "steps": steps}).scalars()
     return set(steps).difference(marked)
 
