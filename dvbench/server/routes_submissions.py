@@ -28,6 +28,7 @@ from dvbench.server import pins
 from dvbench.server.benchmark_requests import (bad, benchmark_or_404, parse_definition,
                                                parse_submission)
 from dvbench.server.service import Service
+from zkdv import challenge
 from zkdv import digest
 from zkdv import merkle
 
@@ -156,8 +157,9 @@ class SubmissionRoutes:
       raise HTTPException(409, f"proof {proof['id']} probed no batch rows, so its rows cannot "
                           f"be shown to be in the training set '{name}' pins: train with "
                           "proof.start(probe_ratio=...) above 0 (a step is probed with "
-                          "probability min(1, 32 * probe_ratio), so a run of a few steps "
-                          "at a small ratio may probe none: raise it or train longer).")
+                          f"probability min(1, {challenge.PROBE_GROUPS} * probe_ratio), so "
+                          "a run of a few steps at a small ratio may probe none: raise it "
+                          "or train longer).")
     if len(entries) > len(probed):
       raise bad("training_proofs", f"at most one per probed row ({len(probed)}).")
     members = set()

@@ -269,16 +269,7 @@ def _data(ctx: Verification) -> Claim:
             f"{ctx.report.dataset_rows} opened rows proven the dataset's at their index "
             f"(probe ratio {ratio:g}{', every row under full replay' if full else ''})")
   if (ratio == 0 or not ctx.report.probed_rows) and not (declared is not None and full):
-    # The steps the challenges probed, not the probe records the prover wrote.
-    probed_steps = (sum(d.probed for d in ctx.decisions.by_step) if ctx.decisions.known
-                    else None)
-    why = ("probe_ratio 0" if ratio == 0 else
-           f"probe ratio {ratio:g}: which steps were probed could not be derived "
-           f"({ctx.decisions.unknown})" if probed_steps is None else
-           f"probe ratio {ratio:g}: {probed_steps} probed steps, whose batches hold no rows "
-           "a probe opens (PRNG keys or rows of no bytes only)" if probed_steps else
-           f"probe ratio {ratio:g}: the challenges probed none of the steps, each probed "
-           f"with probability {min(1.0, challenge.PROBE_GROUPS * ratio):.3g}")
+    why = _why_unprobed(ctx, ratio)
     return Claim("data", DOES_NOT_HOLD, (f"data: unknown, no batch rows were probed ({why})"
                                          if declared is None else
                                          f"{said}; no row was probed ({why})"), facts)
@@ -286,6 +277,22 @@ def _data(ctx: Verification) -> Claim:
     return Claim("data", COULD_NOT_VERIFY, f"{said}; whether the challenger chose the probed "
                  f"rows could not be verified ({ctx.decisions.unknown})", facts)
   return Claim("data", HOLDS, said, facts)
+
+
+def _why_unprobed(ctx: Verification, ratio: float) -> str:
+  """Why a run opened no batch row: from the steps its challenges probed, not from the
+  probe records the prover wrote."""
+  if ratio == 0:
+    return "probe_ratio 0"
+  if not ctx.decisions.known:
+    return (f"probe ratio {ratio:g}: which steps were probed could not be derived "
+            f"({ctx.decisions.unknown})")
+  probed_steps = sum(d.probed for d in ctx.decisions.by_step)
+  if probed_steps:
+    return (f"probe ratio {ratio:g}: {probed_steps} probed steps, whose batches hold no "
+            "rows a probe opens (PRNG keys or rows of no bytes only)")
+  return (f"probe ratio {ratio:g}: the challenges probed none of the steps, each probed "
+          f"with probability {min(1.0, challenge.PROBE_GROUPS * ratio):.3g}")
 
 
 BUILDERS = {"chain": _chain, "challenges": _challenges, "replays": _replays,
